@@ -1,0 +1,38 @@
+// Prepended to every wgrad kernel: the uniform parameter block at binding 0 and index helpers.
+// Each kernel documents which parameter slot holds what.
+
+struct Params {
+    v: array<vec4<u32>, 16>,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+
+// Parameter slot `i` as a u32.
+fn pu(i: u32) -> u32 {
+    return params.v[i / 4u][i % 4u];
+}
+
+// Parameter slot `i` as an f32 (stored as its bits).
+fn pf(i: u32) -> f32 {
+    return bitcast<f32>(pu(i));
+}
+
+// Index of this workgroup in the 2-D grid the host dispatches (x runs to at most 65535).
+fn workgroup_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return wid.y * nwg.x + wid.x;
+}
+
+// Element offset of the `i`-th element (row-major over the 6 dims whose sizes start at slot
+// `shape_at`) in a tensor whose strides start at slot `strides_at`. Only the last `rank` dims
+// can be larger than 1.
+fn strided_offset(i: u32, rank: u32, shape_at: u32, strides_at: u32) -> u32 {
+    var rem = i;
+    var off = 0u;
+    for (var k = 0u; k < rank; k = k + 1u) {
+        let d = 5u - k;
+        let n = pu(shape_at + d);
+        off = off + (rem % n) * pu(strides_at + d);
+        rem = rem / n;
+    }
+    return off;
+}

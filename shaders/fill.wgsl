@@ -1,0 +1,14 @@
+// Fills a contiguous f32 tensor with start + step * i (zeros, ones, full, arange).
+
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+
+// params: 0 n, 1 start (f32), 2 step (f32)
+@compute @workgroup_size(256)
+fn fill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(0u)) {
+        return;
+    }
+    dst[i] = pf(1u) + pf(2u) * f32(i);
+}

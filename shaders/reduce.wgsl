@@ -1,0 +1,65 @@
+// Reductions of an [M, K] strided view along K: sum or max, one template. The host splices
+// REDUCE_IDENTITY and the combining expression REDUCE_COMBINE (in `a` and `b`).
+// params: 0 M, 1 K, 2 offset, 3 row stride, 4 k stride, 5 chunks per row, 6 chunk length,
+//         7 scale (f32, multiplies each result: 1/K for mean)
+
+@group(0) @binding(1) var<storage, read> src: array<f32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+
+fn combine(a: f32, b: f32) -> f32 {
+    return REDUCE_COMBINE;
+}
+
+var<workgroup> partial: array<f32, 256>;
+
+// One workgroup per (row, chunk): 256 invocations stride through the chunk, then combine in a
+// tree. Writes dst[row * chunks + chunk]. Best when the reduced run is contiguous.
+@compute @workgroup_size(256)
+fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let w = workgroup_index(wid, nwg);
+    let chunks = pu(5u);
+    // Uniform across the workgroup, so the early return cannot split a barrier.
+    if (w >= pu(0u) * chunks) {
+        return;
+    }
+    let row = w / chunks;
+    let chunk = w % chunks;
+    let start = chunk * pu(6u);
+    let end = min(start + pu(6u), pu(1u));
+    let base = pu(2u) + row * pu(3u);
+    let ks = pu(4u);
+    var acc = REDUCE_IDENTITY;
+    for (var k = start + lid; k < end; k = k + 256u) {
+        acc = combine(acc, src[base + k * ks]);
+    }
+    partial[lid] = acc;
+    workgroupBarrier();
+    for (var width = 128u; width > 0u; width = width / 2u) {
+        if (lid < width) {
+            partial[lid] = combine(partial[lid], partial[lid + width]);
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        dst[w] = partial[0] * pf(7u);
+    }
+}
+
+// One invocation per row, looping over K. Best when rows are adjacent in memory (reducing a
+// leading dim), so neighbouring invocations read neighbouring elements.
+@compute @workgroup_size(256)
+fn columns(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg) * 256u + lid;
+    if (row >= pu(0u)) {
+        return;
+    }
+    let base = pu(2u) + row * pu(3u);
+    let ks = pu(4u);
+    var acc = REDUCE_IDENTITY;
+    for (var k = 0u; k < pu(1u); k = k + 1u) {
+        acc = combine(acc, src[base + k * ks]);
+    }
+    dst[row] = acc * pf(7u);
+}

@@ -1,0 +1,53 @@
+// Elementwise unary ops: one template. The host splices the op's expression in `x` (the
+// element) and `s` (the op's scalar) for UNARY_EXPR.
+
+@group(0) @binding(1) var<storage, read> src: array<f32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+
+// erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), for the exact GELU.
+fn erf_approx(v: f32) -> f32 {
+    let a = abs(v);
+    let t = 1.0 / (1.0 + 0.3275911 * a);
+    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+    return sign(v) * (1.0 - poly * exp(-a * a));
+}
+
+// x^s as C's powf: negative bases with integral exponents keep their sign, 0^0 = 1.
+fn pow_exact(x: f32, s: f32) -> f32 {
+    if (s == 0.0) {
+        return 1.0;
+    }
+    let m = pow(abs(x), s);
+    if (x >= 0.0) {
+        return m;
+    }
+    if (s != floor(s)) {
+        return bitcast<f32>(0x7fc00000u);
+    }
+    return select(m, -m, abs(s % 2.0) == 1.0);
+}
+
+fn op(x: f32, s: f32) -> f32 {
+    return UNARY_EXPR;
+}
+
+// params: 0 n, 1 src offset, 2 scalar s (f32), 3 rank, 4..10 shape, 10..16 src strides
+@compute @workgroup_size(256)
+fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(0u)) {
+        return;
+    }
+    dst[i] = op(src[pu(1u) + i], pf(2u));
+}
+
+@compute @workgroup_size(256)
+fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(0u)) {
+        return;
+    }
+    dst[i] = op(src[pu(1u) + strided_offset(i, pu(3u), 4u, 10u)], pf(2u));
+}

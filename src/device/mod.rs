@@ -1,0 +1,543 @@
+//! The device layer: adapter choice, the queue, the buffer pool, the pipeline cache, and the one
+//! open command encoder that every op records into.
+//!
+//! Work is recorded, not run: each op appends a dispatch to the open encoder, and the encoder
+//! is submitted only when the host needs data (`to_vec`, `item`), at [`Device::synchronize`],
+//! or when a batch reaches its limit. This is what keeps a chain of small ops from paying a
+//! queue submission each.
+
+mod pipelines;
+mod pool;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use pipelines::PipelineCache;
+pub(crate) use pool::size_class;
+use pool::BufferPool;
+
+/// Bytes of uniform parameters each dispatch may pass (64 `u32`s), and the stride between
+/// dispatches in the per-batch parameter buffer.
+pub(crate) const PARAMS_BYTES: u64 = 256;
+
+/// The most workgroups a dispatch may have along one dimension (WebGPU's default limit).
+const MAX_WORKGROUPS_PER_DIM: u32 = 65535;
+
+/// How long one blocking poll may hold the device. GL's adapter context is a lock that other
+/// threads give up on after 6 s, so waits are sliced well below that.
+const POLL_SLICE: Duration = Duration::from_millis(50);
+
+/// A kernel the device can run: one WGSL module (a family's shader with its specialisation
+/// applied) and the entry point to call. `key` names the pair for the pipeline cache.
+pub(crate) struct Kernel<'a> {
+    pub key: &'a str,
+    pub entry: &'static str,
+    pub source: &'a dyn Fn() -> String,
+}
+
+/// The adapter a [`Device`] runs on.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// The adapter's name, e.g. "llvmpipe (LLVM 15.0.6, 256 bits)".
+    pub name: String,
+    /// The wgpu backend: Vulkan, Metal, Dx12 or Gl.
+    pub backend: wgpu::Backend,
+    /// Discrete, integrated, virtual, CPU (software) or other.
+    pub device_type: wgpu::DeviceType,
+    /// The driver's name and version, where the backend reports one.
+    pub driver: String,
+}
+
+impl DeviceInfo {
+    /// True for software adapters (lavapipe, llvmpipe, WARP, SwiftShader).
+    pub fn is_software(&self) -> bool {
+        self.device_type == wgpu::DeviceType::Cpu || looks_like_software(&self.name)
+    }
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({:?}, {:?}", self.name, self.backend, self.device_type)?;
+        if !self.driver.is_empty() {
+            write!(f, ", driver {}", self.driver)?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// Counters that show how the device is being used, for tests and benches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Queue submissions so far.
+    pub submits: u64,
+    /// Compute dispatches recorded so far.
+    pub dispatches: u64,
+    /// Bytes in buffers owned by live tensors.
+    pub live_bytes: u64,
+    /// Bytes in freed buffers kept for reuse.
+    pub pooled_bytes: u64,
+    /// Storage buffers ever created (each pool miss creates one).
+    pub buffers_created: u64,
+    /// Compiled pipelines in the cache.
+    pub pipelines: usize,
+}
+
+/// A handle to one GPU (or software) device. Cheap to clone; every clone is the same device.
+#[derive(Clone)]
+pub struct Device {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({})", self.inner.info)
+    }
+}
+
+pub(crate) struct DeviceInner {
+    info: DeviceInfo,
+    pub(crate) device: wgpu::Device,
+    queue: wgpu::Queue,
+    pub(crate) limits: wgpu::Limits,
+    /// Dispatches per submission; smaller on GL, where one submission holds the context lock.
+    batch_limit: u32,
+    /// Uniform parameters of the open batch, written once when the batch is submitted.
+    params_buffer: wgpu::Buffer,
+    recorder: Mutex<Recorder>,
+    pool: Mutex<BufferPool>,
+    pipelines: Mutex<PipelineCache>,
+    /// Errors wgpu reported outside any scope, waiting to be returned as `Error::Device`.
+    errors: Arc<Mutex<Vec<String>>>,
+    submits: AtomicU64,
+    dispatches: AtomicU64,
+    next_storage_id: AtomicU64,
+}
+
+/// The open batch: one command encoder, the parameters of its dispatches, and the ops that
+/// recorded into it (to name them if the device rejects the batch).
+#[derive(Default)]
+struct Recorder {
+    encoder: Option<wgpu::CommandEncoder>,
+    params: Vec<u8>,
+    commands: u32,
+    ops: Vec<&'static str>,
+}
+
+fn looks_like_software(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["llvmpipe", "lavapipe", "softpipe", "swiftshader", "warp", "microsoft basic render"]
+        .iter()
+        .any(|s| name.contains(s))
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the data half-updated in a way
+    // that matters more than losing the device, so poisoning is ignored.
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const INSTALL_HINT: &str = "install a GPU driver, or a software one: on Debian/Ubuntu \
+    `apt-get install -y mesa-vulkan-drivers libvulkan1` (lavapipe); Mesa's llvmpipe through \
+    EGL (libegl1, libgl1-mesa-dri) serves WGPU_BACKEND=gl";
+
+impl Device {
+    /// The best adapter on this machine: a discrete GPU, else an integrated one, else a
+    /// software adapter (and then it says so on stderr). Honours `WGPU_BACKEND`
+    /// (vulkan, metal, dx12, gl) and `WGRAD_ADAPTER=software`.
+    pub fn new() -> Result<Device> {
+        let software_only = std::env::var("WGRAD_ADAPTER")
+            .map(|v| v.eq_ignore_ascii_case("software"))
+            .unwrap_or(false);
+        let device = Self::open(software_only)?;
+        if device.inner.info.is_software() && !software_only {
+            eprintln!(
+                "wgrad: no hardware GPU adapter found; using software adapter {}",
+                device.inner.info
+            );
+        }
+        Ok(device)
+    }
+
+    /// Alias of [`Device::new`].
+    pub fn default_device() -> Result<Device> {
+        Self::new()
+    }
+
+    /// A software adapter (lavapipe, llvmpipe, WARP), or `Error::NoAdapter`. Tests and CI use
+    /// it so results do not depend on which GPU a machine has.
+    pub fn software() -> Result<Device> {
+        Self::open(true)
+    }
+
+    fn open(software_only: bool) -> Result<Device> {
+        let backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all());
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends,
+            flags: wgpu::InstanceFlags::empty().with_env(),
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        let adapters = pollster::block_on(instance.enumerate_adapters(backends));
+        let rank = |a: &wgpu::Adapter| {
+            let info = a.get_info();
+            let kind = match info.device_type {
+                wgpu::DeviceType::DiscreteGpu => 0,
+                wgpu::DeviceType::IntegratedGpu => 1,
+                wgpu::DeviceType::VirtualGpu => 2,
+                wgpu::DeviceType::Other => 3,
+                wgpu::DeviceType::Cpu => 4,
+            };
+            let kind = if looks_like_software(&info.name) { 4 } else { kind };
+            // Prefer the native APIs over GL for the same kind of adapter.
+            let api = if info.backend == wgpu::Backend::Gl { 1 } else { 0 };
+            (kind, api)
+        };
+        let adapter = adapters
+            .into_iter()
+            .filter(|a| !software_only || rank(a).0 == 4)
+            .min_by_key(rank)
+            .ok_or_else(|| {
+                let what = if software_only { "software adapter" } else { "adapter" };
+                Error::NoAdapter(format!(
+                    "wgpu found no {what} for backends {backends:?}; {INSTALL_HINT}"
+                ))
+            })?;
+        Self::from_adapter(adapter)
+    }
+
+    fn from_adapter(adapter: wgpu::Adapter) -> Result<Device> {
+        let adapter_info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("wgrad"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| Error::NoAdapter(format!("{}: {e}; {INSTALL_HINT}", adapter_info.name)))?;
+
+        let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| lock(&sink).push(e.to_string())));
+        let sink = errors.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            lock(&sink).push(format!("device lost ({reason:?}): {msg}"))
+        });
+
+        let batch_limit = if adapter_info.backend == wgpu::Backend::Gl { 16 } else { 64 };
+        let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("wgrad params"),
+            size: PARAMS_BYTES * batch_limit as u64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let info = DeviceInfo {
+            name: adapter_info.name.clone(),
+            backend: adapter_info.backend,
+            device_type: adapter_info.device_type,
+            driver: format!("{} {}", adapter_info.driver, adapter_info.driver_info)
+                .trim()
+                .to_string(),
+        };
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                info,
+                device,
+                queue,
+                limits,
+                batch_limit,
+                params_buffer,
+                recorder: Mutex::default(),
+                pool: Mutex::default(),
+                pipelines: Mutex::default(),
+                errors,
+                submits: AtomicU64::new(0),
+                dispatches: AtomicU64::new(0),
+                next_storage_id: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// The adapter this device runs on.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    /// Submits all recorded work and waits for it. Returns the first device error that work
+    /// caused, naming the op.
+    pub fn synchronize(&self) -> Result<()> {
+        let submission = self.inner.flush()?;
+        self.inner.wait(submission)
+    }
+
+    /// Submission, dispatch and memory counters.
+    pub fn stats(&self) -> DeviceStats {
+        let pool = lock(&self.inner.pool);
+        DeviceStats {
+            submits: self.inner.submits.load(Ordering::Relaxed),
+            dispatches: self.inner.dispatches.load(Ordering::Relaxed),
+            live_bytes: pool.live_bytes,
+            pooled_bytes: pool.pooled_bytes,
+            buffers_created: pool.created,
+            pipelines: lock(&self.inner.pipelines).len(),
+        }
+    }
+
+    /// Releases every pooled buffer back to the driver. Buffers in use are unaffected.
+    pub fn empty_pool(&self) {
+        lock(&self.inner.pool).clear();
+    }
+
+    /// True when both handles are the same device.
+    pub fn same(a: &Device, b: &Device) -> bool {
+        Arc::ptr_eq(&a.inner, &b.inner)
+    }
+}
+
+impl DeviceInner {
+    pub(crate) fn new_storage_id(&self) -> u64 {
+        self.next_storage_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The largest buffer one kernel may bind, in bytes.
+    pub(crate) fn max_binding_bytes(&self) -> u64 {
+        (self.limits.max_storage_buffer_binding_size as u64).min(self.limits.max_buffer_size)
+    }
+
+    /// A storage buffer of at least `bytes` bytes, from the pool when it has one of that size
+    /// class. Its contents are undefined.
+    pub(crate) fn alloc(&self, op: &'static str, bytes: u64) -> Result<wgpu::Buffer> {
+        let limit = self.max_binding_bytes();
+        if bytes > limit {
+            return Err(Error::TooLarge { op, bytes, limit });
+        }
+        let class = size_class(bytes).min(limit.max(bytes));
+        if let Some(buffer) = lock(&self.pool).take(class) {
+            return Ok(buffer);
+        }
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(op),
+            size: class,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.take_error(op)?;
+        lock(&self.pool).note_created(class);
+        Ok(buffer)
+    }
+
+    /// Takes back a buffer whose last tensor has dropped. Work already recorded that reads
+    /// it still runs first: every later use is recorded after it on the same queue.
+    pub(crate) fn release(&self, buffer: wgpu::Buffer) {
+        lock(&self.pool).give_back(buffer);
+    }
+
+    /// Records one dispatch of `kernel` over `workgroups` workgroups, binding `params` as the
+    /// uniform at binding 0 and `buffers` as storage at bindings 1, 2, ...
+    pub(crate) fn dispatch(
+        &self,
+        op: &'static str,
+        kernel: &Kernel,
+        buffers: &[&wgpu::Buffer],
+        params: &[u32],
+        workgroups: u32,
+    ) -> Result<()> {
+        assert!(params.len() * 4 <= PARAMS_BYTES as usize, "{op}: too many kernel params");
+        if workgroups == 0 {
+            return Ok(());
+        }
+        let cached = lock(&self.pipelines).get_or_compile(
+            &self.device,
+            kernel.key,
+            kernel.entry,
+            kernel.source,
+        );
+        let mut rec = lock(&self.recorder);
+        let offset = rec.params.len() as u64;
+        rec.params.extend_from_slice(bytemuck::cast_slice(params));
+        rec.params.resize((offset + PARAMS_BYTES) as usize, 0);
+
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &self.params_buffer,
+                offset,
+                size: wgpu::BufferSize::new(PARAMS_BYTES),
+            }),
+        }];
+        for (i, buffer) in buffers.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: buffer.as_entire_binding(),
+            });
+        }
+        let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(op),
+            layout: &cached.layout,
+            entries: &entries,
+        });
+
+        let x = workgroups.min(MAX_WORKGROUPS_PER_DIM);
+        let y = workgroups.div_ceil(x);
+        let encoder = self.open_encoder(&mut rec);
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(op),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&cached.pipeline);
+            pass.set_bind_group(0, &bind_group, &[]);
+            pass.dispatch_workgroups(x, y, 1);
+        }
+        self.dispatches.fetch_add(1, Ordering::Relaxed);
+        self.take_error(op)?;
+        self.end_command(rec, op)
+    }
+
+    /// Records a copy of `data` into `target` at byte 0, ordered after all recorded work.
+    /// (A `queue.write_buffer` would land before work already recorded into the open encoder,
+    /// which may still read a pooled buffer's previous contents.)
+    pub(crate) fn upload(&self, op: &'static str, target: &wgpu::Buffer, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("wgrad upload"),
+            size: data.len() as u64,
+            usage: wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: true,
+        });
+        staging
+            .get_mapped_range_mut(..)
+            .map_err(|e| Error::Device { op: op.to_string(), msg: e.to_string() })?
+            .copy_from_slice(data);
+        staging.unmap();
+        let mut rec = lock(&self.recorder);
+        self.open_encoder(&mut rec)
+            .copy_buffer_to_buffer(&staging, 0, target, 0, data.len() as u64);
+        self.take_error(op)?;
+        self.end_command(rec, op)
+    }
+
+    /// Copies `bytes` bytes at `offset` of `src` back to the host: submits everything
+    /// recorded so far and waits for it.
+    pub(crate) fn read(&self, op: &'static str, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
+        if bytes == 0 {
+            self.flush()?;
+            return Ok(Vec::new());
+        }
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("wgrad readback"),
+            size: bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        {
+            let mut rec = lock(&self.recorder);
+            self.open_encoder(&mut rec)
+                .copy_buffer_to_buffer(src, offset, &staging, 0, bytes);
+            rec.ops.push(op);
+        }
+        let submission = self.flush()?;
+        let mapped: Arc<Mutex<Option<std::result::Result<(), wgpu::BufferAsyncError>>>> =
+            Arc::default();
+        let slot = mapped.clone();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| *lock(&slot) = Some(r));
+        self.wait(submission)?;
+        while lock(&mapped).is_none() {
+            self.poll_slice(None)?;
+        }
+        if let Some(Err(e)) = lock(&mapped).take() {
+            return Err(Error::Device { op: op.to_string(), msg: e.to_string() });
+        }
+        let data = staging
+            .get_mapped_range(..)
+            .map_err(|e| Error::Device { op: op.to_string(), msg: e.to_string() })?
+            .to_vec();
+        staging.unmap();
+        Ok(data)
+    }
+
+    fn open_encoder<'r>(&self, rec: &'r mut Recorder) -> &'r mut wgpu::CommandEncoder {
+        rec.encoder.get_or_insert_with(|| {
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("wgrad batch") })
+        })
+    }
+
+    /// Counts one recorded command and submits the batch when it is full.
+    fn end_command(&self, mut rec: MutexGuard<'_, Recorder>, op: &'static str) -> Result<()> {
+        rec.commands += 1;
+        if rec.ops.last() != Some(&op) {
+            rec.ops.push(op);
+        }
+        if rec.commands >= self.batch_limit {
+            self.submit(rec)?;
+        }
+        Ok(())
+    }
+
+    /// Submits the open batch, if any. Returns the submission to wait on.
+    pub(crate) fn flush(&self) -> Result<Option<wgpu::SubmissionIndex>> {
+        self.submit(lock(&self.recorder))
+    }
+
+    fn submit(&self, mut rec: MutexGuard<'_, Recorder>) -> Result<Option<wgpu::SubmissionIndex>> {
+        let Some(encoder) = rec.encoder.take() else {
+            return Ok(None);
+        };
+        if !rec.params.is_empty() {
+            self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
+        }
+        let submission = self.queue.submit([encoder.finish()]);
+        self.submits.fetch_add(1, Ordering::Relaxed);
+        let ops = std::mem::take(&mut rec.ops);
+        rec.params.clear();
+        rec.commands = 0;
+        drop(rec);
+        if !lock(&self.errors).is_empty() {
+            let mut names: Vec<&str> = Vec::new();
+            for op in ops {
+                if !names.contains(&op) {
+                    names.push(op);
+                }
+            }
+            self.take_error(&format!("one of the ops submitted together ({})", names.join(", ")))?;
+        }
+        Ok(Some(submission))
+    }
+
+    /// Waits for a submission in bounded slices, so no poll holds GL's context lock long.
+    fn wait(&self, submission: Option<wgpu::SubmissionIndex>) -> Result<()> {
+        let Some(submission) = submission else {
+            return self.take_error("synchronize");
+        };
+        while !self.poll_slice(Some(submission.clone()))? {}
+        self.take_error("synchronize")
+    }
+
+    /// One bounded poll: `true` when the submission (or the whole queue) is done, `false`
+    /// when the time slice ran out first.
+    fn poll_slice(&self, submission: Option<wgpu::SubmissionIndex>) -> Result<bool> {
+        let wait = wgpu::PollType::Wait { submission_index: submission, timeout: Some(POLL_SLICE) };
+        match self.device.poll(wait) {
+            Ok(_) => Ok(true),
+            Err(wgpu::PollError::Timeout) => Ok(false),
+            Err(e) => Err(Error::Device { op: "synchronize".into(), msg: e.to_string() }),
+        }
+    }
+
+    /// Returns the first error wgpu has reported since the last check, attributed to `op`.
+    pub(crate) fn take_error(&self, op: &str) -> Result<()> {
+        let mut errors = lock(&self.errors);
+        if errors.is_empty() {
+            return Ok(());
+        }
+        let msg = errors.join("; ");
+        errors.clear();
+        Err(Error::Device { op: op.to_string(), msg })
+    }
+}

@@ -1,0 +1,25 @@
+//! wgrad trains neural networks on any GPU that wgpu reaches (Vulkan, Metal, DX12, GL) and on
+//! software adapters where there is none: tensors live in GPU buffers, and every op dispatches
+//! a WGSL compute kernel, recorded into one command encoder and submitted in batches.
+//!
+//! ```
+//! # fn main() -> wgrad::Result<()> {
+//! use wgrad::{Device, Tensor};
+//! let dev = Device::new()?;
+//! let a = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2], &dev)?;
+//! let b = Tensor::ones(&[2, 2], &dev)?;
+//! let c = (&a.matmul(&b)? + &a)?.relu()?;
+//! assert_eq!(c.to_vec()?, vec![4.0, 5.0, 10.0, 11.0]);
+//! # Ok(())
+//! # }
+//! ```
+
+mod device;
+mod error;
+pub mod nn;
+mod ops;
+mod tensor;
+
+pub use device::{Device, DeviceInfo, DeviceStats};
+pub use error::{Error, Result};
+pub use tensor::{DType, Tensor};

@@ -1,0 +1,99 @@
+//! Data movement and creation kernels: strided copy (contiguous, cat, reshape of a view) and
+//! fill (zeros, ones, full, arange). Copies have the identity as backward.
+
+use crate::device::{Device, Kernel};
+use crate::error::{Error, Result};
+use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
+use crate::tensor::layout::merge_dims;
+use crate::tensor::{DType, Layout, Tensor};
+
+const COPY_WGSL: &str = include_str!("../../shaders/copy.wgsl");
+const FILL_WGSL: &str = include_str!("../../shaders/fill.wgsl");
+
+fn copy_source() -> String {
+    module_source(COPY_WGSL, &[])
+}
+
+fn fill_source() -> String {
+    module_source(FILL_WGSL, &[])
+}
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("copy".into(), copy_source()), ("fill".into(), fill_source())]
+}
+
+/// Copies the elements of `src` (any layout) into `dst`'s storage at layout `dst_layout`.
+pub(crate) fn copy_into(op: &'static str, src: &Tensor, dst: &Tensor, dst_layout: &Layout) -> Result<()> {
+    let n = src.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let (rank, shape, strides) = merge_dims(src.shape(), &[&src.layout().strides, &dst_layout.strides])
+        .ok_or_else(|| Error::Shape {
+            op,
+            msg: format!("shape {:?} has more than 6 non-mergeable dims", src.shape()),
+        })?;
+    let mut params = vec![n as u32, src.layout().offset as u32, dst_layout.offset as u32, rank as u32];
+    params.extend(&shape);
+    params.extend(&strides[0]);
+    params.extend(&strides[1]);
+    let kernel = Kernel { key: "copy:strided_copy", entry: "strided_copy", source: &copy_source };
+    dispatch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP))
+}
+
+/// A contiguous f32 tensor holding `start + step * i`.
+pub(crate) fn fill(op: &'static str, shape: &[usize], start: f32, step: f32, device: &Device) -> Result<Tensor> {
+    let out = Tensor::empty(op, shape, DType::F32, device)?;
+    let n = out.numel();
+    let kernel = Kernel { key: "fill:fill", entry: "fill", source: &fill_source };
+    dispatch(op, &kernel, &[&out], &[n as u32, f32_bits(start), f32_bits(step)], groups(n, WORKGROUP))?;
+    Ok(out)
+}
+
+impl Tensor {
+    /// A contiguous tensor with the same values: `self` itself when already contiguous,
+    /// else a copy.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let out = Tensor::empty("contiguous", self.shape(), self.dtype(), self.device())?
+            .with_index_bound(self.index_bound());
+        copy_into("contiguous", self, &out, &out.layout().clone())?;
+        Ok(out)
+    }
+
+    /// Concatenates tensors of one dtype along `dim`; all other dims must agree.
+    pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+        const OP: &str = "cat";
+        let first = tensors.first().ok_or_else(|| Error::InvalidArgument {
+            op: OP,
+            msg: "needs at least one tensor".into(),
+        })?;
+        first.layout().check_dim(OP, dim)?;
+        let mut shape = first.shape().to_vec();
+        shape[dim] = 0;
+        for t in tensors {
+            first.expect_same_device(OP, t)?;
+            t.expect_dtype(OP, first.dtype())?;
+            let agrees = t.rank() == first.rank()
+                && t.shape().iter().zip(first.shape()).enumerate().all(|(d, (a, b))| d == dim || a == b);
+            if !agrees {
+                let shapes: Vec<_> = tensors.iter().map(|t| t.shape().to_vec()).collect();
+                return Err(Error::Shape { op: OP, msg: format!("shapes {shapes:?} differ outside dim {dim}") });
+            }
+            shape[dim] += t.shape()[dim];
+        }
+        let bound = tensors.iter().map(|t| t.index_bound()).try_fold(0u32, |m, b| b.map(|b| m.max(b)));
+        let out = Tensor::empty(OP, &shape, first.dtype(), first.device())?.with_index_bound(bound);
+        let mut start = 0;
+        for t in tensors {
+            let len = t.shape()[dim];
+            let region = out.layout().narrow(OP, dim, start, len)?;
+            copy_into(OP, t, &out, &region)?;
+            start += len;
+        }
+        Ok(out)
+    }
+}

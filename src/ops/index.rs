@@ -1,0 +1,111 @@
+//! Ops that produce or consume u32 indices: `argmax`, `index_select`, `gather`. Indices are
+//! checked against the bound each u32 tensor carries, so no data is read back to validate.
+
+use crate::device::Kernel;
+use crate::error::{Error, Result};
+use crate::ops::reduce::{as_matrix, reduced_shape};
+use crate::ops::{dispatch, groups, module_source, WORKGROUP};
+use crate::tensor::layout::KERNEL_RANK;
+use crate::tensor::{DType, Tensor};
+
+const INDEX_WGSL: &str = include_str!("../../shaders/index.wgsl");
+
+fn source() -> String {
+    module_source(INDEX_WGSL, &[])
+}
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("index".into(), source())]
+}
+
+/// Errors unless every value of `indices` is below `size` (known from its bound).
+fn check_bound(op: &'static str, indices: &Tensor, size: usize, x: &Tensor, dim: usize) -> Result<()> {
+    indices.expect_dtype(op, DType::U32)?;
+    match indices.index_bound() {
+        Some(bound) if bound as usize <= size => Ok(()),
+        _ if indices.numel() == 0 => Ok(()),
+        Some(bound) => Err(Error::Index {
+            op,
+            msg: format!("index {} is out of range for dim {dim} of size {size} (shape {:?})", bound - 1, x.shape()),
+        }),
+        None => Err(Error::Index { op, msg: "indices of unknown range".into() }),
+    }
+}
+
+impl Tensor {
+    /// Index of the first maximum along `dim`, as u32.
+    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+        const OP: &str = "argmax";
+        self.expect_dtype(OP, DType::F32)?;
+        self.layout().check_dim(OP, dim)?;
+        let k = self.shape()[dim];
+        let out_shape = reduced_shape(self.shape(), &[dim], keepdim);
+        if k == 0 && self.numel() == 0 && out_shape.iter().product::<usize>() > 0 {
+            return Err(Error::Shape { op: OP, msg: format!("cannot take argmax over an empty dim of shape {:?}", self.shape()) });
+        }
+        let mat = as_matrix(self, &[dim])?;
+        let out = Tensor::empty(OP, &[mat.m], DType::U32, self.device())?.with_index_bound(Some(k as u32));
+        let kernel = Kernel { key: "index:argmax", entry: "argmax", source: &source };
+        let params = [mat.m as u32, mat.k as u32, mat.tensor.layout().offset as u32, mat.row_stride as u32, mat.k_stride as u32];
+        dispatch(OP, &kernel, &[&mat.tensor, &out], &params, groups(mat.m, WORKGROUP))?;
+        out.reshape(&out_shape)
+    }
+
+    /// The slices `indices[j]` of `dim`, in order: `out` has `dim` of size `indices.len()`.
+    pub fn index_select(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
+        const OP: &str = "index_select";
+        self.expect_same_device(OP, indices)?;
+        self.expect_dtype(OP, DType::F32)?;
+        self.layout().check_dim(OP, dim)?;
+        if indices.rank() != 1 {
+            return Err(Error::Shape { op: OP, msg: format!("needs 1-D indices, got shape {:?}", indices.shape()) });
+        }
+        check_bound(OP, indices, self.shape()[dim], self, dim)?;
+        let mut shape = self.shape().to_vec();
+        shape[dim] = indices.numel();
+        let out = Tensor::empty(OP, &shape, DType::F32, self.device())?;
+        let n = out.numel();
+        if n == 0 {
+            return Ok(out);
+        }
+        let x = self.contiguous()?;
+        let idx = indices.contiguous()?;
+        let inner: usize = self.shape()[dim + 1..].iter().product();
+        let params = [n as u32, indices.numel() as u32, inner as u32, self.shape()[dim] as u32, x.layout().offset as u32, idx.layout().offset as u32];
+        let kernel = Kernel { key: "index:index_select", entry: "index_select", source: &source };
+        dispatch(OP, &kernel, &[&x, &out, &idx], &params, groups(n, WORKGROUP))?;
+        Ok(out)
+    }
+
+    /// PyTorch's `gather`: `out[i][j] = self[i][indices[i][j]]` for `dim = 1`, and so on.
+    /// `indices` has the rank of `self` and no larger size than `self` in the other dims.
+    pub fn gather(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
+        const OP: &str = "gather";
+        self.expect_same_device(OP, indices)?;
+        self.expect_dtype(OP, DType::F32)?;
+        self.layout().check_dim(OP, dim)?;
+        let fits = indices.rank() == self.rank()
+            && indices.shape().iter().zip(self.shape()).enumerate().all(|(d, (i, s))| d == dim || i <= s);
+        if !fits || self.rank() > KERNEL_RANK {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("indices of shape {:?} do not fit input {:?} along dim {dim}", indices.shape(), self.shape()),
+            });
+        }
+        check_bound(OP, indices, self.shape()[dim], self, dim)?;
+        let out = Tensor::empty(OP, indices.shape(), DType::F32, self.device())?;
+        let n = out.numel();
+        if n == 0 {
+            return Ok(out);
+        }
+        let idx = indices.contiguous()?;
+        let pad = KERNEL_RANK - self.rank();
+        let mut params = vec![n as u32, (pad + dim) as u32, self.layout().offset as u32, idx.layout().offset as u32, self.shape()[dim] as u32, self.rank() as u32];
+        params.extend((0..KERNEL_RANK).map(|d| if d < pad { 1 } else { indices.shape()[d - pad] as u32 }));
+        params.extend((0..KERNEL_RANK).map(|d| if d < pad { 0 } else { self.layout().strides[d - pad] as u32 }));
+        let kernel = Kernel { key: "index:gather", entry: "gather", source: &source };
+        dispatch(OP, &kernel, &[self, &out, &idx], &params, groups(n, WORKGROUP))?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,119 @@
+//! Batched matrix multiply with NumPy-style batch broadcasting. Inputs are read through their
+//! strides, so `x.matmul(&w.t()?)` reads `w` transposed without a copy.
+
+use crate::device::Kernel;
+use crate::error::{Error, Result};
+use crate::ops::{dispatch, module_source};
+use crate::tensor::layout::{broadcast_shapes, merge_dims};
+use crate::tensor::{DType, Tensor};
+
+const MATMUL_WGSL: &str = include_str!("../../shaders/matmul.wgsl");
+
+fn source() -> String {
+    module_source(MATMUL_WGSL, &[])
+}
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("matmul".into(), source())]
+}
+
+/// The kernel for this adapter: software adapters run barriers slowly, GPUs want tiling.
+fn kernel_for(t: &Tensor) -> (&'static str, usize) {
+    if t.device().info().is_software() {
+        ("register_tiled", 32)
+    } else {
+        ("shared_tiled", 64)
+    }
+}
+
+/// Batch stride of a tensor whose batch dims (all but the last two) merge into one.
+fn batch_stride(t: &Tensor) -> Option<u32> {
+    let rank = t.rank();
+    let (batch_rank, _, strides) = merge_dims(&t.shape()[..rank - 2], &[&t.layout().strides[..rank - 2]])?;
+    match batch_rank {
+        0 => Some(0),
+        1 => Some(*strides[0].last().expect("padded")),
+        _ => None,
+    }
+}
+
+impl Tensor {
+    /// Matrix product with PyTorch's `matmul` rules: 1-D operands are promoted to a row
+    /// (left) or column (right) and the added dim removed; leading dims broadcast.
+    pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        const OP: &str = "matmul";
+        self.expect_same_device(OP, other)?;
+        self.expect_dtype(OP, DType::F32)?;
+        other.expect_dtype(OP, DType::F32)?;
+        if self.rank() == 0 || other.rank() == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("needs operands of rank >= 1, got {:?} and {:?}", self.shape(), other.shape()),
+            });
+        }
+        let a = if self.rank() == 1 { self.unsqueeze(0)? } else { self.clone() };
+        let b = if other.rank() == 1 { other.unsqueeze(1)? } else { other.clone() };
+        let (m, k) = (a.shape()[a.rank() - 2], a.shape()[a.rank() - 1]);
+        let (k2, n) = (b.shape()[b.rank() - 2], b.shape()[b.rank() - 1]);
+        let batch = broadcast_shapes(&a.shape()[..a.rank() - 2], &b.shape()[..b.rank() - 2]);
+        let batch = match batch {
+            Some(batch) if k == k2 => batch,
+            _ => {
+                return Err(Error::Shape {
+                    op: OP,
+                    msg: format!("shapes {:?} and {:?} do not multiply", self.shape(), other.shape()),
+                })
+            }
+        };
+        let a = a.expand(&[batch.as_slice(), &[m, k]].concat())?;
+        let b = b.expand(&[batch.as_slice(), &[k, n]].concat())?;
+        // Batch dims that do not merge into one stride are made dense.
+        let a = if batch_stride(&a).is_some() { a } else { a.contiguous()? };
+        let b = if batch_stride(&b).is_some() { b } else { b.contiguous()? };
+        let batches: usize = batch.iter().product();
+        let mut out_shape = [batch.as_slice(), &[m, n]].concat();
+        let out = Tensor::empty(OP, &out_shape, DType::F32, self.device())?;
+        if out.numel() > 0 {
+            if k == 0 {
+                return Tensor::zeros(&out_shape, self.device()).and_then(|z| finish(z, self, other, &mut out_shape));
+            }
+            let (entry, tile) = kernel_for(self);
+            let (la, lb) = (a.layout(), b.layout());
+            let r = a.rank();
+            let (tiles_m, tiles_n) = (m.div_ceil(tile), n.div_ceil(tile));
+            let params = [
+                m as u32,
+                n as u32,
+                k as u32,
+                batches as u32,
+                la.offset as u32,
+                batch_stride(&a).expect("merged"),
+                la.strides[r - 2] as u32,
+                la.strides[r - 1] as u32,
+                lb.offset as u32,
+                batch_stride(&b).expect("merged"),
+                lb.strides[r - 2] as u32,
+                lb.strides[r - 1] as u32,
+                tiles_n as u32,
+                tiles_m as u32,
+            ];
+            let key = format!("matmul:{entry}");
+            let kernel = Kernel { key: &key, entry, source: &source };
+            let workgroups = batches * tiles_m * tiles_n;
+            dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
+        }
+        finish(out, self, other, &mut out_shape)
+    }
+}
+
+/// Removes the dims that 1-D operands were promoted with.
+fn finish(out: Tensor, a: &Tensor, b: &Tensor, shape: &mut Vec<usize>) -> Result<Tensor> {
+    if b.rank() == 1 {
+        shape.pop();
+    }
+    if a.rank() == 1 {
+        shape.remove(shape.len() - if b.rank() == 1 { 1 } else { 2 });
+    }
+    out.reshape(shape)
+}

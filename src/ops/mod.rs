@@ -1,0 +1,86 @@
+//! Op families. Each file holds the forward of its ops (shape rules, output allocation,
+//! dispatch) and, beside it, their backward rules; each family's WGSL is one file in `shaders/`.
+
+pub(crate) mod binary;
+pub(crate) mod copy;
+pub(crate) mod index;
+pub(crate) mod matmul;
+pub(crate) mod reduce;
+pub(crate) mod softmax;
+pub(crate) mod unary;
+pub(crate) mod view;
+
+use std::sync::Arc;
+
+use crate::device::Kernel;
+use crate::error::Result;
+use crate::tensor::{Storage, Tensor};
+
+/// Invocations per workgroup of the elementwise kernels.
+pub(crate) const WORKGROUP: usize = 256;
+
+/// Prepended to every family's WGSL.
+const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
+
+/// A family's WGSL with the common prelude and its placeholders replaced by a specialisation.
+pub(crate) fn module_source(family_wgsl: &str, specialisation: &[(&str, &str)]) -> String {
+    let mut source = format!("{COMMON_WGSL}\n{family_wgsl}");
+    for (placeholder, value) in specialisation {
+        source = source.replace(placeholder, value);
+    }
+    source
+}
+
+/// Workgroups needed to cover `n` items, `per_group` per workgroup.
+pub(crate) fn groups(n: usize, per_group: usize) -> u32 {
+    n.div_ceil(per_group) as u32
+}
+
+/// Records one dispatch binding `tensors`' buffers at bindings 1, 2, ... in order.
+pub(crate) fn dispatch(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[&Tensor],
+    params: &[u32],
+    workgroups: u32,
+) -> Result<()> {
+    let storages: Vec<Arc<Storage>> = tensors.iter().map(|t| t.storage()).collect();
+    let buffers: Vec<&wgpu::Buffer> = storages.iter().map(|s| s.buffer()).collect();
+    tensors[0].device().inner.dispatch(op, kernel, &buffers, params, workgroups)
+}
+
+/// Every (key, WGSL source) the crate can compile, for the naga validation test.
+#[cfg(test)]
+pub(crate) fn all_kernel_sources() -> Vec<(String, String)> {
+    let mut all = Vec::new();
+    all.extend(copy::kernel_sources());
+    all.extend(unary::kernel_sources());
+    all.extend(binary::kernel_sources());
+    all.extend(matmul::kernel_sources());
+    all.extend(reduce::kernel_sources());
+    all.extend(softmax::kernel_sources());
+    all.extend(index::kernel_sources());
+    all
+}
+
+/// f32 bits for a parameter slot.
+pub(crate) fn f32_bits(x: f32) -> u32 {
+    x.to_bits()
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every shader and every specialisation parses and validates, on any machine.
+    #[test]
+    fn every_kernel_source_validates_with_naga() {
+        let sources = super::all_kernel_sources();
+        assert!(sources.len() >= 20, "expected every family, got {}", sources.len());
+        for (key, source) in sources {
+            let module = naga::front::wgsl::parse_str(&source)
+                .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
+            naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::empty())
+                .validate(&module)
+                .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Reductions: `sum`, `mean` and `max`, over all elements or given dims, with `keepdim`.
+//! Every reduction is run on an `[M, K]` view (kept dims x reduced dims) by one WGSL
+//! template (`shaders/reduce.wgsl`) specialised for sum or max.
+
+use crate::device::Kernel;
+use crate::error::{Error, Result};
+use crate::ops::copy::fill;
+use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
+use crate::tensor::layout::merge_dims;
+use crate::tensor::{DType, Tensor};
+
+const REDUCE_WGSL: &str = include_str!("../../shaders/reduce.wgsl");
+
+/// Elements one `rows` workgroup reduces at least, so large reductions take two passes.
+const MIN_CHUNK: usize = 4096;
+/// Most partial results per row after the first pass.
+const MAX_CHUNKS: usize = 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReduceOp {
+    Sum,
+    Max,
+}
+
+impl ReduceOp {
+    fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+        }
+    }
+
+    fn source(self) -> String {
+        let (identity, combine) = match self {
+            ReduceOp::Sum => ("0.0", "a + b"),
+            ReduceOp::Max => ("bitcast<f32>(0xff800000u)", "max(a, b)"),
+        };
+        module_source(REDUCE_WGSL, &[("REDUCE_IDENTITY", identity), ("REDUCE_COMBINE", combine)])
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    [ReduceOp::Sum, ReduceOp::Max].iter().map(|op| (format!("reduce/{}", op.name()), op.source())).collect()
+}
+
+/// A tensor viewed as `[M, K]`: `M` rows of `K` elements, with one stride each.
+pub(crate) struct Matrix {
+    pub tensor: Tensor,
+    pub m: usize,
+    pub k: usize,
+    pub row_stride: usize,
+    pub k_stride: usize,
+}
+
+/// Collapses dims of one operand into one `(size, stride)`, if its strides allow.
+fn collapse(shape: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
+    let (rank, _, merged) = merge_dims(shape, &[strides])?;
+    let size = shape.iter().product();
+    match rank {
+        0 => Some((size, 0)),
+        1 => Some((size, *merged[0].last().expect("padded") as usize)),
+        _ => None,
+    }
+}
+
+/// Views `x` as `[kept dims, reduced dims]`, copying only when the dims will not collapse.
+pub(crate) fn as_matrix(x: &Tensor, dims: &[usize]) -> Result<Matrix> {
+    let kept: Vec<usize> = (0..x.rank()).filter(|d| !dims.contains(d)).collect();
+    let order = [kept.as_slice(), dims].concat();
+    let p = x.permute(&order)?;
+    let nk = kept.len();
+    let (shape, strides) = (&p.layout().shape, &p.layout().strides);
+    if let (Some((m, rs)), Some((k, ks))) = (collapse(&shape[..nk], &strides[..nk]), collapse(&shape[nk..], &strides[nk..])) {
+        return Ok(Matrix { tensor: p, m, k, row_stride: rs, k_stride: ks });
+    }
+    let dense = p.contiguous()?;
+    let m = dense.shape()[..nk].iter().product();
+    let k = dense.shape()[nk..].iter().product();
+    Ok(Matrix { tensor: dense, m, k, row_stride: k, k_stride: 1 })
+}
+
+/// Validated, sorted, de-duplicated dims.
+pub(crate) fn check_dims(op: &'static str, x: &Tensor, dims: &[usize]) -> Result<Vec<usize>> {
+    let mut sorted = dims.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    for &d in &sorted {
+        x.layout().check_dim(op, d)?;
+    }
+    Ok(sorted)
+}
+
+/// Reduces each row of `mat` into a contiguous tensor of `M` values (times `scale`).
+fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) -> Result<Tensor> {
+    let device = mat.tensor.device();
+    let out = Tensor::empty(op_name, &[mat.m], DType::F32, device)?;
+    let key_rows = format!("reduce/{}:rows", op.name());
+    let key_cols = format!("reduce/{}:columns", op.name());
+    let source = || op.source();
+    let offset = mat.tensor.layout().offset as u32;
+    // Neighbouring rows in memory and enough of them to fill the device: one invocation each.
+    if mat.k_stride != 1 && mat.m >= 1024 {
+        let params = [mat.m as u32, mat.k as u32, offset, mat.row_stride as u32, mat.k_stride as u32, 1, 0, f32_bits(scale)];
+        let kernel = Kernel { key: &key_cols, entry: "columns", source: &source };
+        dispatch(op_name, &kernel, &[&mat.tensor, &out], &params, groups(mat.m, WORKGROUP))?;
+        return Ok(out);
+    }
+    let chunks = mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS);
+    let chunk_len = mat.k.div_ceil(chunks);
+    let kernel = Kernel { key: &key_rows, entry: "rows", source: &source };
+    if chunks == 1 {
+        let params = [mat.m as u32, mat.k as u32, offset, mat.row_stride as u32, mat.k_stride as u32, 1, chunk_len as u32, f32_bits(scale)];
+        dispatch(op_name, &kernel, &[&mat.tensor, &out], &params, mat.m as u32)?;
+        return Ok(out);
+    }
+    let partial = Tensor::empty(op_name, &[mat.m, chunks], DType::F32, device)?;
+    let params = [mat.m as u32, mat.k as u32, offset, mat.row_stride as u32, mat.k_stride as u32, chunks as u32, chunk_len as u32, f32_bits(1.0)];
+    dispatch(op_name, &kernel, &[&mat.tensor, &partial], &params, (mat.m * chunks) as u32)?;
+    let params = [mat.m as u32, chunks as u32, 0, chunks as u32, 1, 1, chunks as u32, f32_bits(scale)];
+    dispatch(op_name, &kernel, &[&partial, &out], &params, mat.m as u32)?;
+    Ok(out)
+}
+
+/// The output shape after reducing `dims` of `shape`.
+pub(crate) fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
+    shape
+        .iter()
+        .enumerate()
+        .filter_map(|(d, &n)| match (dims.contains(&d), keepdim) {
+            (false, _) => Some(n),
+            (true, true) => Some(1),
+            (true, false) => None,
+        })
+        .collect()
+}
+
+fn reduce(op_name: &'static str, op: ReduceOp, x: &Tensor, dims: &[usize], keepdim: bool, mean: bool) -> Result<Tensor> {
+    x.expect_dtype(op_name, DType::F32)?;
+    let dims = check_dims(op_name, x, dims)?;
+    let out_shape = reduced_shape(x.shape(), &dims, keepdim);
+    let k: usize = dims.iter().map(|&d| x.shape()[d]).product();
+    let m: usize = out_shape.iter().product();
+    if m == 0 {
+        return Tensor::empty(op_name, &out_shape, DType::F32, x.device());
+    }
+    if k == 0 {
+        return match (op, mean) {
+            (ReduceOp::Max, _) => Err(Error::Shape {
+                op: op_name,
+                msg: format!("cannot take the max over an empty dim of shape {:?}", x.shape()),
+            }),
+            (ReduceOp::Sum, false) => fill(op_name, &out_shape, 0.0, 0.0, x.device()),
+            (ReduceOp::Sum, true) => fill(op_name, &out_shape, f32::NAN, 0.0, x.device()),
+        };
+    }
+    let mat = as_matrix(x, &dims)?;
+    let scale = if mean { 1.0 / k as f32 } else { 1.0 };
+    reduce_matrix(op_name, op, &mat, scale)?.reshape(&out_shape)
+}
+
+impl Tensor {
+    /// Sum of all elements, as a 0-dim tensor.
+    pub fn sum(&self) -> Result<Tensor> {
+        let all: Vec<usize> = (0..self.rank()).collect();
+        reduce("sum", ReduceOp::Sum, self, &all, false, false)
+    }
+
+    /// Sum over `dims`; `keepdim` keeps them as size 1.
+    pub fn sum_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        reduce("sum", ReduceOp::Sum, self, dims, keepdim, false)
+    }
+
+    /// Mean of all elements, as a 0-dim tensor (NaN when empty, as PyTorch).
+    pub fn mean(&self) -> Result<Tensor> {
+        let all: Vec<usize> = (0..self.rank()).collect();
+        reduce("mean", ReduceOp::Sum, self, &all, false, true)
+    }
+
+    /// Mean over `dims`; `keepdim` keeps them as size 1.
+    pub fn mean_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        reduce("mean", ReduceOp::Sum, self, dims, keepdim, true)
+    }
+
+    /// Maximum of all elements, as a 0-dim tensor.
+    pub fn max(&self) -> Result<Tensor> {
+        let all: Vec<usize> = (0..self.rank()).collect();
+        reduce("max", ReduceOp::Max, self, &all, false, false)
+    }
+
+    /// Maximum over `dims`; `keepdim` keeps them as size 1.
+    pub fn max_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        reduce("max", ReduceOp::Max, self, dims, keepdim, false)
+    }
+}

@@ -1,0 +1,181 @@
+//! Elementwise unary ops and ops with a scalar operand. One WGSL template
+//! (`shaders/unary.wgsl`) is specialised with each op's expression.
+
+use crate::device::Kernel;
+use crate::error::{Error, Result};
+use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
+use crate::tensor::layout::merge_dims;
+use crate::tensor::{DType, Tensor};
+
+const UNARY_WGSL: &str = include_str!("../../shaders/unary.wgsl");
+
+/// The unary ops; each is one specialisation of the template.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Relu,
+    Tanh,
+    Sigmoid,
+    Gelu,
+    Sqrt,
+    Powf,
+    AddScalar,
+    MulScalar,
+    DivScalar,
+}
+
+impl UnaryOp {
+    #[cfg(test)]
+    const ALL: [UnaryOp; 12] = [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Relu,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Gelu,
+        UnaryOp::Sqrt,
+        UnaryOp::Powf,
+        UnaryOp::AddScalar,
+        UnaryOp::MulScalar,
+        UnaryOp::DivScalar,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Powf => "powf",
+            UnaryOp::AddScalar => "add_scalar",
+            UnaryOp::MulScalar => "mul_scalar",
+            UnaryOp::DivScalar => "div_scalar",
+        }
+    }
+
+    /// The WGSL expression in `x` (the element) and `s` (the scalar).
+    fn expr(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "-x",
+            UnaryOp::Exp => "exp(x)",
+            UnaryOp::Log => "log(x)",
+            UnaryOp::Relu => "max(x, 0.0)",
+            // Clamped: some drivers compute tanh through exp and overflow to NaN.
+            UnaryOp::Tanh => "tanh(clamp(x, -20.0, 20.0))",
+            UnaryOp::Sigmoid => "1.0 / (1.0 + exp(-x))",
+            UnaryOp::Gelu => "0.5 * x * (1.0 + erf_approx(x * 0.7071067811865476))",
+            UnaryOp::Sqrt => "sqrt(x)",
+            UnaryOp::Powf => "pow_exact(x, s)",
+            UnaryOp::AddScalar => "x + s",
+            UnaryOp::MulScalar => "x * s",
+            UnaryOp::DivScalar => "x / s",
+        }
+    }
+
+    fn source(self) -> String {
+        module_source(UNARY_WGSL, &[("UNARY_EXPR", self.expr())])
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    UnaryOp::ALL.iter().map(|op| (format!("unary/{}", op.name()), op.source())).collect()
+}
+
+/// Runs `op` over every element of `x` into a new contiguous tensor.
+pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
+    let name = op.name();
+    x.expect_dtype(name, DType::F32)?;
+    let out = Tensor::empty(name, x.shape(), DType::F32, x.device())?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let layout = x.layout();
+    let (rank, shape, strides) = merge_dims(&layout.shape, &[&layout.strides]).ok_or_else(|| Error::Shape {
+        op: name,
+        msg: format!("shape {:?} has more than 6 non-mergeable dims", x.shape()),
+    })?;
+    let entry = if x.is_contiguous() { "contiguous" } else { "strided" };
+    let mut params = vec![n as u32, layout.offset as u32, f32_bits(scalar), rank as u32];
+    params.extend(&shape);
+    params.extend(&strides[0]);
+    let key = format!("unary/{name}:{entry}");
+    let kernel = Kernel { key: &key, entry, source: &|| op.source() };
+    dispatch(name, &kernel, &[x, &out], &params, groups(n, WORKGROUP))?;
+    Ok(out)
+}
+
+impl Tensor {
+    /// `-x`.
+    pub fn neg(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Neg, 0.0)
+    }
+
+    /// `e^x`.
+    pub fn exp(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Exp, 0.0)
+    }
+
+    /// Natural logarithm.
+    pub fn log(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Log, 0.0)
+    }
+
+    /// `max(x, 0)`.
+    pub fn relu(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Relu, 0.0)
+    }
+
+    /// Hyperbolic tangent.
+    pub fn tanh(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Tanh, 0.0)
+    }
+
+    /// `1 / (1 + e^-x)`.
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Sigmoid, 0.0)
+    }
+
+    /// GELU with the exact (erf) form, as PyTorch's default.
+    pub fn gelu(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Gelu, 0.0)
+    }
+
+    /// Square root.
+    pub fn sqrt(&self) -> Result<Tensor> {
+        unary(self, UnaryOp::Sqrt, 0.0)
+    }
+
+    /// `x^p` elementwise (negative bases allowed for integral `p`).
+    pub fn powf(&self, p: f32) -> Result<Tensor> {
+        unary(self, UnaryOp::Powf, p)
+    }
+
+    /// `x + s`.
+    pub fn add_scalar(&self, s: f32) -> Result<Tensor> {
+        unary(self, UnaryOp::AddScalar, s)
+    }
+
+    /// `x - s`.
+    pub fn sub_scalar(&self, s: f32) -> Result<Tensor> {
+        unary(self, UnaryOp::AddScalar, -s)
+    }
+
+    /// `x * s`.
+    pub fn mul_scalar(&self, s: f32) -> Result<Tensor> {
+        unary(self, UnaryOp::MulScalar, s)
+    }
+
+    /// `x / s`.
+    pub fn div_scalar(&self, s: f32) -> Result<Tensor> {
+        unary(self, UnaryOp::DivScalar, s)
+    }
+}

@@ -1,0 +1,82 @@
+//! Views: new layouts over the same storage (no copy), except `reshape` of a layout that
+//! cannot be re-strided, which copies.
+
+use crate::error::{Error, Result};
+use crate::tensor::{checked_numel, Tensor};
+
+impl Tensor {
+    /// The transpose of a 2-D tensor (a view).
+    pub fn t(&self) -> Result<Tensor> {
+        if self.rank() != 2 {
+            return Err(Error::Shape { op: "t", msg: format!("needs a 2-D tensor, got shape {:?}", self.shape()) });
+        }
+        self.transpose(0, 1)
+    }
+
+    /// Swaps dims `d0` and `d1` (a view).
+    pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor> {
+        Ok(self.view(self.layout().transpose("transpose", d0, d1)?))
+    }
+
+    /// Reorders dims: dim `i` of the result is dim `dims[i]` of `self` (a view).
+    pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
+        Ok(self.view(self.layout().permute("permute", dims)?))
+    }
+
+    /// Elements `start..start + len` along `dim` (a view).
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        Ok(self.view(self.layout().narrow("narrow", dim, start, len)?))
+    }
+
+    /// Broadcasts to `shape` by NumPy rules, repeating along size-1 and new leading dims with
+    /// stride 0 (a view).
+    pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.view(self.layout().expand("expand", shape)?))
+    }
+
+    /// Inserts a dim of size 1 at `dim` (a view).
+    pub fn unsqueeze(&self, dim: usize) -> Result<Tensor> {
+        if dim > self.rank() {
+            return Err(Error::Shape {
+                op: "unsqueeze",
+                msg: format!("dim {dim} is out of range for shape {:?}", self.shape()),
+            });
+        }
+        let mut layout = self.layout().clone();
+        let stride = layout.strides.get(dim).map_or(1, |&s| s * layout.shape[dim]);
+        layout.shape.insert(dim, 1);
+        layout.strides.insert(dim, stride);
+        Ok(self.view(layout))
+    }
+
+    /// Removes dim `dim`, which must have size 1 (a view).
+    pub fn squeeze(&self, dim: usize) -> Result<Tensor> {
+        self.layout().check_dim("squeeze", dim)?;
+        if self.shape()[dim] != 1 {
+            return Err(Error::Shape {
+                op: "squeeze",
+                msg: format!("dim {dim} of shape {:?} is not of size 1", self.shape()),
+            });
+        }
+        let mut layout = self.layout().clone();
+        layout.shape.remove(dim);
+        layout.strides.remove(dim);
+        Ok(self.view(layout))
+    }
+
+    /// The same elements in row-major order under another shape of equal size: a view when
+    /// `self` is contiguous, else a copy.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        let numel = checked_numel("reshape", shape)?;
+        if numel != self.numel() {
+            return Err(Error::Shape {
+                op: "reshape",
+                msg: format!("cannot reshape {:?} ({} elements) to {shape:?} ({numel} elements)", self.shape(), self.numel()),
+            });
+        }
+        match self.layout().reshape_view(shape) {
+            Some(layout) => Ok(self.view(layout)),
+            None => self.contiguous()?.reshape(shape),
+        }
+    }
+}

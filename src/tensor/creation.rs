@@ -1,0 +1,100 @@
+//! Making tensors: from host data (one upload), by fill kernels (no upload), or from a seeded
+//! random generator.
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::ops::copy::fill;
+use crate::tensor::{checked_numel, DType, Layout, Storage, Tensor};
+
+fn upload(op: &'static str, bytes: &[u8], shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    let storage = Storage::alloc(op, bytes.len() as u64, device)?;
+    device.inner.upload(op, storage.buffer(), bytes)?;
+    Ok(Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype, device))
+}
+
+fn check_len(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
+    let numel = checked_numel(op, shape)?;
+    if len != numel {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!("{len} values do not fill shape {shape:?} ({numel} elements)"),
+        });
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// An f32 tensor of `shape` holding `data` in row-major order.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// let dev = wgrad::Device::new()?;
+    /// let t = wgrad::Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2], &dev)?;
+    /// assert_eq!(t.to_vec()?, vec![1.0, 2.0, 3.0, 4.0]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_vec(data: Vec<f32>, shape: &[usize], device: &Device) -> Result<Tensor> {
+        Self::from_slice(&data, shape, device)
+    }
+
+    /// Like [`Tensor::from_vec`], from a borrowed slice.
+    pub fn from_slice(data: &[f32], shape: &[usize], device: &Device) -> Result<Tensor> {
+        check_len("from_vec", data.len(), shape)?;
+        upload("from_vec", bytemuck::cast_slice(data), shape, DType::F32, device)
+    }
+
+    /// A u32 tensor of `shape` (indices for `index_select` and `gather`).
+    pub fn from_vec_u32(data: Vec<u32>, shape: &[usize], device: &Device) -> Result<Tensor> {
+        check_len("from_vec_u32", data.len(), shape)?;
+        let bound = data.iter().max().map_or(0, |&m| m.saturating_add(1));
+        Ok(upload("from_vec_u32", bytemuck::cast_slice(&data), shape, DType::U32, device)?.with_index_bound(Some(bound)))
+    }
+
+    /// A 1-D u32 tensor of class labels, for `nn::loss::cross_entropy`.
+    pub fn from_labels(labels: Vec<u32>, device: &Device) -> Result<Tensor> {
+        let n = labels.len();
+        Self::from_vec_u32(labels, &[n], device)
+    }
+
+    /// An f32 tensor of zeros.
+    pub fn zeros(shape: &[usize], device: &Device) -> Result<Tensor> {
+        fill("zeros", shape, 0.0, 0.0, device)
+    }
+
+    /// An f32 tensor of ones.
+    pub fn ones(shape: &[usize], device: &Device) -> Result<Tensor> {
+        fill("ones", shape, 1.0, 0.0, device)
+    }
+
+    /// An f32 tensor with every element `value`.
+    pub fn full(shape: &[usize], value: f32, device: &Device) -> Result<Tensor> {
+        fill("full", shape, value, 0.0, device)
+    }
+
+    /// `[0, 1, ..., n - 1]` as f32.
+    pub fn arange(n: usize, device: &Device) -> Result<Tensor> {
+        fill("arange", &[n], 0.0, 1.0, device)
+    }
+
+    /// Uniform samples in `[0, 1)`, reproducible from `seed`.
+    pub fn rand(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
+        let n = checked_numel("rand", shape)?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let data: Vec<f32> = (0..n).map(|_| rng.random::<f32>()).collect();
+        upload("rand", bytemuck::cast_slice(&data), shape, DType::F32, device)
+    }
+
+    /// Standard normal samples, reproducible from `seed`.
+    pub fn randn(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
+        let n = checked_numel("randn", shape)?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let data: Vec<f32> = (0..n).map(|_| StandardNormal.sample(&mut rng)).collect();
+        upload("randn", bytemuck::cast_slice(&data), shape, DType::F32, device)
+    }
+}

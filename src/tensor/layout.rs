@@ -1,0 +1,223 @@
+//! `Layout`: shape, strides and offset in elements. Views (transpose, permute, narrow, expand)
+//! are new layouts over the same storage.
+
+use crate::error::{Error, Result};
+
+/// Shape, strides and element offset of a tensor within its storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub offset: usize,
+}
+
+/// Row-major strides of `shape`.
+pub(crate) fn row_major_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1].max(1);
+    }
+    strides
+}
+
+/// The NumPy broadcast of two shapes, or `None` when they do not broadcast.
+pub(crate) fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0; rank];
+    for i in 0..rank {
+        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
+        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+impl Layout {
+    /// A row-major layout of `shape` at offset 0.
+    pub fn contiguous(shape: &[usize]) -> Layout {
+        Layout { shape: shape.to_vec(), strides: row_major_strides(shape), offset: 0 }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// True when the elements lie row-major and densely from `offset`.
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1;
+        for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if n != 1 && s != expected {
+                return false;
+            }
+            expected *= n;
+        }
+        true
+    }
+
+    /// One past the largest element index this layout reaches (0 when empty).
+    pub fn span(&self) -> usize {
+        if self.numel() == 0 {
+            return 0;
+        }
+        self.offset + self.shape.iter().zip(&self.strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + 1
+    }
+
+    pub fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
+        if dim >= self.shape.len() {
+            return Err(Error::Shape {
+                op,
+                msg: format!("dim {dim} is out of range for shape {:?} (rank {})", self.shape, self.shape.len()),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn permute(&self, op: &'static str, dims: &[usize]) -> Result<Layout> {
+        let rank = self.shape.len();
+        let mut seen = vec![false; rank];
+        if dims.len() != rank || dims.iter().any(|&d| d >= rank || std::mem::replace(&mut seen[d], true)) {
+            return Err(Error::Shape {
+                op,
+                msg: format!("{dims:?} is not a permutation of the {rank} dims of shape {:?}", self.shape),
+            });
+        }
+        Ok(Layout {
+            shape: dims.iter().map(|&d| self.shape[d]).collect(),
+            strides: dims.iter().map(|&d| self.strides[d]).collect(),
+            offset: self.offset,
+        })
+    }
+
+    pub fn transpose(&self, op: &'static str, d0: usize, d1: usize) -> Result<Layout> {
+        self.check_dim(op, d0)?;
+        self.check_dim(op, d1)?;
+        let mut out = self.clone();
+        out.shape.swap(d0, d1);
+        out.strides.swap(d0, d1);
+        Ok(out)
+    }
+
+    pub fn narrow(&self, op: &'static str, dim: usize, start: usize, len: usize) -> Result<Layout> {
+        self.check_dim(op, dim)?;
+        if start.checked_add(len).is_none_or(|end| end > self.shape[dim]) {
+            return Err(Error::Shape {
+                op,
+                msg: format!(
+                    "range {start}..{} is out of bounds for dim {dim} of size {} (shape {:?})",
+                    start.saturating_add(len),
+                    self.shape[dim],
+                    self.shape
+                ),
+            });
+        }
+        let mut out = self.clone();
+        out.shape[dim] = len;
+        if len > 0 {
+            out.offset += start * self.strides[dim];
+        }
+        Ok(out)
+    }
+
+    /// Broadcasts to `shape` with stride 0 along expanded dims (NumPy rules).
+    pub fn expand(&self, op: &'static str, shape: &[usize]) -> Result<Layout> {
+        let err = || Error::Shape {
+            op,
+            msg: format!("shape {:?} cannot be broadcast to {shape:?}", self.shape),
+        };
+        if shape.len() < self.shape.len() {
+            return Err(err());
+        }
+        let lead = shape.len() - self.shape.len();
+        let mut strides = vec![0; shape.len()];
+        for (i, &n) in shape.iter().enumerate() {
+            if i < lead {
+                continue;
+            }
+            let (own, stride) = (self.shape[i - lead], self.strides[i - lead]);
+            strides[i] = if own == n {
+                stride
+            } else if own == 1 {
+                0
+            } else {
+                return Err(err());
+            };
+        }
+        Ok(Layout { shape: shape.to_vec(), strides, offset: self.offset })
+    }
+
+    /// The same elements under `shape` without a copy, when the strides allow it.
+    pub fn reshape_view(&self, shape: &[usize]) -> Option<Layout> {
+        if self.is_contiguous() {
+            return Some(Layout { shape: shape.to_vec(), strides: row_major_strides(shape), offset: self.offset });
+        }
+        None
+    }
+}
+
+/// Up to this many dims are passed to strided kernels (after merging).
+pub(crate) const KERNEL_RANK: usize = 6;
+
+/// `shape` and each operand's strides with size-1 dims dropped and adjacent dims merged where
+/// every operand is dense across them, padded at the front to [`KERNEL_RANK`] dims.
+/// Returns `None` when more than `KERNEL_RANK` dims remain.
+pub(crate) fn merge_dims(shape: &[usize], strides: &[&[usize]]) -> Option<(usize, Vec<u32>, Vec<Vec<u32>>)> {
+    let mut dims: Vec<(usize, Vec<usize>)> = Vec::new();
+    for (d, &n) in shape.iter().enumerate() {
+        if n == 1 {
+            continue;
+        }
+        let these: Vec<usize> = strides.iter().map(|s| s[d]).collect();
+        if let Some((last_n, last_s)) = dims.last_mut() {
+            if last_s.iter().zip(&these).all(|(&ls, &s)| ls == s * n) {
+                *last_n *= n;
+                *last_s = these;
+                continue;
+            }
+        }
+        dims.push((n, these));
+    }
+    if dims.len() > KERNEL_RANK {
+        return None;
+    }
+    let rank = dims.len();
+    let pad = KERNEL_RANK - rank;
+    let mut out_shape = vec![1u32; pad];
+    let mut out_strides = vec![vec![0u32; pad]; strides.len()];
+    for (n, s) in dims {
+        out_shape.push(n as u32);
+        for (k, st) in s.into_iter().enumerate() {
+            out_strides[k].push(st as u32);
+        }
+    }
+    Some((rank, out_shape, out_strides))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_dims_joins_dense_dims_and_pads_to_kernel_rank() {
+        let (rank, shape, strides) = merge_dims(&[2, 3, 4], &[&[12, 4, 1]]).unwrap();
+        assert_eq!(rank, 1);
+        assert_eq!(shape, vec![1, 1, 1, 1, 1, 24]);
+        assert_eq!(strides[0], vec![0, 0, 0, 0, 0, 1]);
+        let (rank, shape, strides) = merge_dims(&[2, 3], &[&[3, 1], &[0, 1]]).unwrap();
+        assert_eq!(rank, 2);
+        assert_eq!(&shape[4..], &[2, 3]);
+        assert_eq!(&strides[1][4..], &[0, 1]);
+    }
+
+    #[test]
+    fn broadcast_follows_numpy() {
+        assert_eq!(broadcast_shapes(&[3, 1], &[4]), Some(vec![3, 4]));
+        assert_eq!(broadcast_shapes(&[], &[2, 2]), Some(vec![2, 2]));
+        assert_eq!(broadcast_shapes(&[3], &[4]), None);
+        assert_eq!(broadcast_shapes(&[0, 1], &[1, 5]), Some(vec![0, 5]));
+    }
+}

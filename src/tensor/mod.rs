@@ -1,0 +1,210 @@
+//! `Tensor`: a cheap, thread-safe handle to a strided view of a GPU buffer.
+
+mod creation;
+pub(crate) mod layout;
+mod storage;
+
+use std::sync::{Arc, RwLock};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+pub(crate) use layout::Layout;
+pub(crate) use storage::Storage;
+
+/// Element types. f32 is the working type; u32 holds labels and indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// 32-bit unsigned integer (labels, indices).
+    U32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        4
+    }
+}
+
+/// An n-dimensional array on a [`Device`]. Cloning a `Tensor` clones the handle, not the data:
+/// [`Tensor::same`] tells handles of one tensor apart from equal copies.
+#[derive(Clone)]
+pub struct Tensor {
+    pub(crate) inner: Arc<TensorInner>,
+}
+
+pub(crate) struct TensorInner {
+    /// Behind a lock so that the engine can swap a grad's buffer under a handle the user holds.
+    storage: RwLock<Arc<Storage>>,
+    layout: Layout,
+    dtype: DType,
+    /// For u32 tensors: an exclusive upper bound on the values, known from how the tensor was
+    /// made, so that ops can reject out-of-range labels without reading the data back.
+    index_bound: Option<u32>,
+    device: Device,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({:?}, {:?}, storage {})", self.shape(), self.dtype(), self.storage_id())
+    }
+}
+
+impl Tensor {
+    pub(crate) fn from_parts(storage: Arc<Storage>, layout: Layout, dtype: DType, device: &Device) -> Tensor {
+        Tensor {
+            inner: Arc::new(TensorInner {
+                storage: RwLock::new(storage),
+                layout,
+                dtype,
+                index_bound: None,
+                device: device.clone(),
+            }),
+        }
+    }
+
+    /// A new uninitialised contiguous tensor (its values are written by the caller's kernel).
+    pub(crate) fn empty(op: &'static str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        let numel = checked_numel(op, shape)?;
+        let storage = Storage::alloc(op, (numel * dtype.size()) as u64, device)?;
+        Ok(Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype, device))
+    }
+
+    /// A new handle on the same storage with another layout.
+    pub(crate) fn view(&self, layout: Layout) -> Tensor {
+        let mut t = Tensor::from_parts(self.storage(), layout, self.dtype(), self.device());
+        Arc::get_mut(&mut t.inner).expect("fresh handle").index_bound = self.inner.index_bound;
+        t
+    }
+
+    pub(crate) fn with_index_bound(mut self, bound: Option<u32>) -> Tensor {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.index_bound = bound;
+            return self;
+        }
+        let mut t = self.view(self.layout().clone());
+        Arc::get_mut(&mut t.inner).expect("fresh handle").index_bound = bound;
+        t
+    }
+
+    pub(crate) fn index_bound(&self) -> Option<u32> {
+        self.inner.index_bound
+    }
+
+    pub(crate) fn storage(&self) -> Arc<Storage> {
+        self.inner.storage.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.inner.layout
+    }
+
+    /// The tensor's dimensions.
+    pub fn shape(&self) -> &[usize] {
+        &self.inner.layout.shape
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.shape().len()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.inner.layout.numel()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.inner.dtype
+    }
+
+    /// The device the tensor lives on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// True when the elements lie densely in row-major order (so kernels read them directly).
+    pub fn is_contiguous(&self) -> bool {
+        self.inner.layout.is_contiguous()
+    }
+
+    /// Names the GPU buffer behind this tensor: two tensors with the same id alias.
+    pub fn storage_id(&self) -> u64 {
+        self.storage().id()
+    }
+
+    /// Handle identity: true when `a` and `b` are the same tensor object, not merely equal.
+    pub fn same(a: &Tensor, b: &Tensor) -> bool {
+        Arc::ptr_eq(&a.inner, &b.inner)
+    }
+
+    /// The values, row-major, as f32. Submits pending work and waits for it.
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
+        self.expect_dtype("to_vec", DType::F32)?;
+        Ok(bytemuck::cast_slice(&self.read_bytes("to_vec")?).to_vec())
+    }
+
+    /// The values, row-major, of a u32 tensor (labels, indices, argmax).
+    pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
+        self.expect_dtype("to_vec_u32", DType::U32)?;
+        Ok(bytemuck::cast_slice(&self.read_bytes("to_vec_u32")?).to_vec())
+    }
+
+    /// The value of a one-element f32 tensor.
+    pub fn item(&self) -> Result<f32> {
+        if self.numel() != 1 {
+            return Err(Error::Shape {
+                op: "item",
+                msg: format!("needs a tensor of one element, got shape {:?}", self.shape()),
+            });
+        }
+        self.expect_dtype("item", DType::F32)?;
+        Ok(bytemuck::cast_slice::<u8, f32>(&self.read_bytes("item")?)[0])
+    }
+
+    fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {
+        let dense = self.contiguous()?;
+        let storage = dense.storage();
+        let size = dense.dtype().size() as u64;
+        dense.device().inner.read(
+            op,
+            storage.buffer(),
+            dense.layout().offset as u64 * size,
+            dense.numel() as u64 * size,
+        )
+    }
+
+    pub(crate) fn expect_dtype(&self, op: &'static str, dtype: DType) -> Result<()> {
+        if self.dtype() != dtype {
+            return Err(Error::DType {
+                op,
+                msg: format!("expected a {dtype:?} tensor, got {:?} with shape {:?}", self.dtype(), self.shape()),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn expect_same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        if !Device::same(self.device(), other.device()) {
+            return Err(Error::InvalidArgument {
+                op,
+                msg: format!("tensors of shapes {:?} and {:?} live on different devices", self.shape(), other.shape()),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The number of elements of `shape`, or an error if it overflows.
+pub(crate) fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+        .filter(|&n| n <= u32::MAX as usize)
+        .ok_or_else(|| Error::InvalidArgument {
+            op,
+            msg: format!("shape {shape:?} has more than {} elements", u32::MAX),
+        })
+}
