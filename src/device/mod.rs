@@ -106,6 +106,9 @@ pub(crate) struct DeviceInner {
     /// Uniform parameters of the open batch, written once when the batch is submitted.
     params_buffer: wgpu::Buffer,
     recorder: Mutex<Recorder>,
+    /// Held around each queue submission and each poll: wgpu-core asserts on a poll that
+    /// races another thread's submission.
+    queue_lock: Mutex<()>,
     pool: Mutex<BufferPool>,
     pipelines: Mutex<PipelineCache>,
     /// Errors wgpu reported outside any scope, waiting to be returned as `Error::Device`.
@@ -249,6 +252,7 @@ impl Device {
                 batch_limit,
                 params_buffer,
                 recorder: Mutex::default(),
+                queue_lock: Mutex::default(),
                 pool: Mutex::default(),
                 pipelines: Mutex::default(),
                 errors,
@@ -282,6 +286,12 @@ impl Device {
             buffers_created: pool.created,
             pipelines: lock(&self.inner.pipelines).len(),
         }
+    }
+
+    /// The largest tensor, in bytes, that one kernel can bind on this adapter (128 MiB on
+    /// lavapipe). Larger tensors are an `Error::TooLarge`.
+    pub fn max_tensor_bytes(&self) -> u64 {
+        self.inner.max_binding_bytes()
     }
 
     /// Releases every pooled buffer back to the driver. Buffers in use are unaffected.
@@ -492,7 +502,10 @@ impl DeviceInner {
         if !rec.params.is_empty() {
             self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
         }
-        let submission = self.queue.submit([encoder.finish()]);
+        let submission = {
+            let _queue = lock(&self.queue_lock);
+            self.queue.submit([encoder.finish()])
+        };
         self.submits.fetch_add(1, Ordering::Relaxed);
         let ops = std::mem::take(&mut rec.ops);
         rec.params.clear();
@@ -523,6 +536,7 @@ impl DeviceInner {
     /// when the time slice ran out first.
     fn poll_slice(&self, submission: Option<wgpu::SubmissionIndex>) -> Result<bool> {
         let wait = wgpu::PollType::Wait { submission_index: submission, timeout: Some(POLL_SLICE) };
+        let _queue = lock(&self.queue_lock);
         match self.device.poll(wait) {
             Ok(_) => Ok(true),
             Err(wgpu::PollError::Timeout) => Ok(false),

@@ -143,13 +143,13 @@ impl Tensor {
     /// The values, row-major, as f32. Submits pending work and waits for it.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
         self.expect_dtype("to_vec", DType::F32)?;
-        Ok(bytemuck::cast_slice(&self.read_bytes("to_vec")?).to_vec())
+        Ok(bytemuck::pod_collect_to_vec(&self.read_bytes("to_vec")?))
     }
 
     /// The values, row-major, of a u32 tensor (labels, indices, argmax).
     pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
         self.expect_dtype("to_vec_u32", DType::U32)?;
-        Ok(bytemuck::cast_slice(&self.read_bytes("to_vec_u32")?).to_vec())
+        Ok(bytemuck::pod_collect_to_vec(&self.read_bytes("to_vec_u32")?))
     }
 
     /// The value of a one-element f32 tensor.
@@ -161,7 +161,7 @@ impl Tensor {
             });
         }
         self.expect_dtype("item", DType::F32)?;
-        Ok(bytemuck::cast_slice::<u8, f32>(&self.read_bytes("item")?)[0])
+        Ok(bytemuck::pod_collect_to_vec::<u8, f32>(&self.read_bytes("item")?)[0])
     }
 
     fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {

@@ -1,0 +1,216 @@
+//! Unary, scalar and broadcasting binary ops against CPU f64 references.
+
+mod common;
+use common::*;
+use wgrad::{Error, Tensor};
+
+const SIZES: [usize; 9] = [0, 1, 7, 255, 256, 257, 1023, 4097, 70001];
+
+type UnaryCase = (&'static str, fn(&Tensor) -> wgrad::Result<Tensor>, fn(f64) -> f64, f64);
+
+fn gelu_ref(x: f64) -> f64 {
+    0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
+}
+
+/// erf by its Maclaurin series (converges to f64 precision for the |x| < 5 used here).
+fn erf(x: f64) -> f64 {
+    if x.abs() >= 5.0 {
+        return x.signum();
+    }
+    let (mut sum, mut power, mut n) = (0.0f64, x, 0.0f64);
+    while n < 200.0 {
+        let term = power / (2.0 * n + 1.0);
+        sum += term;
+        if term.abs() < 1e-18 {
+            break;
+        }
+        n += 1.0;
+        power *= -x * x / n;
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+fn unary_cases() -> Vec<UnaryCase> {
+    vec![
+        ("neg", Tensor::neg, |x| -x, 0.0),
+        ("exp", Tensor::exp, f64::exp, 1e-6),
+        ("log", |t| t.add_scalar(1.5)?.log(), |x| (x + 1.5).ln(), 1e-6),
+        ("relu", Tensor::relu, |x| x.max(0.0), 0.0),
+        ("tanh", Tensor::tanh, f64::tanh, 1e-6),
+        ("sigmoid", Tensor::sigmoid, |x| 1.0 / (1.0 + (-x).exp()), 1e-6),
+        ("gelu", Tensor::gelu, gelu_ref, 1e-6),
+        ("sqrt", |t| t.add_scalar(1.0)?.sqrt(), |x| (x + 1.0).sqrt(), 1e-6),
+        ("powf", |t| t.powf(3.0), |x| x.powi(3), 1e-6),
+        ("add_scalar", |t| t.add_scalar(0.25), |x| x + 0.25, 1e-7),
+        ("sub_scalar", |t| t.sub_scalar(0.25), |x| x - 0.25, 1e-7),
+        ("mul_scalar", |t| t.mul_scalar(-3.0), |x| x * -3.0, 1e-7),
+        ("div_scalar", |t| t.div_scalar(3.0), |x| x / 3.0, 1e-7),
+    ]
+}
+
+#[test]
+fn unary_ops_match_cpu_reference_at_every_size() {
+    for (name, op, reference, tol) in unary_cases() {
+        for (i, &n) in SIZES.iter().enumerate() {
+            let (t, data) = random_tensor(&[n], i as u64);
+            let want: Vec<f64> = data.iter().map(|&x| reference(x as f64)).collect();
+            let got = op(&t).unwrap();
+            assert_eq!(got.shape(), &[n]);
+            assert_close(&got.to_vec().unwrap(), &want, tol.max(1e-6) * 2.0, &format!("{name} n={n}"));
+        }
+    }
+}
+
+#[test]
+fn unary_ops_work_at_ranks_zero_to_four() {
+    for shape in [vec![], vec![5], vec![3, 4], vec![2, 3, 5], vec![2, 1, 3, 4]] {
+        let (t, data) = random_tensor(&shape, 9);
+        let got = t.exp().unwrap();
+        assert_eq!(got.shape(), shape.as_slice());
+        let want: Vec<f64> = data.iter().map(|&x| (x as f64).exp()).collect();
+        assert_close(&got.to_vec().unwrap(), &want, 2e-6, &format!("exp {shape:?}"));
+    }
+}
+
+#[test]
+fn unary_op_reads_a_transposed_view() {
+    let (t, data) = random_tensor(&[7, 13], 3);
+    let got = t.t().unwrap().tanh().unwrap();
+    assert_eq!(got.shape(), &[13, 7]);
+    let mut want = vec![0.0; 91];
+    for i in 0..7 {
+        for j in 0..13 {
+            want[j * 7 + i] = (data[i * 13 + j] as f64).tanh();
+        }
+    }
+    assert_close(&got.to_vec().unwrap(), &want, 2e-6, "tanh of transpose");
+}
+
+#[test]
+fn powf_handles_negative_bases_and_zero_exponent() {
+    let t = Tensor::from_vec(vec![-2.0, 0.0, 3.0], &[3], device()).unwrap();
+    assert_eq!(t.powf(2.0).unwrap().to_vec().unwrap(), vec![4.0, 0.0, 9.0]);
+    assert_eq!(t.powf(3.0).unwrap().to_vec().unwrap(), vec![-8.0, 0.0, 27.0]);
+    assert_eq!(t.powf(0.0).unwrap().to_vec().unwrap(), vec![1.0, 1.0, 1.0]);
+    assert!(t.powf(0.5).unwrap().to_vec().unwrap()[0].is_nan());
+}
+
+#[test]
+fn sigmoid_and_tanh_stay_finite_for_large_inputs() {
+    let t = Tensor::from_vec(vec![-1000.0, -90.0, 90.0, 1000.0], &[4], device()).unwrap();
+    assert_eq!(t.sigmoid().unwrap().to_vec().unwrap(), vec![0.0, 0.0, 1.0, 1.0]);
+    assert_eq!(t.tanh().unwrap().to_vec().unwrap(), vec![-1.0, -1.0, 1.0, 1.0]);
+}
+
+type BinaryCase = (&'static str, fn(&Tensor, &Tensor) -> wgrad::Result<Tensor>, fn(f64, f64) -> f64);
+
+fn binary_cases() -> Vec<BinaryCase> {
+    vec![
+        ("add", Tensor::add, |a, b| a + b),
+        ("sub", Tensor::sub, |a, b| a - b),
+        ("mul", Tensor::mul, |a, b| a * b),
+        ("div", |a, b| a.div(&b.add_scalar(3.0)?), |a, b| a / (b + 3.0)),
+        ("maximum", Tensor::maximum, f64::max),
+    ]
+}
+
+/// The reference of `a op b` under NumPy broadcasting.
+fn broadcast_ref(a: &[f32], sa: &[usize], b: &[f32], sb: &[usize], f: fn(f64, f64) -> f64) -> (Vec<usize>, Vec<f64>) {
+    let rank = sa.len().max(sb.len());
+    let pad = |s: &[usize]| [vec![1; rank - s.len()], s.to_vec()].concat();
+    let (pa, pb) = (pad(sa), pad(sb));
+    let shape: Vec<usize> = pa.iter().zip(&pb).map(|(&x, &y)| if x == 1 { y } else { x }).collect();
+    let n: usize = shape.iter().product();
+    let (ta, tb) = (strides(&pa), strides(&pb));
+    let out = (0..n)
+        .map(|i| {
+            let idx = unravel(i, &shape);
+            let ia: usize = idx.iter().enumerate().map(|(d, &x)| if pa[d] == 1 { 0 } else { x * ta[d] }).sum();
+            let ib: usize = idx.iter().enumerate().map(|(d, &x)| if pb[d] == 1 { 0 } else { x * tb[d] }).sum();
+            f(a[ia] as f64, b[ib] as f64)
+        })
+        .collect();
+    (shape, out)
+}
+
+#[test]
+fn binary_ops_match_cpu_reference_at_every_size() {
+    for (name, op, f) in binary_cases() {
+        for (i, &n) in SIZES.iter().enumerate() {
+            let (a, da) = random_tensor(&[n], 100 + i as u64);
+            let (b, db) = random_tensor(&[n], 200 + i as u64);
+            let f = if name == "div" { |a: f64, b: f64| a / (b + 3.0) } else { f };
+            let (_, want) = broadcast_ref(&da, &[n], &db, &[n], f);
+            assert_close(&op(&a, &b).unwrap().to_vec().unwrap(), &want, 2e-7, &format!("{name} n={n}"));
+        }
+    }
+}
+
+#[test]
+fn binary_ops_broadcast_like_numpy() {
+    let pairs: [(&[usize], &[usize]); 7] = [
+        (&[3, 4], &[4]),
+        (&[3, 1], &[1, 5]),
+        (&[2, 3, 4], &[3, 1]),
+        (&[], &[2, 3]),
+        (&[4, 1, 3, 1], &[2, 1, 5]),
+        (&[257, 33], &[257, 1]),
+        (&[0, 3], &[1, 3]),
+    ];
+    for (k, (sa, sb)) in pairs.iter().enumerate() {
+        for (name, op, f) in binary_cases() {
+            let (a, da) = random_tensor(sa, k as u64);
+            let (b, db) = random_tensor(sb, 50 + k as u64);
+            let f = if name == "div" { |a: f64, b: f64| a / (b + 3.0) } else { f };
+            let (shape, want) = broadcast_ref(&da, sa, &db, sb, f);
+            let got = op(&a, &b).unwrap();
+            assert_eq!(got.shape(), shape.as_slice(), "{name} {sa:?} {sb:?}");
+            assert_close(&got.to_vec().unwrap(), &want, 2e-7, &format!("{name} {sa:?} {sb:?}"));
+        }
+    }
+}
+
+#[test]
+fn binary_op_reads_transposed_and_narrowed_views() {
+    let (a, da) = random_tensor(&[5, 9], 1);
+    let (b, db) = random_tensor(&[9, 5], 2);
+    let got = a.add(&b.t().unwrap()).unwrap().narrow(1, 2, 4).unwrap().mul(&a.narrow(1, 0, 4).unwrap()).unwrap();
+    let mut want = Vec::new();
+    for i in 0..5 {
+        for j in 0..4 {
+            let s = da[i * 9 + j + 2] as f64 + db[(j + 2) * 5 + i] as f64;
+            want.push(s * da[i * 9 + j] as f64);
+        }
+    }
+    assert_close(&got.to_vec().unwrap(), &want, 1e-6, "views");
+}
+
+#[test]
+fn std_ops_traits_on_references_return_results() {
+    let a = Tensor::from_vec(vec![1.0, 2.0], &[2], device()).unwrap();
+    let b = Tensor::from_vec(vec![4.0, 8.0], &[2], device()).unwrap();
+    assert_eq!((&a + &b).unwrap().to_vec().unwrap(), vec![5.0, 10.0]);
+    assert_eq!((&a - &b).unwrap().to_vec().unwrap(), vec![-3.0, -6.0]);
+    assert_eq!((&a * &b).unwrap().to_vec().unwrap(), vec![4.0, 16.0]);
+    assert_eq!((&b / &a).unwrap().to_vec().unwrap(), vec![4.0, 4.0]);
+    assert_eq!((-&a).unwrap().to_vec().unwrap(), vec![-1.0, -2.0]);
+}
+
+#[test]
+fn binary_op_on_shapes_that_do_not_broadcast_names_op_and_shapes() {
+    let a = Tensor::zeros(&[3, 4], device()).unwrap();
+    let b = Tensor::zeros(&[5], device()).unwrap();
+    let err = a.add(&b).unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "add", .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("add") && msg.contains("[3, 4]") && msg.contains("[5]"), "{msg}");
+}
+
+#[test]
+fn elementwise_op_on_u32_tensor_is_a_dtype_error() {
+    let labels = Tensor::from_labels(vec![1, 2], device()).unwrap();
+    let err = labels.exp().unwrap_err();
+    assert!(matches!(err, Error::DType { op: "exp", .. }), "{err:?}");
+    let x = Tensor::zeros(&[2], device()).unwrap();
+    assert!(matches!(x.mul(&labels).unwrap_err(), Error::DType { op: "mul", .. }));
+}

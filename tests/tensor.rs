@@ -1,0 +1,185 @@
+//! Creation, readback, views and layout: shapes, identity, aliasing and bad input.
+
+mod common;
+use common::*;
+use wgrad::{DType, Error, Tensor};
+
+#[test]
+fn from_vec_round_trips_values_and_shape() {
+    let t = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], device()).unwrap();
+    assert_eq!(t.shape(), &[2, 3]);
+    assert_eq!(t.dtype(), DType::F32);
+    assert_eq!(t.to_vec().unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+}
+
+#[test]
+fn from_vec_with_wrong_length_names_op_and_shape() {
+    let err = Tensor::from_vec(vec![1.0; 5], &[2, 3], device()).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { op: "from_vec", .. }), "{err:?}");
+    assert!(err.to_string().contains("5 values") && err.to_string().contains("[2, 3]"), "{err}");
+}
+
+#[test]
+fn fills_and_arange_hold_their_values() {
+    let dev = device();
+    assert_eq!(Tensor::zeros(&[3], dev).unwrap().to_vec().unwrap(), vec![0.0; 3]);
+    assert_eq!(Tensor::ones(&[2, 2], dev).unwrap().to_vec().unwrap(), vec![1.0; 4]);
+    assert_eq!(Tensor::full(&[2], -2.5, dev).unwrap().to_vec().unwrap(), vec![-2.5; 2]);
+    let n = 70001;
+    let a = Tensor::arange(n, dev).unwrap().to_vec().unwrap();
+    assert!(a.iter().enumerate().all(|(i, &v)| v == i as f32));
+}
+
+#[test]
+fn rand_and_randn_are_reproducible_from_the_seed() {
+    let dev = device();
+    let a = Tensor::randn(&[1000], 7, dev).unwrap().to_vec().unwrap();
+    let b = Tensor::randn(&[1000], 7, dev).unwrap().to_vec().unwrap();
+    let c = Tensor::randn(&[1000], 8, dev).unwrap().to_vec().unwrap();
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    let mean = a.iter().map(|&x| x as f64).sum::<f64>() / 1000.0;
+    let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / 1000.0;
+    assert!(mean.abs() < 0.1 && (var - 1.0).abs() < 0.15, "mean {mean} var {var}");
+    let u = Tensor::rand(&[1000], 7, dev).unwrap().to_vec().unwrap();
+    assert!(u.iter().all(|&x| (0.0..1.0).contains(&x)));
+}
+
+#[test]
+fn item_reads_one_element_and_rejects_more() {
+    let dev = device();
+    assert_eq!(Tensor::full(&[], 3.5, dev).unwrap().item().unwrap(), 3.5);
+    assert_eq!(Tensor::full(&[1, 1], 2.0, dev).unwrap().item().unwrap(), 2.0);
+    let err = Tensor::zeros(&[2], dev).unwrap().item().unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "item", .. }) && err.to_string().contains("[2]"), "{err}");
+}
+
+#[test]
+fn labels_are_u32_and_read_back_as_u32() {
+    let l = Tensor::from_labels(vec![3, 0, 7], device()).unwrap();
+    assert_eq!(l.dtype(), DType::U32);
+    assert_eq!(l.to_vec_u32().unwrap(), vec![3, 0, 7]);
+    assert!(matches!(l.to_vec().unwrap_err(), Error::DType { op: "to_vec", .. }));
+}
+
+#[test]
+fn ranks_zero_to_six_and_empty_tensors_work() {
+    let dev = device();
+    for rank in 0..=6 {
+        let shape: Vec<usize> = (0..rank).map(|d| d % 3 + 1).collect();
+        let (t, data) = random_tensor(&shape, rank as u64);
+        assert_eq!(t.shape(), shape.as_slice());
+        let doubled = t.mul_scalar(2.0).unwrap();
+        let want: Vec<f64> = data.iter().map(|&x| 2.0 * x as f64).collect();
+        assert_close(&doubled.to_vec().unwrap(), &want, 0.0, &format!("rank {rank}"));
+    }
+    let empty = Tensor::zeros(&[0, 4], dev).unwrap();
+    assert_eq!(empty.numel(), 0);
+    assert_eq!(empty.exp().unwrap().to_vec().unwrap(), Vec::<f32>::new());
+    assert_eq!(empty.sum_dims(&[0], false).unwrap().to_vec().unwrap(), vec![0.0; 4]);
+    assert_eq!(Tensor::from_vec(vec![], &[3, 0], dev).unwrap().shape(), &[3, 0]);
+}
+
+#[test]
+fn transpose_permute_narrow_expand_are_views_of_the_same_storage() {
+    let (t, data) = random_tensor(&[2, 3, 4], 5);
+    let id = t.storage_id();
+    let tr = t.transpose(0, 2).unwrap();
+    let pe = t.permute(&[1, 2, 0]).unwrap();
+    let na = t.narrow(2, 1, 2).unwrap();
+    let ex = t.narrow(0, 0, 1).unwrap().expand(&[5, 3, 4]).unwrap();
+    for v in [&tr, &pe, &na, &ex] {
+        assert_eq!(v.storage_id(), id);
+        assert!(!Tensor::same(v, &t));
+    }
+    assert_eq!(tr.shape(), &[4, 3, 2]);
+    assert_eq!(pe.shape(), &[3, 4, 2]);
+    let at = |i: usize, j: usize, k: usize| data[i * 12 + j * 4 + k];
+    let got = tr.to_vec().unwrap();
+    assert_eq!(got[3 * 6 + 2 * 2 + 1], at(1, 2, 3));
+    let got = pe.to_vec().unwrap();
+    assert_eq!(got[2 * 8 + 3 * 2 + 1], at(1, 2, 3));
+    let got = na.to_vec().unwrap();
+    assert_eq!(got.len(), 12);
+    assert_eq!(got[5 * 2 + 1], at(1, 2, 2));
+    let got = ex.to_vec().unwrap();
+    assert_eq!(got.len(), 60);
+    assert_eq!(got[4 * 12 + 2 * 4 + 3], at(0, 2, 3));
+}
+
+#[test]
+fn reshape_is_a_view_when_contiguous_and_a_copy_otherwise() {
+    let (t, data) = random_tensor(&[4, 6], 6);
+    let r = t.reshape(&[2, 12]).unwrap();
+    assert_eq!(r.storage_id(), t.storage_id());
+    assert_eq!(r.to_vec().unwrap(), data);
+    let tt = t.t().unwrap();
+    let c = tt.reshape(&[24]).unwrap();
+    assert_ne!(c.storage_id(), t.storage_id());
+    let want: Vec<f32> = (0..24).map(|i| data[(i % 4) * 6 + i / 4]).collect();
+    assert_eq!(c.to_vec().unwrap(), want);
+    let err = t.reshape(&[5, 5]).unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "reshape", .. }) && err.to_string().contains("[4, 6]"), "{err}");
+}
+
+#[test]
+fn contiguous_returns_the_same_tensor_when_already_contiguous() {
+    let (t, _) = random_tensor(&[3, 3], 1);
+    assert!(Tensor::same(&t.contiguous().unwrap(), &t));
+    let c = t.t().unwrap().contiguous().unwrap();
+    assert!(c.is_contiguous());
+    assert_ne!(c.storage_id(), t.storage_id());
+}
+
+#[test]
+fn views_with_bad_dims_or_ranges_are_shape_errors() {
+    let t = Tensor::zeros(&[2, 3], device()).unwrap();
+    assert!(matches!(t.transpose(0, 2).unwrap_err(), Error::Shape { op: "transpose", .. }));
+    assert!(matches!(t.permute(&[0, 0]).unwrap_err(), Error::Shape { op: "permute", .. }));
+    assert!(matches!(t.narrow(1, 2, 2).unwrap_err(), Error::Shape { op: "narrow", .. }));
+    assert!(matches!(t.expand(&[4, 3]).unwrap_err(), Error::Shape { op: "expand", .. }));
+    assert!(matches!(t.squeeze(1).unwrap_err(), Error::Shape { op: "squeeze", .. }));
+    let t3 = Tensor::zeros(&[2, 3, 4], device()).unwrap();
+    assert!(matches!(t3.t().unwrap_err(), Error::Shape { op: "t", .. }));
+}
+
+#[test]
+fn tensor_larger_than_one_binding_is_a_too_large_error() {
+    let dev = device();
+    let limit = dev.max_tensor_bytes();
+    let elements = (limit / 4 + 1) as usize;
+    let err = Tensor::zeros(&[elements], dev).unwrap_err();
+    match &err {
+        Error::TooLarge { op: "zeros", bytes, limit: l } => {
+            assert_eq!(*bytes, elements as u64 * 4);
+            assert_eq!(*l, limit);
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert!(err.to_string().contains("zeros"), "{err}");
+}
+
+#[test]
+fn cat_joins_along_a_dim_and_checks_the_others() {
+    let (a, da) = random_tensor(&[2, 3], 1);
+    let (b, db) = random_tensor(&[2, 5], 2);
+    let c = Tensor::cat(&[a.clone(), b.clone()], 1).unwrap();
+    assert_eq!(c.shape(), &[2, 8]);
+    let got = c.to_vec().unwrap();
+    for i in 0..2 {
+        assert_eq!(&got[i * 8..i * 8 + 3], &da[i * 3..i * 3 + 3]);
+        assert_eq!(&got[i * 8 + 3..i * 8 + 8], &db[i * 5..i * 5 + 5]);
+    }
+    let rows = Tensor::cat(&[a.clone(), a.t().unwrap().t().unwrap()], 0).unwrap();
+    assert_eq!(rows.to_vec().unwrap(), [da.clone(), da].concat());
+    let err = Tensor::cat(&[a, b], 0).unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "cat", .. }) && err.to_string().contains("[2, 5]"), "{err}");
+    assert!(matches!(Tensor::cat(&[], 0).unwrap_err(), Error::InvalidArgument { op: "cat", .. }));
+}
+
+#[test]
+fn cat_of_labels_keeps_u32() {
+    let a = Tensor::from_labels(vec![1, 2], device()).unwrap();
+    let b = Tensor::from_labels(vec![9], device()).unwrap();
+    assert_eq!(Tensor::cat(&[a, b], 0).unwrap().to_vec_u32().unwrap(), vec![1, 2, 9]);
+}
