@@ -1,0 +1,128 @@
+//! matmul against a CPU f64 reference: odd shapes, batches, broadcasting, transposed views.
+
+mod common;
+use common::*;
+use wgrad::{Error, Tensor};
+
+/// Reference product of row-major `a` [batch, m, k] and `b` [batch, k, n].
+fn matmul_ref(a: &[f32], b: &[f32], batch: usize, m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut out = vec![0.0; batch * m * n];
+    for p in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                out[(p * m + i) * n + j] = (0..k).map(|l| a[(p * m + i) * k + l] as f64 * b[(p * k + l) * n + j] as f64).sum();
+            }
+        }
+    }
+    out
+}
+
+fn transpose_host(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..rows * cols).map(|i| x[(i % rows) * cols + i / rows]).collect()
+}
+
+#[test]
+fn matmul_matches_reference_on_odd_shapes() {
+    for (m, k, n) in [(1, 1, 1), (7, 13, 5), (33, 1, 65), (129, 31, 257), (64, 64, 64), (1, 300, 3)] {
+        let (a, da) = random_tensor(&[m, k], 1);
+        let (b, db) = random_tensor(&[k, n], 2);
+        let got = a.matmul(&b).unwrap();
+        assert_eq!(got.shape(), &[m, n]);
+        assert_close(&got.to_vec().unwrap(), &matmul_ref(&da, &db, 1, m, k, n), 1e-5, &format!("{m}x{k}x{n}"));
+    }
+}
+
+#[test]
+fn matmul_reads_transposed_views_without_a_copy_and_gets_them_right() {
+    let (m, k, n) = (19, 23, 17);
+    let (at, dat) = random_tensor(&[k, m], 3); // A stored transposed
+    let (bt, dbt) = random_tensor(&[n, k], 4); // B stored transposed
+    let (a, b) = (at.t().unwrap(), bt.t().unwrap());
+    let (da, db) = (transpose_host(&dat, k, m), transpose_host(&dbt, n, k));
+    let want = matmul_ref(&da, &db, 1, m, k, n);
+    let before = device().stats();
+    let got = a.matmul(&b).unwrap();
+    let after = device().stats();
+    assert_eq!(after.dispatches - before.dispatches, 1, "one kernel, no copies of the transposed operands");
+    assert_close(&got.to_vec().unwrap(), &want, 1e-5, "A^T B^T");
+}
+
+#[test]
+fn batched_matmul_matches_reference_per_batch() {
+    let (batch, m, k, n) = (3, 9, 14, 11);
+    let (a, da) = random_tensor(&[batch, m, k], 5);
+    let (b, db) = random_tensor(&[batch, k, n], 6);
+    let got = a.matmul(&b).unwrap();
+    assert_eq!(got.shape(), &[batch, m, n]);
+    assert_close(&got.to_vec().unwrap(), &matmul_ref(&da, &db, batch, m, k, n), 1e-5, "batched");
+}
+
+#[test]
+fn batch_dims_broadcast_against_a_matrix_and_across_ranks() {
+    let (a, da) = random_tensor(&[2, 3, 5, 4], 7);
+    let (w, dw) = random_tensor(&[4, 6], 8);
+    let got = a.matmul(&w).unwrap();
+    assert_eq!(got.shape(), &[2, 3, 5, 6]);
+    let wb: Vec<f32> = (0..6).flat_map(|_| dw.clone()).collect();
+    assert_close(&got.to_vec().unwrap(), &matmul_ref(&da, &wb, 6, 5, 4, 6), 1e-5, "[2,3,5,4] x [4,6]");
+
+    let (x, dx) = random_tensor(&[2, 1, 3, 4], 9);
+    let (y, dy) = random_tensor(&[5, 4, 2], 10);
+    let got = x.matmul(&y).unwrap();
+    assert_eq!(got.shape(), &[2, 5, 3, 2]);
+    let mut xs = Vec::new();
+    let mut ys = Vec::new();
+    for p in 0..2 {
+        for q in 0..5 {
+            xs.extend_from_slice(&dx[p * 12..p * 12 + 12]);
+            ys.extend_from_slice(&dy[q * 8..q * 8 + 8]);
+        }
+    }
+    assert_close(&got.to_vec().unwrap(), &matmul_ref(&xs, &ys, 10, 3, 4, 2), 1e-5, "broadcast batch");
+}
+
+#[test]
+fn batched_matmul_reads_transposed_batch_views() {
+    let (batch, m, k, n) = (4, 6, 10, 7);
+    let (bt, dbt) = random_tensor(&[batch, n, k], 11);
+    let (a, da) = random_tensor(&[batch, m, k], 12);
+    let got = a.matmul(&bt.transpose(1, 2).unwrap()).unwrap();
+    let db: Vec<f32> = (0..batch).flat_map(|p| transpose_host(&dbt[p * n * k..(p + 1) * n * k], n, k)).collect();
+    assert_close(&got.to_vec().unwrap(), &matmul_ref(&da, &db, batch, m, k, n), 1e-5, "batched A B^T");
+}
+
+#[test]
+fn one_dimensional_operands_follow_pytorch() {
+    let (v, dv) = random_tensor(&[4], 13);
+    let (mtx, dm) = random_tensor(&[4, 3], 14);
+    let vm = v.matmul(&mtx).unwrap();
+    assert_eq!(vm.shape(), &[3]);
+    assert_close(&vm.to_vec().unwrap(), &matmul_ref(&dv, &dm, 1, 1, 4, 3), 1e-5, "v @ M");
+    let mv = mtx.t().unwrap().matmul(&v).unwrap();
+    assert_eq!(mv.shape(), &[3]);
+    assert_close(&mv.to_vec().unwrap(), &matmul_ref(&dv, &dm, 1, 1, 4, 3), 1e-5, "M^T @ v");
+    let dot = v.matmul(&v).unwrap();
+    assert_eq!(dot.shape(), &[] as &[usize]);
+    let want: f64 = dv.iter().map(|&x| (x as f64).powi(2)).sum();
+    assert_close(&dot.to_vec().unwrap(), &[want], 1e-5, "dot");
+}
+
+#[test]
+fn matmul_with_empty_inner_dim_is_zeros() {
+    let a = Tensor::zeros(&[3, 0], device()).unwrap();
+    let b = Tensor::zeros(&[0, 2], device()).unwrap();
+    assert_eq!(a.matmul(&b).unwrap().to_vec().unwrap(), vec![0.0; 6]);
+    let e = Tensor::zeros(&[0, 4], device()).unwrap().matmul(&Tensor::zeros(&[4, 2], device()).unwrap()).unwrap();
+    assert_eq!(e.shape(), &[0, 2]);
+}
+
+#[test]
+fn matmul_of_mismatched_inner_dims_names_both_shapes() {
+    let a = Tensor::zeros(&[3, 4], device()).unwrap();
+    let b = Tensor::zeros(&[5, 2], device()).unwrap();
+    let err = a.matmul(&b).unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "matmul", .. }), "{err:?}");
+    assert!(err.to_string().contains("[3, 4]") && err.to_string().contains("[5, 2]"), "{err}");
+    let s = Tensor::zeros(&[], device()).unwrap();
+    assert!(matches!(s.matmul(&a).unwrap_err(), Error::Shape { op: "matmul", .. }));
+}
