@@ -20,6 +20,6 @@ pub mod nn;
 mod ops;
 mod tensor;
 
-pub use device::{Device, DeviceInfo, DeviceStats};
+pub use device::{Device, DeviceInfo, DeviceStats, MatmulKernel};
 pub use error::{Error, Result};
 pub use tensor::{DType, Tensor};

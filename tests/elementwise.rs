@@ -6,7 +6,12 @@ use wgrad::{Error, Tensor};
 
 const SIZES: [usize; 9] = [0, 1, 7, 255, 256, 257, 1023, 4097, 70001];
 
-type UnaryCase = (&'static str, fn(&Tensor) -> wgrad::Result<Tensor>, fn(f64) -> f64, f64);
+type UnaryCase = (
+    &'static str,
+    fn(&Tensor) -> wgrad::Result<Tensor>,
+    fn(f64) -> f64,
+    f64,
+);
 
 fn gelu_ref(x: f64) -> f64 {
     0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
@@ -34,12 +39,27 @@ fn unary_cases() -> Vec<UnaryCase> {
     vec![
         ("neg", Tensor::neg, |x| -x, 0.0),
         ("exp", Tensor::exp, f64::exp, 1e-6),
-        ("log", |t| t.add_scalar(1.5)?.log(), |x| (x + 1.5).ln(), 1e-6),
+        (
+            "log",
+            |t| t.add_scalar(1.5)?.log(),
+            |x| (x + 1.5).ln(),
+            1e-6,
+        ),
         ("relu", Tensor::relu, |x| x.max(0.0), 0.0),
         ("tanh", Tensor::tanh, f64::tanh, 1e-6),
-        ("sigmoid", Tensor::sigmoid, |x| 1.0 / (1.0 + (-x).exp()), 1e-6),
+        (
+            "sigmoid",
+            Tensor::sigmoid,
+            |x| 1.0 / (1.0 + (-x).exp()),
+            1e-6,
+        ),
         ("gelu", Tensor::gelu, gelu_ref, 1e-6),
-        ("sqrt", |t| t.add_scalar(1.0)?.sqrt(), |x| (x + 1.0).sqrt(), 1e-6),
+        (
+            "sqrt",
+            |t| t.add_scalar(1.0)?.sqrt(),
+            |x| (x + 1.0).sqrt(),
+            1e-6,
+        ),
         ("powf", |t| t.powf(3.0), |x| x.powi(3), 1e-6),
         ("add_scalar", |t| t.add_scalar(0.25), |x| x + 0.25, 1e-7),
         ("sub_scalar", |t| t.sub_scalar(0.25), |x| x - 0.25, 1e-7),
@@ -56,7 +76,12 @@ fn unary_ops_match_cpu_reference_at_every_size() {
             let want: Vec<f64> = data.iter().map(|&x| reference(x as f64)).collect();
             let got = op(&t).unwrap();
             assert_eq!(got.shape(), &[n]);
-            assert_close(&got.to_vec().unwrap(), &want, tol.max(1e-6) * 2.0, &format!("{name} n={n}"));
+            assert_close(
+                &got.to_vec().unwrap(),
+                &want,
+                tol.max(1e-6) * 2.0,
+                &format!("{name} n={n}"),
+            );
         }
     }
 }
@@ -68,7 +93,12 @@ fn unary_ops_work_at_ranks_zero_to_four() {
         let got = t.exp().unwrap();
         assert_eq!(got.shape(), shape.as_slice());
         let want: Vec<f64> = data.iter().map(|&x| (x as f64).exp()).collect();
-        assert_close(&got.to_vec().unwrap(), &want, 2e-6, &format!("exp {shape:?}"));
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            2e-6,
+            &format!("exp {shape:?}"),
+        );
     }
 }
 
@@ -90,7 +120,10 @@ fn unary_op_reads_a_transposed_view() {
 fn powf_handles_negative_bases_and_zero_exponent() {
     let t = Tensor::from_vec(vec![-2.0, 0.0, 3.0], &[3], device()).unwrap();
     assert_eq!(t.powf(2.0).unwrap().to_vec().unwrap(), vec![4.0, 0.0, 9.0]);
-    assert_eq!(t.powf(3.0).unwrap().to_vec().unwrap(), vec![-8.0, 0.0, 27.0]);
+    assert_eq!(
+        t.powf(3.0).unwrap().to_vec().unwrap(),
+        vec![-8.0, 0.0, 27.0]
+    );
     assert_eq!(t.powf(0.0).unwrap().to_vec().unwrap(), vec![1.0, 1.0, 1.0]);
     assert!(t.powf(0.5).unwrap().to_vec().unwrap()[0].is_nan());
 }
@@ -98,35 +131,67 @@ fn powf_handles_negative_bases_and_zero_exponent() {
 #[test]
 fn sigmoid_and_tanh_stay_finite_for_large_inputs() {
     let t = Tensor::from_vec(vec![-1000.0, -90.0, 90.0, 1000.0], &[4], device()).unwrap();
-    assert_eq!(t.sigmoid().unwrap().to_vec().unwrap(), vec![0.0, 0.0, 1.0, 1.0]);
-    assert_eq!(t.tanh().unwrap().to_vec().unwrap(), vec![-1.0, -1.0, 1.0, 1.0]);
+    assert_eq!(
+        t.sigmoid().unwrap().to_vec().unwrap(),
+        vec![0.0, 0.0, 1.0, 1.0]
+    );
+    assert_eq!(
+        t.tanh().unwrap().to_vec().unwrap(),
+        vec![-1.0, -1.0, 1.0, 1.0]
+    );
 }
 
-type BinaryCase = (&'static str, fn(&Tensor, &Tensor) -> wgrad::Result<Tensor>, fn(f64, f64) -> f64);
+type BinaryCase = (
+    &'static str,
+    fn(&Tensor, &Tensor) -> wgrad::Result<Tensor>,
+    fn(f64, f64) -> f64,
+);
 
 fn binary_cases() -> Vec<BinaryCase> {
     vec![
         ("add", Tensor::add, |a, b| a + b),
         ("sub", Tensor::sub, |a, b| a - b),
         ("mul", Tensor::mul, |a, b| a * b),
-        ("div", |a, b| a.div(&b.add_scalar(3.0)?), |a, b| a / (b + 3.0)),
+        (
+            "div",
+            |a, b| a.div(&b.add_scalar(3.0)?),
+            |a, b| a / (b + 3.0),
+        ),
         ("maximum", Tensor::maximum, f64::max),
     ]
 }
 
 /// The reference of `a op b` under NumPy broadcasting.
-fn broadcast_ref(a: &[f32], sa: &[usize], b: &[f32], sb: &[usize], f: fn(f64, f64) -> f64) -> (Vec<usize>, Vec<f64>) {
+fn broadcast_ref(
+    a: &[f32],
+    sa: &[usize],
+    b: &[f32],
+    sb: &[usize],
+    f: fn(f64, f64) -> f64,
+) -> (Vec<usize>, Vec<f64>) {
     let rank = sa.len().max(sb.len());
     let pad = |s: &[usize]| [vec![1; rank - s.len()], s.to_vec()].concat();
     let (pa, pb) = (pad(sa), pad(sb));
-    let shape: Vec<usize> = pa.iter().zip(&pb).map(|(&x, &y)| if x == 1 { y } else { x }).collect();
+    let shape: Vec<usize> = pa
+        .iter()
+        .zip(&pb)
+        .map(|(&x, &y)| if x == 1 { y } else { x })
+        .collect();
     let n: usize = shape.iter().product();
     let (ta, tb) = (strides(&pa), strides(&pb));
     let out = (0..n)
         .map(|i| {
             let idx = unravel(i, &shape);
-            let ia: usize = idx.iter().enumerate().map(|(d, &x)| if pa[d] == 1 { 0 } else { x * ta[d] }).sum();
-            let ib: usize = idx.iter().enumerate().map(|(d, &x)| if pb[d] == 1 { 0 } else { x * tb[d] }).sum();
+            let ia: usize = idx
+                .iter()
+                .enumerate()
+                .map(|(d, &x)| if pa[d] == 1 { 0 } else { x * ta[d] })
+                .sum();
+            let ib: usize = idx
+                .iter()
+                .enumerate()
+                .map(|(d, &x)| if pb[d] == 1 { 0 } else { x * tb[d] })
+                .sum();
             f(a[ia] as f64, b[ib] as f64)
         })
         .collect();
@@ -139,9 +204,18 @@ fn binary_ops_match_cpu_reference_at_every_size() {
         for (i, &n) in SIZES.iter().enumerate() {
             let (a, da) = random_tensor(&[n], 100 + i as u64);
             let (b, db) = random_tensor(&[n], 200 + i as u64);
-            let f = if name == "div" { |a: f64, b: f64| a / (b + 3.0) } else { f };
+            let f = if name == "div" {
+                |a: f64, b: f64| a / (b + 3.0)
+            } else {
+                f
+            };
             let (_, want) = broadcast_ref(&da, &[n], &db, &[n], f);
-            assert_close(&op(&a, &b).unwrap().to_vec().unwrap(), &want, 2e-7, &format!("{name} n={n}"));
+            assert_close(
+                &op(&a, &b).unwrap().to_vec().unwrap(),
+                &want,
+                2e-7,
+                &format!("{name} n={n}"),
+            );
         }
     }
 }
@@ -161,11 +235,20 @@ fn binary_ops_broadcast_like_numpy() {
         for (name, op, f) in binary_cases() {
             let (a, da) = random_tensor(sa, k as u64);
             let (b, db) = random_tensor(sb, 50 + k as u64);
-            let f = if name == "div" { |a: f64, b: f64| a / (b + 3.0) } else { f };
+            let f = if name == "div" {
+                |a: f64, b: f64| a / (b + 3.0)
+            } else {
+                f
+            };
             let (shape, want) = broadcast_ref(&da, sa, &db, sb, f);
             let got = op(&a, &b).unwrap();
             assert_eq!(got.shape(), shape.as_slice(), "{name} {sa:?} {sb:?}");
-            assert_close(&got.to_vec().unwrap(), &want, 2e-7, &format!("{name} {sa:?} {sb:?}"));
+            assert_close(
+                &got.to_vec().unwrap(),
+                &want,
+                2e-7,
+                &format!("{name} {sa:?} {sb:?}"),
+            );
         }
     }
 }
@@ -174,7 +257,13 @@ fn binary_ops_broadcast_like_numpy() {
 fn binary_op_reads_transposed_and_narrowed_views() {
     let (a, da) = random_tensor(&[5, 9], 1);
     let (b, db) = random_tensor(&[9, 5], 2);
-    let got = a.add(&b.t().unwrap()).unwrap().narrow(1, 2, 4).unwrap().mul(&a.narrow(1, 0, 4).unwrap()).unwrap();
+    let got = a
+        .add(&b.t().unwrap())
+        .unwrap()
+        .narrow(1, 2, 4)
+        .unwrap()
+        .mul(&a.narrow(1, 0, 4).unwrap())
+        .unwrap();
     let mut want = Vec::new();
     for i in 0..5 {
         for j in 0..4 {
@@ -203,7 +292,10 @@ fn binary_op_on_shapes_that_do_not_broadcast_names_op_and_shapes() {
     let err = a.add(&b).unwrap_err();
     assert!(matches!(err, Error::Shape { op: "add", .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("add") && msg.contains("[3, 4]") && msg.contains("[5]"), "{msg}");
+    assert!(
+        msg.contains("add") && msg.contains("[3, 4]") && msg.contains("[5]"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -212,5 +304,8 @@ fn elementwise_op_on_u32_tensor_is_a_dtype_error() {
     let err = labels.exp().unwrap_err();
     assert!(matches!(err, Error::DType { op: "exp", .. }), "{err:?}");
     let x = Tensor::zeros(&[2], device()).unwrap();
-    assert!(matches!(x.mul(&labels).unwrap_err(), Error::DType { op: "mul", .. }));
+    assert!(matches!(
+        x.mul(&labels).unwrap_err(),
+        Error::DType { op: "mul", .. }
+    ));
 }

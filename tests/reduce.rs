@@ -7,13 +7,27 @@ use wgrad::{Error, Tensor};
 const SIZES: [usize; 9] = [0, 1, 7, 255, 256, 257, 1023, 4097, 70001];
 
 /// Reference reduction of `data` (shape `shape`) over `dims` with `f` starting from `init`.
-fn reduce_ref(data: &[f32], shape: &[usize], dims: &[usize], init: f64, f: fn(f64, f64) -> f64) -> Vec<f64> {
-    let out_shape: Vec<usize> = shape.iter().enumerate().map(|(d, &n)| if dims.contains(&d) { 1 } else { n }).collect();
+fn reduce_ref(
+    data: &[f32],
+    shape: &[usize],
+    dims: &[usize],
+    init: f64,
+    f: fn(f64, f64) -> f64,
+) -> Vec<f64> {
+    let out_shape: Vec<usize> = shape
+        .iter()
+        .enumerate()
+        .map(|(d, &n)| if dims.contains(&d) { 1 } else { n })
+        .collect();
     let mut out = vec![init; out_shape.iter().product()];
     let os = strides(&out_shape);
     for (i, &x) in data.iter().enumerate() {
         let idx = unravel(i, shape);
-        let o: usize = idx.iter().enumerate().map(|(d, &v)| if dims.contains(&d) { 0 } else { v * os[d] }).sum();
+        let o: usize = idx
+            .iter()
+            .enumerate()
+            .map(|(d, &v)| if dims.contains(&d) { 0 } else { v * os[d] })
+            .sum();
         out[o] = f(out[o], x as f64);
     }
     out
@@ -28,10 +42,20 @@ fn sum_mean_max_of_all_elements_at_every_size() {
         assert_eq!(s.shape(), &[] as &[usize]);
         assert_close(&s.to_vec().unwrap(), &[sum], 1e-5, &format!("sum n={n}"));
         let mean = if n == 0 { f64::NAN } else { sum / n as f64 };
-        assert_close(&t.mean().unwrap().to_vec().unwrap(), &[mean], 1e-5, &format!("mean n={n}"));
+        assert_close(
+            &t.mean().unwrap().to_vec().unwrap(),
+            &[mean],
+            1e-5,
+            &format!("mean n={n}"),
+        );
         if n > 0 {
             let max = data.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
-            assert_close(&t.max().unwrap().to_vec().unwrap(), &[max], 0.0, &format!("max n={n}"));
+            assert_close(
+                &t.max().unwrap().to_vec().unwrap(),
+                &[max],
+                0.0,
+                &format!("max n={n}"),
+            );
         }
     }
 }
@@ -53,16 +77,40 @@ fn reductions_over_dims_with_and_without_keepdim() {
         let kcount: usize = dims.iter().map(|&d| shape[d]).product();
         let sum = reduce_ref(&data, shape, dims, 0.0, |a, b| a + b);
         let max = reduce_ref(&data, shape, dims, f64::NEG_INFINITY, f64::max);
-        let kept: Vec<usize> = shape.iter().enumerate().map(|(d, &n)| if dims.contains(&d) { 1 } else { n }).collect();
-        let dropped: Vec<usize> = shape.iter().enumerate().filter(|(d, _)| !dims.contains(d)).map(|(_, &n)| n).collect();
+        let kept: Vec<usize> = shape
+            .iter()
+            .enumerate()
+            .map(|(d, &n)| if dims.contains(&d) { 1 } else { n })
+            .collect();
+        let dropped: Vec<usize> = shape
+            .iter()
+            .enumerate()
+            .filter(|(d, _)| !dims.contains(d))
+            .map(|(_, &n)| n)
+            .collect();
         let s = t.sum_dims(dims, true).unwrap();
         assert_eq!(s.shape(), kept.as_slice());
-        assert_close(&s.to_vec().unwrap(), &sum, 1e-5, &format!("sum {shape:?} {dims:?}"));
+        assert_close(
+            &s.to_vec().unwrap(),
+            &sum,
+            1e-5,
+            &format!("sum {shape:?} {dims:?}"),
+        );
         let m = t.mean_dims(dims, false).unwrap();
         assert_eq!(m.shape(), dropped.as_slice());
         let mean: Vec<f64> = sum.iter().map(|s| s / kcount as f64).collect();
-        assert_close(&m.to_vec().unwrap(), &mean, 1e-5, &format!("mean {shape:?} {dims:?}"));
-        assert_close(&t.max_dims(dims, false).unwrap().to_vec().unwrap(), &max, 0.0, &format!("max {shape:?} {dims:?}"));
+        assert_close(
+            &m.to_vec().unwrap(),
+            &mean,
+            1e-5,
+            &format!("mean {shape:?} {dims:?}"),
+        );
+        assert_close(
+            &t.max_dims(dims, false).unwrap().to_vec().unwrap(),
+            &max,
+            0.0,
+            &format!("max {shape:?} {dims:?}"),
+        );
     }
 }
 
@@ -71,11 +119,31 @@ fn reductions_read_transposed_views() {
     let (t, data) = random_tensor(&[6, 10], 3);
     let tt = t.t().unwrap(); // [10, 6]
     let got = tt.sum_dims(&[1], false).unwrap();
-    let want: Vec<f64> = (0..10).map(|j| (0..6).map(|i| data[i * 10 + j] as f64).sum()).collect();
-    assert_close(&got.to_vec().unwrap(), &want, 1e-5, "sum of transpose over dim 1");
-    let got = t.permute(&[1, 0]).unwrap().unsqueeze(0).unwrap().expand(&[3, 10, 6]).unwrap().sum_dims(&[0, 2], false).unwrap();
+    let want: Vec<f64> = (0..10)
+        .map(|j| (0..6).map(|i| data[i * 10 + j] as f64).sum())
+        .collect();
+    assert_close(
+        &got.to_vec().unwrap(),
+        &want,
+        1e-5,
+        "sum of transpose over dim 1",
+    );
+    let got = t
+        .permute(&[1, 0])
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .expand(&[3, 10, 6])
+        .unwrap()
+        .sum_dims(&[0, 2], false)
+        .unwrap();
     let want: Vec<f64> = want.iter().map(|w| 3.0 * w).collect();
-    assert_close(&got.to_vec().unwrap(), &want, 1e-5, "sum of an expanded view");
+    assert_close(
+        &got.to_vec().unwrap(),
+        &want,
+        1e-5,
+        "sum of an expanded view",
+    );
 }
 
 #[test]
@@ -89,24 +157,44 @@ fn sum_of_a_rank_zero_tensor_is_itself() {
 fn max_over_an_empty_dim_is_an_error_and_bad_dims_are_shape_errors() {
     let t = Tensor::zeros(&[0, 3], device()).unwrap();
     let err = t.max_dims(&[0], false).unwrap_err();
-    assert!(matches!(err, Error::Shape { op: "max", .. }) && err.to_string().contains("[0, 3]"), "{err}");
+    assert!(
+        matches!(err, Error::Shape { op: "max", .. }) && err.to_string().contains("[0, 3]"),
+        "{err}"
+    );
     let u = Tensor::zeros(&[2, 3], device()).unwrap();
     let err = u.sum_dims(&[2], false).unwrap_err();
-    assert!(matches!(err, Error::Shape { op: "sum", .. }) && err.to_string().contains("[2, 3]"), "{err}");
+    assert!(
+        matches!(err, Error::Shape { op: "sum", .. }) && err.to_string().contains("[2, 3]"),
+        "{err}"
+    );
 }
 
 #[test]
 fn argmax_returns_the_first_maximum_as_u32() {
-    let t = Tensor::from_vec(vec![1.0, 5.0, 5.0, -1.0, 0.0, 2.0, 2.0, 9.0], &[2, 4], device()).unwrap();
-    assert_eq!(t.argmax(1, false).unwrap().to_vec_u32().unwrap(), vec![1, 3]);
-    assert_eq!(t.argmax(0, false).unwrap().to_vec_u32().unwrap(), vec![0, 0, 0, 1]);
+    let t = Tensor::from_vec(
+        vec![1.0, 5.0, 5.0, -1.0, 0.0, 2.0, 2.0, 9.0],
+        &[2, 4],
+        device(),
+    )
+    .unwrap();
+    assert_eq!(
+        t.argmax(1, false).unwrap().to_vec_u32().unwrap(),
+        vec![1, 3]
+    );
+    assert_eq!(
+        t.argmax(0, false).unwrap().to_vec_u32().unwrap(),
+        vec![0, 0, 0, 1]
+    );
     let k = t.argmax(1, true).unwrap();
     assert_eq!(k.shape(), &[2, 1]);
     let (r, data) = random_tensor(&[37, 1029], 4);
     let got = r.argmax(1, false).unwrap().to_vec_u32().unwrap();
     for (i, &g) in got.iter().enumerate() {
         let row = &data[i * 1029..(i + 1) * 1029];
-        let best = row.iter().enumerate().fold(0, |b, (j, &x)| if x > row[b] { j } else { b });
+        let best = row
+            .iter()
+            .enumerate()
+            .fold(0, |b, (j, &x)| if x > row[b] { j } else { b });
         assert_eq!(g as usize, best, "row {i}");
     }
 }

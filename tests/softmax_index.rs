@@ -7,7 +7,10 @@ use wgrad::{nn, Error, Tensor};
 fn softmax_rows(data: &[f32], rows: usize, cols: usize) -> Vec<f64> {
     let mut out = Vec::with_capacity(rows * cols);
     for r in 0..rows {
-        let row: Vec<f64> = data[r * cols..(r + 1) * cols].iter().map(|&x| x as f64).collect();
+        let row: Vec<f64> = data[r * cols..(r + 1) * cols]
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
         let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
         out.extend(row.iter().map(|x| (x - m).exp() / s));
@@ -20,9 +23,19 @@ fn softmax_and_log_softmax_match_reference_on_the_last_dim() {
     for (rows, cols) in [(1, 1), (3, 7), (5, 255), (2, 257), (4, 1023), (1, 4097)] {
         let (t, data) = random_tensor(&[rows, cols], cols as u64);
         let want = softmax_rows(&data, rows, cols);
-        assert_close(&t.softmax(1).unwrap().to_vec().unwrap(), &want, 1e-5, &format!("softmax {rows}x{cols}"));
+        assert_close(
+            &t.softmax(1).unwrap().to_vec().unwrap(),
+            &want,
+            1e-5,
+            &format!("softmax {rows}x{cols}"),
+        );
         let want_log: Vec<f64> = want.iter().map(|p| p.ln()).collect();
-        assert_close(&t.log_softmax(1).unwrap().to_vec().unwrap(), &want_log, 1e-5, &format!("log_softmax {rows}x{cols}"));
+        assert_close(
+            &t.log_softmax(1).unwrap().to_vec().unwrap(),
+            &want_log,
+            1e-5,
+            &format!("log_softmax {rows}x{cols}"),
+        );
     }
 }
 
@@ -45,7 +58,10 @@ fn softmax_of_large_logits_stays_finite() {
     assert_close(&got, &[1.0, 0.0, 0.0, 0.5, 0.5, 0.0], 1e-6, "large softmax");
     let log = t.log_softmax(1).unwrap().to_vec().unwrap();
     assert_eq!(log[0], 0.0);
-    assert!((log[3] + 2f32.ln()).abs() < 1e-6 && (log[4] + 2f32.ln()).abs() < 1e-6, "{log:?}");
+    assert!(
+        (log[3] + 2f32.ln()).abs() < 1e-6 && (log[4] + 2f32.ln()).abs() < 1e-6,
+        "{log:?}"
+    );
 }
 
 #[test]
@@ -59,7 +75,10 @@ fn cross_entropy_is_the_mean_negative_log_likelihood() {
     assert_eq!(loss.shape(), &[] as &[usize]);
     let scaled: Vec<f32> = data.iter().map(|x| x * 30.0).collect();
     let p = softmax_rows(&scaled, n, c);
-    let want: f64 = (0..n).map(|i| -p[i * c + labels[i] as usize].ln()).sum::<f64>() / n as f64;
+    let want: f64 = (0..n)
+        .map(|i| -p[i * c + labels[i] as usize].ln())
+        .sum::<f64>()
+        / n as f64;
     assert_close(&[loss.item().unwrap()], &[want], 1e-5, "cross_entropy");
 }
 
@@ -68,17 +87,52 @@ fn cross_entropy_with_a_label_out_of_range_names_label_and_classes() {
     let logits = Tensor::zeros(&[2, 3], device()).unwrap();
     let labels = Tensor::from_labels(vec![0, 3], device()).unwrap();
     let err = nn::loss::cross_entropy(&logits, &labels).unwrap_err();
-    assert!(matches!(err, Error::Index { op: "cross_entropy", .. }), "{err:?}");
-    assert!(err.to_string().contains("label 3") && err.to_string().contains("3 classes"), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Index {
+                op: "cross_entropy",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("label 3") && err.to_string().contains("3 classes"),
+        "{err}"
+    );
 }
 
 #[test]
 fn cross_entropy_with_mismatched_shapes_or_dtypes_is_an_error() {
     let logits = Tensor::zeros(&[2, 3], device()).unwrap();
-    let err = nn::loss::cross_entropy(&logits, &Tensor::from_labels(vec![0, 1, 2], device()).unwrap()).unwrap_err();
-    assert!(matches!(err, Error::Shape { op: "cross_entropy", .. }) && err.to_string().contains("[2, 3]"), "{err}");
-    let err = nn::loss::cross_entropy(&logits, &Tensor::zeros(&[2], device()).unwrap()).unwrap_err();
-    assert!(matches!(err, Error::DType { op: "cross_entropy", .. }), "{err:?}");
+    let err = nn::loss::cross_entropy(
+        &logits,
+        &Tensor::from_labels(vec![0, 1, 2], device()).unwrap(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Shape {
+                op: "cross_entropy",
+                ..
+            }
+        ) && err.to_string().contains("[2, 3]"),
+        "{err}"
+    );
+    let err =
+        nn::loss::cross_entropy(&logits, &Tensor::zeros(&[2], device()).unwrap()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::DType {
+                op: "cross_entropy",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -95,7 +149,11 @@ fn index_select_picks_slices_in_order() {
             }
         }
     }
-    let rows = t.permute(&[2, 1, 0]).unwrap().index_select(0, &Tensor::from_vec_u32(vec![2], &[1], device()).unwrap()).unwrap();
+    let rows = t
+        .permute(&[2, 1, 0])
+        .unwrap()
+        .index_select(0, &Tensor::from_vec_u32(vec![2], &[1], device()).unwrap())
+        .unwrap();
     assert_eq!(rows.shape(), &[1, 4, 5]);
 }
 
@@ -104,13 +162,26 @@ fn gather_follows_pytorch() {
     let (t, data) = random_tensor(&[3, 5], 7);
     let idx = Tensor::from_vec_u32(vec![4, 0, 1, 1, 2, 3], &[3, 2], device()).unwrap();
     let got = t.gather(1, &idx).unwrap().to_vec().unwrap();
-    let want: Vec<f32> = vec![data[4], data[0], data[5 + 1], data[5 + 1], data[10 + 2], data[10 + 3]];
+    let want: Vec<f32> = vec![
+        data[4],
+        data[0],
+        data[5 + 1],
+        data[5 + 1],
+        data[10 + 2],
+        data[10 + 3],
+    ];
     assert_eq!(got, want);
     let idx0 = Tensor::from_vec_u32(vec![2, 0, 1], &[1, 3], device()).unwrap();
-    assert_eq!(t.gather(0, &idx0).unwrap().to_vec().unwrap(), vec![data[10], data[1], data[5 + 2]]);
+    assert_eq!(
+        t.gather(0, &idx0).unwrap().to_vec().unwrap(),
+        vec![data[10], data[1], data[5 + 2]]
+    );
     let tt = t.t().unwrap();
     let idx_t = Tensor::from_vec_u32(vec![2, 1], &[1, 2], device()).unwrap();
-    assert_eq!(tt.gather(1, &idx_t).unwrap().to_vec().unwrap(), vec![data[10], data[5]]);
+    assert_eq!(
+        tt.gather(1, &idx_t).unwrap().to_vec().unwrap(),
+        vec![data[10], data[5]]
+    );
 }
 
 #[test]
@@ -118,10 +189,38 @@ fn indices_out_of_range_or_of_the_wrong_dtype_are_errors() {
     let t = Tensor::zeros(&[3, 4], device()).unwrap();
     let idx = Tensor::from_vec_u32(vec![0, 4], &[2], device()).unwrap();
     let err = t.index_select(1, &idx).unwrap_err();
-    assert!(matches!(err, Error::Index { op: "index_select", .. }), "{err:?}");
-    assert!(err.to_string().contains("index 4") && err.to_string().contains("size 4"), "{err}");
-    let err = t.gather(0, &Tensor::from_vec_u32(vec![3], &[1, 1], device()).unwrap()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Index {
+                op: "index_select",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("index 4") && err.to_string().contains("size 4"),
+        "{err}"
+    );
+    let err = t
+        .gather(
+            0,
+            &Tensor::from_vec_u32(vec![3], &[1, 1], device()).unwrap(),
+        )
+        .unwrap_err();
     assert!(matches!(err, Error::Index { op: "gather", .. }), "{err:?}");
-    let err = t.index_select(0, &Tensor::zeros(&[1], device()).unwrap()).unwrap_err();
-    assert!(matches!(err, Error::DType { op: "index_select", .. }), "{err:?}");
+    let err = t
+        .index_select(0, &Tensor::zeros(&[1], device()).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::DType {
+                op: "index_select",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }

@@ -15,16 +15,31 @@ fn from_vec_round_trips_values_and_shape() {
 #[test]
 fn from_vec_with_wrong_length_names_op_and_shape() {
     let err = Tensor::from_vec(vec![1.0; 5], &[2, 3], device()).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { op: "from_vec", .. }), "{err:?}");
-    assert!(err.to_string().contains("5 values") && err.to_string().contains("[2, 3]"), "{err}");
+    assert!(
+        matches!(err, Error::InvalidArgument { op: "from_vec", .. }),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("5 values") && err.to_string().contains("[2, 3]"),
+        "{err}"
+    );
 }
 
 #[test]
 fn fills_and_arange_hold_their_values() {
     let dev = device();
-    assert_eq!(Tensor::zeros(&[3], dev).unwrap().to_vec().unwrap(), vec![0.0; 3]);
-    assert_eq!(Tensor::ones(&[2, 2], dev).unwrap().to_vec().unwrap(), vec![1.0; 4]);
-    assert_eq!(Tensor::full(&[2], -2.5, dev).unwrap().to_vec().unwrap(), vec![-2.5; 2]);
+    assert_eq!(
+        Tensor::zeros(&[3], dev).unwrap().to_vec().unwrap(),
+        vec![0.0; 3]
+    );
+    assert_eq!(
+        Tensor::ones(&[2, 2], dev).unwrap().to_vec().unwrap(),
+        vec![1.0; 4]
+    );
+    assert_eq!(
+        Tensor::full(&[2], -2.5, dev).unwrap().to_vec().unwrap(),
+        vec![-2.5; 2]
+    );
     let n = 70001;
     let a = Tensor::arange(n, dev).unwrap().to_vec().unwrap();
     assert!(a.iter().enumerate().all(|(i, &v)| v == i as f32));
@@ -40,7 +55,10 @@ fn rand_and_randn_are_reproducible_from_the_seed() {
     assert_ne!(a, c);
     let mean = a.iter().map(|&x| x as f64).sum::<f64>() / 1000.0;
     let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / 1000.0;
-    assert!(mean.abs() < 0.1 && (var - 1.0).abs() < 0.15, "mean {mean} var {var}");
+    assert!(
+        mean.abs() < 0.1 && (var - 1.0).abs() < 0.15,
+        "mean {mean} var {var}"
+    );
     let u = Tensor::rand(&[1000], 7, dev).unwrap().to_vec().unwrap();
     assert!(u.iter().all(|&x| (0.0..1.0).contains(&x)));
 }
@@ -49,9 +67,15 @@ fn rand_and_randn_are_reproducible_from_the_seed() {
 fn item_reads_one_element_and_rejects_more() {
     let dev = device();
     assert_eq!(Tensor::full(&[], 3.5, dev).unwrap().item().unwrap(), 3.5);
-    assert_eq!(Tensor::full(&[1, 1], 2.0, dev).unwrap().item().unwrap(), 2.0);
+    assert_eq!(
+        Tensor::full(&[1, 1], 2.0, dev).unwrap().item().unwrap(),
+        2.0
+    );
     let err = Tensor::zeros(&[2], dev).unwrap().item().unwrap_err();
-    assert!(matches!(err, Error::Shape { op: "item", .. }) && err.to_string().contains("[2]"), "{err}");
+    assert!(
+        matches!(err, Error::Shape { op: "item", .. }) && err.to_string().contains("[2]"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -59,7 +83,10 @@ fn labels_are_u32_and_read_back_as_u32() {
     let l = Tensor::from_labels(vec![3, 0, 7], device()).unwrap();
     assert_eq!(l.dtype(), DType::U32);
     assert_eq!(l.to_vec_u32().unwrap(), vec![3, 0, 7]);
-    assert!(matches!(l.to_vec().unwrap_err(), Error::DType { op: "to_vec", .. }));
+    assert!(matches!(
+        l.to_vec().unwrap_err(),
+        Error::DType { op: "to_vec", .. }
+    ));
 }
 
 #[test]
@@ -71,13 +98,24 @@ fn ranks_zero_to_six_and_empty_tensors_work() {
         assert_eq!(t.shape(), shape.as_slice());
         let doubled = t.mul_scalar(2.0).unwrap();
         let want: Vec<f64> = data.iter().map(|&x| 2.0 * x as f64).collect();
-        assert_close(&doubled.to_vec().unwrap(), &want, 0.0, &format!("rank {rank}"));
+        assert_close(
+            &doubled.to_vec().unwrap(),
+            &want,
+            0.0,
+            &format!("rank {rank}"),
+        );
     }
     let empty = Tensor::zeros(&[0, 4], dev).unwrap();
     assert_eq!(empty.numel(), 0);
     assert_eq!(empty.exp().unwrap().to_vec().unwrap(), Vec::<f32>::new());
-    assert_eq!(empty.sum_dims(&[0], false).unwrap().to_vec().unwrap(), vec![0.0; 4]);
-    assert_eq!(Tensor::from_vec(vec![], &[3, 0], dev).unwrap().shape(), &[3, 0]);
+    assert_eq!(
+        empty.sum_dims(&[0], false).unwrap().to_vec().unwrap(),
+        vec![0.0; 4]
+    );
+    assert_eq!(
+        Tensor::from_vec(vec![], &[3, 0], dev).unwrap().shape(),
+        &[3, 0]
+    );
 }
 
 #[test]
@@ -119,7 +157,10 @@ fn reshape_is_a_view_when_contiguous_and_a_copy_otherwise() {
     let want: Vec<f32> = (0..24).map(|i| data[(i % 4) * 6 + i / 4]).collect();
     assert_eq!(c.to_vec().unwrap(), want);
     let err = t.reshape(&[5, 5]).unwrap_err();
-    assert!(matches!(err, Error::Shape { op: "reshape", .. }) && err.to_string().contains("[4, 6]"), "{err}");
+    assert!(
+        matches!(err, Error::Shape { op: "reshape", .. }) && err.to_string().contains("[4, 6]"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -134,11 +175,29 @@ fn contiguous_returns_the_same_tensor_when_already_contiguous() {
 #[test]
 fn views_with_bad_dims_or_ranges_are_shape_errors() {
     let t = Tensor::zeros(&[2, 3], device()).unwrap();
-    assert!(matches!(t.transpose(0, 2).unwrap_err(), Error::Shape { op: "transpose", .. }));
-    assert!(matches!(t.permute(&[0, 0]).unwrap_err(), Error::Shape { op: "permute", .. }));
-    assert!(matches!(t.narrow(1, 2, 2).unwrap_err(), Error::Shape { op: "narrow", .. }));
-    assert!(matches!(t.expand(&[4, 3]).unwrap_err(), Error::Shape { op: "expand", .. }));
-    assert!(matches!(t.squeeze(1).unwrap_err(), Error::Shape { op: "squeeze", .. }));
+    assert!(matches!(
+        t.transpose(0, 2).unwrap_err(),
+        Error::Shape {
+            op: "transpose",
+            ..
+        }
+    ));
+    assert!(matches!(
+        t.permute(&[0, 0]).unwrap_err(),
+        Error::Shape { op: "permute", .. }
+    ));
+    assert!(matches!(
+        t.narrow(1, 2, 2).unwrap_err(),
+        Error::Shape { op: "narrow", .. }
+    ));
+    assert!(matches!(
+        t.expand(&[4, 3]).unwrap_err(),
+        Error::Shape { op: "expand", .. }
+    ));
+    assert!(matches!(
+        t.squeeze(1).unwrap_err(),
+        Error::Shape { op: "squeeze", .. }
+    ));
     let t3 = Tensor::zeros(&[2, 3, 4], device()).unwrap();
     assert!(matches!(t3.t().unwrap_err(), Error::Shape { op: "t", .. }));
 }
@@ -150,7 +209,11 @@ fn tensor_larger_than_one_binding_is_a_too_large_error() {
     let elements = (limit / 4 + 1) as usize;
     let err = Tensor::zeros(&[elements], dev).unwrap_err();
     match &err {
-        Error::TooLarge { op: "zeros", bytes, limit: l } => {
+        Error::TooLarge {
+            op: "zeros",
+            bytes,
+            limit: l,
+        } => {
             assert_eq!(*bytes, elements as u64 * 4);
             assert_eq!(*l, limit);
         }
@@ -173,13 +236,22 @@ fn cat_joins_along_a_dim_and_checks_the_others() {
     let rows = Tensor::cat(&[a.clone(), a.t().unwrap().t().unwrap()], 0).unwrap();
     assert_eq!(rows.to_vec().unwrap(), [da.clone(), da].concat());
     let err = Tensor::cat(&[a, b], 0).unwrap_err();
-    assert!(matches!(err, Error::Shape { op: "cat", .. }) && err.to_string().contains("[2, 5]"), "{err}");
-    assert!(matches!(Tensor::cat(&[], 0).unwrap_err(), Error::InvalidArgument { op: "cat", .. }));
+    assert!(
+        matches!(err, Error::Shape { op: "cat", .. }) && err.to_string().contains("[2, 5]"),
+        "{err}"
+    );
+    assert!(matches!(
+        Tensor::cat(&[], 0).unwrap_err(),
+        Error::InvalidArgument { op: "cat", .. }
+    ));
 }
 
 #[test]
 fn cat_of_labels_keeps_u32() {
     let a = Tensor::from_labels(vec![1, 2], device()).unwrap();
     let b = Tensor::from_labels(vec![9], device()).unwrap();
-    assert_eq!(Tensor::cat(&[a, b], 0).unwrap().to_vec_u32().unwrap(), vec![1, 2, 9]);
+    assert_eq!(
+        Tensor::cat(&[a, b], 0).unwrap().to_vec_u32().unwrap(),
+        vec![1, 2, 9]
+    );
 }

@@ -9,7 +9,7 @@
 mod pipelines;
 mod pool;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -37,6 +37,17 @@ pub(crate) struct Kernel<'a> {
     pub source: &'a dyn Fn() -> String,
 }
 
+/// Which matmul kernel a device runs. Chosen per adapter at start-up, with no tuning pass:
+/// software adapters run workgroup barriers as coroutine switches, so a barrier-free kernel wins
+/// there, while GPUs want tiles staged in workgroup memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// Each invocation keeps a 4x4 block of the output in registers; no barriers.
+    RegisterTiled,
+    /// 64x64 output tiles from 64x16 panels of A and B staged in workgroup memory.
+    SharedTiled,
+}
+
 /// The adapter a [`Device`] runs on.
 #[derive(Debug, Clone)]
 pub struct DeviceInfo {
@@ -59,7 +70,11 @@ impl DeviceInfo {
 
 impl std::fmt::Display for DeviceInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({:?}, {:?}", self.name, self.backend, self.device_type)?;
+        write!(
+            f,
+            "{} ({:?}, {:?}",
+            self.name, self.backend, self.device_type
+        )?;
         if !self.driver.is_empty() {
             write!(f, ", driver {}", self.driver)?;
         }
@@ -113,6 +128,8 @@ pub(crate) struct DeviceInner {
     pipelines: Mutex<PipelineCache>,
     /// Errors wgpu reported outside any scope, waiting to be returned as `Error::Device`.
     errors: Arc<Mutex<Vec<String>>>,
+    /// True when matmul runs `MatmulKernel::SharedTiled`.
+    matmul_shared_tiled: AtomicBool,
     submits: AtomicU64,
     dispatches: AtomicU64,
     next_storage_id: AtomicU64,
@@ -130,9 +147,16 @@ struct Recorder {
 
 fn looks_like_software(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    ["llvmpipe", "lavapipe", "softpipe", "swiftshader", "warp", "microsoft basic render"]
-        .iter()
-        .any(|s| name.contains(s))
+    [
+        "llvmpipe",
+        "lavapipe",
+        "softpipe",
+        "swiftshader",
+        "warp",
+        "microsoft basic render",
+    ]
+    .iter()
+    .any(|s| name.contains(s))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -191,9 +215,17 @@ impl Device {
                 wgpu::DeviceType::Other => 3,
                 wgpu::DeviceType::Cpu => 4,
             };
-            let kind = if looks_like_software(&info.name) { 4 } else { kind };
+            let kind = if looks_like_software(&info.name) {
+                4
+            } else {
+                kind
+            };
             // Prefer the native APIs over GL for the same kind of adapter.
-            let api = if info.backend == wgpu::Backend::Gl { 1 } else { 0 };
+            let api = if info.backend == wgpu::Backend::Gl {
+                1
+            } else {
+                0
+            };
             (kind, api)
         };
         let adapter = adapters
@@ -201,7 +233,11 @@ impl Device {
             .filter(|a| !software_only || rank(a).0 == 4)
             .min_by_key(rank)
             .ok_or_else(|| {
-                let what = if software_only { "software adapter" } else { "adapter" };
+                let what = if software_only {
+                    "software adapter"
+                } else {
+                    "adapter"
+                };
                 Error::NoAdapter(format!(
                     "wgpu found no {what} for backends {backends:?}; {INSTALL_HINT}"
                 ))
@@ -222,13 +258,19 @@ impl Device {
 
         let errors: Arc<Mutex<Vec<String>>> = Arc::default();
         let sink = errors.clone();
-        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| lock(&sink).push(e.to_string())));
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            lock(&sink).push(e.to_string())
+        }));
         let sink = errors.clone();
         device.set_device_lost_callback(move |reason, msg| {
             lock(&sink).push(format!("device lost ({reason:?}): {msg}"))
         });
 
-        let batch_limit = if adapter_info.backend == wgpu::Backend::Gl { 16 } else { 64 };
+        let batch_limit = if adapter_info.backend == wgpu::Backend::Gl {
+            16
+        } else {
+            64
+        };
         let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("wgrad params"),
             size: PARAMS_BYTES * batch_limit as u64,
@@ -245,6 +287,7 @@ impl Device {
         };
         Ok(Device {
             inner: Arc::new(DeviceInner {
+                matmul_shared_tiled: AtomicBool::new(!info.is_software()),
                 info,
                 device,
                 queue,
@@ -288,6 +331,24 @@ impl Device {
         }
     }
 
+    /// The matmul kernel this device runs.
+    pub fn matmul_kernel(&self) -> MatmulKernel {
+        if self.inner.matmul_shared_tiled.load(Ordering::Relaxed) {
+            MatmulKernel::SharedTiled
+        } else {
+            MatmulKernel::RegisterTiled
+        }
+    }
+
+    /// Overrides the per-adapter choice of matmul kernel (to compare them, or to test the GPU
+    /// kernel on a software adapter).
+    pub fn set_matmul_kernel(&self, kernel: MatmulKernel) {
+        let shared = kernel == MatmulKernel::SharedTiled;
+        self.inner
+            .matmul_shared_tiled
+            .store(shared, Ordering::Relaxed);
+    }
+
     /// The largest tensor, in bytes, that one kernel can bind on this adapter (128 MiB on
     /// lavapipe). Larger tensors are an `Error::TooLarge`.
     pub fn max_tensor_bytes(&self) -> u64 {
@@ -312,7 +373,9 @@ impl DeviceInner {
 
     /// The largest buffer one kernel may bind, in bytes.
     pub(crate) fn max_binding_bytes(&self) -> u64 {
-        (self.limits.max_storage_buffer_binding_size as u64).min(self.limits.max_buffer_size)
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
     }
 
     /// A storage buffer of at least `bytes` bytes, from the pool when it has one of that size
@@ -355,7 +418,10 @@ impl DeviceInner {
         params: &[u32],
         workgroups: u32,
     ) -> Result<()> {
-        assert!(params.len() * 4 <= PARAMS_BYTES as usize, "{op}: too many kernel params");
+        assert!(
+            params.len() * 4 <= PARAMS_BYTES as usize,
+            "{op}: too many kernel params"
+        );
         if workgroups == 0 {
             return Ok(());
         }
@@ -410,7 +476,12 @@ impl DeviceInner {
     /// Records a copy of `data` into `target` at byte 0, ordered after all recorded work.
     /// (A `queue.write_buffer` would land before work already recorded into the open encoder,
     /// which may still read a pooled buffer's previous contents.)
-    pub(crate) fn upload(&self, op: &'static str, target: &wgpu::Buffer, data: &[u8]) -> Result<()> {
+    pub(crate) fn upload(
+        &self,
+        op: &'static str,
+        target: &wgpu::Buffer,
+        data: &[u8],
+    ) -> Result<()> {
         if data.is_empty() {
             return Ok(());
         }
@@ -422,19 +493,33 @@ impl DeviceInner {
         });
         staging
             .get_mapped_range_mut(..)
-            .map_err(|e| Error::Device { op: op.to_string(), msg: e.to_string() })?
+            .map_err(|e| Error::Device {
+                op: op.to_string(),
+                msg: e.to_string(),
+            })?
             .copy_from_slice(data);
         staging.unmap();
         let mut rec = lock(&self.recorder);
-        self.open_encoder(&mut rec)
-            .copy_buffer_to_buffer(&staging, 0, target, 0, data.len() as u64);
+        self.open_encoder(&mut rec).copy_buffer_to_buffer(
+            &staging,
+            0,
+            target,
+            0,
+            data.len() as u64,
+        );
         self.take_error(op)?;
         self.end_command(rec, op)
     }
 
     /// Copies `bytes` bytes at `offset` of `src` back to the host: submits everything
     /// recorded so far and waits for it.
-    pub(crate) fn read(&self, op: &'static str, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
+    pub(crate) fn read(
+        &self,
+        op: &'static str,
+        src: &wgpu::Buffer,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<Vec<u8>> {
         if bytes == 0 {
             self.flush()?;
             return Ok(Vec::new());
@@ -461,11 +546,17 @@ impl DeviceInner {
             self.poll_slice(None)?;
         }
         if let Some(Err(e)) = lock(&mapped).take() {
-            return Err(Error::Device { op: op.to_string(), msg: e.to_string() });
+            return Err(Error::Device {
+                op: op.to_string(),
+                msg: e.to_string(),
+            });
         }
         let data = staging
             .get_mapped_range(..)
-            .map_err(|e| Error::Device { op: op.to_string(), msg: e.to_string() })?
+            .map_err(|e| Error::Device {
+                op: op.to_string(),
+                msg: e.to_string(),
+            })?
             .to_vec();
         staging.unmap();
         Ok(data)
@@ -474,7 +565,9 @@ impl DeviceInner {
     fn open_encoder<'r>(&self, rec: &'r mut Recorder) -> &'r mut wgpu::CommandEncoder {
         rec.encoder.get_or_insert_with(|| {
             self.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("wgrad batch") })
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("wgrad batch"),
+                })
         })
     }
 
@@ -518,7 +611,10 @@ impl DeviceInner {
                     names.push(op);
                 }
             }
-            self.take_error(&format!("one of the ops submitted together ({})", names.join(", ")))?;
+            self.take_error(&format!(
+                "one of the ops submitted together ({})",
+                names.join(", ")
+            ))?;
         }
         Ok(Some(submission))
     }
@@ -535,12 +631,18 @@ impl DeviceInner {
     /// One bounded poll: `true` when the submission (or the whole queue) is done, `false`
     /// when the time slice ran out first.
     fn poll_slice(&self, submission: Option<wgpu::SubmissionIndex>) -> Result<bool> {
-        let wait = wgpu::PollType::Wait { submission_index: submission, timeout: Some(POLL_SLICE) };
+        let wait = wgpu::PollType::Wait {
+            submission_index: submission,
+            timeout: Some(POLL_SLICE),
+        };
         let _queue = lock(&self.queue_lock);
         match self.device.poll(wait) {
             Ok(_) => Ok(true),
             Err(wgpu::PollError::Timeout) => Ok(false),
-            Err(e) => Err(Error::Device { op: "synchronize".into(), msg: e.to_string() }),
+            Err(e) => Err(Error::Device {
+                op: "synchronize".into(),
+                msg: e.to_string(),
+            }),
         }
     }
 
@@ -552,6 +654,9 @@ impl DeviceInner {
         }
         let msg = errors.join("; ");
         errors.clear();
-        Err(Error::Device { op: op.to_string(), msg })
+        Err(Error::Device {
+            op: op.to_string(),
+            msg,
+        })
     }
 }

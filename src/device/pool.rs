@@ -75,7 +75,10 @@ mod tests {
         assert_eq!(size_class((1 << 20) + 1), (1 << 21) / 8 * 5);
         for bytes in [3_000_000u64, 64 << 20, (64 << 20) + 4] {
             let class = size_class(bytes);
-            assert!(class >= bytes && class <= bytes + bytes / 4 + 256, "{bytes} -> {class}");
+            assert!(
+                class >= bytes && class <= bytes + bytes / 4 + 256,
+                "{bytes} -> {class}"
+            );
         }
     }
 }

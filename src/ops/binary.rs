@@ -21,7 +21,13 @@ pub(crate) enum BinaryOp {
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 5] = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Maximum];
+    const ALL: [BinaryOp; 5] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Maximum,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -50,7 +56,10 @@ impl BinaryOp {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    BinaryOp::ALL.iter().map(|op| (format!("binary/{}", op.name()), op.source())).collect()
+    BinaryOp::ALL
+        .iter()
+        .map(|op| (format!("binary/{}", op.name()), op.source()))
+        .collect()
 }
 
 /// `a op b` broadcast to their common shape, into a new contiguous tensor.
@@ -61,7 +70,11 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
     b.expect_dtype(name, DType::F32)?;
     let shape = broadcast_shapes(a.shape(), b.shape()).ok_or_else(|| Error::Shape {
         op: name,
-        msg: format!("shapes {:?} and {:?} do not broadcast", a.shape(), b.shape()),
+        msg: format!(
+            "shapes {:?} and {:?} do not broadcast",
+            a.shape(),
+            b.shape()
+        ),
     })?;
     let out = Tensor::empty(name, &shape, DType::F32, a.device())?;
     let n = out.numel();
@@ -70,17 +83,26 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
     }
     let la = a.layout().expand(name, &shape)?;
     let lb = b.layout().expand(name, &shape)?;
-    let (rank, kshape, strides) = merge_dims(&shape, &[&la.strides, &lb.strides]).ok_or_else(|| Error::Shape {
-        op: name,
-        msg: format!("broadcast shape {shape:?} has more than 6 non-mergeable dims"),
-    })?;
-    let entry = if la.is_contiguous() && lb.is_contiguous() { "contiguous" } else { "strided" };
+    let (rank, kshape, strides) =
+        merge_dims(&shape, &[&la.strides, &lb.strides]).ok_or_else(|| Error::Shape {
+            op: name,
+            msg: format!("broadcast shape {shape:?} has more than 6 non-mergeable dims"),
+        })?;
+    let entry = if la.is_contiguous() && lb.is_contiguous() {
+        "contiguous"
+    } else {
+        "strided"
+    };
     let mut params = vec![n as u32, la.offset as u32, lb.offset as u32, rank as u32];
     params.extend(&kshape);
     params.extend(&strides[0]);
     params.extend(&strides[1]);
     let key = format!("binary/{name}:{entry}");
-    let kernel = Kernel { key: &key, entry, source: &|| op.source() };
+    let kernel = Kernel {
+        key: &key,
+        entry,
+        source: &|| op.source(),
+    };
     dispatch(name, &kernel, &[a, b, &out], &params, groups(n, WORKGROUP))?;
     Ok(out)
 }

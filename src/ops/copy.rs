@@ -20,34 +20,69 @@ fn fill_source() -> String {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("copy".into(), copy_source()), ("fill".into(), fill_source())]
+    vec![
+        ("copy".into(), copy_source()),
+        ("fill".into(), fill_source()),
+    ]
 }
 
 /// Copies the elements of `src` (any layout) into `dst`'s storage at layout `dst_layout`.
-pub(crate) fn copy_into(op: &'static str, src: &Tensor, dst: &Tensor, dst_layout: &Layout) -> Result<()> {
+pub(crate) fn copy_into(
+    op: &'static str,
+    src: &Tensor,
+    dst: &Tensor,
+    dst_layout: &Layout,
+) -> Result<()> {
     let n = src.numel();
     if n == 0 {
         return Ok(());
     }
-    let (rank, shape, strides) = merge_dims(src.shape(), &[&src.layout().strides, &dst_layout.strides])
-        .ok_or_else(|| Error::Shape {
-            op,
-            msg: format!("shape {:?} has more than 6 non-mergeable dims", src.shape()),
-        })?;
-    let mut params = vec![n as u32, src.layout().offset as u32, dst_layout.offset as u32, rank as u32];
+    let (rank, shape, strides) =
+        merge_dims(src.shape(), &[&src.layout().strides, &dst_layout.strides]).ok_or_else(
+            || Error::Shape {
+                op,
+                msg: format!("shape {:?} has more than 6 non-mergeable dims", src.shape()),
+            },
+        )?;
+    let mut params = vec![
+        n as u32,
+        src.layout().offset as u32,
+        dst_layout.offset as u32,
+        rank as u32,
+    ];
     params.extend(&shape);
     params.extend(&strides[0]);
     params.extend(&strides[1]);
-    let kernel = Kernel { key: "copy:strided_copy", entry: "strided_copy", source: &copy_source };
+    let kernel = Kernel {
+        key: "copy:strided_copy",
+        entry: "strided_copy",
+        source: &copy_source,
+    };
     dispatch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP))
 }
 
 /// A contiguous f32 tensor holding `start + step * i`.
-pub(crate) fn fill(op: &'static str, shape: &[usize], start: f32, step: f32, device: &Device) -> Result<Tensor> {
+pub(crate) fn fill(
+    op: &'static str,
+    shape: &[usize],
+    start: f32,
+    step: f32,
+    device: &Device,
+) -> Result<Tensor> {
     let out = Tensor::empty(op, shape, DType::F32, device)?;
     let n = out.numel();
-    let kernel = Kernel { key: "fill:fill", entry: "fill", source: &fill_source };
-    dispatch(op, &kernel, &[&out], &[n as u32, f32_bits(start), f32_bits(step)], groups(n, WORKGROUP))?;
+    let kernel = Kernel {
+        key: "fill:fill",
+        entry: "fill",
+        source: &fill_source,
+    };
+    dispatch(
+        op,
+        &kernel,
+        &[&out],
+        &[n as u32, f32_bits(start), f32_bits(step)],
+        groups(n, WORKGROUP),
+    )?;
     Ok(out)
 }
 
@@ -78,14 +113,24 @@ impl Tensor {
             first.expect_same_device(OP, t)?;
             t.expect_dtype(OP, first.dtype())?;
             let agrees = t.rank() == first.rank()
-                && t.shape().iter().zip(first.shape()).enumerate().all(|(d, (a, b))| d == dim || a == b);
+                && t.shape()
+                    .iter()
+                    .zip(first.shape())
+                    .enumerate()
+                    .all(|(d, (a, b))| d == dim || a == b);
             if !agrees {
                 let shapes: Vec<_> = tensors.iter().map(|t| t.shape().to_vec()).collect();
-                return Err(Error::Shape { op: OP, msg: format!("shapes {shapes:?} differ outside dim {dim}") });
+                return Err(Error::Shape {
+                    op: OP,
+                    msg: format!("shapes {shapes:?} differ outside dim {dim}"),
+                });
             }
             shape[dim] += t.shape()[dim];
         }
-        let bound = tensors.iter().map(|t| t.index_bound()).try_fold(0u32, |m, b| b.map(|b| m.max(b)));
+        let bound = tensors
+            .iter()
+            .map(|t| t.index_bound())
+            .try_fold(0u32, |m, b| b.map(|b| m.max(b)));
         let out = Tensor::empty(OP, &shape, first.dtype(), first.device())?.with_index_bound(bound);
         let mut start = 0;
         for t in tensors {

@@ -20,16 +20,29 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 }
 
 /// Errors unless every value of `indices` is below `size` (known from its bound).
-fn check_bound(op: &'static str, indices: &Tensor, size: usize, x: &Tensor, dim: usize) -> Result<()> {
+fn check_bound(
+    op: &'static str,
+    indices: &Tensor,
+    size: usize,
+    x: &Tensor,
+    dim: usize,
+) -> Result<()> {
     indices.expect_dtype(op, DType::U32)?;
     match indices.index_bound() {
         Some(bound) if bound as usize <= size => Ok(()),
         _ if indices.numel() == 0 => Ok(()),
         Some(bound) => Err(Error::Index {
             op,
-            msg: format!("index {} is out of range for dim {dim} of size {size} (shape {:?})", bound - 1, x.shape()),
+            msg: format!(
+                "index {} is out of range for dim {dim} of size {size} (shape {:?})",
+                bound - 1,
+                x.shape()
+            ),
         }),
-        None => Err(Error::Index { op, msg: "indices of unknown range".into() }),
+        None => Err(Error::Index {
+            op,
+            msg: "indices of unknown range".into(),
+        }),
     }
 }
 
@@ -42,13 +55,36 @@ impl Tensor {
         let k = self.shape()[dim];
         let out_shape = reduced_shape(self.shape(), &[dim], keepdim);
         if k == 0 && self.numel() == 0 && out_shape.iter().product::<usize>() > 0 {
-            return Err(Error::Shape { op: OP, msg: format!("cannot take argmax over an empty dim of shape {:?}", self.shape()) });
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "cannot take argmax over an empty dim of shape {:?}",
+                    self.shape()
+                ),
+            });
         }
         let mat = as_matrix(self, &[dim])?;
-        let out = Tensor::empty(OP, &[mat.m], DType::U32, self.device())?.with_index_bound(Some(k as u32));
-        let kernel = Kernel { key: "index:argmax", entry: "argmax", source: &source };
-        let params = [mat.m as u32, mat.k as u32, mat.tensor.layout().offset as u32, mat.row_stride as u32, mat.k_stride as u32];
-        dispatch(OP, &kernel, &[&mat.tensor, &out], &params, groups(mat.m, WORKGROUP))?;
+        let out = Tensor::empty(OP, &[mat.m], DType::U32, self.device())?
+            .with_index_bound(Some(k as u32));
+        let kernel = Kernel {
+            key: "index:argmax",
+            entry: "argmax",
+            source: &source,
+        };
+        let params = [
+            mat.m as u32,
+            mat.k as u32,
+            mat.tensor.layout().offset as u32,
+            mat.row_stride as u32,
+            mat.k_stride as u32,
+        ];
+        dispatch(
+            OP,
+            &kernel,
+            &[&mat.tensor, &out],
+            &params,
+            groups(mat.m, WORKGROUP),
+        )?;
         out.reshape(&out_shape)
     }
 
@@ -59,7 +95,10 @@ impl Tensor {
         self.expect_dtype(OP, DType::F32)?;
         self.layout().check_dim(OP, dim)?;
         if indices.rank() != 1 {
-            return Err(Error::Shape { op: OP, msg: format!("needs 1-D indices, got shape {:?}", indices.shape()) });
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("needs 1-D indices, got shape {:?}", indices.shape()),
+            });
         }
         check_bound(OP, indices, self.shape()[dim], self, dim)?;
         let mut shape = self.shape().to_vec();
@@ -72,9 +111,26 @@ impl Tensor {
         let x = self.contiguous()?;
         let idx = indices.contiguous()?;
         let inner: usize = self.shape()[dim + 1..].iter().product();
-        let params = [n as u32, indices.numel() as u32, inner as u32, self.shape()[dim] as u32, x.layout().offset as u32, idx.layout().offset as u32];
-        let kernel = Kernel { key: "index:index_select", entry: "index_select", source: &source };
-        dispatch(OP, &kernel, &[&x, &out, &idx], &params, groups(n, WORKGROUP))?;
+        let params = [
+            n as u32,
+            indices.numel() as u32,
+            inner as u32,
+            self.shape()[dim] as u32,
+            x.layout().offset as u32,
+            idx.layout().offset as u32,
+        ];
+        let kernel = Kernel {
+            key: "index:index_select",
+            entry: "index_select",
+            source: &source,
+        };
+        dispatch(
+            OP,
+            &kernel,
+            &[&x, &out, &idx],
+            &params,
+            groups(n, WORKGROUP),
+        )?;
         Ok(out)
     }
 
@@ -86,11 +142,20 @@ impl Tensor {
         self.expect_dtype(OP, DType::F32)?;
         self.layout().check_dim(OP, dim)?;
         let fits = indices.rank() == self.rank()
-            && indices.shape().iter().zip(self.shape()).enumerate().all(|(d, (i, s))| d == dim || i <= s);
+            && indices
+                .shape()
+                .iter()
+                .zip(self.shape())
+                .enumerate()
+                .all(|(d, (i, s))| d == dim || i <= s);
         if !fits || self.rank() > KERNEL_RANK {
             return Err(Error::Shape {
                 op: OP,
-                msg: format!("indices of shape {:?} do not fit input {:?} along dim {dim}", indices.shape(), self.shape()),
+                msg: format!(
+                    "indices of shape {:?} do not fit input {:?} along dim {dim}",
+                    indices.shape(),
+                    self.shape()
+                ),
             });
         }
         check_bound(OP, indices, self.shape()[dim], self, dim)?;
@@ -101,11 +166,40 @@ impl Tensor {
         }
         let idx = indices.contiguous()?;
         let pad = KERNEL_RANK - self.rank();
-        let mut params = vec![n as u32, (pad + dim) as u32, self.layout().offset as u32, idx.layout().offset as u32, self.shape()[dim] as u32, self.rank() as u32];
-        params.extend((0..KERNEL_RANK).map(|d| if d < pad { 1 } else { indices.shape()[d - pad] as u32 }));
-        params.extend((0..KERNEL_RANK).map(|d| if d < pad { 0 } else { self.layout().strides[d - pad] as u32 }));
-        let kernel = Kernel { key: "index:gather", entry: "gather", source: &source };
-        dispatch(OP, &kernel, &[self, &out, &idx], &params, groups(n, WORKGROUP))?;
+        let mut params = vec![
+            n as u32,
+            (pad + dim) as u32,
+            self.layout().offset as u32,
+            idx.layout().offset as u32,
+            self.shape()[dim] as u32,
+            self.rank() as u32,
+        ];
+        params.extend((0..KERNEL_RANK).map(|d| {
+            if d < pad {
+                1
+            } else {
+                indices.shape()[d - pad] as u32
+            }
+        }));
+        params.extend((0..KERNEL_RANK).map(|d| {
+            if d < pad {
+                0
+            } else {
+                self.layout().strides[d - pad] as u32
+            }
+        }));
+        let kernel = Kernel {
+            key: "index:gather",
+            entry: "gather",
+            source: &source,
+        };
+        dispatch(
+            OP,
+            &kernel,
+            &[self, &out, &idx],
+            &params,
+            groups(n, WORKGROUP),
+        )?;
         Ok(out)
     }
 }

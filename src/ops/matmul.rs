@@ -1,7 +1,7 @@
 //! Batched matrix multiply with NumPy-style batch broadcasting. Inputs are read through their
 //! strides, so `x.matmul(&w.t()?)` reads `w` transposed without a copy.
 
-use crate::device::Kernel;
+use crate::device::{Kernel, MatmulKernel};
 use crate::error::{Error, Result};
 use crate::ops::{dispatch, module_source};
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
@@ -18,19 +18,19 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("matmul".into(), source())]
 }
 
-/// The kernel for this adapter: software adapters run barriers slowly, GPUs want tiling.
+/// The device's matmul kernel: entry point and output tile size.
 fn kernel_for(t: &Tensor) -> (&'static str, usize) {
-    if t.device().info().is_software() {
-        ("register_tiled", 32)
-    } else {
-        ("shared_tiled", 64)
+    match t.device().matmul_kernel() {
+        MatmulKernel::RegisterTiled => ("register_tiled", 32),
+        MatmulKernel::SharedTiled => ("shared_tiled", 64),
     }
 }
 
 /// Batch stride of a tensor whose batch dims (all but the last two) merge into one.
 fn batch_stride(t: &Tensor) -> Option<u32> {
     let rank = t.rank();
-    let (batch_rank, _, strides) = merge_dims(&t.shape()[..rank - 2], &[&t.layout().strides[..rank - 2]])?;
+    let (batch_rank, _, strides) =
+        merge_dims(&t.shape()[..rank - 2], &[&t.layout().strides[..rank - 2]])?;
     match batch_rank {
         0 => Some(0),
         1 => Some(*strides[0].last().expect("padded")),
@@ -49,11 +49,23 @@ impl Tensor {
         if self.rank() == 0 || other.rank() == 0 {
             return Err(Error::Shape {
                 op: OP,
-                msg: format!("needs operands of rank >= 1, got {:?} and {:?}", self.shape(), other.shape()),
+                msg: format!(
+                    "needs operands of rank >= 1, got {:?} and {:?}",
+                    self.shape(),
+                    other.shape()
+                ),
             });
         }
-        let a = if self.rank() == 1 { self.unsqueeze(0)? } else { self.clone() };
-        let b = if other.rank() == 1 { other.unsqueeze(1)? } else { other.clone() };
+        let a = if self.rank() == 1 {
+            self.unsqueeze(0)?
+        } else {
+            self.clone()
+        };
+        let b = if other.rank() == 1 {
+            other.unsqueeze(1)?
+        } else {
+            other.clone()
+        };
         let (m, k) = (a.shape()[a.rank() - 2], a.shape()[a.rank() - 1]);
         let (k2, n) = (b.shape()[b.rank() - 2], b.shape()[b.rank() - 1]);
         let batch = broadcast_shapes(&a.shape()[..a.rank() - 2], &b.shape()[..b.rank() - 2]);
@@ -62,21 +74,34 @@ impl Tensor {
             _ => {
                 return Err(Error::Shape {
                     op: OP,
-                    msg: format!("shapes {:?} and {:?} do not multiply", self.shape(), other.shape()),
+                    msg: format!(
+                        "shapes {:?} and {:?} do not multiply",
+                        self.shape(),
+                        other.shape()
+                    ),
                 })
             }
         };
         let a = a.expand(&[batch.as_slice(), &[m, k]].concat())?;
         let b = b.expand(&[batch.as_slice(), &[k, n]].concat())?;
         // Batch dims that do not merge into one stride are made dense.
-        let a = if batch_stride(&a).is_some() { a } else { a.contiguous()? };
-        let b = if batch_stride(&b).is_some() { b } else { b.contiguous()? };
+        let a = if batch_stride(&a).is_some() {
+            a
+        } else {
+            a.contiguous()?
+        };
+        let b = if batch_stride(&b).is_some() {
+            b
+        } else {
+            b.contiguous()?
+        };
         let batches: usize = batch.iter().product();
         let mut out_shape = [batch.as_slice(), &[m, n]].concat();
         let out = Tensor::empty(OP, &out_shape, DType::F32, self.device())?;
         if out.numel() > 0 {
             if k == 0 {
-                return Tensor::zeros(&out_shape, self.device()).and_then(|z| finish(z, self, other, &mut out_shape));
+                return Tensor::zeros(&out_shape, self.device())
+                    .and_then(|z| finish(z, self, other, &mut out_shape));
             }
             let (entry, tile) = kernel_for(self);
             let (la, lb) = (a.layout(), b.layout());
@@ -99,7 +124,11 @@ impl Tensor {
                 tiles_m as u32,
             ];
             let key = format!("matmul:{entry}");
-            let kernel = Kernel { key: &key, entry, source: &source };
+            let kernel = Kernel {
+                key: &key,
+                entry,
+                source: &source,
+            };
             let workgroups = batches * tiles_m * tiles_n;
             dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
         }

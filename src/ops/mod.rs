@@ -46,7 +46,10 @@ pub(crate) fn dispatch(
 ) -> Result<()> {
     let storages: Vec<Arc<Storage>> = tensors.iter().map(|t| t.storage()).collect();
     let buffers: Vec<&wgpu::Buffer> = storages.iter().map(|s| s.buffer()).collect();
-    tensors[0].device().inner.dispatch(op, kernel, &buffers, params, workgroups)
+    tensors[0]
+        .device()
+        .inner
+        .dispatch(op, kernel, &buffers, params, workgroups)
 }
 
 /// Every (key, WGSL source) the crate can compile, for the naga validation test.
@@ -74,13 +77,20 @@ mod tests {
     #[test]
     fn every_kernel_source_validates_with_naga() {
         let sources = super::all_kernel_sources();
-        assert!(sources.len() >= 20, "expected every family, got {}", sources.len());
+        assert!(
+            sources.len() >= 20,
+            "expected every family, got {}",
+            sources.len()
+        );
         for (key, source) in sources {
             let module = naga::front::wgsl::parse_str(&source)
                 .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
-            naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::empty())
-                .validate(&module)
-                .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
+            naga::valid::Validator::new(
+                naga::valid::ValidationFlags::all(),
+                naga::valid::Capabilities::empty(),
+            )
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
         }
     }
 }

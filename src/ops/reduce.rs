@@ -35,13 +35,19 @@ impl ReduceOp {
             ReduceOp::Sum => ("0.0", "a + b"),
             ReduceOp::Max => ("bitcast<f32>(0xff800000u)", "max(a, b)"),
         };
-        module_source(REDUCE_WGSL, &[("REDUCE_IDENTITY", identity), ("REDUCE_COMBINE", combine)])
+        module_source(
+            REDUCE_WGSL,
+            &[("REDUCE_IDENTITY", identity), ("REDUCE_COMBINE", combine)],
+        )
     }
 }
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    [ReduceOp::Sum, ReduceOp::Max].iter().map(|op| (format!("reduce/{}", op.name()), op.source())).collect()
+    [ReduceOp::Sum, ReduceOp::Max]
+        .iter()
+        .map(|op| (format!("reduce/{}", op.name()), op.source()))
+        .collect()
 }
 
 /// A tensor viewed as `[M, K]`: `M` rows of `K` elements, with one stride each.
@@ -71,13 +77,28 @@ pub(crate) fn as_matrix(x: &Tensor, dims: &[usize]) -> Result<Matrix> {
     let p = x.permute(&order)?;
     let nk = kept.len();
     let (shape, strides) = (&p.layout().shape, &p.layout().strides);
-    if let (Some((m, rs)), Some((k, ks))) = (collapse(&shape[..nk], &strides[..nk]), collapse(&shape[nk..], &strides[nk..])) {
-        return Ok(Matrix { tensor: p, m, k, row_stride: rs, k_stride: ks });
+    if let (Some((m, rs)), Some((k, ks))) = (
+        collapse(&shape[..nk], &strides[..nk]),
+        collapse(&shape[nk..], &strides[nk..]),
+    ) {
+        return Ok(Matrix {
+            tensor: p,
+            m,
+            k,
+            row_stride: rs,
+            k_stride: ks,
+        });
     }
     let dense = p.contiguous()?;
     let m = dense.shape()[..nk].iter().product();
     let k = dense.shape()[nk..].iter().product();
-    Ok(Matrix { tensor: dense, m, k, row_stride: k, k_stride: 1 })
+    Ok(Matrix {
+        tensor: dense,
+        m,
+        k,
+        row_stride: k,
+        k_stride: 1,
+    })
 }
 
 /// Validated, sorted, de-duplicated dims.
@@ -101,23 +122,85 @@ fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) 
     let offset = mat.tensor.layout().offset as u32;
     // Neighbouring rows in memory and enough of them to fill the device: one invocation each.
     if mat.k_stride != 1 && mat.m >= 1024 {
-        let params = [mat.m as u32, mat.k as u32, offset, mat.row_stride as u32, mat.k_stride as u32, 1, 0, f32_bits(scale)];
-        let kernel = Kernel { key: &key_cols, entry: "columns", source: &source };
-        dispatch(op_name, &kernel, &[&mat.tensor, &out], &params, groups(mat.m, WORKGROUP))?;
+        let params = [
+            mat.m as u32,
+            mat.k as u32,
+            offset,
+            mat.row_stride as u32,
+            mat.k_stride as u32,
+            1,
+            0,
+            f32_bits(scale),
+        ];
+        let kernel = Kernel {
+            key: &key_cols,
+            entry: "columns",
+            source: &source,
+        };
+        dispatch(
+            op_name,
+            &kernel,
+            &[&mat.tensor, &out],
+            &params,
+            groups(mat.m, WORKGROUP),
+        )?;
         return Ok(out);
     }
     let chunks = mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS);
     let chunk_len = mat.k.div_ceil(chunks);
-    let kernel = Kernel { key: &key_rows, entry: "rows", source: &source };
+    let kernel = Kernel {
+        key: &key_rows,
+        entry: "rows",
+        source: &source,
+    };
     if chunks == 1 {
-        let params = [mat.m as u32, mat.k as u32, offset, mat.row_stride as u32, mat.k_stride as u32, 1, chunk_len as u32, f32_bits(scale)];
-        dispatch(op_name, &kernel, &[&mat.tensor, &out], &params, mat.m as u32)?;
+        let params = [
+            mat.m as u32,
+            mat.k as u32,
+            offset,
+            mat.row_stride as u32,
+            mat.k_stride as u32,
+            1,
+            chunk_len as u32,
+            f32_bits(scale),
+        ];
+        dispatch(
+            op_name,
+            &kernel,
+            &[&mat.tensor, &out],
+            &params,
+            mat.m as u32,
+        )?;
         return Ok(out);
     }
     let partial = Tensor::empty(op_name, &[mat.m, chunks], DType::F32, device)?;
-    let params = [mat.m as u32, mat.k as u32, offset, mat.row_stride as u32, mat.k_stride as u32, chunks as u32, chunk_len as u32, f32_bits(1.0)];
-    dispatch(op_name, &kernel, &[&mat.tensor, &partial], &params, (mat.m * chunks) as u32)?;
-    let params = [mat.m as u32, chunks as u32, 0, chunks as u32, 1, 1, chunks as u32, f32_bits(scale)];
+    let params = [
+        mat.m as u32,
+        mat.k as u32,
+        offset,
+        mat.row_stride as u32,
+        mat.k_stride as u32,
+        chunks as u32,
+        chunk_len as u32,
+        f32_bits(1.0),
+    ];
+    dispatch(
+        op_name,
+        &kernel,
+        &[&mat.tensor, &partial],
+        &params,
+        (mat.m * chunks) as u32,
+    )?;
+    let params = [
+        mat.m as u32,
+        chunks as u32,
+        0,
+        chunks as u32,
+        1,
+        1,
+        chunks as u32,
+        f32_bits(scale),
+    ];
     dispatch(op_name, &kernel, &[&partial, &out], &params, mat.m as u32)?;
     Ok(out)
 }
@@ -135,7 +218,14 @@ pub(crate) fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> V
         .collect()
 }
 
-fn reduce(op_name: &'static str, op: ReduceOp, x: &Tensor, dims: &[usize], keepdim: bool, mean: bool) -> Result<Tensor> {
+fn reduce(
+    op_name: &'static str,
+    op: ReduceOp,
+    x: &Tensor,
+    dims: &[usize],
+    keepdim: bool,
+    mean: bool,
+) -> Result<Tensor> {
     x.expect_dtype(op_name, DType::F32)?;
     let dims = check_dims(op_name, x, dims)?;
     let out_shape = reduced_shape(x.shape(), &dims, keepdim);
@@ -148,7 +238,10 @@ fn reduce(op_name: &'static str, op: ReduceOp, x: &Tensor, dims: &[usize], keepd
         return match (op, mean) {
             (ReduceOp::Max, _) => Err(Error::Shape {
                 op: op_name,
-                msg: format!("cannot take the max over an empty dim of shape {:?}", x.shape()),
+                msg: format!(
+                    "cannot take the max over an empty dim of shape {:?}",
+                    x.shape()
+                ),
             }),
             (ReduceOp::Sum, false) => fill(op_name, &out_shape, 0.0, 0.0, x.device()),
             (ReduceOp::Sum, true) => fill(op_name, &out_shape, f32::NAN, 0.0, x.device()),

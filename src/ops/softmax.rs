@@ -25,9 +25,13 @@ fn along_dim(op: &'static str, entry: &'static str, x: &Tensor, dim: usize) -> R
     let moved = x.transpose(dim, last)?.contiguous()?;
     let out = Tensor::empty(op, moved.shape(), DType::F32, x.device())?;
     let k = x.shape()[dim];
-    let m = if k == 0 { 0 } else { x.numel() / k };
+    let m = x.numel().checked_div(k).unwrap_or(0);
     let key = format!("softmax:{entry}");
-    let kernel = Kernel { key: &key, entry, source: &source };
+    let kernel = Kernel {
+        key: &key,
+        entry,
+        source: &source,
+    };
     let params = [m as u32, k as u32, moved.layout().offset as u32, 0];
     dispatch(op, &kernel, &[&moved, &out], &params, m as u32)?;
     out.transpose(dim, last)
@@ -55,7 +59,11 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
     if logits.rank() != 2 || labels.rank() != 1 || labels.shape()[0] != logits.shape()[0] {
         return Err(Error::Shape {
             op: OP,
-            msg: format!("needs logits [N, C] and labels [N], got {:?} and {:?}", logits.shape(), labels.shape()),
+            msg: format!(
+                "needs logits [N, C] and labels [N], got {:?} and {:?}",
+                logits.shape(),
+                labels.shape()
+            ),
         });
     }
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
@@ -63,16 +71,32 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
     if n > 0 && bound as usize > c {
         return Err(Error::Index {
             op: OP,
-            msg: format!("label {} is out of range for {c} classes (logits {:?})", bound - 1, logits.shape()),
+            msg: format!(
+                "label {} is out of range for {c} classes (logits {:?})",
+                bound - 1,
+                logits.shape()
+            ),
         });
     }
     let logits = logits.contiguous()?;
     let labels = labels.contiguous()?;
     let losses = Tensor::empty(OP, &[n], DType::F32, logits.device())?;
-    let kernel = Kernel { key: "softmax:cross_entropy", entry: "cross_entropy", source: &source };
-    let params = [n as u32, c as u32, logits.layout().offset as u32, labels.layout().offset as u32];
+    let kernel = Kernel {
+        key: "softmax:cross_entropy",
+        entry: "cross_entropy",
+        source: &source,
+    };
+    let params = [
+        n as u32,
+        c as u32,
+        logits.layout().offset as u32,
+        labels.layout().offset as u32,
+    ];
     if c == 0 {
-        return Err(Error::Shape { op: OP, msg: format!("needs at least one class, got logits {:?}", logits.shape()) });
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!("needs at least one class, got logits {:?}", logits.shape()),
+        });
     }
     dispatch(OP, &kernel, &[&logits, &losses, &labels], &params, n as u32)?;
     losses.mean()

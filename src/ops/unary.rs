@@ -86,7 +86,10 @@ impl UnaryOp {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    UnaryOp::ALL.iter().map(|op| (format!("unary/{}", op.name()), op.source())).collect()
+    UnaryOp::ALL
+        .iter()
+        .map(|op| (format!("unary/{}", op.name()), op.source()))
+        .collect()
 }
 
 /// Runs `op` over every element of `x` into a new contiguous tensor.
@@ -99,16 +102,30 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
         return Ok(out);
     }
     let layout = x.layout();
-    let (rank, shape, strides) = merge_dims(&layout.shape, &[&layout.strides]).ok_or_else(|| Error::Shape {
-        op: name,
-        msg: format!("shape {:?} has more than 6 non-mergeable dims", x.shape()),
-    })?;
-    let entry = if x.is_contiguous() { "contiguous" } else { "strided" };
-    let mut params = vec![n as u32, layout.offset as u32, f32_bits(scalar), rank as u32];
+    let (rank, shape, strides) =
+        merge_dims(&layout.shape, &[&layout.strides]).ok_or_else(|| Error::Shape {
+            op: name,
+            msg: format!("shape {:?} has more than 6 non-mergeable dims", x.shape()),
+        })?;
+    let entry = if x.is_contiguous() {
+        "contiguous"
+    } else {
+        "strided"
+    };
+    let mut params = vec![
+        n as u32,
+        layout.offset as u32,
+        f32_bits(scalar),
+        rank as u32,
+    ];
     params.extend(&shape);
     params.extend(&strides[0]);
     let key = format!("unary/{name}:{entry}");
-    let kernel = Kernel { key: &key, entry, source: &|| op.source() };
+    let kernel = Kernel {
+        key: &key,
+        entry,
+        source: &|| op.source(),
+    };
     dispatch(name, &kernel, &[x, &out], &params, groups(n, WORKGROUP))?;
     Ok(out)
 }

@@ -8,7 +8,10 @@ impl Tensor {
     /// The transpose of a 2-D tensor (a view).
     pub fn t(&self) -> Result<Tensor> {
         if self.rank() != 2 {
-            return Err(Error::Shape { op: "t", msg: format!("needs a 2-D tensor, got shape {:?}", self.shape()) });
+            return Err(Error::Shape {
+                op: "t",
+                msg: format!("needs a 2-D tensor, got shape {:?}", self.shape()),
+            });
         }
         self.transpose(0, 1)
     }
@@ -43,7 +46,10 @@ impl Tensor {
             });
         }
         let mut layout = self.layout().clone();
-        let stride = layout.strides.get(dim).map_or(1, |&s| s * layout.shape[dim]);
+        let stride = layout
+            .strides
+            .get(dim)
+            .map_or(1, |&s| s * layout.shape[dim]);
         layout.shape.insert(dim, 1);
         layout.strides.insert(dim, stride);
         Ok(self.view(layout))
@@ -71,7 +77,11 @@ impl Tensor {
         if numel != self.numel() {
             return Err(Error::Shape {
                 op: "reshape",
-                msg: format!("cannot reshape {:?} ({} elements) to {shape:?} ({numel} elements)", self.shape(), self.numel()),
+                msg: format!(
+                    "cannot reshape {:?} ({} elements) to {shape:?} ({numel} elements)",
+                    self.shape(),
+                    self.numel()
+                ),
             });
         }
         match self.layout().reshape_view(shape) {

@@ -11,10 +11,21 @@ use crate::error::{Error, Result};
 use crate::ops::copy::fill;
 use crate::tensor::{checked_numel, DType, Layout, Storage, Tensor};
 
-fn upload(op: &'static str, bytes: &[u8], shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+fn upload(
+    op: &'static str,
+    bytes: &[u8],
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
     let storage = Storage::alloc(op, bytes.len() as u64, device)?;
     device.inner.upload(op, storage.buffer(), bytes)?;
-    Ok(Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype, device))
+    Ok(Tensor::from_parts(
+        Arc::new(storage),
+        Layout::contiguous(shape),
+        dtype,
+        device,
+    ))
 }
 
 fn check_len(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
@@ -46,14 +57,27 @@ impl Tensor {
     /// Like [`Tensor::from_vec`], from a borrowed slice.
     pub fn from_slice(data: &[f32], shape: &[usize], device: &Device) -> Result<Tensor> {
         check_len("from_vec", data.len(), shape)?;
-        upload("from_vec", bytemuck::cast_slice(data), shape, DType::F32, device)
+        upload(
+            "from_vec",
+            bytemuck::cast_slice(data),
+            shape,
+            DType::F32,
+            device,
+        )
     }
 
     /// A u32 tensor of `shape` (indices for `index_select` and `gather`).
     pub fn from_vec_u32(data: Vec<u32>, shape: &[usize], device: &Device) -> Result<Tensor> {
         check_len("from_vec_u32", data.len(), shape)?;
         let bound = data.iter().max().map_or(0, |&m| m.saturating_add(1));
-        Ok(upload("from_vec_u32", bytemuck::cast_slice(&data), shape, DType::U32, device)?.with_index_bound(Some(bound)))
+        Ok(upload(
+            "from_vec_u32",
+            bytemuck::cast_slice(&data),
+            shape,
+            DType::U32,
+            device,
+        )?
+        .with_index_bound(Some(bound)))
     }
 
     /// A 1-D u32 tensor of class labels, for `nn::loss::cross_entropy`.
@@ -87,7 +111,13 @@ impl Tensor {
         let n = checked_numel("rand", shape)?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let data: Vec<f32> = (0..n).map(|_| rng.random::<f32>()).collect();
-        upload("rand", bytemuck::cast_slice(&data), shape, DType::F32, device)
+        upload(
+            "rand",
+            bytemuck::cast_slice(&data),
+            shape,
+            DType::F32,
+            device,
+        )
     }
 
     /// Standard normal samples, reproducible from `seed`.
@@ -95,6 +125,12 @@ impl Tensor {
         let n = checked_numel("randn", shape)?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let data: Vec<f32> = (0..n).map(|_| StandardNormal.sample(&mut rng)).collect();
-        upload("randn", bytemuck::cast_slice(&data), shape, DType::F32, device)
+        upload(
+            "randn",
+            bytemuck::cast_slice(&data),
+            shape,
+            DType::F32,
+            device,
+        )
     }
 }

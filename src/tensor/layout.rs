@@ -25,8 +25,16 @@ pub(crate) fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {
-        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
-        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
+        let da = if i + a.len() >= rank {
+            a[i + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= rank {
+            b[i + b.len() - rank]
+        } else {
+            1
+        };
         out[i] = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -40,7 +48,11 @@ pub(crate) fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 impl Layout {
     /// A row-major layout of `shape` at offset 0.
     pub fn contiguous(shape: &[usize]) -> Layout {
-        Layout { shape: shape.to_vec(), strides: row_major_strides(shape), offset: 0 }
+        Layout {
+            shape: shape.to_vec(),
+            strides: row_major_strides(shape),
+            offset: 0,
+        }
     }
 
     pub fn numel(&self) -> usize {
@@ -59,19 +71,15 @@ impl Layout {
         true
     }
 
-    /// One past the largest element index this layout reaches (0 when empty).
-    pub fn span(&self) -> usize {
-        if self.numel() == 0 {
-            return 0;
-        }
-        self.offset + self.shape.iter().zip(&self.strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + 1
-    }
-
     pub fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
         if dim >= self.shape.len() {
             return Err(Error::Shape {
                 op,
-                msg: format!("dim {dim} is out of range for shape {:?} (rank {})", self.shape, self.shape.len()),
+                msg: format!(
+                    "dim {dim} is out of range for shape {:?} (rank {})",
+                    self.shape,
+                    self.shape.len()
+                ),
             });
         }
         Ok(())
@@ -80,10 +88,17 @@ impl Layout {
     pub fn permute(&self, op: &'static str, dims: &[usize]) -> Result<Layout> {
         let rank = self.shape.len();
         let mut seen = vec![false; rank];
-        if dims.len() != rank || dims.iter().any(|&d| d >= rank || std::mem::replace(&mut seen[d], true)) {
+        if dims.len() != rank
+            || dims
+                .iter()
+                .any(|&d| d >= rank || std::mem::replace(&mut seen[d], true))
+        {
             return Err(Error::Shape {
                 op,
-                msg: format!("{dims:?} is not a permutation of the {rank} dims of shape {:?}", self.shape),
+                msg: format!(
+                    "{dims:?} is not a permutation of the {rank} dims of shape {:?}",
+                    self.shape
+                ),
             });
         }
         Ok(Layout {
@@ -104,7 +119,10 @@ impl Layout {
 
     pub fn narrow(&self, op: &'static str, dim: usize, start: usize, len: usize) -> Result<Layout> {
         self.check_dim(op, dim)?;
-        if start.checked_add(len).is_none_or(|end| end > self.shape[dim]) {
+        if start
+            .checked_add(len)
+            .is_none_or(|end| end > self.shape[dim])
+        {
             return Err(Error::Shape {
                 op,
                 msg: format!(
@@ -147,13 +165,21 @@ impl Layout {
                 return Err(err());
             };
         }
-        Ok(Layout { shape: shape.to_vec(), strides, offset: self.offset })
+        Ok(Layout {
+            shape: shape.to_vec(),
+            strides,
+            offset: self.offset,
+        })
     }
 
     /// The same elements under `shape` without a copy, when the strides allow it.
     pub fn reshape_view(&self, shape: &[usize]) -> Option<Layout> {
         if self.is_contiguous() {
-            return Some(Layout { shape: shape.to_vec(), strides: row_major_strides(shape), offset: self.offset });
+            return Some(Layout {
+                shape: shape.to_vec(),
+                strides: row_major_strides(shape),
+                offset: self.offset,
+            });
         }
         None
     }
@@ -165,7 +191,10 @@ pub(crate) const KERNEL_RANK: usize = 6;
 /// `shape` and each operand's strides with size-1 dims dropped and adjacent dims merged where
 /// every operand is dense across them, padded at the front to [`KERNEL_RANK`] dims.
 /// Returns `None` when more than `KERNEL_RANK` dims remain.
-pub(crate) fn merge_dims(shape: &[usize], strides: &[&[usize]]) -> Option<(usize, Vec<u32>, Vec<Vec<u32>>)> {
+pub(crate) fn merge_dims(
+    shape: &[usize],
+    strides: &[&[usize]],
+) -> Option<(usize, Vec<u32>, Vec<Vec<u32>>)> {
     let mut dims: Vec<(usize, Vec<usize>)> = Vec::new();
     for (d, &n) in shape.iter().enumerate() {
         if n == 1 {

@@ -47,12 +47,23 @@ pub(crate) struct TensorInner {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({:?}, {:?}, storage {})", self.shape(), self.dtype(), self.storage_id())
+        write!(
+            f,
+            "Tensor({:?}, {:?}, storage {})",
+            self.shape(),
+            self.dtype(),
+            self.storage_id()
+        )
     }
 }
 
 impl Tensor {
-    pub(crate) fn from_parts(storage: Arc<Storage>, layout: Layout, dtype: DType, device: &Device) -> Tensor {
+    pub(crate) fn from_parts(
+        storage: Arc<Storage>,
+        layout: Layout,
+        dtype: DType,
+        device: &Device,
+    ) -> Tensor {
         Tensor {
             inner: Arc::new(TensorInner {
                 storage: RwLock::new(storage),
@@ -65,16 +76,28 @@ impl Tensor {
     }
 
     /// A new uninitialised contiguous tensor (its values are written by the caller's kernel).
-    pub(crate) fn empty(op: &'static str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    pub(crate) fn empty(
+        op: &'static str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         let numel = checked_numel(op, shape)?;
         let storage = Storage::alloc(op, (numel * dtype.size()) as u64, device)?;
-        Ok(Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape), dtype, device))
+        Ok(Tensor::from_parts(
+            Arc::new(storage),
+            Layout::contiguous(shape),
+            dtype,
+            device,
+        ))
     }
 
     /// A new handle on the same storage with another layout.
     pub(crate) fn view(&self, layout: Layout) -> Tensor {
         let mut t = Tensor::from_parts(self.storage(), layout, self.dtype(), self.device());
-        Arc::get_mut(&mut t.inner).expect("fresh handle").index_bound = self.inner.index_bound;
+        Arc::get_mut(&mut t.inner)
+            .expect("fresh handle")
+            .index_bound = self.inner.index_bound;
         t
     }
 
@@ -84,7 +107,9 @@ impl Tensor {
             return self;
         }
         let mut t = self.view(self.layout().clone());
-        Arc::get_mut(&mut t.inner).expect("fresh handle").index_bound = bound;
+        Arc::get_mut(&mut t.inner)
+            .expect("fresh handle")
+            .index_bound = bound;
         t
     }
 
@@ -93,7 +118,11 @@ impl Tensor {
     }
 
     pub(crate) fn storage(&self) -> Arc<Storage> {
-        self.inner.storage.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.inner
+            .storage
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(crate) fn layout(&self) -> &Layout {
@@ -149,7 +178,9 @@ impl Tensor {
     /// The values, row-major, of a u32 tensor (labels, indices, argmax).
     pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
         self.expect_dtype("to_vec_u32", DType::U32)?;
-        Ok(bytemuck::pod_collect_to_vec(&self.read_bytes("to_vec_u32")?))
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_bytes("to_vec_u32")?,
+        ))
     }
 
     /// The value of a one-element f32 tensor.
@@ -157,7 +188,10 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(Error::Shape {
                 op: "item",
-                msg: format!("needs a tensor of one element, got shape {:?}", self.shape()),
+                msg: format!(
+                    "needs a tensor of one element, got shape {:?}",
+                    self.shape()
+                ),
             });
         }
         self.expect_dtype("item", DType::F32)?;
@@ -180,7 +214,11 @@ impl Tensor {
         if self.dtype() != dtype {
             return Err(Error::DType {
                 op,
-                msg: format!("expected a {dtype:?} tensor, got {:?} with shape {:?}", self.dtype(), self.shape()),
+                msg: format!(
+                    "expected a {dtype:?} tensor, got {:?} with shape {:?}",
+                    self.dtype(),
+                    self.shape()
+                ),
             });
         }
         Ok(())
@@ -190,7 +228,11 @@ impl Tensor {
         if !Device::same(self.device(), other.device()) {
             return Err(Error::InvalidArgument {
                 op,
-                msg: format!("tensors of shapes {:?} and {:?} live on different devices", self.shape(), other.shape()),
+                msg: format!(
+                    "tensors of shapes {:?} and {:?} live on different devices",
+                    self.shape(),
+                    other.shape()
+                ),
             });
         }
         Ok(())

@@ -14,11 +14,17 @@ impl Storage {
     /// A pooled buffer of at least `bytes` bytes, with undefined contents.
     pub fn alloc(op: &'static str, bytes: u64, device: &Device) -> crate::Result<Storage> {
         let buffer = device.inner.alloc(op, bytes)?;
-        Ok(Storage { buffer: Some(buffer), id: device.inner.new_storage_id(), device: device.clone() })
+        Ok(Storage {
+            buffer: Some(buffer),
+            id: device.inner.new_storage_id(),
+            device: device.clone(),
+        })
     }
 
     pub fn buffer(&self) -> &wgpu::Buffer {
-        self.buffer.as_ref().expect("storage buffer is present until drop")
+        self.buffer
+            .as_ref()
+            .expect("storage buffer is present until drop")
     }
 
     pub fn id(&self) -> u64 {

@@ -1,0 +1,214 @@
+//! The device layer: adapter info, batched submission, the buffer pool, the matmul kernels,
+//! and sharing one device between threads. Tests here read device-wide counters, so each one
+//! holds `serial()` to keep the others in this binary from running alongside it.
+
+mod common;
+use common::*;
+use std::sync::{Mutex, MutexGuard};
+use wgrad::{Device, MatmulKernel, Tensor};
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[test]
+fn info_names_the_adapter_backend_and_type() {
+    let _s = serial();
+    let info = device().info();
+    assert!(!info.name.is_empty());
+    let shown = info.to_string();
+    assert!(
+        shown.contains(&info.name) && shown.contains(&format!("{:?}", info.backend)),
+        "{shown}"
+    );
+}
+
+#[test]
+fn software_device_is_a_software_adapter() {
+    let _s = serial();
+    let dev = Device::software().expect("CI machines have lavapipe or llvmpipe");
+    assert!(dev.info().is_software(), "{}", dev.info());
+}
+
+#[test]
+fn a_chain_of_100_elementwise_ops_is_a_few_submissions() {
+    let _s = serial();
+    let dev = device();
+    let mut x = Tensor::ones(&[1000], dev).unwrap();
+    dev.synchronize().unwrap();
+    let before = dev.stats();
+    for _ in 0..100 {
+        x = x.add_scalar(1.0).unwrap();
+    }
+    let after_record = dev.stats();
+    let values = x.to_vec().unwrap();
+    let after = dev.stats();
+    assert!(values.iter().all(|&v| v == 101.0));
+    assert_eq!(after_record.dispatches - before.dispatches, 100);
+    let submits = after.submits - before.submits;
+    assert!(submits <= 8, "100 ops took {submits} submissions");
+}
+
+#[test]
+fn no_submission_happens_until_the_host_needs_data() {
+    let _s = serial();
+    let dev = device();
+    dev.synchronize().unwrap();
+    let before = dev.stats();
+    let a = Tensor::ones(&[64], dev).unwrap();
+    let _b = a.exp().unwrap().mul(&a).unwrap();
+    assert_eq!(dev.stats().submits, before.submits);
+    dev.synchronize().unwrap();
+    assert_eq!(dev.stats().submits, before.submits + 1);
+}
+
+#[test]
+fn an_op_loop_keeps_device_memory_flat_after_warmup() {
+    let _s = serial();
+    let dev = device();
+    let w = Tensor::randn(&[64, 32], 1, dev).unwrap();
+    let b = Tensor::randn(&[32], 2, dev).unwrap();
+    let x = Tensor::randn(&[16, 64], 3, dev).unwrap();
+    let step = || {
+        let h = x.matmul(&w).unwrap().add(&b).unwrap().relu().unwrap();
+        h.softmax(1).unwrap().sum().unwrap()
+    };
+    for _ in 0..10 {
+        step();
+    }
+    dev.synchronize().unwrap();
+    let warm = dev.stats();
+    for i in 0..1000 {
+        let s = step();
+        if i % 250 == 0 {
+            s.item().unwrap();
+        }
+    }
+    dev.synchronize().unwrap();
+    let after = dev.stats();
+    assert_eq!(
+        after.live_bytes + after.pooled_bytes,
+        warm.live_bytes + warm.pooled_bytes,
+        "{warm:?} -> {after:?}"
+    );
+    assert_eq!(after.buffers_created, warm.buffers_created);
+}
+
+#[test]
+fn dropped_tensors_return_their_buffers_to_the_pool() {
+    let _s = serial();
+    let dev = device();
+    let before = dev.stats();
+    let t = Tensor::zeros(&[1 << 16], dev).unwrap();
+    let during = dev.stats();
+    assert!(during.live_bytes >= before.live_bytes + (1 << 18));
+    let view = t.narrow(0, 0, 10).unwrap();
+    drop(t);
+    assert_eq!(
+        dev.stats().live_bytes,
+        during.live_bytes,
+        "a view keeps the buffer alive"
+    );
+    drop(view);
+    let after = dev.stats();
+    assert_eq!(after.live_bytes, before.live_bytes);
+    assert!(after.pooled_bytes >= 1 << 18);
+}
+
+#[test]
+fn pipelines_are_compiled_once_per_kernel() {
+    let _s = serial();
+    let dev = device();
+    let x = Tensor::ones(&[10], dev).unwrap();
+    x.sigmoid().unwrap();
+    let before = dev.stats().pipelines;
+    for _ in 0..10 {
+        x.sigmoid().unwrap();
+    }
+    assert_eq!(dev.stats().pipelines, before);
+}
+
+#[test]
+fn both_matmul_kernels_match_the_reference() {
+    let _s = serial();
+    let dev = Device::software().unwrap();
+    let (m, k, n) = (70, 45, 131);
+    let da = random_vec(m * k, 1);
+    let db = random_vec(k * n, 2);
+    let a = Tensor::from_slice(&da, &[m, k], &dev).unwrap();
+    let bt = Tensor::from_slice(&db, &[k, n], &dev)
+        .unwrap()
+        .t()
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .t()
+        .unwrap();
+    let want: Vec<f64> = (0..m * n)
+        .map(|i| {
+            (0..k)
+                .map(|l| da[(i / n) * k + l] as f64 * db[l * n + i % n] as f64)
+                .sum()
+        })
+        .collect();
+    for kernel in [MatmulKernel::RegisterTiled, MatmulKernel::SharedTiled] {
+        dev.set_matmul_kernel(kernel);
+        assert_eq!(dev.matmul_kernel(), kernel);
+        assert_close(
+            &a.matmul(&bt).unwrap().to_vec().unwrap(),
+            &want,
+            1e-5,
+            &format!("{kernel:?}"),
+        );
+        let batched = a.unsqueeze(0).unwrap().expand(&[3, m, k]).unwrap();
+        let got = batched.matmul(&bt).unwrap().to_vec().unwrap();
+        assert_close(
+            &got[2 * m * n..],
+            &want,
+            1e-5,
+            &format!("{kernel:?} batched"),
+        );
+    }
+}
+
+#[test]
+fn two_threads_share_one_device_without_interfering() {
+    let _s = serial();
+    let dev = device();
+    let work = |seed: u64| {
+        let dev = dev.clone();
+        std::thread::spawn(move || {
+            let a = Tensor::randn(&[256, 256], seed, &dev).unwrap();
+            let mut acc = Tensor::zeros(&[256, 256], &dev).unwrap();
+            for _ in 0..20 {
+                acc = acc.add(&a.matmul(&a).unwrap()).unwrap();
+            }
+            let total = acc.sum().unwrap().item().unwrap();
+            let single = a.matmul(&a).unwrap().sum().unwrap().item().unwrap();
+            (total, single)
+        })
+    };
+    let (t1, t2) = (work(1), work(2));
+    for (total, single) in [t1.join().unwrap(), t2.join().unwrap()] {
+        assert!(
+            (total - 20.0 * single).abs() <= 1e-3 * total.abs().max(1.0),
+            "{total} vs 20 x {single}"
+        );
+    }
+}
+
+#[test]
+fn matmul_reads_transposed_operands_without_copying_them() {
+    let _s = serial();
+    let dev = device();
+    let a = Tensor::randn(&[40, 30], 1, dev).unwrap();
+    let b = Tensor::randn(&[50, 40], 2, dev).unwrap();
+    let before = dev.stats();
+    let _c = a.t().unwrap().matmul(&b.t().unwrap()).unwrap();
+    assert_eq!(
+        dev.stats().dispatches - before.dispatches,
+        1,
+        "one matmul kernel and no copies"
+    );
+}
