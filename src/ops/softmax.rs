@@ -67,6 +67,12 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
         });
     }
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
+    if c == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!("needs at least one class, got logits {:?}", logits.shape()),
+        });
+    }
     let bound = labels.index_bound().unwrap_or(u32::MAX);
     if n > 0 && bound as usize > c {
         return Err(Error::Index {
@@ -92,12 +98,6 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
         logits.layout().offset as u32,
         labels.layout().offset as u32,
     ];
-    if c == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            msg: format!("needs at least one class, got logits {:?}", logits.shape()),
-        });
-    }
     dispatch(OP, &kernel, &[&logits, &losses, &labels], &params, n as u32)?;
     losses.mean()
 }
