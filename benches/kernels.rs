@@ -1,1 +1,96 @@
-fn main() {}
+//! Kernel benches on whatever adapter `Device::new()` picks. Each iteration records the op and
+//! waits for it (`synchronize`), so the figures include one submission per iteration.
+//!
+//! matmul reports GFLOP/s as criterion's "elem/s" (2 m n k per product); the memory-bound
+//! benches report bytes read + written per second, beside `copy_buffer_to_buffer`
+//! (`deep_clone` of a contiguous tensor), the ceiling for elementwise work.
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use wgrad::{Device, Tensor};
+
+fn device() -> Device {
+    let dev = Device::new().expect("a wgpu adapter");
+    eprintln!(
+        "adapter: {} (matmul kernel {:?})",
+        dev.info(),
+        dev.matmul_kernel()
+    );
+    dev
+}
+
+fn matmul(c: &mut Criterion, dev: &Device) {
+    let mut group = c.benchmark_group("matmul");
+    for n in [256usize, 512, 1024] {
+        let a = Tensor::randn(&[n, n], 1, dev).unwrap();
+        let b = Tensor::randn(&[n, n], 2, dev).unwrap();
+        group.throughput(Throughput::Elements(2 * (n * n * n) as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
+            bench.iter(|| {
+                let _c = a.matmul(&b).unwrap();
+                dev.synchronize().unwrap();
+            })
+        });
+    }
+    group.finish();
+}
+
+fn memory_bound(c: &mut Criterion, dev: &Device) {
+    const N: usize = 16 << 20;
+    let bytes = (N * 4) as u64;
+    let a = Tensor::randn(&[N], 1, dev).unwrap();
+    let b = Tensor::randn(&[N], 2, dev).unwrap();
+    let square = Tensor::randn(&[4096, 4096], 3, dev).unwrap();
+    let logits = Tensor::randn(&[4096, 1024], 4, dev).unwrap();
+    let mut group = c.benchmark_group("memory");
+
+    group.throughput(Throughput::Bytes(2 * bytes));
+    group.bench_function("copy_buffer_to_buffer_16M", |bench| {
+        bench.iter(|| {
+            let _c = a.deep_clone().unwrap();
+            dev.synchronize().unwrap();
+        })
+    });
+    group.throughput(Throughput::Bytes(3 * bytes));
+    group.bench_function("add_16M", |bench| {
+        bench.iter(|| {
+            let _c = a.add(&b).unwrap();
+            dev.synchronize().unwrap();
+        })
+    });
+    group.throughput(Throughput::Bytes(bytes));
+    group.bench_function("sum_all_16M", |bench| {
+        bench.iter(|| {
+            let _s = a.sum().unwrap();
+            dev.synchronize().unwrap();
+        })
+    });
+    group.bench_function("sum_last_axis_4096x4096", |bench| {
+        bench.iter(|| {
+            let _s = square.sum_dims(&[1], false).unwrap();
+            dev.synchronize().unwrap();
+        })
+    });
+    group.throughput(Throughput::Bytes(2 * (4096 * 1024 * 4) as u64));
+    group.bench_function("softmax_4096x1024", |bench| {
+        bench.iter(|| {
+            let _s = logits.softmax(1).unwrap();
+            dev.synchronize().unwrap();
+        })
+    });
+    group.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    let dev = device();
+    matmul(c, &dev);
+    memory_bound(c, &dev);
+}
+
+criterion_group! {
+    name = kernels;
+    config = Criterion::default().sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
+    targets = benches
+}
+criterion_main!(kernels);

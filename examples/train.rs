@@ -23,14 +23,22 @@ fn run() -> Result<()> {
     let (batch, sizes) = (128, [784, 512, 512, 10]);
     let x = Tensor::rand(&[batch, sizes[0]], 0, &dev)?;
     let labels = Tensor::from_labels((0..batch as u32).map(|i| i % 10).collect(), &dev)?;
-    let first = x.matmul(&Tensor::randn(&[sizes[0], 8], 1, &dev)?)?.sum()?.item()?;
-    println!("first matmul done {:.3} s after start (checksum {first:.3})", start.elapsed().as_secs_f64());
+    let first = x
+        .matmul(&Tensor::randn(&[sizes[0], 8], 1, &dev)?)?
+        .sum()?
+        .item()?;
+    println!(
+        "first matmul done {:.3} s after start (checksum {first:.3})",
+        start.elapsed().as_secs_f64()
+    );
 
     // Kaiming-uniform weights, stored [out, in] as nn::Linear will store them.
     let mut layers = Vec::new();
     for (i, pair) in sizes.windows(2).enumerate() {
         let bound = (1.0 / pair[0] as f32).sqrt();
-        let w = Tensor::rand(&[pair[1], pair[0]], 10 + i as u64, &dev)?.mul_scalar(2.0 * bound)?.sub_scalar(bound)?;
+        let w = Tensor::rand(&[pair[1], pair[0]], 10 + i as u64, &dev)?
+            .mul_scalar(2.0 * bound)?
+            .sub_scalar(bound)?;
         let b = Tensor::zeros(&[pair[1]], &dev)?;
         layers.push((w, b));
     }

@@ -255,3 +255,15 @@ fn cat_of_labels_keeps_u32() {
         vec![1, 2, 9]
     );
 }
+
+#[test]
+fn deep_clone_copies_values_into_storage_that_aliases_nothing() {
+    let (t, data) = random_tensor(&[3, 5], 4);
+    for source in [t.clone(), t.narrow(1, 1, 3).unwrap(), t.t().unwrap()] {
+        let c = source.deep_clone().unwrap();
+        assert_ne!(c.storage_id(), t.storage_id());
+        assert_eq!(c.shape(), source.shape());
+        assert_eq!(c.to_vec().unwrap(), source.to_vec().unwrap());
+    }
+    assert_eq!(t.deep_clone().unwrap().to_vec().unwrap(), data);
+}

@@ -511,6 +511,24 @@ impl DeviceInner {
         self.end_command(rec, op)
     }
 
+    /// Records a buffer-to-buffer copy of `bytes` bytes, ordered after all recorded work.
+    pub(crate) fn copy(
+        &self,
+        op: &'static str,
+        src: (&wgpu::Buffer, u64),
+        dst: (&wgpu::Buffer, u64),
+        bytes: u64,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let mut rec = lock(&self.recorder);
+        self.open_encoder(&mut rec)
+            .copy_buffer_to_buffer(src.0, src.1, dst.0, dst.1, bytes);
+        self.take_error(op)?;
+        self.end_command(rec, op)
+    }
+
     /// Copies `bytes` bytes at `offset` of `src` back to the host: submits everything
     /// recorded so far and waits for it.
     pub(crate) fn read(

@@ -99,6 +99,25 @@ impl Tensor {
         Ok(out)
     }
 
+    /// A contiguous copy of the values in a new buffer that aliases nothing (Rust's `clone`
+    /// copies the handle). A contiguous source is one `copy_buffer_to_buffer`.
+    pub fn deep_clone(&self) -> Result<Tensor> {
+        const OP: &str = "deep_clone";
+        let out = Tensor::empty(OP, self.shape(), self.dtype(), self.device())?
+            .with_index_bound(self.index_bound());
+        if self.is_contiguous() {
+            let size = self.dtype().size() as u64;
+            let (src, dst) = (self.storage(), out.storage());
+            let src_at = (src.buffer(), self.layout().offset as u64 * size);
+            self.device()
+                .inner
+                .copy(OP, src_at, (dst.buffer(), 0), self.numel() as u64 * size)?;
+        } else {
+            copy_into(OP, self, &out, &out.layout().clone())?;
+        }
+        Ok(out)
+    }
+
     /// Concatenates tensors of one dtype along `dim`; all other dims must agree.
     pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
         const OP: &str = "cat";
