@@ -14,11 +14,11 @@ fn op(a: f32, b: f32) -> f32 {
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
-        return;
+    let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
+    let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
+    for (var i = start; i < end; i = i + 256u) {
+        dst[i] = op(lhs[pu(1u) + i], rhs[pu(2u) + i]);
     }
-    dst[i] = op(lhs[pu(1u) + i], rhs[pu(2u) + i]);
 }
 
 @compute @workgroup_size(256)

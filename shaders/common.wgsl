@@ -17,6 +17,10 @@ fn pf(i: u32) -> f32 {
     return bitcast<f32>(pu(i));
 }
 
+// Elements one workgroup of a contiguous elementwise kernel covers (16 per invocation): fewer,
+// fuller workgroups cost less to launch, above all on CPU adapters.
+const CONTIGUOUS_PER_GROUP: u32 = 4096u;
+
 // Index of this workgroup in the 2-D grid the host dispatches (x runs to at most 65535).
 fn workgroup_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.y * nwg.x + wid.x;

@@ -4,7 +4,7 @@
 //         7 A col stride, 8 B offset, 9 B batch stride, 10 B row stride, 11 B col stride,
 //         12 column tiles, 13 row tiles
 //
-// Two kernels: `register_tiled` keeps a 4x4 block of out in registers and uses no workgroup
+// Two kernels: `register_tiled` keeps an 8x4 block of out in registers and uses no workgroup
 // memory or barriers (software adapters run barriers as coroutine switches, so this wins
 // there); `shared_tiled` stages 64x16 panels of A and B in workgroup memory (what GPUs want).
 
@@ -39,51 +39,62 @@ fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
     if (col + 3u < n) { out[o + 3u] = v.w; }
 }
 
+// 8 rows x 256 columns per workgroup: every invocation shares the same 8 rows, so the A loads
+// are uniform across the workgroup (one scalar load, broadcast, on SIMD-on-CPU adapters), and
+// invocation `lid` owns columns col0 + lid + 64 j, so neighbouring invocations read
+// neighbouring B elements. 32 accumulators per invocation; no workgroup memory, no barriers.
 @compute @workgroup_size(64)
 fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
-    let t = tile_of(wid, nwg, 32u, 32u);
+    let t = tile_of(wid, nwg, 8u, 256u);
     if (t.batch >= pu(3u)) {
         return;
     }
     let m = pu(0u);
     let n = pu(1u);
     let k_len = pu(2u);
-    let row = t.row0 + (lid / 8u) * 4u;
-    let col = t.col0 + (lid % 8u) * 4u;
     // Rows and columns past the edge read a clamped (valid) element and are not stored.
     let a_base = pu(4u) + t.batch * pu(5u);
     let a_rs = pu(6u);
     let a_cs = pu(7u);
-    let a0 = a_base + min(row, m - 1u) * a_rs;
-    let a1 = a_base + min(row + 1u, m - 1u) * a_rs;
-    let a2 = a_base + min(row + 2u, m - 1u) * a_rs;
-    let a3 = a_base + min(row + 3u, m - 1u) * a_rs;
+    var a_row: array<u32, 8>;
+    for (var i = 0u; i < 8u; i = i + 1u) {
+        a_row[i] = a_base + min(t.row0 + i, m - 1u) * a_rs;
+    }
     let b_base = pu(8u) + t.batch * pu(9u);
     let b_rs = pu(10u);
     let b_cs = pu(11u);
+    let col = t.col0 + lid;
     let b0 = b_base + min(col, n - 1u) * b_cs;
-    let b1 = b_base + min(col + 1u, n - 1u) * b_cs;
-    let b2 = b_base + min(col + 2u, n - 1u) * b_cs;
-    let b3 = b_base + min(col + 3u, n - 1u) * b_cs;
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
-    var acc2 = vec4<f32>(0.0);
-    var acc3 = vec4<f32>(0.0);
+    let b1 = b_base + min(col + 64u, n - 1u) * b_cs;
+    let b2 = b_base + min(col + 128u, n - 1u) * b_cs;
+    let b3 = b_base + min(col + 192u, n - 1u) * b_cs;
+    var acc: array<vec4<f32>, 8>;
     for (var k = 0u; k < k_len; k = k + 1u) {
         let kb = k * b_rs;
         let bv = vec4<f32>(b[b0 + kb], b[b1 + kb], b[b2 + kb], b[b3 + kb]);
         let ka = k * a_cs;
-        acc0 = fma(vec4<f32>(a[a0 + ka]), bv, acc0);
-        acc1 = fma(vec4<f32>(a[a1 + ka]), bv, acc1);
-        acc2 = fma(vec4<f32>(a[a2 + ka]), bv, acc2);
-        acc3 = fma(vec4<f32>(a[a3 + ka]), bv, acc3);
+        acc[0] = fma(vec4<f32>(a[a_row[0] + ka]), bv, acc[0]);
+        acc[1] = fma(vec4<f32>(a[a_row[1] + ka]), bv, acc[1]);
+        acc[2] = fma(vec4<f32>(a[a_row[2] + ka]), bv, acc[2]);
+        acc[3] = fma(vec4<f32>(a[a_row[3] + ka]), bv, acc[3]);
+        acc[4] = fma(vec4<f32>(a[a_row[4] + ka]), bv, acc[4]);
+        acc[5] = fma(vec4<f32>(a[a_row[5] + ka]), bv, acc[5]);
+        acc[6] = fma(vec4<f32>(a[a_row[6] + ka]), bv, acc[6]);
+        acc[7] = fma(vec4<f32>(a[a_row[7] + ka]), bv, acc[7]);
     }
     let base = t.batch * m * n;
-    store_row(base, row, col, acc0);
-    store_row(base, row + 1u, col, acc1);
-    store_row(base, row + 2u, col, acc2);
-    store_row(base, row + 3u, col, acc3);
+    for (var i = 0u; i < 8u; i = i + 1u) {
+        let row = t.row0 + i;
+        if (row < m) {
+            let o = base + row * n;
+            let v = acc[i];
+            if (col < n) { out[o + col] = v.x; }
+            if (col + 64u < n) { out[o + col + 64u] = v.y; }
+            if (col + 128u < n) { out[o + col + 128u] = v.z; }
+            if (col + 192u < n) { out[o + col + 192u] = v.w; }
+        }
+    }
 }
 
 const TILE: u32 = 64u;

@@ -46,20 +46,25 @@ fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
 }
 
-// One invocation per row, looping over K. Best when rows are adjacent in memory (reducing a
-// leading dim), so neighbouring invocations read neighbouring elements.
+// One invocation per (row, chunk), looping over the chunk alone. Best when rows are adjacent
+// in memory (reducing a leading dim), so neighbouring invocations read neighbouring elements,
+// and on CPU adapters, where barriers are costly and each invocation streams through memory.
+// Writes dst[row * chunks + chunk].
 @compute @workgroup_size(256)
-fn columns(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-           @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg) * 256u + lid;
-    if (row >= pu(0u)) {
+fn serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let w = workgroup_index(wid, nwg) * 256u + lid;
+    let chunks = pu(5u);
+    if (w >= pu(0u) * chunks) {
         return;
     }
-    let base = pu(2u) + row * pu(3u);
+    let start = (w % chunks) * pu(6u);
+    let end = min(start + pu(6u), pu(1u));
+    let base = pu(2u) + (w / chunks) * pu(3u);
     let ks = pu(4u);
     var acc = REDUCE_IDENTITY;
-    for (var k = 0u; k < pu(1u); k = k + 1u) {
+    for (var k = start; k < end; k = k + 1u) {
         acc = combine(acc, src[base + k * ks]);
     }
-    dst[row] = acc * pf(7u);
+    dst[w] = acc * pf(7u);
 }

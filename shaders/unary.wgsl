@@ -35,11 +35,11 @@ fn op(x: f32, s: f32) -> f32 {
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
-        return;
+    let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
+    let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
+    for (var i = start; i < end; i = i + 256u) {
+        dst[i] = op(src[pu(1u) + i], pf(2u));
     }
-    dst[i] = op(src[pu(1u) + i], pf(2u));
 }
 
 @compute @workgroup_size(256)

@@ -3,7 +3,7 @@
 
 use crate::device::Kernel;
 use crate::error::{Error, Result};
-use crate::ops::{dispatch, groups, module_source, WORKGROUP};
+use crate::ops::{dispatch, groups, module_source, CONTIGUOUS_PER_GROUP, WORKGROUP};
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
 use crate::tensor::{DType, Tensor};
 
@@ -103,7 +103,8 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
         entry,
         source: &|| op.source(),
     };
-    dispatch(name, &kernel, &[a, b, &out], &params, groups(n, WORKGROUP))?;
+    let per_group = if entry == "contiguous" { CONTIGUOUS_PER_GROUP } else { WORKGROUP };
+    dispatch(name, &kernel, &[a, b, &out], &params, groups(n, per_group))?;
     Ok(out)
 }
 

@@ -18,11 +18,11 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("matmul".into(), source())]
 }
 
-/// The device's matmul kernel: entry point and output tile size.
-fn kernel_for(t: &Tensor) -> (&'static str, usize) {
+/// The device's matmul kernel: entry point and output tile (rows, columns).
+fn kernel_for(t: &Tensor) -> (&'static str, usize, usize) {
     match t.device().matmul_kernel() {
-        MatmulKernel::RegisterTiled => ("register_tiled", 32),
-        MatmulKernel::SharedTiled => ("shared_tiled", 64),
+        MatmulKernel::RegisterTiled => ("register_tiled", 8, 256),
+        MatmulKernel::SharedTiled => ("shared_tiled", 64, 64),
     }
 }
 
@@ -103,10 +103,10 @@ impl Tensor {
                 return Tensor::zeros(&out_shape, self.device())
                     .and_then(|z| finish(z, self, other, &mut out_shape));
             }
-            let (entry, tile) = kernel_for(self);
+            let (entry, tile_rows, tile_cols) = kernel_for(self);
             let (la, lb) = (a.layout(), b.layout());
             let r = a.rank();
-            let (tiles_m, tiles_n) = (m.div_ceil(tile), n.div_ceil(tile));
+            let (tiles_m, tiles_n) = (m.div_ceil(tile_rows), n.div_ceil(tile_cols));
             let params = [
                 m as u32,
                 n as u32,

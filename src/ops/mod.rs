@@ -19,6 +19,10 @@ use crate::tensor::{Storage, Tensor};
 /// Invocations per workgroup of the elementwise kernels.
 pub(crate) const WORKGROUP: usize = 256;
 
+/// Elements one workgroup of a contiguous elementwise kernel covers (`CONTIGUOUS_PER_GROUP`
+/// in `shaders/common.wgsl`).
+pub(crate) const CONTIGUOUS_PER_GROUP: usize = 4096;
+
 /// Prepended to every family's WGSL.
 const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
 

@@ -112,97 +112,61 @@ pub(crate) fn check_dims(op: &'static str, x: &Tensor, dims: &[usize]) -> Result
     Ok(sorted)
 }
 
-/// Reduces each row of `mat` into a contiguous tensor of `M` values (times `scale`).
-fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) -> Result<Tensor> {
-    let device = mat.tensor.device();
-    let out = Tensor::empty(op_name, &[mat.m], DType::F32, device)?;
-    let key_rows = format!("reduce/{}:rows", op.name());
-    let key_cols = format!("reduce/{}:columns", op.name());
-    let source = || op.source();
-    let offset = mat.tensor.layout().offset as u32;
-    // Neighbouring rows in memory and enough of them to fill the device: one invocation each.
+/// How a reduction of an `[M, K]` view runs: which kernel, and in how many chunks per row.
+struct Plan {
+    entry: &'static str,
+    chunks: usize,
+}
+
+/// Neighbouring rows in memory (reducing a leading dim) with enough rows to fill the device
+/// take one invocation per row. Otherwise CPU adapters, where barriers are coroutine switches,
+/// split rows into enough serial chunks to fill their threads, and GPUs reduce each row chunk
+/// with a whole workgroup.
+fn plan(mat: &Matrix, software: bool) -> Plan {
     if mat.k_stride != 1 && mat.m >= 1024 {
-        let params = [
-            mat.m as u32,
-            mat.k as u32,
-            offset,
-            mat.row_stride as u32,
-            mat.k_stride as u32,
-            1,
-            0,
-            f32_bits(scale),
-        ];
-        let kernel = Kernel {
-            key: &key_cols,
-            entry: "columns",
-            source: &source,
-        };
-        dispatch(
-            op_name,
-            &kernel,
-            &[&mat.tensor, &out],
-            &params,
-            groups(mat.m, WORKGROUP),
-        )?;
-        return Ok(out);
+        return Plan { entry: "serial", chunks: 1 };
     }
-    let chunks = mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS);
+    if software {
+        let chunks = 2048usize.div_ceil(mat.m).clamp(1, mat.k.div_ceil(256).max(1));
+        return Plan { entry: "serial", chunks };
+    }
+    Plan { entry: "rows", chunks: mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS) }
+}
+
+/// Runs one pass of `entry` over `mat` in `chunks` chunks per row: `[M, chunks]` results.
+fn reduce_pass(op_name: &'static str, op: ReduceOp, mat: &Matrix, entry: &'static str, chunks: usize, scale: f32) -> Result<Tensor> {
+    let out = Tensor::empty(op_name, &[mat.m, chunks], DType::F32, mat.tensor.device())?;
     let chunk_len = mat.k.div_ceil(chunks);
-    let kernel = Kernel {
-        key: &key_rows,
-        entry: "rows",
-        source: &source,
-    };
-    if chunks == 1 {
-        let params = [
-            mat.m as u32,
-            mat.k as u32,
-            offset,
-            mat.row_stride as u32,
-            mat.k_stride as u32,
-            1,
-            chunk_len as u32,
-            f32_bits(scale),
-        ];
-        dispatch(
-            op_name,
-            &kernel,
-            &[&mat.tensor, &out],
-            &params,
-            mat.m as u32,
-        )?;
-        return Ok(out);
-    }
-    let partial = Tensor::empty(op_name, &[mat.m, chunks], DType::F32, device)?;
     let params = [
         mat.m as u32,
         mat.k as u32,
-        offset,
+        mat.tensor.layout().offset as u32,
         mat.row_stride as u32,
         mat.k_stride as u32,
         chunks as u32,
         chunk_len as u32,
-        f32_bits(1.0),
-    ];
-    dispatch(
-        op_name,
-        &kernel,
-        &[&mat.tensor, &partial],
-        &params,
-        (mat.m * chunks) as u32,
-    )?;
-    let params = [
-        mat.m as u32,
-        chunks as u32,
-        0,
-        chunks as u32,
-        1,
-        1,
-        chunks as u32,
         f32_bits(scale),
     ];
-    dispatch(op_name, &kernel, &[&partial, &out], &params, mat.m as u32)?;
+    let key = format!("reduce/{}:{entry}", op.name());
+    let kernel = Kernel { key: &key, entry, source: &|| op.source() };
+    let workgroups = match entry {
+        "rows" => (mat.m * chunks) as u32,
+        _ => groups(mat.m * chunks, WORKGROUP),
+    };
+    dispatch(op_name, &kernel, &[&mat.tensor, &out], &params, workgroups)?;
     Ok(out)
+}
+
+/// Reduces each row of `mat` into a contiguous tensor of `M` values (times `scale`): one pass,
+/// or two when rows are split into chunks.
+fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) -> Result<Tensor> {
+    let plan = plan(mat, mat.tensor.device().info().is_software());
+    if plan.chunks == 1 {
+        return reduce_pass(op_name, op, mat, plan.entry, 1, scale);
+    }
+    let partial = reduce_pass(op_name, op, mat, plan.entry, plan.chunks, 1.0)?;
+    let partial = Matrix { m: mat.m, k: plan.chunks, row_stride: plan.chunks, k_stride: 1, tensor: partial };
+    reduce_pass(op_name, op, &partial, plan.entry, 1, scale)
 }
 
 /// The output shape after reducing `dims` of `shape`.

@@ -3,7 +3,7 @@
 
 use crate::device::Kernel;
 use crate::error::{Error, Result};
-use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
+use crate::ops::{dispatch, f32_bits, groups, module_source, CONTIGUOUS_PER_GROUP, WORKGROUP};
 use crate::tensor::layout::merge_dims;
 use crate::tensor::{DType, Tensor};
 
@@ -126,7 +126,8 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
         entry,
         source: &|| op.source(),
     };
-    dispatch(name, &kernel, &[x, &out], &params, groups(n, WORKGROUP))?;
+    let per_group = if entry == "contiguous" { CONTIGUOUS_PER_GROUP } else { WORKGROUP };
+    dispatch(name, &kernel, &[x, &out], &params, groups(n, per_group))?;
     Ok(out)
 }
 
