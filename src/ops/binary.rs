@@ -49,17 +49,32 @@ impl BinaryOp {
         }
     }
 
-    fn source(self) -> String {
-        module_source(BINARY_WGSL, &[("BINARY_EXPR", self.expr())])
+    /// The template for `f32` elements, or `vec4<f32>` when `vec4`.
+    fn source(self, vec4: bool) -> String {
+        let (elem, width) = if vec4 {
+            ("vec4<f32>", "4u")
+        } else {
+            ("f32", "1u")
+        };
+        module_source(
+            BINARY_WGSL,
+            &[
+                ("BINARY_EXPR", self.expr()),
+                ("ELEM_WIDTH", width),
+                ("ELEM", elem),
+            ],
+        )
     }
 }
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    BinaryOp::ALL
-        .iter()
-        .map(|op| (format!("binary/{}", op.name()), op.source()))
-        .collect()
+    let mut all = Vec::new();
+    for op in BinaryOp::ALL {
+        all.push((format!("binary/{}", op.name()), op.source(false)));
+        all.push((format!("binary/{}/vec4", op.name()), op.source(true)));
+    }
+    all
 }
 
 /// `a op b` broadcast to their common shape, into a new contiguous tensor.
@@ -88,22 +103,31 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
             op: name,
             msg: format!("broadcast shape {shape:?} has more than 6 non-mergeable dims"),
         })?;
-    let entry = if la.is_contiguous() && lb.is_contiguous() {
-        "contiguous"
+    let contiguous = la.is_contiguous() && lb.is_contiguous();
+    // Four elements per load where lengths and offsets allow: about twice the bandwidth on
+    // CPU adapters.
+    let vec4 = contiguous && n % 4 == 0 && la.offset % 4 == 0 && lb.offset % 4 == 0;
+    let (entry, per_group) = if contiguous {
+        ("contiguous", CONTIGUOUS_PER_GROUP)
     } else {
-        "strided"
+        ("strided", WORKGROUP)
     };
-    let mut params = vec![n as u32, la.offset as u32, lb.offset as u32, rank as u32];
+    let unit = if vec4 { 4 } else { 1 };
+    let mut params = vec![
+        (n / unit) as u32,
+        (la.offset / unit) as u32,
+        (lb.offset / unit) as u32,
+        rank as u32,
+    ];
     params.extend(&kshape);
     params.extend(&strides[0]);
     params.extend(&strides[1]);
-    let key = format!("binary/{name}:{entry}");
+    let key = format!("binary/{name}{}:{entry}", if vec4 { "/vec4" } else { "" });
     let kernel = Kernel {
         key: &key,
         entry,
-        source: &|| op.source(),
+        source: &|| op.source(vec4),
     };
-    let per_group = if entry == "contiguous" { CONTIGUOUS_PER_GROUP } else { WORKGROUP };
     dispatch(name, &kernel, &[a, b, &out], &params, groups(n, per_group))?;
     Ok(out)
 }

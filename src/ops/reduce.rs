@@ -124,17 +124,35 @@ struct Plan {
 /// with a whole workgroup.
 fn plan(mat: &Matrix, software: bool) -> Plan {
     if mat.k_stride != 1 && mat.m >= 1024 {
-        return Plan { entry: "serial", chunks: 1 };
+        return Plan {
+            entry: "serial",
+            chunks: 1,
+        };
     }
     if software {
-        let chunks = 2048usize.div_ceil(mat.m).clamp(1, mat.k.div_ceil(256).max(1));
-        return Plan { entry: "serial", chunks };
+        let chunks = 2048usize
+            .div_ceil(mat.m)
+            .clamp(1, mat.k.div_ceil(256).max(1));
+        return Plan {
+            entry: "serial",
+            chunks,
+        };
     }
-    Plan { entry: "rows", chunks: mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS) }
+    Plan {
+        entry: "rows",
+        chunks: mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS),
+    }
 }
 
 /// Runs one pass of `entry` over `mat` in `chunks` chunks per row: `[M, chunks]` results.
-fn reduce_pass(op_name: &'static str, op: ReduceOp, mat: &Matrix, entry: &'static str, chunks: usize, scale: f32) -> Result<Tensor> {
+fn reduce_pass(
+    op_name: &'static str,
+    op: ReduceOp,
+    mat: &Matrix,
+    entry: &'static str,
+    chunks: usize,
+    scale: f32,
+) -> Result<Tensor> {
     let out = Tensor::empty(op_name, &[mat.m, chunks], DType::F32, mat.tensor.device())?;
     let chunk_len = mat.k.div_ceil(chunks);
     let params = [
@@ -148,7 +166,11 @@ fn reduce_pass(op_name: &'static str, op: ReduceOp, mat: &Matrix, entry: &'stati
         f32_bits(scale),
     ];
     let key = format!("reduce/{}:{entry}", op.name());
-    let kernel = Kernel { key: &key, entry, source: &|| op.source() };
+    let kernel = Kernel {
+        key: &key,
+        entry,
+        source: &|| op.source(),
+    };
     let workgroups = match entry {
         "rows" => (mat.m * chunks) as u32,
         _ => groups(mat.m * chunks, WORKGROUP),
@@ -165,7 +187,13 @@ fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) 
         return reduce_pass(op_name, op, mat, plan.entry, 1, scale);
     }
     let partial = reduce_pass(op_name, op, mat, plan.entry, plan.chunks, 1.0)?;
-    let partial = Matrix { m: mat.m, k: plan.chunks, row_stride: plan.chunks, k_stride: 1, tensor: partial };
+    let partial = Matrix {
+        m: mat.m,
+        k: plan.chunks,
+        row_stride: plan.chunks,
+        k_stride: 1,
+        tensor: partial,
+    };
     reduce_pass(op_name, op, &partial, plan.entry, 1, scale)
 }
 

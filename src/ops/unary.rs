@@ -126,7 +126,11 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
         entry,
         source: &|| op.source(),
     };
-    let per_group = if entry == "contiguous" { CONTIGUOUS_PER_GROUP } else { WORKGROUP };
+    let per_group = if entry == "contiguous" {
+        CONTIGUOUS_PER_GROUP
+    } else {
+        WORKGROUP
+    };
     dispatch(name, &kernel, &[x, &out], &params, groups(n, per_group))?;
     Ok(out)
 }
