@@ -315,8 +315,19 @@ fn binary_ops_on_contiguous_slices_at_any_offset() {
     let (a, da) = random_tensor(&[64], 1);
     let (b, db) = random_tensor(&[64], 2);
     for (start, len) in [(4, 16), (3, 16), (8, 13), (0, 64)] {
-        let got = a.narrow(0, start, len).unwrap().sub(&b.narrow(0, 64 - len, len).unwrap()).unwrap();
-        let want: Vec<f64> = (0..len).map(|i| da[start + i] as f64 - db[64 - len + i] as f64).collect();
-        assert_close(&got.to_vec().unwrap(), &want, 1e-7, &format!("slice {start}+{len}"));
+        let got = a
+            .narrow(0, start, len)
+            .unwrap()
+            .sub(&b.narrow(0, 64 - len, len).unwrap())
+            .unwrap();
+        let want: Vec<f64> = (0..len)
+            .map(|i| da[start + i] as f64 - db[64 - len + i] as f64)
+            .collect();
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-7,
+            &format!("slice {start}+{len}"),
+        );
     }
 }
