@@ -71,18 +71,11 @@ impl Tensor {
             entry: "argmax",
             source: &source,
         };
-        let params = [
-            mat.m as u32,
-            mat.k as u32,
-            mat.tensor.layout().offset as u32,
-            mat.row_stride as u32,
-            mat.k_stride as u32,
-        ];
         dispatch(
             OP,
             &kernel,
             &[&mat.tensor, &out],
-            &params,
+            &mat.params(),
             groups(mat.m, WORKGROUP),
         )?;
         out.reshape(&out_shape)

@@ -38,6 +38,16 @@ fn batch_stride(t: &Tensor) -> Option<u32> {
     }
 }
 
+/// `t` with one batch stride: itself when its batch dims merge, else a dense copy.
+fn with_batch_stride(t: Tensor) -> Result<(Tensor, u32)> {
+    if let Some(stride) = batch_stride(&t) {
+        return Ok((t, stride));
+    }
+    let dense = t.contiguous()?;
+    let stride = batch_stride(&dense).expect("dense batch dims merge");
+    Ok((dense, stride))
+}
+
 impl Tensor {
     /// Matrix product with PyTorch's `matmul` rules: 1-D operands are promoted to a row
     /// (left) or column (right) and the added dim removed; leading dims broadcast.
@@ -85,24 +95,16 @@ impl Tensor {
         let a = a.expand(&[batch.as_slice(), &[m, k]].concat())?;
         let b = b.expand(&[batch.as_slice(), &[k, n]].concat())?;
         // Batch dims that do not merge into one stride are made dense.
-        let a = if batch_stride(&a).is_some() {
-            a
-        } else {
-            a.contiguous()?
-        };
-        let b = if batch_stride(&b).is_some() {
-            b
-        } else {
-            b.contiguous()?
-        };
+        let (a, a_batch_stride) = with_batch_stride(a)?;
+        let (b, b_batch_stride) = with_batch_stride(b)?;
         let batches: usize = batch.iter().product();
         let mut out_shape = [batch.as_slice(), &[m, n]].concat();
+        if k == 0 {
+            let zeros = Tensor::zeros(&out_shape, self.device())?;
+            return finish(zeros, self, other, &mut out_shape);
+        }
         let out = Tensor::empty(OP, &out_shape, DType::F32, self.device())?;
         if out.numel() > 0 {
-            if k == 0 {
-                return Tensor::zeros(&out_shape, self.device())
-                    .and_then(|z| finish(z, self, other, &mut out_shape));
-            }
             let (entry, tile_rows, tile_cols) = kernel_for(self);
             let (la, lb) = (a.layout(), b.layout());
             let r = a.rank();
@@ -113,11 +115,11 @@ impl Tensor {
                 k as u32,
                 batches as u32,
                 la.offset as u32,
-                batch_stride(&a).expect("merged"),
+                a_batch_stride,
                 la.strides[r - 2] as u32,
                 la.strides[r - 1] as u32,
                 lb.offset as u32,
-                batch_stride(&b).expect("merged"),
+                b_batch_stride,
                 lb.strides[r - 2] as u32,
                 lb.strides[r - 1] as u32,
                 tiles_n as u32,

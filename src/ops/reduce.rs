@@ -59,6 +59,19 @@ pub(crate) struct Matrix {
     pub k_stride: usize,
 }
 
+impl Matrix {
+    /// The view as the first five kernel parameter slots: M, K, offset, row stride, k stride.
+    pub fn params(&self) -> [u32; 5] {
+        [
+            self.m as u32,
+            self.k as u32,
+            self.tensor.layout().offset as u32,
+            self.row_stride as u32,
+            self.k_stride as u32,
+        ]
+    }
+}
+
 /// Collapses dims of one operand into one `(size, stride)`, if its strides allow.
 fn collapse(shape: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
     let (rank, _, merged) = merge_dims(shape, &[strides])?;
@@ -155,16 +168,8 @@ fn reduce_pass(
 ) -> Result<Tensor> {
     let out = Tensor::empty(op_name, &[mat.m, chunks], DType::F32, mat.tensor.device())?;
     let chunk_len = mat.k.div_ceil(chunks);
-    let params = [
-        mat.m as u32,
-        mat.k as u32,
-        mat.tensor.layout().offset as u32,
-        mat.row_stride as u32,
-        mat.k_stride as u32,
-        chunks as u32,
-        chunk_len as u32,
-        f32_bits(scale),
-    ];
+    let mut params = mat.params().to_vec();
+    params.extend([chunks as u32, chunk_len as u32, f32_bits(scale)]);
     let key = format!("reduce/{}:{entry}", op.name());
     let kernel = Kernel {
         key: &key,
