@@ -7,10 +7,27 @@
 // Two kernels: `register_tiled` keeps an 8x4 block of out in registers and uses no workgroup
 // memory or barriers (software adapters run barriers as coroutine switches, so this wins
 // there); `shared_tiled` stages 64x16 panels of A and B in workgroup memory (what GPUs want).
+//
+// Buffers are bound as arrays of vec4 so that `register_tiled` can load four elements at a
+// time where the layout allows: software adapters pay per load, not per element. The host
+// picks how each operand is read by splicing A_MODE and B_MODE:
+//   A_MODE k: A[r][k..k+4] is one aligned vec4 (row stride and offsets multiples of 4, col
+//             stride 1); m: A[r..r+4][k] is one aligned vec4 (col stride and offsets multiples
+//             of 4, row stride 1, M a multiple of 8); any: one element at a time.
+//   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
+//             aligned vec4; any: one element at a time.
 
-@group(0) @binding(1) var<storage, read> a: array<f32>;
-@group(0) @binding(2) var<storage, read> b: array<f32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(1) var<storage, read> a: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> b: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
+
+fn a_at(i: u32) -> f32 {
+    return a[i / 4u][i % 4u];
+}
+
+fn b_at(i: u32) -> f32 {
+    return b[i / 4u][i % 4u];
+}
 
 struct Tile {
     batch: u32,
@@ -26,6 +43,7 @@ fn tile_of(wid: vec3<u32>, nwg: vec3<u32>, tile_rows: u32, tile_cols: u32) -> Ti
     return Tile(w / per_batch, (in_batch / pu(12u)) * tile_rows, (in_batch % pu(12u)) * tile_cols);
 }
 
+// Writes out[row][col..col+4], skipping rows and columns past the edge.
 fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
     let m = pu(0u);
     let n = pu(1u);
@@ -33,16 +51,78 @@ fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
         return;
     }
     let o = base + row * n + col;
-    if (col < n) { out[o] = v.x; }
-    if (col + 1u < n) { out[o + 1u] = v.y; }
-    if (col + 2u < n) { out[o + 2u] = v.z; }
-    if (col + 3u < n) { out[o + 3u] = v.w; }
+    if (o % 4u == 0u && col + 3u < n) {
+        out[o / 4u] = v;
+        return;
+    }
+    for (var j = 0u; j < 4u; j = j + 1u) {
+        if (col + j < n) {
+            out[(o + j) / 4u][(o + j) % 4u] = v[j];
+        }
+    }
 }
 
-// 8 rows x 256 columns per workgroup: every invocation shares the same 8 rows, so the A loads
-// are uniform across the workgroup (one scalar load, broadcast, on SIMD-on-CPU adapters), and
-// invocation `lid` owns columns col0 + lid + 64 j, so neighbouring invocations read
-// neighbouring B elements. 32 accumulators per invocation; no workgroup memory, no barriers.
+// A 4x4 block of A as a matrix whose column kk holds rows `rows` of A at k + kk.
+// `at` is the element offset of A[rows.x][k]; `rs`, `cs` are A's strides.
+fn a_block_k(at: u32, rows: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
+    let base = at - rows.x * rs;
+    return transpose(mat4x4<f32>(a[at / 4u], a[(base + rows.y * rs) / 4u],
+                                 a[(base + rows.z * rs) / 4u], a[(base + rows.w * rs) / 4u]));
+}
+
+fn a_block_m(at: u32, rows: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(a[at / 4u], a[(at + cs) / 4u], a[(at + 2u * cs) / 4u], a[(at + 3u * cs) / 4u]);
+}
+
+fn a_block_any(at: u32, rows: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
+    let base = at - rows.x * rs;
+    var block: mat4x4<f32>;
+    for (var kk = 0u; kk < 4u; kk = kk + 1u) {
+        let o = base + kk * cs;
+        block[kk] = vec4<f32>(a_at(o + rows.x * rs), a_at(o + rows.y * rs), a_at(o + rows.z * rs), a_at(o + rows.w * rs));
+    }
+    return block;
+}
+
+// A 4x4 block of B as a matrix whose column j holds B[k..k+4][cols[j]].
+// `at` is the element offset of B[k][cols.x]; `rs`, `cs` are B's strides.
+fn b_block_n(at: u32, cols: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
+    return transpose(mat4x4<f32>(b[at / 4u], b[(at + rs) / 4u], b[(at + 2u * rs) / 4u], b[(at + 3u * rs) / 4u]));
+}
+
+fn b_block_k(at: u32, cols: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
+    let base = at - cols.x * cs;
+    return mat4x4<f32>(b[at / 4u], b[(base + cols.y * cs) / 4u], b[(base + cols.z * cs) / 4u], b[(base + cols.w * cs) / 4u]);
+}
+
+fn b_block_any(at: u32, cols: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
+    let base = at - cols.x * cs;
+    var block: mat4x4<f32>;
+    for (var j = 0u; j < 4u; j = j + 1u) {
+        let o = base + cols[j] * cs;
+        block[j] = vec4<f32>(b_at(o), b_at(o + rs), b_at(o + 2u * rs), b_at(o + 3u * rs));
+    }
+    return block;
+}
+
+// The rows of A (and columns of B) an invocation reads: clamped to the last valid one, so
+// edge invocations read valid memory and only their stores are skipped. Vec4 modes keep the
+// four together (their extent is a multiple of 4, so an aligned group never straddles it).
+fn rows_from(r0: u32) -> vec4<u32> {
+    return min(vec4<u32>(r0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(pu(0u) - 1u));
+}
+
+fn cols_from(c0: u32) -> vec4<u32> {
+    let n = pu(1u);
+    if (B_ALIGNED_COLS) {
+        return vec4<u32>(min(c0, n - 4u)) + vec4<u32>(0u, 1u, 2u, 3u);
+    }
+    return min(vec4<u32>(c0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
+}
+
+// 8 rows x 256 columns per workgroup: all 64 invocations share the 8 rows, invocation `lid`
+// owns columns col0 + 4 lid .. + 4. Each step of 4 along k loads two 4x4 blocks of A and one
+// of B and does 128 multiply-adds. No workgroup memory, no barriers.
 @compute @workgroup_size(64)
 fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
@@ -50,50 +130,44 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     if (t.batch >= pu(3u)) {
         return;
     }
-    let m = pu(0u);
-    let n = pu(1u);
     let k_len = pu(2u);
-    // Rows and columns past the edge read a clamped (valid) element and are not stored.
     let a_base = pu(4u) + t.batch * pu(5u);
     let a_rs = pu(6u);
     let a_cs = pu(7u);
-    var a_row: array<u32, 8>;
-    for (var i = 0u; i < 8u; i = i + 1u) {
-        a_row[i] = a_base + min(t.row0 + i, m - 1u) * a_rs;
-    }
     let b_base = pu(8u) + t.batch * pu(9u);
     let b_rs = pu(10u);
     let b_cs = pu(11u);
-    let col = t.col0 + lid;
-    let b0 = b_base + min(col, n - 1u) * b_cs;
-    let b1 = b_base + min(col + 64u, n - 1u) * b_cs;
-    let b2 = b_base + min(col + 128u, n - 1u) * b_cs;
-    let b3 = b_base + min(col + 192u, n - 1u) * b_cs;
-    var acc: array<vec4<f32>, 8>;
-    for (var k = 0u; k < k_len; k = k + 1u) {
-        let kb = k * b_rs;
-        let bv = vec4<f32>(b[b0 + kb], b[b1 + kb], b[b2 + kb], b[b3 + kb]);
-        let ka = k * a_cs;
-        acc[0] = fma(vec4<f32>(a[a_row[0] + ka]), bv, acc[0]);
-        acc[1] = fma(vec4<f32>(a[a_row[1] + ka]), bv, acc[1]);
-        acc[2] = fma(vec4<f32>(a[a_row[2] + ka]), bv, acc[2]);
-        acc[3] = fma(vec4<f32>(a[a_row[3] + ka]), bv, acc[3]);
-        acc[4] = fma(vec4<f32>(a[a_row[4] + ka]), bv, acc[4]);
-        acc[5] = fma(vec4<f32>(a[a_row[5] + ka]), bv, acc[5]);
-        acc[6] = fma(vec4<f32>(a[a_row[6] + ka]), bv, acc[6]);
-        acc[7] = fma(vec4<f32>(a[a_row[7] + ka]), bv, acc[7]);
+    let rows_lo = rows_from(t.row0);
+    let rows_hi = rows_from(t.row0 + 4u);
+    let col = t.col0 + lid * 4u;
+    let cols = cols_from(col);
+    let a_lo = a_base + rows_lo.x * a_rs;
+    let a_hi = a_base + rows_hi.x * a_rs;
+    let b_at0 = b_base + cols.x * b_cs;
+    var acc_lo = mat4x4<f32>();
+    var acc_hi = mat4x4<f32>();
+    let k_main = k_len - k_len % 4u;
+    for (var k = 0u; k < k_main; k = k + 4u) {
+        let b_blk = b_block_B_MODE(b_at0 + k * b_rs, cols, b_rs, b_cs);
+        acc_lo = acc_lo + a_block_A_MODE(a_lo + k * a_cs, rows_lo, a_rs, a_cs) * b_blk;
+        acc_hi = acc_hi + a_block_A_MODE(a_hi + k * a_cs, rows_hi, a_rs, a_cs) * b_blk;
     }
-    let base = t.batch * m * n;
-    for (var i = 0u; i < 8u; i = i + 1u) {
-        let row = t.row0 + i;
-        if (row < m) {
-            let o = base + row * n;
-            let v = acc[i];
-            if (col < n) { out[o + col] = v.x; }
-            if (col + 64u < n) { out[o + col + 64u] = v.y; }
-            if (col + 128u < n) { out[o + col + 128u] = v.z; }
-            if (col + 192u < n) { out[o + col + 192u] = v.w; }
-        }
+    for (var k = k_main; k < k_len; k = k + 1u) {
+        let bo = b_base + k * b_rs;
+        let bv = vec4<f32>(b_at(bo + cols.x * b_cs), b_at(bo + cols.y * b_cs), b_at(bo + cols.z * b_cs), b_at(bo + cols.w * b_cs));
+        let ao = a_base + k * a_cs;
+        let lo = vec4<f32>(a_at(ao + rows_lo.x * a_rs), a_at(ao + rows_lo.y * a_rs), a_at(ao + rows_lo.z * a_rs), a_at(ao + rows_lo.w * a_rs));
+        let hi = vec4<f32>(a_at(ao + rows_hi.x * a_rs), a_at(ao + rows_hi.y * a_rs), a_at(ao + rows_hi.z * a_rs), a_at(ao + rows_hi.w * a_rs));
+        acc_lo = acc_lo + mat4x4<f32>(lo * bv.x, lo * bv.y, lo * bv.z, lo * bv.w);
+        acc_hi = acc_hi + mat4x4<f32>(hi * bv.x, hi * bv.y, hi * bv.z, hi * bv.w);
+    }
+    // Column j of each accumulator holds 4 rows of output column col + j.
+    let rows_out = transpose(acc_lo);
+    let rows_out_hi = transpose(acc_hi);
+    let base = t.batch * pu(0u) * pu(1u);
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        store_row(base, t.row0 + i, col, rows_out[i]);
+        store_row(base, t.row0 + 4u + i, col, rows_out_hi[i]);
     }
 }
 
@@ -132,11 +206,11 @@ fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             let c = t.col0 + rc;
             var av = 0.0;
             if (k < k_len && r < m) {
-                av = a[a_base + r * pu(6u) + k * pu(7u)];
+                av = a_at(a_base + r * pu(6u) + k * pu(7u));
             }
             var bv = 0.0;
             if (k < k_len && c < n) {
-                bv = b[b_base + k * pu(10u) + c * pu(11u)];
+                bv = b_at(b_base + k * pu(10u) + c * pu(11u));
             }
             a_panel[e] = av;
             b_panel[e] = bv;

@@ -9,13 +9,86 @@ use crate::tensor::{DType, Tensor};
 
 const MATMUL_WGSL: &str = include_str!("../../shaders/matmul.wgsl");
 
-fn source() -> String {
-    module_source(MATMUL_WGSL, &[])
+/// How `register_tiled` reads A: a vec4 along k, a vec4 along m, or element by element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AMode {
+    K,
+    M,
+    Any,
+}
+
+/// How `register_tiled` reads B: a vec4 along n, a vec4 along k, or element by element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BMode {
+    N,
+    K,
+    Any,
+}
+
+fn source(a: AMode, b: BMode) -> String {
+    let a_mode = match a {
+        AMode::K => "k",
+        AMode::M => "m",
+        AMode::Any => "any",
+    };
+    let (b_mode, aligned_cols) = match b {
+        BMode::N => ("n", "true"),
+        BMode::K => ("k", "false"),
+        BMode::Any => ("any", "false"),
+    };
+    module_source(
+        MATMUL_WGSL,
+        &[("A_MODE", a_mode), ("B_MODE", b_mode), ("B_ALIGNED_COLS", aligned_cols)],
+    )
 }
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("matmul".into(), source())]
+    let mut all = Vec::new();
+    for a in [AMode::K, AMode::M, AMode::Any] {
+        for b in [BMode::N, BMode::K, BMode::Any] {
+            all.push((format!("matmul/{a:?}{b:?}"), source(a, b)));
+        }
+    }
+    all
+}
+
+/// The operand layout as (offset, batch stride, row stride, col stride), in elements.
+struct Strides {
+    offset: usize,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl Strides {
+    /// True when the offset, the batch stride and `between` (the stride from one 4-element
+    /// group to the next) are multiples of 4, so every group starts on a vec4 boundary.
+    fn aligned(&self, between: usize) -> bool {
+        self.offset % 4 == 0 && self.batch % 4 == 0 && between % 4 == 0
+    }
+}
+
+/// The widest reads of A that its layout allows.
+fn a_mode(a: &Strides, m: usize) -> AMode {
+    if a.cols == 1 && a.aligned(a.rows) {
+        AMode::K
+    } else if a.rows == 1 && a.aligned(a.cols) && m % 8 == 0 {
+        AMode::M
+    } else {
+        AMode::Any
+    }
+}
+
+/// The widest reads of B that its layout allows.
+fn b_mode(b: &Strides, n: usize) -> BMode {
+    if b.cols == 1 && b.aligned(b.rows) && n % 4 == 0 {
+        BMode::N
+    } else if b.rows == 1 && b.aligned(b.cols) {
+        BMode::K
+    } else {
+        BMode::Any
+    }
 }
 
 /// The device's matmul kernel: entry point and output tile (rows, columns).
@@ -106,30 +179,29 @@ impl Tensor {
         let out = Tensor::empty(OP, &out_shape, DType::F32, self.device())?;
         if out.numel() > 0 {
             let (entry, tile_rows, tile_cols) = kernel_for(self);
-            let (la, lb) = (a.layout(), b.layout());
             let r = a.rank();
+            let strides = |t: &Tensor, batch: u32| Strides {
+                offset: t.layout().offset,
+                batch: batch as usize,
+                rows: t.layout().strides[r - 2],
+                cols: t.layout().strides[r - 1],
+            };
+            let (sa, sb) = (strides(&a, a_batch_stride), strides(&b, b_batch_stride));
             let (tiles_m, tiles_n) = (m.div_ceil(tile_rows), n.div_ceil(tile_cols));
             let params = [
-                m as u32,
-                n as u32,
-                k as u32,
-                batches as u32,
-                la.offset as u32,
-                a_batch_stride,
-                la.strides[r - 2] as u32,
-                la.strides[r - 1] as u32,
-                lb.offset as u32,
-                b_batch_stride,
-                lb.strides[r - 2] as u32,
-                lb.strides[r - 1] as u32,
-                tiles_n as u32,
-                tiles_m as u32,
-            ];
-            let key = format!("matmul:{entry}");
+                m, n, k, batches, sa.offset, sa.batch, sa.rows, sa.cols, sb.offset, sb.batch,
+                sb.rows, sb.cols, tiles_n, tiles_m,
+            ]
+            .map(|x| x as u32);
+            let (am, bm) = match entry {
+                "register_tiled" => (a_mode(&sa, m), b_mode(&sb, n)),
+                _ => (AMode::Any, BMode::Any),
+            };
+            let key = format!("matmul/{am:?}{bm:?}:{entry}");
             let kernel = Kernel {
                 key: &key,
                 entry,
-                source: &source,
+                source: &|| source(am, bm),
             };
             let workgroups = batches * tiles_m * tiles_n;
             dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
