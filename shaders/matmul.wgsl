@@ -4,7 +4,7 @@
 //         7 A col stride, 8 B offset, 9 B batch stride, 10 B row stride, 11 B col stride,
 //         12 column tiles, 13 row tiles
 //
-// Two kernels: `register_tiled` keeps an 8x4 block of out in registers and uses no workgroup
+// Two kernels: `register_tiled` keeps an 8x8 block of out in registers and uses no workgroup
 // memory or barriers (software adapters run barriers as coroutine switches, so this wins
 // there); `shared_tiled` stages 64x16 panels of A and B in workgroup memory (what GPUs want).
 //
@@ -120,10 +120,24 @@ fn cols_from(c0: u32) -> vec4<u32> {
     return min(vec4<u32>(c0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
 }
 
-// 8 rows x 256 columns per workgroup: all 64 invocations share the 8 rows, invocation `lid`
-// owns columns col0 + 4 lid .. + 4. Each step of 4 along k loads two 4x4 blocks of A and one
-// of B and does 128 multiply-adds. No workgroup memory, no barriers.
-@compute @workgroup_size(64)
+// One step along k, for the last k_len % 4 steps: the outer product of A[rows][k] and
+// B[k][cols], read element by element. `a_base`, `b_base` are the batch's offsets.
+fn outer_at(a_base: u32, b_base: u32, k: u32, rows: vec4<u32>, cols: vec4<u32>) -> mat4x4<f32> {
+    let ao = a_base + k * pu(7u);
+    let bo = b_base + k * pu(10u);
+    let a_rs = pu(6u);
+    let b_cs = pu(11u);
+    let av = vec4<f32>(a_at(ao + rows.x * a_rs), a_at(ao + rows.y * a_rs), a_at(ao + rows.z * a_rs), a_at(ao + rows.w * a_rs));
+    let bv = vec4<f32>(b_at(bo + cols.x * b_cs), b_at(bo + cols.y * b_cs), b_at(bo + cols.z * b_cs), b_at(bo + cols.w * b_cs));
+    return mat4x4<f32>(av * bv.x, av * bv.y, av * bv.z, av * bv.w);
+}
+
+// 8 rows x 256 columns per workgroup: all 32 invocations share the 8 rows (A in two 4-row
+// halves), invocation `lid` owns 8 columns from col0 + 8 lid (B in two 4-column halves).
+// Each step of 4 along k loads two 4x4 blocks of A and two of B and does 256 multiply-adds;
+// the four accumulators are 4x4 blocks whose column j holds 4 rows of one output column.
+// No workgroup memory, no barriers.
+@compute @workgroup_size(32)
 fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
     let t = tile_of(wid, nwg, 8u, 256u);
@@ -139,35 +153,46 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let b_cs = pu(11u);
     let rows_lo = rows_from(t.row0);
     let rows_hi = rows_from(t.row0 + 4u);
-    let col = t.col0 + lid * 4u;
-    let cols = cols_from(col);
+    let col_lo = t.col0 + lid * 8u;
+    let col_hi = col_lo + 4u;
+    let cols_lo = cols_from(col_lo);
+    let cols_hi = cols_from(col_hi);
     let a_lo = a_base + rows_lo.x * a_rs;
     let a_hi = a_base + rows_hi.x * a_rs;
-    let b_at0 = b_base + cols.x * b_cs;
-    var acc_lo = mat4x4<f32>();
-    var acc_hi = mat4x4<f32>();
+    let b_lo = b_base + cols_lo.x * b_cs;
+    let b_hi = b_base + cols_hi.x * b_cs;
+    var acc_ll = mat4x4<f32>(); // rows_lo x cols_lo
+    var acc_hl = mat4x4<f32>(); // rows_hi x cols_lo
+    var acc_lh = mat4x4<f32>(); // rows_lo x cols_hi
+    var acc_hh = mat4x4<f32>(); // rows_hi x cols_hi
     let k_main = k_len - k_len % 4u;
     for (var k = 0u; k < k_main; k = k + 4u) {
-        let b_blk = b_block_B_MODE(b_at0 + k * b_rs, cols, b_rs, b_cs);
-        acc_lo = acc_lo + a_block_A_MODE(a_lo + k * a_cs, rows_lo, a_rs, a_cs) * b_blk;
-        acc_hi = acc_hi + a_block_A_MODE(a_hi + k * a_cs, rows_hi, a_rs, a_cs) * b_blk;
+        let a_blk_lo = a_block_A_MODE(a_lo + k * a_cs, rows_lo, a_rs, a_cs);
+        let a_blk_hi = a_block_A_MODE(a_hi + k * a_cs, rows_hi, a_rs, a_cs);
+        let b_blk_lo = b_block_B_MODE(b_lo + k * b_rs, cols_lo, b_rs, b_cs);
+        let b_blk_hi = b_block_B_MODE(b_hi + k * b_rs, cols_hi, b_rs, b_cs);
+        acc_ll = acc_ll + a_blk_lo * b_blk_lo;
+        acc_hl = acc_hl + a_blk_hi * b_blk_lo;
+        acc_lh = acc_lh + a_blk_lo * b_blk_hi;
+        acc_hh = acc_hh + a_blk_hi * b_blk_hi;
     }
     for (var k = k_main; k < k_len; k = k + 1u) {
-        let bo = b_base + k * b_rs;
-        let bv = vec4<f32>(b_at(bo + cols.x * b_cs), b_at(bo + cols.y * b_cs), b_at(bo + cols.z * b_cs), b_at(bo + cols.w * b_cs));
-        let ao = a_base + k * a_cs;
-        let lo = vec4<f32>(a_at(ao + rows_lo.x * a_rs), a_at(ao + rows_lo.y * a_rs), a_at(ao + rows_lo.z * a_rs), a_at(ao + rows_lo.w * a_rs));
-        let hi = vec4<f32>(a_at(ao + rows_hi.x * a_rs), a_at(ao + rows_hi.y * a_rs), a_at(ao + rows_hi.z * a_rs), a_at(ao + rows_hi.w * a_rs));
-        acc_lo = acc_lo + mat4x4<f32>(lo * bv.x, lo * bv.y, lo * bv.z, lo * bv.w);
-        acc_hi = acc_hi + mat4x4<f32>(hi * bv.x, hi * bv.y, hi * bv.z, hi * bv.w);
+        acc_ll = acc_ll + outer_at(a_base, b_base, k, rows_lo, cols_lo);
+        acc_hl = acc_hl + outer_at(a_base, b_base, k, rows_hi, cols_lo);
+        acc_lh = acc_lh + outer_at(a_base, b_base, k, rows_lo, cols_hi);
+        acc_hh = acc_hh + outer_at(a_base, b_base, k, rows_hi, cols_hi);
     }
-    // Column j of each accumulator holds 4 rows of output column col + j.
-    let rows_out = transpose(acc_lo);
-    let rows_out_hi = transpose(acc_hi);
+    // Transposed, column i of each accumulator is output row i's 4 columns.
+    let ll = transpose(acc_ll);
+    let hl = transpose(acc_hl);
+    let lh = transpose(acc_lh);
+    let hh = transpose(acc_hh);
     let base = t.batch * pu(0u) * pu(1u);
     for (var i = 0u; i < 4u; i = i + 1u) {
-        store_row(base, t.row0 + i, col, rows_out[i]);
-        store_row(base, t.row0 + 4u + i, col, rows_out_hi[i]);
+        store_row(base, t.row0 + i, col_lo, ll[i]);
+        store_row(base, t.row0 + 4u + i, col_lo, hl[i]);
+        store_row(base, t.row0 + i, col_hi, lh[i]);
+        store_row(base, t.row0 + 4u + i, col_hi, hh[i]);
     }
 }
 

@@ -185,15 +185,33 @@ fn matmul_of_mismatched_inner_dims_names_both_shapes() {
 fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
     // Row-major and transposed storage for each operand, at sizes that allow four-wide reads
     // (multiples of 4 and 8) and at ragged ones, with a k that leaves a remainder of 4.
-    for (batch, m, k, n) in [(1, 16, 12, 20), (2, 24, 9, 36), (1, 40, 64, 12), (3, 8, 5, 4), (1, 13, 7, 6)] {
+    for (batch, m, k, n) in [
+        (1, 16, 12, 20),
+        (2, 24, 9, 36),
+        (1, 40, 64, 12),
+        (3, 8, 5, 4),
+        (1, 13, 7, 6),
+    ] {
         let da = random_vec(batch * m * k, 21);
         let db = random_vec(batch * k * n, 22);
         let want = matmul_ref(&da, &db, batch, m, k, n);
         let dev = device();
         let a_rows = Tensor::from_slice(&da, &[batch, m, k], dev).unwrap();
         let b_rows = Tensor::from_slice(&db, &[batch, k, n], dev).unwrap();
-        let a_cols = a_rows.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
-        let b_cols = b_rows.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+        let a_cols = a_rows
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let b_cols = b_rows
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
         for (an, a) in [("A", &a_rows), ("A^T^T", &a_cols)] {
             for (bn, b) in [("B", &b_rows), ("B^T^T", &b_cols)] {
                 let got = a.matmul(b).unwrap().to_vec().unwrap();

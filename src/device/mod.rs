@@ -42,7 +42,7 @@ pub(crate) struct Kernel<'a> {
 /// there, while GPUs want tiles staged in workgroup memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulKernel {
-    /// Each invocation keeps 8x4 outputs in registers, sharing its 8 rows with its workgroup
+    /// Each invocation keeps 8x8 outputs in registers, sharing its 8 rows with its workgroup
     /// (uniform loads); no workgroup memory, no barriers.
     RegisterTiled,
     /// 64x64 output tiles from 64x16 panels of A and B staged in workgroup memory.

@@ -106,7 +106,10 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
     let contiguous = la.is_contiguous() && lb.is_contiguous();
     // Four elements per load where lengths and offsets allow: about twice the bandwidth on
     // CPU adapters.
-    let vec4 = contiguous && n % 4 == 0 && la.offset % 4 == 0 && lb.offset % 4 == 0;
+    let vec4 = contiguous
+        && [n, la.offset, lb.offset]
+            .iter()
+            .all(|x| x.is_multiple_of(4));
     let (entry, per_group) = if contiguous {
         ("contiguous", CONTIGUOUS_PER_GROUP)
     } else {

@@ -38,7 +38,11 @@ fn source(a: AMode, b: BMode) -> String {
     };
     module_source(
         MATMUL_WGSL,
-        &[("A_MODE", a_mode), ("B_MODE", b_mode), ("B_ALIGNED_COLS", aligned_cols)],
+        &[
+            ("A_MODE", a_mode),
+            ("B_MODE", b_mode),
+            ("B_ALIGNED_COLS", aligned_cols),
+        ],
     )
 }
 
@@ -65,7 +69,7 @@ impl Strides {
     /// True when the offset, the batch stride and `between` (the stride from one 4-element
     /// group to the next) are multiples of 4, so every group starts on a vec4 boundary.
     fn aligned(&self, between: usize) -> bool {
-        self.offset % 4 == 0 && self.batch % 4 == 0 && between % 4 == 0
+        self.offset.is_multiple_of(4) && self.batch.is_multiple_of(4) && between.is_multiple_of(4)
     }
 }
 
@@ -73,7 +77,7 @@ impl Strides {
 fn a_mode(a: &Strides, m: usize) -> AMode {
     if a.cols == 1 && a.aligned(a.rows) {
         AMode::K
-    } else if a.rows == 1 && a.aligned(a.cols) && m % 8 == 0 {
+    } else if a.rows == 1 && a.aligned(a.cols) && m.is_multiple_of(8) {
         AMode::M
     } else {
         AMode::Any
@@ -82,7 +86,7 @@ fn a_mode(a: &Strides, m: usize) -> AMode {
 
 /// The widest reads of B that its layout allows.
 fn b_mode(b: &Strides, n: usize) -> BMode {
-    if b.cols == 1 && b.aligned(b.rows) && n % 4 == 0 {
+    if b.cols == 1 && b.aligned(b.rows) && n.is_multiple_of(4) {
         BMode::N
     } else if b.rows == 1 && b.aligned(b.cols) {
         BMode::K
