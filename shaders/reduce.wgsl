@@ -1,12 +1,25 @@
 // Reductions of an [M, K] strided view along K: sum or max, one template. The host splices
 // REDUCE_IDENTITY and the combining expression REDUCE_COMBINE (in `a` and `b`).
 // params: 0 M, 1 K, 2 offset, 3 row stride, 4 k stride, 5 chunks per row, 6 chunk length,
-//         7 scale (f32, multiplies each result: 1/K for mean)
+//         7 scale (f32, multiplies each result: 1/K for mean), 8 vec4 reads (`serial` only:
+//         1 when the k stride is 1 and the offset, row stride and chunk length are multiples
+//         of 4)
+//
+// The input is bound as vec4s so that `serial` can read four elements at a time: software
+// adapters pay per load, not per element.
 
-@group(0) @binding(1) var<storage, read> src: array<f32>;
+@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 
+fn src_at(i: u32) -> f32 {
+    return src[i / 4u][i % 4u];
+}
+
 fn combine(a: f32, b: f32) -> f32 {
+    return REDUCE_COMBINE;
+}
+
+fn combine4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     return REDUCE_COMBINE;
 }
 
@@ -31,7 +44,7 @@ fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let ks = pu(4u);
     var acc = REDUCE_IDENTITY;
     for (var k = start + lid; k < end; k = k + 256u) {
-        acc = combine(acc, src[base + k * ks]);
+        acc = combine(acc, src_at(base + k * ks));
     }
     partial[lid] = acc;
     workgroupBarrier();
@@ -63,8 +76,16 @@ fn serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let base = pu(2u) + (w / chunks) * pu(3u);
     let ks = pu(4u);
     var acc = REDUCE_IDENTITY;
-    for (var k = start; k < end; k = k + 1u) {
-        acc = combine(acc, src[base + k * ks]);
+    var k = start;
+    if (pu(8u) == 1u) {
+        var acc4 = vec4<f32>(REDUCE_IDENTITY);
+        for (; k + 4u <= end; k = k + 4u) {
+            acc4 = combine4(acc4, src[(base + k) / 4u]);
+        }
+        acc = combine(combine(acc4.x, acc4.y), combine(acc4.z, acc4.w));
+    }
+    for (; k < end; k = k + 1u) {
+        acc = combine(acc, src_at(base + k * ks));
     }
     dst[w] = acc * pf(7u);
 }
