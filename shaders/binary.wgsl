@@ -1,27 +1,50 @@
 // Elementwise binary ops with NumPy broadcasting (broadcast dims have stride 0). One
-// template: the host splices the op's expression in `a` and `b` for BINARY_EXPR, and the
-// element type for ELEM (ELEM_WIDTH scalars): f32, or vec4<f32> for the `contiguous` entry on operands whose length
-// and offsets are multiples of 4 (then n and the offsets are counted in vec4s).
+// template: the host splices the op's expression in `a` and `b` for BINARY_EXPR.
+//
+// Tensors are bound as vec4s so that `contiguous` can move four elements per load where
+// lengths and offsets allow: software adapters pay per load, not per element.
 
-@group(0) @binding(1) var<storage, read> lhs: array<ELEM>;
-@group(0) @binding(2) var<storage, read> rhs: array<ELEM>;
-@group(0) @binding(3) var<storage, read_write> dst: array<ELEM>;
+@group(0) @binding(1) var<storage, read> lhs: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> rhs: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> dst: array<vec4<f32>>;
 
-fn op(a: ELEM, b: ELEM) -> ELEM {
+fn op(a: f32, b: f32) -> f32 {
     return BINARY_EXPR;
 }
 
+fn op4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(op(a.x, b.x), op(a.y, b.y), op(a.z, b.z), op(a.w, b.w));
+}
+
+fn lhs_at(i: u32) -> f32 {
+    return lhs[i / 4u][i % 4u];
+}
+
+fn rhs_at(i: u32) -> f32 {
+    return rhs[i / 4u][i % 4u];
+}
+
 // params: 0 n, 1 lhs offset, 2 rhs offset, 3 rank, 4..10 shape, 10..16 lhs strides,
-//         16..22 rhs strides
+//         16..22 rhs strides, 22 vec4 (`contiguous` only: 1 when n and both offsets are
+//         multiples of 4)
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    // CONTIGUOUS_PER_GROUP scalars per workgroup, whatever ELEM is.
-    let per_group = CONTIGUOUS_PER_GROUP / ELEM_WIDTH;
-    let start = workgroup_index(wid, nwg) * per_group + lid;
-    let end = min(start + per_group, pu(0u));
+    if (pu(22u) == 1u) {
+        let per_group = CONTIGUOUS_PER_GROUP / 4u;
+        let start = workgroup_index(wid, nwg) * per_group + lid;
+        let end = min(start + per_group, pu(0u) / 4u);
+        let la = pu(1u) / 4u;
+        let lb = pu(2u) / 4u;
+        for (var i = start; i < end; i = i + 256u) {
+            dst[i] = op4(lhs[la + i], rhs[lb + i]);
+        }
+        return;
+    }
+    let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
+    let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
     for (var i = start; i < end; i = i + 256u) {
-        dst[i] = op(lhs[pu(1u) + i], rhs[pu(2u) + i]);
+        dst[i / 4u][i % 4u] = op(lhs_at(pu(1u) + i), rhs_at(pu(2u) + i));
     }
 }
 
@@ -33,5 +56,7 @@ fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         return;
     }
     let rank = pu(3u);
-    dst[i] = op(lhs[pu(1u) + strided_offset(i, rank, 4u, 10u)], rhs[pu(2u) + strided_offset(i, rank, 4u, 16u)]);
+    let a = lhs_at(pu(1u) + strided_offset(i, rank, 4u, 10u));
+    let b = rhs_at(pu(2u) + strided_offset(i, rank, 4u, 16u));
+    dst[i / 4u][i % 4u] = op(a, b);
 }

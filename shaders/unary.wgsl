@@ -1,8 +1,10 @@
 // Elementwise unary ops: one template. The host splices the op's expression in `x` (the
 // element) and `s` (the op's scalar) for UNARY_EXPR.
 
-@group(0) @binding(1) var<storage, read> src: array<f32>;
-@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+// Tensors are bound as vec4s so that `contiguous` can move four elements per load where
+// lengths and offsets allow: software adapters pay per load, not per element.
+@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
 
 // erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), for the exact GELU.
 fn erf_approx(v: f32) -> f32 {
@@ -31,14 +33,31 @@ fn op(x: f32, s: f32) -> f32 {
     return UNARY_EXPR;
 }
 
-// params: 0 n, 1 src offset, 2 scalar s (f32), 3 rank, 4..10 shape, 10..16 src strides
+fn op4(x: vec4<f32>, s: f32) -> vec4<f32> {
+    return vec4<f32>(op(x.x, s), op(x.y, s), op(x.z, s), op(x.w, s));
+}
+
+// params: 0 n, 1 src offset, 2 scalar s (f32), 3 rank, 4..10 shape, 10..16 src strides,
+//         16 vec4 (`contiguous` only: 1 when n and the offset are multiples of 4)
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
+    let s = pf(2u);
+    if (pu(16u) == 1u) {
+        let per_group = CONTIGUOUS_PER_GROUP / 4u;
+        let start = workgroup_index(wid, nwg) * per_group + lid;
+        let end = min(start + per_group, pu(0u) / 4u);
+        let off = pu(1u) / 4u;
+        for (var i = start; i < end; i = i + 256u) {
+            dst[i] = op4(src[off + i], s);
+        }
+        return;
+    }
     let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
     let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
     for (var i = start; i < end; i = i + 256u) {
-        dst[i] = op(src[pu(1u) + i], pf(2u));
+        let x = pu(1u) + i;
+        dst[i / 4u][i % 4u] = op(src[x / 4u][x % 4u], s);
     }
 }
 
@@ -49,5 +68,6 @@ fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     if (i >= pu(0u)) {
         return;
     }
-    dst[i] = op(src[pu(1u) + strided_offset(i, pu(3u), 4u, 10u)], pf(2u));
+    let x = pu(1u) + strided_offset(i, pu(3u), 4u, 10u);
+    dst[i / 4u][i % 4u] = op(src[x / 4u][x % 4u], pf(2u));
 }

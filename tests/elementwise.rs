@@ -331,3 +331,18 @@ fn binary_ops_on_contiguous_slices_at_any_offset() {
         );
     }
 }
+
+#[test]
+fn unary_ops_on_contiguous_slices_at_any_offset() {
+    let (a, da) = random_tensor(&[64], 3);
+    for (start, len) in [(4, 16), (3, 16), (8, 13), (0, 64)] {
+        let got = a.narrow(0, start, len).unwrap().exp().unwrap();
+        let want: Vec<f64> = (0..len).map(|i| (da[start + i] as f64).exp()).collect();
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            2e-6,
+            &format!("slice {start}+{len}"),
+        );
+    }
+}

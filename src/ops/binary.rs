@@ -49,32 +49,17 @@ impl BinaryOp {
         }
     }
 
-    /// The template for `f32` elements, or `vec4<f32>` when `vec4`.
-    fn source(self, vec4: bool) -> String {
-        let (elem, width) = if vec4 {
-            ("vec4<f32>", "4u")
-        } else {
-            ("f32", "1u")
-        };
-        module_source(
-            BINARY_WGSL,
-            &[
-                ("BINARY_EXPR", self.expr()),
-                ("ELEM_WIDTH", width),
-                ("ELEM", elem),
-            ],
-        )
+    fn source(self) -> String {
+        module_source(BINARY_WGSL, &[("BINARY_EXPR", self.expr())])
     }
 }
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    let mut all = Vec::new();
-    for op in BinaryOp::ALL {
-        all.push((format!("binary/{}", op.name()), op.source(false)));
-        all.push((format!("binary/{}/vec4", op.name()), op.source(true)));
-    }
-    all
+    BinaryOp::ALL
+        .iter()
+        .map(|op| (format!("binary/{}", op.name()), op.source()))
+        .collect()
 }
 
 /// `a op b` broadcast to their common shape, into a new contiguous tensor.
@@ -115,21 +100,16 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
     } else {
         ("strided", WORKGROUP)
     };
-    let unit = if vec4 { 4 } else { 1 };
-    let mut params = vec![
-        (n / unit) as u32,
-        (la.offset / unit) as u32,
-        (lb.offset / unit) as u32,
-        rank as u32,
-    ];
+    let mut params = vec![n as u32, la.offset as u32, lb.offset as u32, rank as u32];
     params.extend(&kshape);
     params.extend(&strides[0]);
     params.extend(&strides[1]);
-    let key = format!("binary/{name}{}:{entry}", if vec4 { "/vec4" } else { "" });
+    params.push(vec4 as u32);
+    let key = format!("binary/{name}:{entry}");
     let kernel = Kernel {
         key: &key,
         entry,
-        source: &|| op.source(vec4),
+        source: &|| op.source(),
     };
     dispatch(name, &kernel, &[a, b, &out], &params, groups(n, per_group))?;
     Ok(out)

@@ -170,9 +170,16 @@ fn reduce_pass(
     // Chunks start on a multiple of 4, so contiguous rows can be read four at a time.
     let chunk_len = mat.k.div_ceil(chunks).next_multiple_of(4);
     let vec4 = mat.k_stride == 1
-        && [mat.tensor.layout().offset, mat.row_stride].iter().all(|x| x.is_multiple_of(4));
+        && [mat.tensor.layout().offset, mat.row_stride]
+            .iter()
+            .all(|x| x.is_multiple_of(4));
     let mut params = mat.params().to_vec();
-    params.extend([chunks as u32, chunk_len as u32, f32_bits(scale), vec4 as u32]);
+    params.extend([
+        chunks as u32,
+        chunk_len as u32,
+        f32_bits(scale),
+        vec4 as u32,
+    ]);
     let key = format!("reduce/{}:{entry}", op.name());
     let kernel = Kernel {
         key: &key,

@@ -107,10 +107,14 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
             op: name,
             msg: format!("shape {:?} has more than 6 non-mergeable dims", x.shape()),
         })?;
-    let entry = if x.is_contiguous() {
-        "contiguous"
+    let contiguous = x.is_contiguous();
+    // Four elements per load where lengths and offsets allow: about twice the bandwidth on
+    // CPU adapters.
+    let vec4 = contiguous && [n, layout.offset].iter().all(|x| x.is_multiple_of(4));
+    let (entry, per_group) = if contiguous {
+        ("contiguous", CONTIGUOUS_PER_GROUP)
     } else {
-        "strided"
+        ("strided", WORKGROUP)
     };
     let mut params = vec![
         n as u32,
@@ -120,16 +124,12 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
     ];
     params.extend(&shape);
     params.extend(&strides[0]);
+    params.push(vec4 as u32);
     let key = format!("unary/{name}:{entry}");
     let kernel = Kernel {
         key: &key,
         entry,
         source: &|| op.source(),
-    };
-    let per_group = if entry == "contiguous" {
-        CONTIGUOUS_PER_GROUP
-    } else {
-        WORKGROUP
     };
     dispatch(name, &kernel, &[x, &out], &params, groups(n, per_group))?;
     Ok(out)
