@@ -1,21 +1,44 @@
 // Row-wise softmax, log-softmax and the fused cross-entropy (log-softmax + NLL) of a
-// contiguous [M, K] tensor. One workgroup per row; the max is subtracted first, so large
-// logits stay finite.
-// params: 0 M, 1 K, 2 src offset, 3 labels offset
+// contiguous [M, K] tensor. The row max is subtracted first, so large logits stay finite.
+// Two ways to run a row: `*_rows` entries give each row a workgroup of 64 that reduces in
+// workgroup memory (GPUs); `*_serial` entries give each row one invocation and no barriers
+// (software adapters, where barriers are coroutine switches), reading four elements at a time
+// when K and the offset are multiples of 4.
+// params: 0 M, 1 K, 2 src offset, 3 labels offset, 4 log (1: log_softmax, 0: softmax),
+//         5 vec4 reads (`serial` only)
 
-@group(0) @binding(1) var<storage, read> src: array<f32>;
-@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> labels: array<u32>;
 
 const WG: u32 = 64u;
+const NEG_INF: f32 = -3.40282347e38;
 var<workgroup> scratch: array<f32, 64>;
 
-fn workgroup_max(lid: u32, v: f32) -> f32 {
+fn src_at(i: u32) -> f32 {
+    return src[i / 4u][i % 4u];
+}
+
+fn set_dst(i: u32, v: f32) {
+    dst[i / 4u][i % 4u] = v;
+}
+
+// The value softmax (or log_softmax) writes for x, given the row's max and log-sum-exp.
+fn softmax_value(x: f32, stats: vec2<f32>) -> f32 {
+    let shifted = x - stats.x - stats.y;
+    if (pu(4u) == 1u) {
+        return shifted;
+    }
+    return exp(shifted);
+}
+
+fn workgroup_reduce(lid: u32, v: f32, is_max: bool) -> f32 {
     scratch[lid] = v;
     workgroupBarrier();
     for (var width = WG / 2u; width > 0u; width = width / 2u) {
         if (lid < width) {
-            scratch[lid] = max(scratch[lid], scratch[lid + width]);
+            let other = scratch[lid + width];
+            scratch[lid] = select(scratch[lid] + other, max(scratch[lid], other), is_max);
         }
         workgroupBarrier();
     }
@@ -24,77 +47,112 @@ fn workgroup_max(lid: u32, v: f32) -> f32 {
     return result;
 }
 
-fn workgroup_sum(lid: u32, v: f32) -> f32 {
-    scratch[lid] = v;
-    workgroupBarrier();
-    for (var width = WG / 2u; width > 0u; width = width / 2u) {
-        if (lid < width) {
-            scratch[lid] = scratch[lid] + scratch[lid + width];
-        }
-        workgroupBarrier();
-    }
-    let result = scratch[0];
-    workgroupBarrier();
-    return result;
-}
-
-// The row's max and log(sum(exp(x - max))).
-fn row_stats(base: u32, k_len: u32, lid: u32) -> vec2<f32> {
-    var m = bitcast<f32>(0xff800000u);
+// The row's max and log(sum(exp(x - max))), computed by the whole workgroup.
+fn row_stats_workgroup(base: u32, k_len: u32, lid: u32) -> vec2<f32> {
+    var m = NEG_INF;
     for (var k = lid; k < k_len; k = k + WG) {
-        m = max(m, src[base + k]);
+        m = max(m, src_at(base + k));
     }
-    m = workgroup_max(lid, m);
+    m = workgroup_reduce(lid, m, true);
     var s = 0.0;
     for (var k = lid; k < k_len; k = k + WG) {
-        s = s + exp(src[base + k] - m);
+        s = s + exp(src_at(base + k) - m);
     }
-    return vec2<f32>(m, log(workgroup_sum(lid, s)));
+    return vec2<f32>(m, log(workgroup_reduce(lid, s, false)));
+}
+
+// The same, by one invocation.
+fn row_stats_serial(base: u32, k_len: u32) -> vec2<f32> {
+    var m = NEG_INF;
+    var s = 0.0;
+    if (pu(5u) == 1u) {
+        var m4 = vec4<f32>(NEG_INF);
+        for (var k = 0u; k < k_len; k = k + 4u) {
+            m4 = max(m4, src[(base + k) / 4u]);
+        }
+        m = max(max(m4.x, m4.y), max(m4.z, m4.w));
+        var s4 = vec4<f32>(0.0);
+        for (var k = 0u; k < k_len; k = k + 4u) {
+            s4 = s4 + exp(src[(base + k) / 4u] - m);
+        }
+        s = s4.x + s4.y + s4.z + s4.w;
+    } else {
+        for (var k = 0u; k < k_len; k = k + 1u) {
+            m = max(m, src_at(base + k));
+        }
+        for (var k = 0u; k < k_len; k = k + 1u) {
+            s = s + exp(src_at(base + k) - m);
+        }
+    }
+    return vec2<f32>(m, log(s));
 }
 
 @compute @workgroup_size(64)
-fn softmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-           @builtin(local_invocation_index) lid: u32) {
+fn softmax_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg);
     if (row >= pu(0u)) {
         return;
     }
     let k_len = pu(1u);
     let base = pu(2u) + row * k_len;
-    let stats = row_stats(base, k_len, lid);
+    let stats = row_stats_workgroup(base, k_len, lid);
     for (var k = lid; k < k_len; k = k + WG) {
-        dst[row * k_len + k] = exp(src[base + k] - stats.x - stats.y);
+        set_dst(row * k_len + k, softmax_value(src_at(base + k), stats));
     }
 }
 
 @compute @workgroup_size(64)
-fn log_softmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-               @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg);
+fn softmax_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg) * WG + lid;
     if (row >= pu(0u)) {
         return;
     }
     let k_len = pu(1u);
     let base = pu(2u) + row * k_len;
-    let stats = row_stats(base, k_len, lid);
-    for (var k = lid; k < k_len; k = k + WG) {
-        dst[row * k_len + k] = src[base + k] - stats.x - stats.y;
+    let stats = row_stats_serial(base, k_len);
+    if (pu(5u) == 1u) {
+        for (var k = 0u; k < k_len; k = k + 4u) {
+            let x = src[(base + k) / 4u];
+            let v = vec4<f32>(softmax_value(x.x, stats), softmax_value(x.y, stats),
+                              softmax_value(x.z, stats), softmax_value(x.w, stats));
+            dst[(row * k_len + k) / 4u] = v;
+        }
+        return;
+    }
+    for (var k = 0u; k < k_len; k = k + 1u) {
+        set_dst(row * k_len + k, softmax_value(src_at(base + k), stats));
     }
 }
 
 // dst[row] = logsumexp(row) - row[label]: the row's negative log-likelihood.
 @compute @workgroup_size(64)
-fn cross_entropy(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                 @builtin(local_invocation_index) lid: u32) {
+fn cross_entropy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg);
     if (row >= pu(0u)) {
         return;
     }
     let k_len = pu(1u);
     let base = pu(2u) + row * k_len;
-    let stats = row_stats(base, k_len, lid);
+    let stats = row_stats_workgroup(base, k_len, lid);
     if (lid == 0u) {
         let label = min(labels[pu(3u) + row], k_len - 1u);
-        dst[row] = stats.x + stats.y - src[base + label];
+        set_dst(row, stats.x + stats.y - src_at(base + label));
     }
+}
+
+@compute @workgroup_size(64)
+fn cross_entropy_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg) * WG + lid;
+    if (row >= pu(0u)) {
+        return;
+    }
+    let k_len = pu(1u);
+    let base = pu(2u) + row * k_len;
+    let stats = row_stats_serial(base, k_len);
+    let label = min(labels[pu(3u) + row], k_len - 1u);
+    set_dst(row, stats.x + stats.y - src_at(base + label));
 }

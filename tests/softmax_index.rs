@@ -224,3 +224,65 @@ fn indices_out_of_range_or_of_the_wrong_dtype_are_errors() {
         "{err:?}"
     );
 }
+
+#[test]
+fn softmax_of_many_rows_matches_reference() {
+    // Enough rows that CPU adapters give each row its own invocation, with row lengths that
+    // do and do not allow four-wide reads.
+    for (rows, cols) in [(70, 12), (65, 7), (128, 1024)] {
+        let (t, data) = random_tensor(&[rows, cols], 40 + cols as u64);
+        let t = t.mul_scalar(20.0).unwrap();
+        let scaled: Vec<f32> = data.iter().map(|x| x * 20.0).collect();
+        let want = softmax_rows(&scaled, rows, cols);
+        assert_close(
+            &t.softmax(1).unwrap().to_vec().unwrap(),
+            &want,
+            1e-5,
+            &format!("softmax {rows}x{cols}"),
+        );
+        let want_log: Vec<f64> = want.iter().map(|p| p.ln()).collect();
+        assert_close(
+            &t.log_softmax(1).unwrap().to_vec().unwrap(),
+            &want_log,
+            1e-4,
+            &format!("log_softmax {rows}x{cols}"),
+        );
+        let offset = t
+            .narrow(1, 4.min(cols - 1), cols - 4.min(cols - 1))
+            .unwrap();
+        let k = offset.shape()[1];
+        let sub: Vec<f32> = (0..rows)
+            .flat_map(|r| scaled[r * cols + cols - k..(r + 1) * cols].to_vec())
+            .collect();
+        assert_close(
+            &offset.softmax(1).unwrap().to_vec().unwrap(),
+            &softmax_rows(&sub, rows, k),
+            1e-5,
+            "narrowed",
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_over_a_large_batch_matches_reference() {
+    for (n, c) in [(100, 10), (96, 12)] {
+        let (logits, data) = random_tensor(&[n, c], 50 + c as u64);
+        let labels: Vec<u32> = (0..n as u32).map(|i| (i * 5 + 1) % c as u32).collect();
+        let loss = nn::loss::cross_entropy(
+            &logits,
+            &Tensor::from_labels(labels.clone(), device()).unwrap(),
+        )
+        .unwrap();
+        let p = softmax_rows(&data, n, c);
+        let want: f64 = (0..n)
+            .map(|i| -p[i * c + labels[i] as usize].ln())
+            .sum::<f64>()
+            / n as f64;
+        assert_close(
+            &[loss.item().unwrap()],
+            &[want],
+            1e-5,
+            &format!("cross_entropy {n}x{c}"),
+        );
+    }
+}
