@@ -40,3 +40,11 @@ fn strided_offset(i: u32, rank: u32, shape_at: u32, strides_at: u32) -> u32 {
     }
     return off;
 }
+
+// erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), for the exact GELU.
+fn erf_approx(v: f32) -> f32 {
+    let a = abs(v);
+    let t = 1.0 / (1.0 + 0.3275911 * a);
+    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+    return sign(v) * (1.0 - poly * exp(-a * a));
+}

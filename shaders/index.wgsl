@@ -71,3 +71,75 @@ fn gather(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     }
     dst[i] = src[off];
 }
+
+// The grad of index_select: dst[o, p, i] = sum of src[o, j, i] over the j with indices[j] == p,
+// for src (the incoming grad, contiguous [outer, selected, inner]) and dst contiguous
+// [outer, dim size, inner]. One invocation per dst element, so repeated indices need no atomics.
+// params: 0 n (dst elements), 1 selected count, 2 inner, 3 dim size, 4 src offset, 5 indices offset
+@compute @workgroup_size(256)
+fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(0u)) {
+        return;
+    }
+    let inner = pu(2u);
+    let dim_size = pu(3u);
+    let o = i / (dim_size * inner);
+    let p = (i / inner) % dim_size;
+    let selected = pu(1u);
+    var acc = 0.0;
+    for (var j = 0u; j < selected; j = j + 1u) {
+        if (indices[pu(5u) + j] == p) {
+            acc = acc + bitcast<f32>(src[pu(4u) + (o * selected + j) * inner + i % inner]);
+        }
+    }
+    dst[i] = bitcast<u32>(acc);
+}
+
+// The grad of gather along `dim`: dst[c] = sum of src[c with dim -> j] over the j with
+// indices[c with dim -> j] == c[dim], where src (the incoming grad) and indices are contiguous
+// with the indices' shape, and dst is contiguous with the input's shape. Positions outside the
+// indices' extent get 0.
+// params: 0 n (dst elements), 1 dim (in the padded 6 dims), 2 src offset, 3 indices offset,
+//         4 rank, 6..12 dst shape, 12..18 indices shape
+@compute @workgroup_size(256)
+fn gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(0u)) {
+        return;
+    }
+    let dim = pu(1u);
+    var coord: array<u32, 6>;
+    var rem = i;
+    for (var d = 5; d >= 0; d = d - 1) {
+        let n = pu(6u + u32(d));
+        coord[d] = rem % n;
+        rem = rem / n;
+    }
+    // Row-major position of coord in the indices' shape, with coord[dim] counted as 0.
+    var base = 0u;
+    var stride = 1u;
+    var dim_stride = 1u;
+    for (var d = 5; d >= 0; d = d - 1) {
+        let n = pu(12u + u32(d));
+        if (u32(d) == dim) {
+            dim_stride = stride;
+        } else if (coord[d] >= n) {
+            dst[i] = bitcast<u32>(0.0);
+            return;
+        } else {
+            base = base + coord[d] * stride;
+        }
+        stride = stride * n;
+    }
+    var acc = 0.0;
+    for (var j = 0u; j < pu(12u + dim); j = j + 1u) {
+        let at = base + j * dim_stride;
+        if (indices[pu(3u) + at] == coord[dim]) {
+            acc = acc + bitcast<f32>(src[pu(2u) + at]);
+        }
+    }
+    dst[i] = bitcast<u32>(acc);
+}

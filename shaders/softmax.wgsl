@@ -4,12 +4,16 @@
 // workgroup memory (GPUs); `*_serial` entries give each row one invocation and no barriers
 // (software adapters, where barriers are coroutine switches), reading four elements at a time
 // when K and the offset are multiples of 4.
+// The backward entries are fused the same way: softmax_backward takes the forward's output y
+// and the incoming grad g; cross_entropy_backward recomputes the row's softmax from the logits.
 // params: 0 M, 1 K, 2 src offset, 3 labels offset, 4 log (1: log_softmax, 0: softmax),
-//         5 vec4 reads (`serial` only)
+//         5 vec4 reads (`serial` only), 6 grad offset, 7 scale (f32; cross_entropy_backward:
+//         1 / M, the mean's factor)
 
 @group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> labels: array<u32>;
+@group(0) @binding(4) var<storage, read> grad: array<vec4<f32>>;
 
 const WG: u32 = 64u;
 const NEG_INF: f32 = -3.40282347e38;
@@ -17,6 +21,11 @@ var<workgroup> scratch: array<f32, 64>;
 
 fn src_at(i: u32) -> f32 {
     return src[i / 4u][i % 4u];
+}
+
+fn grad_at(i: u32) -> f32 {
+    let at = pu(6u) + i;
+    return grad[at / 4u][at % 4u];
 }
 
 fn set_dst(i: u32, v: f32) {
@@ -155,4 +164,96 @@ fn cross_entropy_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let stats = row_stats_serial(base, k_len);
     let label = min(labels[pu(3u) + row], k_len - 1u);
     set_dst(row, stats.x + stats.y - src_at(base + label));
+}
+
+// The grad of softmax (or log_softmax) for one element, given the row's sum: for softmax
+// dx = y (g - sum(g y)); for log_softmax dx = g - exp(y) sum(g).
+fn softmax_grad_value(y: f32, g: f32, sum: f32) -> f32 {
+    if (pu(4u) == 1u) {
+        return g - exp(y) * sum;
+    }
+    return y * (g - sum);
+}
+
+// What softmax_grad_value needs summed over the row: g y for softmax, g for log_softmax.
+fn softmax_grad_term(y: f32, g: f32) -> f32 {
+    return select(g * y, g, pu(4u) == 1u);
+}
+
+@compute @workgroup_size(64)
+fn softmax_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg);
+    if (row >= pu(0u)) {
+        return;
+    }
+    let k_len = pu(1u);
+    let base = pu(2u) + row * k_len;
+    var part = 0.0;
+    for (var k = lid; k < k_len; k = k + WG) {
+        part = part + softmax_grad_term(src_at(base + k), grad_at(row * k_len + k));
+    }
+    let sum = workgroup_reduce(lid, part, false);
+    for (var k = lid; k < k_len; k = k + WG) {
+        let i = row * k_len + k;
+        set_dst(i, softmax_grad_value(src_at(base + k), grad_at(i), sum));
+    }
+}
+
+@compute @workgroup_size(64)
+fn softmax_backward_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg) * WG + lid;
+    if (row >= pu(0u)) {
+        return;
+    }
+    let k_len = pu(1u);
+    let base = pu(2u) + row * k_len;
+    var sum = 0.0;
+    for (var k = 0u; k < k_len; k = k + 1u) {
+        sum = sum + softmax_grad_term(src_at(base + k), grad_at(row * k_len + k));
+    }
+    for (var k = 0u; k < k_len; k = k + 1u) {
+        let i = row * k_len + k;
+        set_dst(i, softmax_grad_value(src_at(base + k), grad_at(i), sum));
+    }
+}
+
+// d loss / d logits for loss = mean(cross_entropy): (softmax - one_hot(label)) g / M, with g
+// the loss's grad (one element of `grad`).
+fn cross_entropy_grad_value(x: f32, stats: vec2<f32>, is_label: bool) -> f32 {
+    let p = exp(x - stats.x - stats.y);
+    return (p - select(0.0, 1.0, is_label)) * grad_at(0u) * pf(7u);
+}
+
+@compute @workgroup_size(64)
+fn cross_entropy_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                               @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg);
+    if (row >= pu(0u)) {
+        return;
+    }
+    let k_len = pu(1u);
+    let base = pu(2u) + row * k_len;
+    let stats = row_stats_workgroup(base, k_len, lid);
+    let label = labels[pu(3u) + row];
+    for (var k = lid; k < k_len; k = k + WG) {
+        set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), stats, k == label));
+    }
+}
+
+@compute @workgroup_size(64)
+fn cross_entropy_backward_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                 @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg) * WG + lid;
+    if (row >= pu(0u)) {
+        return;
+    }
+    let k_len = pu(1u);
+    let base = pu(2u) + row * k_len;
+    let stats = row_stats_serial(base, k_len);
+    let label = labels[pu(3u) + row];
+    for (var k = 0u; k < k_len; k = k + 1u) {
+        set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), stats, k == label));
+    }
 }

@@ -6,14 +6,6 @@
 @group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
 
-// erf by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), for the exact GELU.
-fn erf_approx(v: f32) -> f32 {
-    let a = abs(v);
-    let t = 1.0 / (1.0 + 0.3275911 * a);
-    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
-    return sign(v) * (1.0 - poly * exp(-a * a));
-}
-
 // x^s as C's powf: negative bases with integral exponents keep their sign, 0^0 = 1.
 fn pow_exact(x: f32, s: f32) -> f32 {
     if (s == 0.0) {

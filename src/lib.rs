@@ -14,12 +14,14 @@
 //! # }
 //! ```
 
+pub mod autograd;
 mod device;
 mod error;
 pub mod nn;
 mod ops;
 mod tensor;
 
+pub use autograd::{no_grad, BackwardOptions};
 pub use device::{Device, DeviceInfo, DeviceStats, MatmulKernel};
 pub use error::{Error, Result};
 pub use tensor::{DType, Tensor};

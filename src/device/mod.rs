@@ -410,12 +410,12 @@ impl DeviceInner {
     }
 
     /// Records one dispatch of `kernel` over `workgroups` workgroups, binding `params` as the
-    /// uniform at binding 0 and `buffers` as storage at bindings 1, 2, ...
+    /// uniform at binding 0 and each `(binding, buffer)` as storage.
     pub(crate) fn dispatch(
         &self,
         op: &'static str,
         kernel: &Kernel,
-        buffers: &[&wgpu::Buffer],
+        buffers: &[(u32, &wgpu::Buffer)],
         params: &[u32],
         workgroups: u32,
     ) -> Result<()> {
@@ -445,9 +445,9 @@ impl DeviceInner {
                 size: wgpu::BufferSize::new(PARAMS_BYTES),
             }),
         }];
-        for (i, buffer) in buffers.iter().enumerate() {
+        for (binding, buffer) in buffers {
             entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
+                binding: *binding,
                 resource: buffer.as_entire_binding(),
             });
         }

@@ -1,6 +1,7 @@
 //! Elementwise binary ops with NumPy broadcasting, and the `std::ops` traits on `&Tensor`.
 //! One WGSL template (`shaders/binary.wgsl`) is specialised with each op's expression.
 
+use crate::autograd::record;
 use crate::device::Kernel;
 use crate::error::{Error, Result};
 use crate::ops::{dispatch, groups, module_source, CONTIGUOUS_PER_GROUP, WORKGROUP};
@@ -17,16 +18,33 @@ pub(crate) enum BinaryOp {
     Mul,
     Div,
     Maximum,
+    /// 1 where a > b, 0.5 where a == b, 0 elsewhere: how `maximum` splits its grad.
+    MaximumShare,
+    /// 1 where a == b, else 0 (which elements a `max` reduction picked).
+    Equal,
+    /// Backward rules: `a` is the incoming grad, `b` what the forward saved.
+    ReluBackward,
+    TanhBackward,
+    SigmoidBackward,
+    GeluBackward,
+    SqrtBackward,
 }
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 5] = [
+    const ALL: [BinaryOp; 12] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
         BinaryOp::Div,
         BinaryOp::Maximum,
+        BinaryOp::MaximumShare,
+        BinaryOp::Equal,
+        BinaryOp::ReluBackward,
+        BinaryOp::TanhBackward,
+        BinaryOp::SigmoidBackward,
+        BinaryOp::GeluBackward,
+        BinaryOp::SqrtBackward,
     ];
 
     fn name(self) -> &'static str {
@@ -36,6 +54,13 @@ impl BinaryOp {
             BinaryOp::Mul => "mul",
             BinaryOp::Div => "div",
             BinaryOp::Maximum => "maximum",
+            BinaryOp::MaximumShare => "maximum_share",
+            BinaryOp::Equal => "equal",
+            BinaryOp::ReluBackward => "relu_backward",
+            BinaryOp::TanhBackward => "tanh_backward",
+            BinaryOp::SigmoidBackward => "sigmoid_backward",
+            BinaryOp::GeluBackward => "gelu_backward",
+            BinaryOp::SqrtBackward => "sqrt_backward",
         }
     }
 
@@ -46,6 +71,16 @@ impl BinaryOp {
             BinaryOp::Mul => "a * b",
             BinaryOp::Div => "a / b",
             BinaryOp::Maximum => "max(a, b)",
+            BinaryOp::MaximumShare => "select(select(0.0, 0.5, a == b), 1.0, a > b)",
+            BinaryOp::Equal => "select(0.0, 1.0, a == b)",
+            BinaryOp::ReluBackward => "select(0.0, a, b > 0.0)",
+            BinaryOp::TanhBackward => "a * (1.0 - b * b)",
+            BinaryOp::SigmoidBackward => "a * b * (1.0 - b)",
+            // d/dx x Phi(x) = Phi(x) + x phi(x)
+            BinaryOp::GeluBackward => {
+                "a * (0.5 * (1.0 + erf_approx(b * 0.7071067811865476)) + b * 0.3989422804014327 * exp(-0.5 * b * b))"
+            }
+            BinaryOp::SqrtBackward => "a * 0.5 / b",
         }
     }
 
@@ -115,30 +150,82 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
     Ok(out)
 }
 
+/// `grad` summed over the dims along which an input of `shape` was broadcast, so that it has
+/// that input's shape.
+pub(crate) fn sum_to_shape(grad: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    if grad.shape() == shape {
+        return Ok(grad.clone());
+    }
+    let lead = grad.rank() - shape.len();
+    let dims: Vec<usize> = (0..grad.rank())
+        .filter(|&d| d < lead || (shape[d - lead] == 1 && grad.shape()[d] != 1))
+        .collect();
+    grad.sum_dims(&dims, true)?.reshape(shape)
+}
+
+/// Records a broadcasting binary op whose input grads are `rule(g, a, b)`, each summed back
+/// to its input's shape.
+fn record_binary(
+    name: &'static str,
+    out: Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    rule: fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
+) -> Tensor {
+    record(name, out, &[a, b], |_| {
+        let (a, b) = (a.detach(), b.detach());
+        move |g: &Tensor| {
+            let (ga, gb) = rule(g, &a, &b)?;
+            Ok(vec![
+                Some(sum_to_shape(&ga, a.shape())?),
+                Some(sum_to_shape(&gb, b.shape())?),
+            ])
+        }
+    })
+}
+
 impl Tensor {
     /// `self + other`, broadcast.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
-        binary(self, other, BinaryOp::Add)
+        let out = binary(self, other, BinaryOp::Add)?;
+        Ok(record_binary("add", out, self, other, |g, _, _| {
+            Ok((g.clone(), g.clone()))
+        }))
     }
 
     /// `self - other`, broadcast.
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
-        binary(self, other, BinaryOp::Sub)
+        let out = binary(self, other, BinaryOp::Sub)?;
+        Ok(record_binary("sub", out, self, other, |g, _, _| {
+            Ok((g.clone(), g.neg()?))
+        }))
     }
 
     /// `self * other`, broadcast.
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
-        binary(self, other, BinaryOp::Mul)
+        let out = binary(self, other, BinaryOp::Mul)?;
+        Ok(record_binary("mul", out, self, other, |g, a, b| {
+            Ok((g.mul(b)?, g.mul(a)?))
+        }))
     }
 
     /// `self / other`, broadcast.
     pub fn div(&self, other: &Tensor) -> Result<Tensor> {
-        binary(self, other, BinaryOp::Div)
+        let out = binary(self, other, BinaryOp::Div)?;
+        Ok(record_binary("div", out, self, other, |g, a, b| {
+            // d/db (a / b) = -a / b^2
+            Ok((g.div(b)?, g.mul(a)?.div(&b.mul(b)?)?.neg()?))
+        }))
     }
 
-    /// Elementwise maximum, broadcast.
+    /// Elementwise maximum, broadcast. Where both are equal, each gets half the grad.
     pub fn maximum(&self, other: &Tensor) -> Result<Tensor> {
-        binary(self, other, BinaryOp::Maximum)
+        let out = binary(self, other, BinaryOp::Maximum)?;
+        Ok(record_binary("maximum", out, self, other, |g, a, b| {
+            let share_a = binary(a, b, BinaryOp::MaximumShare)?;
+            let share_b = binary(b, a, BinaryOp::MaximumShare)?;
+            Ok((g.mul(&share_a)?, g.mul(&share_b)?))
+        }))
     }
 }
 

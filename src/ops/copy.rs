@@ -1,6 +1,7 @@
 //! Data movement and creation kernels: strided copy (contiguous, cat, reshape of a view) and
 //! fill (zeros, ones, full, arange). Copies have the identity as backward.
 
+use crate::autograd::record;
 use crate::device::{Device, Kernel};
 use crate::error::{Error, Result};
 use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
@@ -86,6 +87,11 @@ pub(crate) fn fill(
     Ok(out)
 }
 
+/// Records a copy of `x`: its grad passes through unchanged.
+fn record_identity(name: &'static str, out: Tensor, x: &Tensor) -> Tensor {
+    record(name, out, &[x], |_| |g: &Tensor| Ok(vec![Some(g.clone())]))
+}
+
 impl Tensor {
     /// A contiguous tensor with the same values: `self` itself when already contiguous,
     /// else a copy.
@@ -96,7 +102,7 @@ impl Tensor {
         let out = Tensor::empty("contiguous", self.shape(), self.dtype(), self.device())?
             .with_index_bound(self.index_bound());
         copy_into("contiguous", self, &out, &out.layout().clone())?;
-        Ok(out)
+        Ok(record_identity("contiguous", out, self))
     }
 
     /// A contiguous copy of the values in a new buffer that aliases nothing (Rust's `clone`
@@ -115,7 +121,7 @@ impl Tensor {
         } else {
             copy_into(OP, self, &out, &out.layout().clone())?;
         }
-        Ok(out)
+        Ok(record_identity(OP, out, self))
     }
 
     /// Concatenates tensors of one dtype along `dim`; all other dims must agree.
@@ -158,6 +164,18 @@ impl Tensor {
             copy_into(OP, t, &out, &region)?;
             start += len;
         }
-        Ok(out)
+        let inputs: Vec<&Tensor> = tensors.iter().collect();
+        Ok(record(OP, out, &inputs, |_| {
+            let lens: Vec<usize> = tensors.iter().map(|t| t.shape()[dim]).collect();
+            move |g: &Tensor| {
+                let mut start = 0;
+                let mut grads = Vec::new();
+                for &len in &lens {
+                    grads.push(Some(g.narrow(dim, start, len)?));
+                    start += len;
+                }
+                Ok(grads)
+            }
+        }))
     }
 }

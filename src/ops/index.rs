@@ -1,6 +1,7 @@
 //! Ops that produce or consume u32 indices: `argmax`, `index_select`, `gather`. Indices are
 //! checked against the bound each u32 tensor carries, so no data is read back to validate.
 
+use crate::autograd::{record, NoGradGuard};
 use crate::device::Kernel;
 use crate::error::{Error, Result};
 use crate::ops::reduce::{as_matrix, reduced_shape};
@@ -49,6 +50,8 @@ fn check_bound(
 impl Tensor {
     /// Index of the first maximum along `dim`, as u32.
     pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+        // u32 indices have no grad: argmax records nothing, and neither do its internals.
+        let _no_grad = NoGradGuard::new();
         const OP: &str = "argmax";
         self.expect_dtype(OP, DType::F32)?;
         self.layout().check_dim(OP, dim)?;
@@ -82,117 +85,220 @@ impl Tensor {
     }
 
     /// The slices `indices[j]` of `dim`, in order: `out` has `dim` of size `indices.len()`.
+    /// Its grad adds each slice's grad back at its index (repeated indices add up).
     pub fn index_select(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
-        const OP: &str = "index_select";
-        self.expect_same_device(OP, indices)?;
-        self.expect_dtype(OP, DType::F32)?;
-        self.layout().check_dim(OP, dim)?;
-        if indices.rank() != 1 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!("needs 1-D indices, got shape {:?}", indices.shape()),
-            });
-        }
-        check_bound(OP, indices, self.shape()[dim], self, dim)?;
-        let mut shape = self.shape().to_vec();
-        shape[dim] = indices.numel();
-        let out = Tensor::empty(OP, &shape, DType::F32, self.device())?;
-        let n = out.numel();
-        if n == 0 {
-            return Ok(out);
-        }
-        let x = self.contiguous()?;
-        let idx = indices.contiguous()?;
-        let inner: usize = self.shape()[dim + 1..].iter().product();
-        let params = [
-            n as u32,
-            indices.numel() as u32,
-            inner as u32,
-            self.shape()[dim] as u32,
-            x.layout().offset as u32,
-            idx.layout().offset as u32,
-        ];
-        let kernel = Kernel {
-            key: "index:index_select",
-            entry: "index_select",
-            source: &source,
+        let out = {
+            let _no_grad = NoGradGuard::new();
+            index_select_forward(self, dim, indices)?
         };
-        dispatch(
-            OP,
-            &kernel,
-            &[&x, &out, &idx],
-            &params,
-            groups(n, WORKGROUP),
-        )?;
-        Ok(out)
+        Ok(record("index_select", out, &[self], |_| {
+            let (shape, indices) = (self.shape().to_vec(), indices.clone());
+            move |g: &Tensor| Ok(vec![Some(index_select_backward(g, dim, &indices, &shape)?)])
+        }))
     }
 
     /// PyTorch's `gather`: `out[i][j] = self[i][indices[i][j]]` for `dim = 1`, and so on.
     /// `indices` has the rank of `self` and no larger size than `self` in the other dims.
+    /// Its grad adds each element's grad back at its index.
     pub fn gather(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
-        const OP: &str = "gather";
-        self.expect_same_device(OP, indices)?;
-        self.expect_dtype(OP, DType::F32)?;
-        self.layout().check_dim(OP, dim)?;
-        let fits = indices.rank() == self.rank()
-            && indices
-                .shape()
-                .iter()
-                .zip(self.shape())
-                .enumerate()
-                .all(|(d, (i, s))| d == dim || i <= s);
-        if !fits || self.rank() > KERNEL_RANK {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "indices of shape {:?} do not fit input {:?} along dim {dim}",
-                    indices.shape(),
-                    self.shape()
-                ),
-            });
-        }
-        check_bound(OP, indices, self.shape()[dim], self, dim)?;
-        let out = Tensor::empty(OP, indices.shape(), DType::F32, self.device())?;
-        let n = out.numel();
-        if n == 0 {
-            return Ok(out);
-        }
-        let idx = indices.contiguous()?;
-        let pad = KERNEL_RANK - self.rank();
-        let mut params = vec![
-            n as u32,
-            (pad + dim) as u32,
-            self.layout().offset as u32,
-            idx.layout().offset as u32,
-            self.shape()[dim] as u32,
-            self.rank() as u32,
-        ];
-        params.extend((0..KERNEL_RANK).map(|d| {
-            if d < pad {
-                1
-            } else {
-                indices.shape()[d - pad] as u32
-            }
-        }));
-        params.extend((0..KERNEL_RANK).map(|d| {
-            if d < pad {
-                0
-            } else {
-                self.layout().strides[d - pad] as u32
-            }
-        }));
-        let kernel = Kernel {
-            key: "index:gather",
-            entry: "gather",
-            source: &source,
+        let out = {
+            let _no_grad = NoGradGuard::new();
+            gather_forward(self, dim, indices)?
         };
-        dispatch(
-            OP,
-            &kernel,
-            &[self, &out, &idx],
-            &params,
-            groups(n, WORKGROUP),
-        )?;
-        Ok(out)
+        Ok(record("gather", out, &[self], |_| {
+            let (shape, indices) = (self.shape().to_vec(), indices.clone());
+            move |g: &Tensor| Ok(vec![Some(gather_backward(g, dim, &indices, &shape)?)])
+        }))
     }
+}
+
+fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor> {
+    const OP: &str = "index_select";
+    this.expect_same_device(OP, indices)?;
+    this.expect_dtype(OP, DType::F32)?;
+    this.layout().check_dim(OP, dim)?;
+    if indices.rank() != 1 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!("needs 1-D indices, got shape {:?}", indices.shape()),
+        });
+    }
+    check_bound(OP, indices, this.shape()[dim], this, dim)?;
+    let mut shape = this.shape().to_vec();
+    shape[dim] = indices.numel();
+    let out = Tensor::empty(OP, &shape, DType::F32, this.device())?;
+    let n = out.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let x = this.contiguous()?;
+    let idx = indices.contiguous()?;
+    let inner: usize = this.shape()[dim + 1..].iter().product();
+    let params = [
+        n as u32,
+        indices.numel() as u32,
+        inner as u32,
+        this.shape()[dim] as u32,
+        x.layout().offset as u32,
+        idx.layout().offset as u32,
+    ];
+    let kernel = Kernel {
+        key: "index:index_select",
+        entry: "index_select",
+        source: &source,
+    };
+    dispatch(
+        OP,
+        &kernel,
+        &[&x, &out, &idx],
+        &params,
+        groups(n, WORKGROUP),
+    )?;
+    Ok(out)
+}
+
+fn gather_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor> {
+    const OP: &str = "gather";
+    this.expect_same_device(OP, indices)?;
+    this.expect_dtype(OP, DType::F32)?;
+    this.layout().check_dim(OP, dim)?;
+    let fits = indices.rank() == this.rank()
+        && indices
+            .shape()
+            .iter()
+            .zip(this.shape())
+            .enumerate()
+            .all(|(d, (i, s))| d == dim || i <= s);
+    if !fits || this.rank() > KERNEL_RANK {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "indices of shape {:?} do not fit input {:?} along dim {dim}",
+                indices.shape(),
+                this.shape()
+            ),
+        });
+    }
+    check_bound(OP, indices, this.shape()[dim], this, dim)?;
+    let out = Tensor::empty(OP, indices.shape(), DType::F32, this.device())?;
+    let n = out.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let idx = indices.contiguous()?;
+    let pad = KERNEL_RANK - this.rank();
+    let mut params = vec![
+        n as u32,
+        (pad + dim) as u32,
+        this.layout().offset as u32,
+        idx.layout().offset as u32,
+        this.shape()[dim] as u32,
+        this.rank() as u32,
+    ];
+    params.extend((0..KERNEL_RANK).map(|d| {
+        if d < pad {
+            1
+        } else {
+            indices.shape()[d - pad] as u32
+        }
+    }));
+    params.extend((0..KERNEL_RANK).map(|d| {
+        if d < pad {
+            0
+        } else {
+            this.layout().strides[d - pad] as u32
+        }
+    }));
+    let kernel = Kernel {
+        key: "index:gather",
+        entry: "gather",
+        source: &source,
+    };
+    dispatch(
+        OP,
+        &kernel,
+        &[this, &out, &idx],
+        &params,
+        groups(n, WORKGROUP),
+    )?;
+    Ok(out)
+}
+
+/// The grad of `index_select` for an input of `shape`.
+fn index_select_backward(
+    grad: &Tensor,
+    dim: usize,
+    indices: &Tensor,
+    shape: &[usize],
+) -> Result<Tensor> {
+    const OP: &str = "index_select";
+    let out = Tensor::empty(OP, shape, DType::F32, grad.device())?;
+    let n = out.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
+    let inner: usize = shape[dim + 1..].iter().product();
+    let params = [
+        n,
+        indices.numel(),
+        inner,
+        shape[dim],
+        g.layout().offset,
+        idx.layout().offset,
+    ]
+    .map(|x| x as u32);
+    let kernel = Kernel {
+        key: "index:index_select_backward",
+        entry: "index_select_backward",
+        source: &source,
+    };
+    dispatch(
+        OP,
+        &kernel,
+        &[&g, &out, &idx],
+        &params,
+        groups(n, WORKGROUP),
+    )?;
+    Ok(out)
+}
+
+/// The grad of `gather` for an input of `shape`.
+fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    const OP: &str = "gather";
+    let out = Tensor::empty(OP, shape, DType::F32, grad.device())?;
+    let n = out.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
+    let pad = KERNEL_RANK - shape.len();
+    let padded = |s: &[usize]| -> Vec<u32> {
+        (0..KERNEL_RANK)
+            .map(|d| if d < pad { 1 } else { s[d - pad] as u32 })
+            .collect()
+    };
+    let mut params = vec![
+        n as u32,
+        (pad + dim) as u32,
+        g.layout().offset as u32,
+        idx.layout().offset as u32,
+        shape.len() as u32,
+        0,
+    ];
+    params.extend(padded(shape));
+    params.extend(padded(indices.shape()));
+    let kernel = Kernel {
+        key: "index:gather_backward",
+        entry: "gather_backward",
+        source: &source,
+    };
+    dispatch(
+        OP,
+        &kernel,
+        &[&g, &out, &idx],
+        &params,
+        groups(n, WORKGROUP),
+    )?;
+    Ok(out)
 }

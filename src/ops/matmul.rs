@@ -1,8 +1,10 @@
 //! Batched matrix multiply with NumPy-style batch broadcasting. Inputs are read through their
 //! strides, so `x.matmul(&w.t()?)` reads `w` transposed without a copy.
 
+use crate::autograd::{record, NoGradGuard};
 use crate::device::{Kernel, MatmulKernel};
 use crate::error::{Error, Result};
+use crate::ops::binary::sum_to_shape;
 use crate::ops::{dispatch, module_source};
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
 use crate::tensor::{DType, Tensor};
@@ -125,93 +127,146 @@ fn with_batch_stride(t: Tensor) -> Result<(Tensor, u32)> {
     Ok((dense, stride))
 }
 
+/// The operands of a matmul as matrices: a 1-D left operand as a row, a 1-D right one as a
+/// column (views).
+fn promote(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+    let a = if a.rank() == 1 {
+        a.unsqueeze(0)?
+    } else {
+        a.clone()
+    };
+    let b = if b.rank() == 1 {
+        b.unsqueeze(1)?
+    } else {
+        b.clone()
+    };
+    Ok((a, b))
+}
+
+/// The last two dims of `t` swapped (a view).
+fn transposed(t: &Tensor) -> Result<Tensor> {
+    t.transpose(t.rank() - 2, t.rank() - 1)
+}
+
 impl Tensor {
     /// Matrix product with PyTorch's `matmul` rules: 1-D operands are promoted to a row
     /// (left) or column (right) and the added dim removed; leading dims broadcast.
+    ///
+    /// Backward: `grad_a = grad @ b^T` and `grad_b = a^T @ grad`, with the transposes read as
+    /// views, summed over broadcast batch dims.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
-        const OP: &str = "matmul";
-        self.expect_same_device(OP, other)?;
-        self.expect_dtype(OP, DType::F32)?;
-        other.expect_dtype(OP, DType::F32)?;
-        if self.rank() == 0 || other.rank() == 0 {
+        let out = {
+            let _no_grad = NoGradGuard::new();
+            matmul_forward(self, other)?
+        };
+        Ok(record("matmul", out, &[self, other], |out| {
+            let (a, b) = (self.detach(), other.detach());
+            let (need_a, need_b) = (self.requires_grad(), other.requires_grad());
+            let out_shape = out.shape().to_vec();
+            move |g: &Tensor| {
+                let (a2, b2) = promote(&a, &b)?;
+                let batch = &out_shape[..out_shape.len().saturating_sub(2)];
+                let (m, n) = (a2.shape()[a2.rank() - 2], b2.shape()[b2.rank() - 1]);
+                let g2 = if a.rank() == 1 || b.rank() == 1 {
+                    g.reshape(&[batch, &[m, n]].concat())?
+                } else {
+                    g.clone()
+                };
+                let grad_a = match need_a {
+                    true => Some(
+                        sum_to_shape(&g2.matmul(&transposed(&b2)?)?, a2.shape())?
+                            .reshape(a.shape())?,
+                    ),
+                    false => None,
+                };
+                let grad_b = match need_b {
+                    true => Some(
+                        sum_to_shape(&transposed(&a2)?.matmul(&g2)?, b2.shape())?
+                            .reshape(b.shape())?,
+                    ),
+                    false => None,
+                };
+                Ok(vec![grad_a, grad_b])
+            }
+        }))
+    }
+}
+
+/// The product itself: shape rules, the batch layout, and one kernel dispatch.
+fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    this.expect_same_device(OP, other)?;
+    this.expect_dtype(OP, DType::F32)?;
+    other.expect_dtype(OP, DType::F32)?;
+    if this.rank() == 0 || other.rank() == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "needs operands of rank >= 1, got {:?} and {:?}",
+                this.shape(),
+                other.shape()
+            ),
+        });
+    }
+    let (a, b) = promote(this, other)?;
+    let (m, k) = (a.shape()[a.rank() - 2], a.shape()[a.rank() - 1]);
+    let (k2, n) = (b.shape()[b.rank() - 2], b.shape()[b.rank() - 1]);
+    let batch = broadcast_shapes(&a.shape()[..a.rank() - 2], &b.shape()[..b.rank() - 2]);
+    let batch = match batch {
+        Some(batch) if k == k2 => batch,
+        _ => {
             return Err(Error::Shape {
                 op: OP,
                 msg: format!(
-                    "needs operands of rank >= 1, got {:?} and {:?}",
-                    self.shape(),
+                    "shapes {:?} and {:?} do not multiply",
+                    this.shape(),
                     other.shape()
                 ),
-            });
+            })
         }
-        let a = if self.rank() == 1 {
-            self.unsqueeze(0)?
-        } else {
-            self.clone()
-        };
-        let b = if other.rank() == 1 {
-            other.unsqueeze(1)?
-        } else {
-            other.clone()
-        };
-        let (m, k) = (a.shape()[a.rank() - 2], a.shape()[a.rank() - 1]);
-        let (k2, n) = (b.shape()[b.rank() - 2], b.shape()[b.rank() - 1]);
-        let batch = broadcast_shapes(&a.shape()[..a.rank() - 2], &b.shape()[..b.rank() - 2]);
-        let batch = match batch {
-            Some(batch) if k == k2 => batch,
-            _ => {
-                return Err(Error::Shape {
-                    op: OP,
-                    msg: format!(
-                        "shapes {:?} and {:?} do not multiply",
-                        self.shape(),
-                        other.shape()
-                    ),
-                })
-            }
-        };
-        let a = a.expand(&[batch.as_slice(), &[m, k]].concat())?;
-        let b = b.expand(&[batch.as_slice(), &[k, n]].concat())?;
-        // Batch dims that do not merge into one stride are made dense.
-        let (a, a_batch_stride) = with_batch_stride(a)?;
-        let (b, b_batch_stride) = with_batch_stride(b)?;
-        let batches: usize = batch.iter().product();
-        let mut out_shape = [batch.as_slice(), &[m, n]].concat();
-        if k == 0 {
-            let zeros = Tensor::zeros(&out_shape, self.device())?;
-            return finish(zeros, self, other, &mut out_shape);
-        }
-        let out = Tensor::empty(OP, &out_shape, DType::F32, self.device())?;
-        if out.numel() > 0 {
-            let (entry, tile_rows, tile_cols) = kernel_for(self);
-            let r = a.rank();
-            let strides = |t: &Tensor, batch: u32| Strides {
-                offset: t.layout().offset,
-                batch: batch as usize,
-                rows: t.layout().strides[r - 2],
-                cols: t.layout().strides[r - 1],
-            };
-            let (sa, sb) = (strides(&a, a_batch_stride), strides(&b, b_batch_stride));
-            let (tiles_m, tiles_n) = (m.div_ceil(tile_rows), n.div_ceil(tile_cols));
-            let params = [
-                m, n, k, batches, sa.offset, sa.batch, sa.rows, sa.cols, sb.offset, sb.batch,
-                sb.rows, sb.cols, tiles_n, tiles_m,
-            ]
-            .map(|x| x as u32);
-            let (am, bm) = match entry {
-                "register_tiled" => (a_mode(&sa, m), b_mode(&sb, n)),
-                _ => (AMode::Any, BMode::Any),
-            };
-            let key = format!("matmul/{am:?}{bm:?}:{entry}");
-            let kernel = Kernel {
-                key: &key,
-                entry,
-                source: &|| source(am, bm),
-            };
-            let workgroups = batches * tiles_m * tiles_n;
-            dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
-        }
-        finish(out, self, other, &mut out_shape)
+    };
+    let a = a.expand(&[batch.as_slice(), &[m, k]].concat())?;
+    let b = b.expand(&[batch.as_slice(), &[k, n]].concat())?;
+    // Batch dims that do not merge into one stride are made dense.
+    let (a, a_batch_stride) = with_batch_stride(a)?;
+    let (b, b_batch_stride) = with_batch_stride(b)?;
+    let batches: usize = batch.iter().product();
+    let mut out_shape = [batch.as_slice(), &[m, n]].concat();
+    if k == 0 {
+        let zeros = Tensor::zeros(&out_shape, this.device())?;
+        return finish(zeros, this, other, &mut out_shape);
     }
+    let out = Tensor::empty(OP, &out_shape, DType::F32, this.device())?;
+    if out.numel() > 0 {
+        let (entry, tile_rows, tile_cols) = kernel_for(this);
+        let r = a.rank();
+        let strides = |t: &Tensor, batch: u32| Strides {
+            offset: t.layout().offset,
+            batch: batch as usize,
+            rows: t.layout().strides[r - 2],
+            cols: t.layout().strides[r - 1],
+        };
+        let (sa, sb) = (strides(&a, a_batch_stride), strides(&b, b_batch_stride));
+        let (tiles_m, tiles_n) = (m.div_ceil(tile_rows), n.div_ceil(tile_cols));
+        let params = [
+            m, n, k, batches, sa.offset, sa.batch, sa.rows, sa.cols, sb.offset, sb.batch, sb.rows,
+            sb.cols, tiles_n, tiles_m,
+        ]
+        .map(|x| x as u32);
+        let (am, bm) = match entry {
+            "register_tiled" => (a_mode(&sa, m), b_mode(&sb, n)),
+            _ => (AMode::Any, BMode::Any),
+        };
+        let key = format!("matmul/{am:?}{bm:?}:{entry}");
+        let kernel = Kernel {
+            key: &key,
+            entry,
+            source: &|| source(am, bm),
+        };
+        let workgroups = batches * tiles_m * tiles_n;
+        dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
+    }
+    finish(out, this, other, &mut out_shape)
 }
 
 /// Removes the dims that 1-D operands were promoted with.

@@ -48,9 +48,24 @@ pub(crate) fn dispatch(
     params: &[u32],
     workgroups: u32,
 ) -> Result<()> {
-    let storages: Vec<Arc<Storage>> = tensors.iter().map(|t| t.storage()).collect();
-    let buffers: Vec<&wgpu::Buffer> = storages.iter().map(|s| s.buffer()).collect();
+    let bound: Vec<(u32, &Tensor)> = (1..).zip(tensors.iter().copied()).collect();
+    dispatch_at(op, kernel, &bound, params, workgroups)
+}
+
+/// Records one dispatch binding each tensor's buffer at the binding number beside it.
+pub(crate) fn dispatch_at(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[(u32, &Tensor)],
+    params: &[u32],
+    workgroups: u32,
+) -> Result<()> {
+    let storages: Vec<(u32, Arc<Storage>)> =
+        tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
+    let buffers: Vec<(u32, &wgpu::Buffer)> =
+        storages.iter().map(|(b, s)| (*b, s.buffer())).collect();
     tensors[0]
+        .1
         .device()
         .inner
         .dispatch(op, kernel, &buffers, params, workgroups)
@@ -67,6 +82,7 @@ pub(crate) fn all_kernel_sources() -> Vec<(String, String)> {
     all.extend(reduce::kernel_sources());
     all.extend(softmax::kernel_sources());
     all.extend(index::kernel_sources());
+    all.extend(crate::autograd::kernel_sources());
     all
 }
 

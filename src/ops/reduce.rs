@@ -2,8 +2,10 @@
 //! Every reduction is run on an `[M, K]` view (kept dims x reduced dims) by one WGSL
 //! template (`shaders/reduce.wgsl`) specialised for sum or max.
 
+use crate::autograd::{record, NoGradGuard};
 use crate::device::Kernel;
 use crate::error::{Error, Result};
+use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::copy::fill;
 use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
 use crate::tensor::layout::merge_dims;
@@ -259,37 +261,80 @@ fn reduce(
     reduce_matrix(op_name, op, &mat, scale)?.reshape(&out_shape)
 }
 
+/// `grad` of a reduction over `dims` (shaped like its output) broadcast back to the input's
+/// `shape` (a view, no copy).
+fn expand_back(grad: &Tensor, shape: &[usize], dims: &[usize]) -> Result<Tensor> {
+    grad.reshape(&reduced_shape(shape, dims, true))?
+        .expand(shape)
+}
+
+/// Forward and backward of `sum`, `mean` (a sum scaled by 1/K) and `max`.
+fn reduce_op(
+    name: &'static str,
+    op: ReduceOp,
+    x: &Tensor,
+    dims: &[usize],
+    keepdim: bool,
+    mean: bool,
+) -> Result<Tensor> {
+    let out = {
+        let _no_grad = NoGradGuard::new();
+        reduce(name, op, x, dims, keepdim, mean)?
+    };
+    let dims = check_dims(name, x, dims)?;
+    Ok(record(name, out, &[x], |out| {
+        let shape = x.shape().to_vec();
+        let k: usize = dims.iter().map(|&d| shape[d]).product();
+        // max sends the grad to the elements equal to the max, split evenly among ties.
+        let picked = (op == ReduceOp::Max).then(|| (x.detach(), out.detach()));
+        move |g: &Tensor| {
+            let g = expand_back(g, &shape, &dims)?;
+            let grad = match &picked {
+                None if mean => g.mul_scalar(1.0 / k as f32)?,
+                None => g,
+                Some((x, max)) => {
+                    let mask = binary(x, &expand_back(max, &shape, &dims)?, BinaryOp::Equal)?;
+                    let count = expand_back(&mask.sum_dims(&dims, true)?, &shape, &dims)?;
+                    g.mul(&mask)?.div(&count)?
+                }
+            };
+            Ok(vec![Some(grad)])
+        }
+    }))
+}
+
 impl Tensor {
     /// Sum of all elements, as a 0-dim tensor.
     pub fn sum(&self) -> Result<Tensor> {
         let all: Vec<usize> = (0..self.rank()).collect();
-        reduce("sum", ReduceOp::Sum, self, &all, false, false)
+        reduce_op("sum", ReduceOp::Sum, self, &all, false, false)
     }
 
     /// Sum over `dims`; `keepdim` keeps them as size 1.
     pub fn sum_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
-        reduce("sum", ReduceOp::Sum, self, dims, keepdim, false)
+        reduce_op("sum", ReduceOp::Sum, self, dims, keepdim, false)
     }
 
     /// Mean of all elements, as a 0-dim tensor (NaN when empty, as PyTorch).
     pub fn mean(&self) -> Result<Tensor> {
         let all: Vec<usize> = (0..self.rank()).collect();
-        reduce("mean", ReduceOp::Sum, self, &all, false, true)
+        reduce_op("mean", ReduceOp::Sum, self, &all, false, true)
     }
 
     /// Mean over `dims`; `keepdim` keeps them as size 1.
     pub fn mean_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
-        reduce("mean", ReduceOp::Sum, self, dims, keepdim, true)
+        reduce_op("mean", ReduceOp::Sum, self, dims, keepdim, true)
     }
 
-    /// Maximum of all elements, as a 0-dim tensor.
+    /// Maximum of all elements, as a 0-dim tensor. Its grad goes to the maximal elements,
+    /// split evenly among ties.
     pub fn max(&self) -> Result<Tensor> {
         let all: Vec<usize> = (0..self.rank()).collect();
-        reduce("max", ReduceOp::Max, self, &all, false, false)
+        reduce_op("max", ReduceOp::Max, self, &all, false, false)
     }
 
     /// Maximum over `dims`; `keepdim` keeps them as size 1.
     pub fn max_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
-        reduce("max", ReduceOp::Max, self, dims, keepdim, false)
+        reduce_op("max", ReduceOp::Max, self, dims, keepdim, false)
     }
 }

@@ -1,9 +1,10 @@
-//! Softmax, log-softmax and the fused cross-entropy forward, all row kernels in
+//! Softmax, log-softmax and the fused cross-entropy, forward and backward: row kernels in
 //! `shaders/softmax.wgsl` that subtract the row max first (stable for large logits).
 
+use crate::autograd::{record, NoGradGuard};
 use crate::device::Kernel;
 use crate::error::{Error, Result};
-use crate::ops::{dispatch, groups, module_source};
+use crate::ops::{dispatch_at, groups, module_source};
 use crate::tensor::{DType, Tensor};
 
 const SOFTMAX_WGSL: &str = include_str!("../../shaders/softmax.wgsl");
@@ -20,71 +21,124 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 /// Rows of the `[M, K]` input one `*_serial` workgroup handles (its `WG`).
 const SERIAL_ROWS_PER_GROUP: usize = 64;
 
-/// The row kernels of `shaders/softmax.wgsl`.
+/// The row kernel families of `shaders/softmax.wgsl`; each has a `_rows` (workgroup per row)
+/// and a `_serial` (invocation per row) entry.
 #[derive(Clone, Copy)]
-enum RowKernel {
-    Softmax { log: bool },
-    CrossEntropy { labels_offset: usize },
+enum Family {
+    Softmax,
+    CrossEntropy,
+    SoftmaxBackward,
+    CrossEntropyBackward,
 }
 
-/// Runs `kernel` over the `m` rows of `k` elements of contiguous `tensors[0]` (from
-/// `offset`). Software adapters give each row one invocation (no barriers; four-wide reads
+impl Family {
+    fn entry(self, serial: bool) -> &'static str {
+        match (self, serial) {
+            (Family::Softmax, false) => "softmax_rows",
+            (Family::Softmax, true) => "softmax_serial",
+            (Family::CrossEntropy, false) => "cross_entropy_rows",
+            (Family::CrossEntropy, true) => "cross_entropy_serial",
+            (Family::SoftmaxBackward, false) => "softmax_backward_rows",
+            (Family::SoftmaxBackward, true) => "softmax_backward_serial",
+            (Family::CrossEntropyBackward, false) => "cross_entropy_backward_rows",
+            (Family::CrossEntropyBackward, true) => "cross_entropy_backward_serial",
+        }
+    }
+}
+
+/// One pass of a row kernel over `m` rows of `k` elements of contiguous `src`, writing `dst`.
+struct RowPass<'a> {
+    family: Family,
+    src: &'a Tensor,
+    dst: &'a Tensor,
+    labels: Option<&'a Tensor>,
+    grad: Option<&'a Tensor>,
+    log: bool,
+    scale: f32,
+}
+
+/// Runs `pass`. Software adapters give each row one invocation (no barriers; four-wide reads
 /// when aligned) once there are enough rows to fill a workgroup; GPUs give each row a
 /// workgroup.
-fn run_rows(
-    op: &'static str,
-    kernel: RowKernel,
-    tensors: &[&Tensor],
-    m: usize,
-    k: usize,
-    offset: usize,
-) -> Result<()> {
-    let serial = tensors[0].device().info().is_software() && m >= SERIAL_ROWS_PER_GROUP;
+fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
+    let offset = pass.src.layout().offset;
+    let serial = pass.src.device().info().is_software() && m >= SERIAL_ROWS_PER_GROUP;
     let vec4 = serial && k.is_multiple_of(4) && offset.is_multiple_of(4);
-    let (entry, log, labels_offset) = match (kernel, serial) {
-        (RowKernel::Softmax { log }, false) => ("softmax_rows", log, 0),
-        (RowKernel::Softmax { log }, true) => ("softmax_serial", log, 0),
-        (RowKernel::CrossEntropy { labels_offset }, false) => {
-            ("cross_entropy_rows", false, labels_offset)
-        }
-        (RowKernel::CrossEntropy { labels_offset }, true) => {
-            ("cross_entropy_serial", false, labels_offset)
-        }
-    };
-    let params = [m, k, offset, labels_offset, log as usize, vec4 as usize].map(|x| x as u32);
+    let labels_offset = pass.labels.map_or(0, |l| l.layout().offset);
+    let grad_offset = pass.grad.map_or(0, |g| g.layout().offset);
+    let params = [
+        m as u32,
+        k as u32,
+        offset as u32,
+        labels_offset as u32,
+        pass.log as u32,
+        vec4 as u32,
+        grad_offset as u32,
+        pass.scale.to_bits(),
+    ];
     let workgroups = if serial {
         groups(m, SERIAL_ROWS_PER_GROUP)
     } else {
         m as u32
     };
+    let entry = pass.family.entry(serial);
     let key = format!("softmax:{entry}");
     let kernel = Kernel {
         key: &key,
         entry,
         source: &source,
     };
-    dispatch(op, &kernel, tensors, &params, workgroups)
+    let mut bindings = vec![(1, pass.src), (2, pass.dst)];
+    bindings.extend(pass.labels.map(|l| (3, l)));
+    bindings.extend(pass.grad.map(|g| (4, g)));
+    dispatch_at(op, &kernel, &bindings, &params, workgroups)
 }
 
-/// Runs softmax or log_softmax over `x` moved so that `dim` is last.
+/// Softmax or log_softmax over `x` moved so that `dim` is last; its backward is one fused
+/// row kernel on the saved output.
 fn along_dim(op: &'static str, log: bool, x: &Tensor, dim: usize) -> Result<Tensor> {
     x.expect_dtype(op, DType::F32)?;
     x.layout().check_dim(op, dim)?;
     let last = x.rank() - 1;
-    let moved = x.transpose(dim, last)?.contiguous()?;
-    let out = Tensor::empty(op, moved.shape(), DType::F32, x.device())?;
-    let k = x.shape()[dim];
-    let m = x.numel().checked_div(k).unwrap_or(0);
-    let offset = moved.layout().offset;
-    run_rows(
-        op,
-        RowKernel::Softmax { log },
-        &[&moved, &out],
-        m,
-        k,
-        offset,
-    )?;
-    out.transpose(dim, last)
+    let out = {
+        let _no_grad = NoGradGuard::new();
+        let moved = x.transpose(dim, last)?.contiguous()?;
+        let out = Tensor::empty(op, moved.shape(), DType::F32, x.device())?;
+        let k = x.shape()[dim];
+        let m = x.numel().checked_div(k).unwrap_or(0);
+        let pass = RowPass {
+            family: Family::Softmax,
+            src: &moved,
+            dst: &out,
+            labels: None,
+            grad: None,
+            log,
+            scale: 1.0,
+        };
+        run_rows(op, pass, m, k)?;
+        out.transpose(dim, last)?
+    };
+    Ok(record(op, out, &[x], |out| {
+        let y = out.detach();
+        move |g: &Tensor| {
+            let y_rows = y.transpose(dim, last)?.contiguous()?;
+            let g_rows = g.transpose(dim, last)?.contiguous()?;
+            let dx = Tensor::empty(op, y_rows.shape(), DType::F32, y.device())?;
+            let k = y.shape()[dim];
+            let m = y.numel().checked_div(k).unwrap_or(0);
+            let pass = RowPass {
+                family: Family::SoftmaxBackward,
+                src: &y_rows,
+                dst: &dx,
+                labels: None,
+                grad: Some(&g_rows),
+                log,
+                scale: 1.0,
+            };
+            run_rows(op, pass, m, k)?;
+            Ok(vec![Some(dx.transpose(dim, last)?)])
+        }
+    }))
 }
 
 impl Tensor {
@@ -100,7 +154,8 @@ impl Tensor {
 }
 
 /// Mean over the batch of `-log_softmax(logits)[i, labels[i]]`, fused: one row kernel and one
-/// mean. `logits` is `[N, C]` f32, `labels` is `[N]` u32 with values below `C`.
+/// mean. `logits` is `[N, C]` f32, `labels` is `[N]` u32 with values below `C`. Its backward
+/// is one fused row kernel: `(softmax(logits) - one_hot(labels)) * grad / N`.
 pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     const OP: &str = "cross_entropy";
     logits.expect_same_device(OP, labels)?;
@@ -134,13 +189,40 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
             ),
         });
     }
-    let logits = logits.contiguous()?;
-    let labels = labels.contiguous()?;
-    let losses = Tensor::empty(OP, &[n], DType::F32, logits.device())?;
-    let kernel = RowKernel::CrossEntropy {
-        labels_offset: labels.layout().offset,
+    let (dense_logits, dense_labels, loss) = {
+        let _no_grad = NoGradGuard::new();
+        let dense_logits = logits.contiguous()?;
+        let dense_labels = labels.contiguous()?;
+        let losses = Tensor::empty(OP, &[n], DType::F32, logits.device())?;
+        let pass = RowPass {
+            family: Family::CrossEntropy,
+            src: &dense_logits,
+            dst: &losses,
+            labels: Some(&dense_labels),
+            grad: None,
+            log: false,
+            scale: 1.0,
+        };
+        run_rows(OP, pass, n, c)?;
+        (dense_logits, dense_labels, losses.mean()?)
     };
-    let offset = logits.layout().offset;
-    run_rows(OP, kernel, &[&logits, &losses, &labels], n, c, offset)?;
-    losses.mean()
+    Ok(record(OP, loss, &[logits], |_| {
+        let (x, labels) = (dense_logits.detach(), dense_labels);
+        move |g: &Tensor| {
+            let g = g.contiguous()?;
+            let dx = Tensor::empty(OP, x.shape(), DType::F32, x.device())?;
+            let scale = 1.0 / n as f32;
+            let pass = RowPass {
+                family: Family::CrossEntropyBackward,
+                src: &x,
+                dst: &dx,
+                labels: Some(&labels),
+                grad: Some(&g),
+                log: false,
+                scale,
+            };
+            run_rows(OP, pass, n, c)?;
+            Ok(vec![Some(dx)])
+        }
+    }))
 }

@@ -1,8 +1,10 @@
 //! Elementwise unary ops and ops with a scalar operand. One WGSL template
 //! (`shaders/unary.wgsl`) is specialised with each op's expression.
 
+use crate::autograd::record;
 use crate::device::Kernel;
 use crate::error::{Error, Result};
+use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::{dispatch, f32_bits, groups, module_source, CONTIGUOUS_PER_GROUP, WORKGROUP};
 use crate::tensor::layout::merge_dims;
 use crate::tensor::{DType, Tensor};
@@ -135,69 +137,149 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
     Ok(out)
 }
 
+/// Records a unary op whose input grad is `rule(g, saved)`, where `saved` is the op's input
+/// (`SavedInput`) or its output (`SavedOutput`).
+fn record_unary(
+    name: &'static str,
+    out: Tensor,
+    x: &Tensor,
+    saved: Saved,
+    rule: impl Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync + 'static,
+) -> Tensor {
+    record(name, out, &[x], |out| {
+        let kept = match saved {
+            Saved::Input => x.detach(),
+            Saved::Output => out.detach(),
+        };
+        move |g: &Tensor| Ok(vec![Some(rule(g, &kept)?)])
+    })
+}
+
+/// Records a unary op whose input grad depends on the incoming grad alone.
+fn record_grad_only(
+    name: &'static str,
+    out: Tensor,
+    x: &Tensor,
+    rule: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+) -> Tensor {
+    record(name, out, &[x], |_| {
+        move |g: &Tensor| Ok(vec![Some(rule(g)?)])
+    })
+}
+
+/// Which tensor a unary backward rule needs.
+#[derive(Clone, Copy)]
+enum Saved {
+    Input,
+    Output,
+}
+
 impl Tensor {
     /// `-x`.
     pub fn neg(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Neg, 0.0)
+        let out = unary(self, UnaryOp::Neg, 0.0)?;
+        Ok(record_grad_only("neg", out, self, |g| g.neg()))
     }
 
     /// `e^x`.
     pub fn exp(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Exp, 0.0)
+        let out = unary(self, UnaryOp::Exp, 0.0)?;
+        Ok(record_unary("exp", out, self, Saved::Output, |g, y| {
+            g.mul(y)
+        }))
     }
 
     /// Natural logarithm.
     pub fn log(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Log, 0.0)
+        let out = unary(self, UnaryOp::Log, 0.0)?;
+        Ok(record_unary("log", out, self, Saved::Input, |g, x| {
+            g.div(x)
+        }))
     }
 
     /// `max(x, 0)`.
     pub fn relu(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Relu, 0.0)
+        let out = unary(self, UnaryOp::Relu, 0.0)?;
+        Ok(record_unary("relu", out, self, Saved::Input, |g, x| {
+            binary(g, x, BinaryOp::ReluBackward)
+        }))
     }
 
     /// Hyperbolic tangent.
     pub fn tanh(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Tanh, 0.0)
+        let out = unary(self, UnaryOp::Tanh, 0.0)?;
+        Ok(record_unary("tanh", out, self, Saved::Output, |g, y| {
+            binary(g, y, BinaryOp::TanhBackward)
+        }))
     }
 
     /// `1 / (1 + e^-x)`.
     pub fn sigmoid(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Sigmoid, 0.0)
+        let out = unary(self, UnaryOp::Sigmoid, 0.0)?;
+        Ok(record_unary("sigmoid", out, self, Saved::Output, |g, y| {
+            binary(g, y, BinaryOp::SigmoidBackward)
+        }))
     }
 
     /// GELU with the exact (erf) form, as PyTorch's default.
     pub fn gelu(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Gelu, 0.0)
+        let out = unary(self, UnaryOp::Gelu, 0.0)?;
+        Ok(record_unary("gelu", out, self, Saved::Input, |g, x| {
+            binary(g, x, BinaryOp::GeluBackward)
+        }))
     }
 
     /// Square root.
     pub fn sqrt(&self) -> Result<Tensor> {
-        unary(self, UnaryOp::Sqrt, 0.0)
+        let out = unary(self, UnaryOp::Sqrt, 0.0)?;
+        Ok(record_unary("sqrt", out, self, Saved::Output, |g, y| {
+            binary(g, y, BinaryOp::SqrtBackward)
+        }))
     }
 
     /// `x^p` elementwise (negative bases allowed for integral `p`).
     pub fn powf(&self, p: f32) -> Result<Tensor> {
-        unary(self, UnaryOp::Powf, p)
+        let out = unary(self, UnaryOp::Powf, p)?;
+        Ok(record_unary(
+            "powf",
+            out,
+            self,
+            Saved::Input,
+            move |g, x| {
+                if p == 0.0 {
+                    return Tensor::zeros(x.shape(), x.device());
+                }
+                // d/dx x^p = p x^(p-1)
+                g.mul(&x.powf(p - 1.0)?.mul_scalar(p)?)
+            },
+        ))
     }
 
     /// `x + s`.
     pub fn add_scalar(&self, s: f32) -> Result<Tensor> {
-        unary(self, UnaryOp::AddScalar, s)
+        let out = unary(self, UnaryOp::AddScalar, s)?;
+        Ok(record_grad_only("add_scalar", out, self, |g| Ok(g.clone())))
     }
 
     /// `x - s`.
     pub fn sub_scalar(&self, s: f32) -> Result<Tensor> {
-        unary(self, UnaryOp::AddScalar, -s)
+        let out = unary(self, UnaryOp::AddScalar, -s)?;
+        Ok(record_grad_only("sub_scalar", out, self, |g| Ok(g.clone())))
     }
 
     /// `x * s`.
     pub fn mul_scalar(&self, s: f32) -> Result<Tensor> {
-        unary(self, UnaryOp::MulScalar, s)
+        let out = unary(self, UnaryOp::MulScalar, s)?;
+        Ok(record_grad_only("mul_scalar", out, self, move |g| {
+            g.mul_scalar(s)
+        }))
     }
 
     /// `x / s`.
     pub fn div_scalar(&self, s: f32) -> Result<Tensor> {
-        unary(self, UnaryOp::DivScalar, s)
+        let out = unary(self, UnaryOp::DivScalar, s)?;
+        Ok(record_grad_only("div_scalar", out, self, move |g| {
+            g.div_scalar(s)
+        }))
     }
 }

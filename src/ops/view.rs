@@ -1,8 +1,30 @@
 //! Views: new layouts over the same storage (no copy), except `reshape` of a layout that
 //! cannot be re-strided, which copies.
 
+use crate::autograd::{record, NoGradGuard};
 use crate::error::{Error, Result};
+use crate::ops::binary::sum_to_shape;
+use crate::ops::copy::copy_into;
 use crate::tensor::{checked_numel, Tensor};
+
+/// Records an op that only re-shapes `x` (same elements, same order): its grad is the
+/// output's grad re-shaped back.
+fn record_reshape(name: &'static str, out: Tensor, x: &Tensor) -> Tensor {
+    record(name, out, &[x], |_| {
+        let shape = x.shape().to_vec();
+        move |g: &Tensor| Ok(vec![Some(g.reshape(&shape)?)])
+    })
+}
+
+/// Zeros of `shape` with `grad` written at `start..` along `dim`: the grad of a `narrow`.
+pub(crate) fn pad_into(grad: &Tensor, shape: &[usize], dim: usize, start: usize) -> Result<Tensor> {
+    let out = Tensor::zeros(shape, grad.device())?;
+    let region = out
+        .layout()
+        .narrow("narrow", dim, start, grad.shape()[dim])?;
+    copy_into("narrow", grad, &out, &region)?;
+    Ok(out)
+}
 
 impl Tensor {
     /// The transpose of a 2-D tensor (a view).
@@ -18,23 +40,41 @@ impl Tensor {
 
     /// Swaps dims `d0` and `d1` (a view).
     pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor> {
-        Ok(self.view(self.layout().transpose("transpose", d0, d1)?))
+        let out = self.view(self.layout().transpose("transpose", d0, d1)?);
+        Ok(record("transpose", out, &[self], |_| {
+            move |g: &Tensor| Ok(vec![Some(g.transpose(d0, d1)?)])
+        }))
     }
 
     /// Reorders dims: dim `i` of the result is dim `dims[i]` of `self` (a view).
     pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
-        Ok(self.view(self.layout().permute("permute", dims)?))
+        let out = self.view(self.layout().permute("permute", dims)?);
+        Ok(record("permute", out, &[self], |_| {
+            let mut inverse = vec![0; dims.len()];
+            for (i, &d) in dims.iter().enumerate() {
+                inverse[d] = i;
+            }
+            move |g: &Tensor| Ok(vec![Some(g.permute(&inverse)?)])
+        }))
     }
 
     /// Elements `start..start + len` along `dim` (a view).
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        Ok(self.view(self.layout().narrow("narrow", dim, start, len)?))
+        let out = self.view(self.layout().narrow("narrow", dim, start, len)?);
+        Ok(record("narrow", out, &[self], |_| {
+            let shape = self.shape().to_vec();
+            move |g: &Tensor| Ok(vec![Some(pad_into(g, &shape, dim, start)?)])
+        }))
     }
 
     /// Broadcasts to `shape` by NumPy rules, repeating along size-1 and new leading dims with
     /// stride 0 (a view).
     pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
-        Ok(self.view(self.layout().expand("expand", shape)?))
+        let out = self.view(self.layout().expand("expand", shape)?);
+        Ok(record("expand", out, &[self], |_| {
+            let own = self.shape().to_vec();
+            move |g: &Tensor| Ok(vec![Some(sum_to_shape(g, &own)?)])
+        }))
     }
 
     /// Inserts a dim of size 1 at `dim` (a view).
@@ -67,7 +107,7 @@ impl Tensor {
         let mut layout = self.layout().clone();
         layout.shape.remove(dim);
         layout.strides.remove(dim);
-        Ok(self.view(layout))
+        Ok(record_reshape("squeeze", self.view(layout), self))
     }
 
     /// The same elements in row-major order under another shape of equal size: a view when
@@ -84,9 +124,13 @@ impl Tensor {
                 ),
             });
         }
-        match self.layout().reshape_view(shape) {
-            Some(layout) => Ok(self.view(layout)),
-            None => self.contiguous()?.reshape(shape),
-        }
+        let out = match self.layout().reshape_view(shape) {
+            Some(layout) => self.view(layout),
+            None => {
+                let _no_grad = NoGradGuard::new();
+                self.contiguous()?.reshape(shape)?
+            }
+        };
+        Ok(record_reshape("reshape", out, self))
     }
 }

@@ -71,6 +71,28 @@ impl Layout {
         true
     }
 
+    /// One past the largest element index this layout reaches (0 when empty).
+    pub fn span(&self) -> usize {
+        if self.numel() == 0 {
+            return 0;
+        }
+        let last: usize = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(n, s)| (n - 1) * s)
+            .sum();
+        self.offset + last + 1
+    }
+
+    /// True when two elements share a position (a dim of size > 1 with stride 0).
+    pub fn overlaps(&self) -> bool {
+        self.shape
+            .iter()
+            .zip(&self.strides)
+            .any(|(&n, &s)| n > 1 && s == 0)
+    }
+
     pub fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
         if dim >= self.shape.len() {
             return Err(Error::Shape {

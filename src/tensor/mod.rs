@@ -4,8 +4,9 @@ mod creation;
 pub(crate) mod layout;
 mod storage;
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
+use crate::autograd::AutogradMeta;
 use crate::device::Device;
 use crate::error::{Error, Result};
 pub(crate) use layout::Layout;
@@ -35,6 +36,8 @@ pub struct Tensor {
 }
 
 pub(crate) struct TensorInner {
+    /// Grad slot, requires-grad flag and the node that made this tensor (autograd's state).
+    pub(crate) autograd: Mutex<AutogradMeta>,
     /// Behind a lock so that the engine can swap a grad's buffer under a handle the user holds.
     storage: RwLock<Arc<Storage>>,
     layout: Layout,
@@ -66,6 +69,7 @@ impl Tensor {
     ) -> Tensor {
         Tensor {
             inner: Arc::new(TensorInner {
+                autograd: Mutex::default(),
                 storage: RwLock::new(storage),
                 layout,
                 dtype,
@@ -115,6 +119,16 @@ impl Tensor {
 
     pub(crate) fn index_bound(&self) -> Option<u32> {
         self.inner.index_bound
+    }
+
+    /// Points this handle at another buffer of the same layout: how the engine installs a
+    /// fresh grad under a handle the user holds (S-2).
+    pub(crate) fn swap_storage(&self, storage: Arc<Storage>) {
+        *self
+            .inner
+            .storage
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = storage;
     }
 
     pub(crate) fn storage(&self) -> Arc<Storage> {

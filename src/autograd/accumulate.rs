@@ -1,0 +1,153 @@
+//! `accumulate_grad` (S-1) and the engine's two ways of installing a grad: the buffer swap of
+//! S-2 and the in-place add of S-3. Kernels: `shaders/accumulate_grad.wgsl`.
+
+use crate::device::Kernel;
+use crate::error::{Error, Result};
+use crate::ops::copy::copy_into;
+use crate::ops::{dispatch_at, groups, module_source, WORKGROUP};
+use crate::tensor::layout::merge_dims;
+use crate::tensor::{DType, Storage, Tensor};
+
+const ACCUMULATE_WGSL: &str = include_str!("../../shaders/accumulate_grad.wgsl");
+
+fn source() -> String {
+    module_source(ACCUMULATE_WGSL, &[])
+}
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("accumulate_grad".into(), source())]
+}
+
+fn check_pair(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<()> {
+    current.expect_same_device(op, new_grad)?;
+    current.expect_dtype(op, DType::F32)?;
+    new_grad.expect_dtype(op, DType::F32)?;
+    if current.shape() != new_grad.shape() {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "the current grad has shape {:?} but the new grad has shape {:?}",
+                current.shape(),
+                new_grad.shape()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Params of an elementwise pass over `current` and `new_grad` (same shape, any layouts).
+fn pair_params(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<Vec<u32>> {
+    let (lc, ln) = (current.layout(), new_grad.layout());
+    let (rank, shape, strides) =
+        merge_dims(&lc.shape, &[&lc.strides, &ln.strides]).ok_or_else(|| Error::Shape {
+            op,
+            msg: format!("shape {:?} has more than 6 non-mergeable dims", lc.shape),
+        })?;
+    let mut params = vec![
+        current.numel() as u32,
+        rank as u32,
+        lc.offset as u32,
+        ln.offset as u32,
+    ];
+    params.extend(&shape);
+    params.extend(&strides[0]);
+    params.extend(&strides[1]);
+    Ok(params)
+}
+
+/// The grad a leaf should hold after receiving `new_grad`, in a buffer that aliases neither
+/// input: `current + new_grad` by one clone-then-add kernel, or a copy of `new_grad` when there
+/// is no current grad. Pure: it reads no grad slot and changes neither input (S-1).
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::{autograd, Device, Tensor};
+/// let dev = Device::new()?;
+/// let g = Tensor::ones(&[3], &dev)?;
+/// let n = Tensor::from_vec(vec![2.0, 3.0, 4.0], &[3], &dev)?;
+/// let out = autograd::accumulate_grad(Some(&g), &n)?;
+/// assert_eq!(out.to_vec()?, vec![3.0, 4.0, 5.0]);
+/// assert_ne!(out.storage_id(), g.storage_id());
+/// # Ok(())
+/// # }
+/// ```
+pub fn accumulate_grad(current: Option<&Tensor>, new_grad: &Tensor) -> Result<Tensor> {
+    const OP: &str = "accumulate_grad";
+    let Some(current) = current else {
+        new_grad.expect_dtype(OP, DType::F32)?;
+        return new_grad.deep_clone();
+    };
+    check_pair(OP, current, new_grad)?;
+    let out = Tensor::empty(OP, current.shape(), DType::F32, current.device())?;
+    let n = out.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let params = pair_params(OP, current, new_grad)?;
+    let kernel = Kernel {
+        key: "accumulate_grad:clone_add",
+        entry: "clone_add",
+        source: &source,
+    };
+    dispatch_at(
+        OP,
+        &kernel,
+        &[(1, new_grad), (2, current), (3, &out)],
+        &params,
+        groups(n, WORKGROUP),
+    )?;
+    Ok(out)
+}
+
+/// `current += new_grad` in place: same handle, same storage (S-3).
+pub(crate) fn add_into(current: &Tensor, new_grad: &Tensor) -> Result<()> {
+    const OP: &str = "add_into";
+    check_pair(OP, current, new_grad)?;
+    let n = current.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    // One dispatch may not read and write the same buffer through two bindings.
+    let new_grad = if new_grad.storage_id() == current.storage_id() {
+        new_grad.deep_clone()?
+    } else {
+        new_grad.clone()
+    };
+    let params = pair_params(OP, current, &new_grad)?;
+    let kernel = Kernel {
+        key: "accumulate_grad:add_into",
+        entry: "add_into",
+        source: &source,
+    };
+    dispatch_at(
+        OP,
+        &kernel,
+        &[(1, &new_grad), (3, current)],
+        &params,
+        groups(n, WORKGROUP),
+    )
+}
+
+/// Points the grad handle `slot_grad` at the values of `fresh` (a contiguous result of
+/// [`accumulate_grad`]) by swapping its buffer (S-2): the handle stays, its storage changes,
+/// and the old buffer returns to the pool once nothing else uses it. A grad handle that is a
+/// strided view gets a fresh buffer laid out like it, holding `fresh`'s values.
+pub(crate) fn swap_in(slot_grad: &Tensor, fresh: Tensor) -> Result<()> {
+    let layout = slot_grad.layout();
+    if layout.is_contiguous() && layout.offset == 0 {
+        slot_grad.swap_storage(fresh.storage());
+        return Ok(());
+    }
+    let bytes = (layout.span() * slot_grad.dtype().size()) as u64;
+    let storage = std::sync::Arc::new(Storage::alloc("backward", bytes, slot_grad.device())?);
+    let target = Tensor::from_parts(
+        storage.clone(),
+        layout.clone(),
+        slot_grad.dtype(),
+        slot_grad.device(),
+    );
+    copy_into("backward", &fresh, &target, layout)?;
+    slot_grad.swap_storage(storage);
+    Ok(())
+}

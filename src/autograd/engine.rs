@@ -1,0 +1,271 @@
+//! The backward engine, in two stages (DESIGN.md, "Two stages"): [`compute`] walks the graph
+//! and returns grads without touching any grad slot (S-15); [`apply`] installs them, by the
+//! buffer swap of S-2 or the in-place add of S-3.
+//!
+//! The walk is iterative (a 10,000-op chain needs no deep stack): nodes run in reverse
+//! topological order by dependency counts, grads reaching a node from several consumers are
+//! summed into engine-owned tensors, and each node's backward rule (with its saved tensors) is
+//! dropped after it runs unless `retain_graph`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use crate::autograd::accumulate::{accumulate_grad, add_into, swap_in};
+use crate::autograd::mode::NoGradGuard;
+use crate::autograd::node::{Edge, Node};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Which grads the walk collects.
+pub(crate) enum Wanted<'a> {
+    /// Every leaf that requires grad, and non-leaves marked with `retain_grad` (backward()).
+    AllLeaves,
+    /// Only these tensors, leaves or not (backward(inputs=...), autograd::grad).
+    Listed(&'a [Tensor]),
+}
+
+/// How computed grads are installed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Install {
+    /// `accumulate_grad` into a fresh buffer, swapped under the slot's handle (S-2).
+    Swap,
+    /// Added into the slot's grad in place (S-3).
+    InPlace,
+}
+
+fn node_key(node: &Arc<Node>) -> usize {
+    Arc::as_ptr(node) as usize
+}
+
+fn tensor_key(t: &Tensor) -> usize {
+    Arc::as_ptr(&t.inner) as usize
+}
+
+/// Adds `grad` to the engine-owned sum under `key`.
+fn add_to(sums: &mut HashMap<usize, Tensor>, key: usize, grad: Tensor) -> Result<()> {
+    let sum = match sums.remove(&key) {
+        Some(previous) => previous.add(&grad)?,
+        None => grad,
+    };
+    sums.insert(key, sum);
+    Ok(())
+}
+
+/// Stage one: the grads of the wanted tensors with respect to `roots` (seeded with
+/// `root_grads`). Returns `(tensor, grad)` pairs, one per wanted tensor that the roots reach.
+/// Reads and writes no grad slot.
+pub(crate) fn compute(
+    roots: &[Tensor],
+    root_grads: &[Tensor],
+    wanted: Wanted,
+    retain_graph: bool,
+) -> Result<Vec<(Tensor, Tensor)>> {
+    let _no_grad = NoGradGuard::new();
+    let listed_leaves: HashSet<usize>;
+    let listed_nodes: HashSet<usize>;
+    match &wanted {
+        Wanted::AllLeaves => {
+            listed_leaves = HashSet::new();
+            listed_nodes = HashSet::new();
+        }
+        Wanted::Listed(tensors) => {
+            listed_leaves = tensors
+                .iter()
+                .filter(|t| t.is_leaf())
+                .map(tensor_key)
+                .collect();
+            listed_nodes = tensors
+                .iter()
+                .filter_map(|t| t.grad_fn())
+                .map(|n| node_key(&n))
+                .collect();
+        }
+    }
+    let wants_leaf = |leaf: &Tensor| match wanted {
+        Wanted::AllLeaves => true,
+        Wanted::Listed(_) => listed_leaves.contains(&tensor_key(leaf)),
+    };
+
+    // Every node the roots reach, in an order where each node comes after all its parents'
+    // discovery (a DFS postorder, reversed later).
+    let mut nodes: HashMap<usize, Arc<Node>> = HashMap::new();
+    let mut postorder: Vec<Arc<Node>> = Vec::new();
+    let mut stack: Vec<(Arc<Node>, usize)> = Vec::new();
+    for root in roots {
+        if let Some(node) = root.grad_fn() {
+            if nodes.insert(node_key(&node), node.clone()).is_none() {
+                stack.push((node, 0));
+            }
+        }
+    }
+    while let Some((node, next_edge)) = stack.pop() {
+        if next_edge < node.edges.len() {
+            stack.push((node.clone(), next_edge + 1));
+            if let Some(Edge::Node(child)) = &node.edges[next_edge] {
+                if nodes.insert(node_key(child), child.clone()).is_none() {
+                    stack.push((child.clone(), 0));
+                }
+            }
+        } else {
+            postorder.push(node);
+        }
+    }
+
+    // A node runs its backward rule when some edge leads (directly or through other nodes) to
+    // a wanted tensor; it needs its grad when it runs or is itself wanted (S-5).
+    let mut runs: HashSet<usize> = HashSet::new();
+    for node in &postorder {
+        let leads_to_wanted = node.edges.iter().flatten().any(|edge| match edge {
+            Edge::Leaf(leaf) => wants_leaf(leaf),
+            Edge::Node(child) => {
+                runs.contains(&node_key(child)) || listed_nodes.contains(&node_key(child))
+            }
+        });
+        if leads_to_wanted {
+            runs.insert(node_key(node));
+        }
+    }
+    let needed = |key: usize| runs.contains(&key) || listed_nodes.contains(&key);
+
+    // Refuse before anything runs if a node that must run was freed (S-10).
+    for node in &postorder {
+        if runs.contains(&node_key(node))
+            && node.backward.lock().map(|b| b.is_none()).unwrap_or(true)
+        {
+            return Err(Error::InvalidArgument {
+                op: "backward",
+                msg: format!(
+                    "trying to backward through the graph a second time (through {}), but its saved \
+                     tensors were already freed; graph already freed; pass retain_graph: true to the \
+                     first backward",
+                    node.name
+                ),
+            });
+        }
+    }
+
+    // Dependency counts: how many edges from running nodes still owe each node a grad.
+    let mut pending: HashMap<usize, usize> = HashMap::new();
+    for node in &postorder {
+        if !runs.contains(&node_key(node)) {
+            continue;
+        }
+        for edge in node.edges.iter().flatten() {
+            if let Edge::Node(child) = edge {
+                if needed(node_key(child)) {
+                    *pending.entry(node_key(child)).or_default() += 1;
+                }
+            }
+        }
+    }
+
+    let mut node_grads: HashMap<usize, Tensor> = HashMap::new();
+    let mut leaf_grads: HashMap<usize, Tensor> = HashMap::new();
+    let mut leaf_handles: HashMap<usize, Tensor> = HashMap::new();
+    let mut results: Vec<(Tensor, Tensor)> = Vec::new();
+    for (root, grad) in roots.iter().zip(root_grads) {
+        match root.grad_fn() {
+            Some(node) => add_to(&mut node_grads, node_key(&node), grad.clone())?,
+            None if wants_leaf(root) => {
+                leaf_handles.insert(tensor_key(root), root.clone());
+                add_to(&mut leaf_grads, tensor_key(root), grad.clone())?;
+            }
+            None => {}
+        }
+    }
+    let mut ready: Vec<Arc<Node>> = Vec::new();
+    for root in roots {
+        if let Some(node) = root.grad_fn() {
+            let key = node_key(&node);
+            if needed(key)
+                && pending.get(&key).copied().unwrap_or(0) == 0
+                && !ready.iter().any(|n| node_key(n) == key)
+            {
+                ready.push(node);
+            }
+        }
+    }
+
+    while let Some(node) = ready.pop() {
+        let key = node_key(&node);
+        let Some(grad) = node_grads.remove(&key) else {
+            continue;
+        };
+        if let Some(output) = node.output.upgrade() {
+            let output = Tensor { inner: output };
+            let retained = matches!(wanted, Wanted::AllLeaves) && output.meta().retains_grad;
+            if retained || listed_nodes.contains(&key) {
+                results.push((output, grad.clone()));
+            }
+        }
+        if !runs.contains(&key) {
+            continue;
+        }
+        let input_grads = {
+            let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
+            let backward = slot.as_ref().expect("checked before the walk");
+            let grads = backward(&grad)?;
+            if !retain_graph {
+                *slot = None;
+            }
+            grads
+        };
+        for (edge, input_grad) in node.edges.iter().zip(input_grads) {
+            let (Some(edge), Some(input_grad)) = (edge, input_grad) else {
+                continue;
+            };
+            match edge {
+                Edge::Leaf(leaf) => {
+                    if wants_leaf(leaf) {
+                        leaf_handles.insert(tensor_key(leaf), leaf.clone());
+                        add_to(&mut leaf_grads, tensor_key(leaf), input_grad)?;
+                    }
+                }
+                Edge::Node(child) => {
+                    let child_key = node_key(child);
+                    if !needed(child_key) {
+                        continue;
+                    }
+                    add_to(&mut node_grads, child_key, input_grad)?;
+                    let left = pending.get_mut(&child_key).expect("counted");
+                    *left -= 1;
+                    if *left == 0 {
+                        ready.push(child.clone());
+                    }
+                }
+            }
+        }
+    }
+    for (key, grad) in leaf_grads {
+        results.push((
+            leaf_handles.remove(&key).expect("recorded with its grad"),
+            grad,
+        ));
+    }
+    Ok(results)
+}
+
+/// Stage two: installs each computed grad into its tensor's slot.
+pub(crate) fn apply(grads: Vec<(Tensor, Tensor)>, install: Install) -> Result<()> {
+    let _no_grad = NoGradGuard::new();
+    // Compute every new grad first, so a failure leaves every slot as it was.
+    let mut staged: Vec<(Tensor, Option<Tensor>, Tensor)> = Vec::new();
+    for (target, grad) in grads {
+        let current = target.grad();
+        let value = match (install, &current) {
+            (Install::Swap, _) | (Install::InPlace, None) => {
+                accumulate_grad(current.as_ref(), &grad)?
+            }
+            (Install::InPlace, Some(_)) => grad,
+        };
+        staged.push((target, current, value));
+    }
+    for (target, current, value) in staged {
+        match (current, install) {
+            (None, _) => target.meta().grad = Some(value),
+            (Some(slot_grad), Install::Swap) => swap_in(&slot_grad, value)?,
+            (Some(slot_grad), Install::InPlace) => add_into(&slot_grad, &value)?,
+        }
+    }
+    Ok(())
+}
