@@ -267,3 +267,41 @@ fn deep_clone_copies_values_into_storage_that_aliases_nothing() {
     }
     assert_eq!(t.deep_clone().unwrap().to_vec().unwrap(), data);
 }
+
+#[test]
+fn copy_writes_in_place_into_every_alias() {
+    let (t, _) = random_tensor(&[2, 3], 8);
+    let alias = t.t().unwrap();
+    let id = t.storage_id();
+    t.copy_(
+        &Tensor::arange(6, device())
+            .unwrap()
+            .reshape(&[2, 3])
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(t.storage_id(), id);
+    assert_eq!(t.to_vec().unwrap(), vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    assert_eq!(alias.to_vec().unwrap(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+    alias
+        .copy_(&t.t().unwrap().mul_scalar(2.0).unwrap())
+        .unwrap();
+    assert_eq!(t.to_vec().unwrap(), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+}
+
+#[test]
+fn copy_checks_shape_and_refuses_leaves_that_require_grad() {
+    let t = Tensor::zeros(&[2], device()).unwrap();
+    let err = t
+        .copy_(&Tensor::zeros(&[3], device()).unwrap())
+        .unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "copy_", .. }), "{err:?}");
+    let p = Tensor::zeros(&[2], device()).unwrap().requires_grad_(true);
+    let ones = Tensor::ones(&[2], device()).unwrap();
+    assert!(matches!(
+        p.copy_(&ones).unwrap_err(),
+        Error::InvalidArgument { op: "copy_", .. }
+    ));
+    wgrad::no_grad(|| p.copy_(&ones)).unwrap();
+    assert_eq!(p.to_vec().unwrap(), vec![1.0, 1.0]);
+}

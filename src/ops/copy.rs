@@ -124,6 +124,50 @@ impl Tensor {
         Ok(record_identity(OP, out, self))
     }
 
+    /// Writes `src`'s values into this tensor's own storage, in place (PyTorch's `copy_`):
+    /// every tensor sharing the storage sees them. Not recorded by autograd, so a leaf that
+    /// requires grad may be written only under `no_grad` (as an optimizer step does).
+    pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        const OP: &str = "copy_";
+        self.expect_same_device(OP, src)?;
+        src.expect_dtype(OP, self.dtype())?;
+        if src.shape() != self.shape() {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "cannot copy a tensor of shape {:?} into one of shape {:?}",
+                    src.shape(),
+                    self.shape()
+                ),
+            });
+        }
+        if self.requires_grad() && crate::autograd::is_grad_enabled() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!(
+                    "the tensor of shape {:?} requires grad; write into it under wgrad::no_grad",
+                    self.shape()
+                ),
+            });
+        }
+        if self.layout().overlaps() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!(
+                    "cannot write into a broadcast view of shape {:?}",
+                    self.shape()
+                ),
+            });
+        }
+        // One dispatch may not read and write the same buffer through two bindings.
+        let src = if src.storage_id() == self.storage_id() {
+            src.deep_clone()?
+        } else {
+            src.clone()
+        };
+        copy_into(OP, &src, self, self.layout())
+    }
+
     /// Concatenates tensors of one dtype along `dim`; all other dims must agree.
     pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
         const OP: &str = "cat";
