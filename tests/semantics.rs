@@ -553,7 +553,7 @@ fn c18_autograd_grad_returns_the_grad_and_touches_no_slot() {
     w.set_grad(Some(g.clone())).unwrap();
     let storage = g.storage_id();
     let loss = w.mul(&w).unwrap().sum().unwrap();
-    let grads = autograd::grad(&[loss], &[w.clone()], None, false).unwrap();
+    let grads = autograd::grad(&[loss], std::slice::from_ref(&w), None, false).unwrap();
     assert_eq!(values(grads[0].as_ref().unwrap()), vec![2.0, -4.0, 6.0]);
     let slot = w.grad().unwrap();
     assert!(Tensor::same(&slot, &g));
