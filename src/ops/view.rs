@@ -92,7 +92,7 @@ impl Tensor {
             .map_or(1, |&s| s * layout.shape[dim]);
         layout.shape.insert(dim, 1);
         layout.strides.insert(dim, stride);
-        Ok(self.view(layout))
+        Ok(record_reshape("unsqueeze", self.view(layout), self))
     }
 
     /// Removes dim `dim`, which must have size 1 (a view).

@@ -61,3 +61,79 @@ pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
     }
     idx
 }
+
+/// Compares the backward of `f` with central finite differences at `inputs` (shape, values).
+/// The loss is `sum(f(inputs) * r)` for fixed random `r`, so every output element's grad
+/// differs. Panics with the op, input and element on a mismatch beyond `2e-2 * |numeric| +
+/// 2e-3`. Keep inputs away from kinks (relu at 0, ties in max).
+pub fn gradcheck(
+    name: &str,
+    inputs: &[(Vec<usize>, Vec<f32>)],
+    f: impl Fn(&[Tensor]) -> wgrad::Result<Tensor>,
+) {
+    let dev = device();
+    let make = |values: &[Vec<f32>], grad: bool| -> Vec<Tensor> {
+        inputs
+            .iter()
+            .zip(values)
+            .map(|((shape, _), v)| {
+                Tensor::from_slice(v, shape, dev)
+                    .unwrap()
+                    .requires_grad_(grad)
+            })
+            .collect()
+    };
+    let base: Vec<Vec<f32>> = inputs.iter().map(|(_, v)| v.clone()).collect();
+    let leaves = make(&base, true);
+    let out = f(&leaves).unwrap_or_else(|e| panic!("{name}: forward failed: {e}"));
+    let r_values = random_vec(out.numel(), 99);
+    let r = Tensor::from_slice(&r_values, out.shape(), dev).unwrap();
+    out.mul(&r)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap_or_else(|e| panic!("{name}: backward failed: {e}"));
+    let loss_at = |values: &[Vec<f32>]| -> f64 {
+        let out = wgrad::no_grad(|| f(&make(values, false))).unwrap();
+        out.to_vec()
+            .unwrap()
+            .iter()
+            .zip(&r_values)
+            .map(|(&o, &w)| o as f64 * w as f64)
+            .sum()
+    };
+    let eps = 1e-2f32;
+    for (i, leaf) in leaves.iter().enumerate() {
+        let analytic = leaf
+            .grad()
+            .unwrap_or_else(|| panic!("{name}: input {i} got no grad"))
+            .to_vec()
+            .unwrap();
+        assert_eq!(
+            analytic.len(),
+            base[i].len(),
+            "{name}: input {i} grad length"
+        );
+        for j in 0..base[i].len() {
+            let mut plus = base.clone();
+            plus[i][j] += eps;
+            let mut minus = base.clone();
+            minus[i][j] -= eps;
+            let numeric = (loss_at(&plus) - loss_at(&minus)) / (2.0 * eps as f64);
+            let a = analytic[j] as f64;
+            assert!(
+                (a - numeric).abs() <= 2e-2 * numeric.abs() + 2e-3,
+                "{name}: input {i} element {j}: analytic {a}, numeric {numeric}"
+            );
+        }
+    }
+}
+
+/// `n` values in [lo, hi), deterministic from `seed`.
+pub fn values_in(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
+    random_vec(n, seed)
+        .iter()
+        .map(|x| lo + (x + 1.0) * 0.5 * (hi - lo))
+        .collect()
+}
