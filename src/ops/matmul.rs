@@ -225,6 +225,14 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             })
         }
     };
+    // A narrow product wastes most of register_tiled's 256-column tiles: compute
+    // out^T = b^T a^T instead, which lays the long side along the tiles' columns, and return
+    // its transpose (a view).
+    if this.device().matmul_kernel() == MatmulKernel::RegisterTiled && n < 64 && m > n {
+        let out_t = matmul_forward(&transposed(&b)?, &transposed(&a)?)?;
+        let mut out_shape = [batch.as_slice(), &[m, n]].concat();
+        return finish(transposed(&out_t)?, this, other, &mut out_shape);
+    }
     let a = a.expand(&[batch.as_slice(), &[m, k]].concat())?;
     let b = b.expand(&[batch.as_slice(), &[k, n]].concat())?;
     // Batch dims that do not merge into one stride are made dense.
