@@ -346,3 +346,22 @@ fn unary_ops_on_contiguous_slices_at_any_offset() {
         );
     }
 }
+
+#[test]
+fn a_row_broadcast_on_either_side_at_any_offset_matches_reference() {
+    let (x, dx) = random_tensor(&[3, 8], 5);
+    let (bias, db) = random_tensor(&[12], 6);
+    for start in [0, 1, 4] {
+        let b = bias.narrow(0, start, 8).unwrap();
+        let got = x.add(&b).unwrap().to_vec().unwrap();
+        let want: Vec<f64> = (0..24)
+            .map(|i| dx[i] as f64 + db[start + i % 8] as f64)
+            .collect();
+        assert_close(&got, &want, 1e-7, &format!("x + bias[{start}..]"));
+        let got = b.sub(&x).unwrap().to_vec().unwrap();
+        let want: Vec<f64> = (0..24)
+            .map(|i| db[start + i % 8] as f64 - dx[i] as f64)
+            .collect();
+        assert_close(&got, &want, 1e-7, &format!("bias[{start}..] - x"));
+    }
+}
