@@ -1,6 +1,6 @@
 //! What a user runs first: `cargo run --release --example train`.
 //!
-//! Until autograd lands this is a forward-only demo, and says so: it builds a 784-512-512-10
+//! Until nn and optim land this is a forward-only demo, and says so: it builds a 784-512-512-10
 //! MLP with random weights, runs its forward pass and cross-entropy on a synthetic batch on the
 //! best adapter, and reports timings. It does not train.
 
@@ -73,6 +73,6 @@ fn run() -> Result<()> {
         stats.submits,
         stats.dispatches
     );
-    println!("this demo runs the forward pass only; training arrives with autograd");
+    println!("this demo runs the forward pass only; training arrives with nn and optim");
     Ok(())
 }
