@@ -19,9 +19,12 @@ mod device;
 mod error;
 pub mod nn;
 mod ops;
+pub mod optim;
+mod seed;
 mod tensor;
 
 pub use autograd::{no_grad, BackwardOptions};
 pub use device::{Device, DeviceInfo, DeviceStats, MatmulKernel};
 pub use error::{Error, Result};
+pub use seed::manual_seed;
 pub use tensor::{DType, Tensor};

@@ -1,3 +1,55 @@
-//! Neural-network building blocks.
+//! Neural-network building blocks: the [`Module`] trait, layers, activations and losses.
 
+mod activation;
+mod dropout;
+mod embedding;
+mod layer_norm;
+mod linear;
 pub mod loss;
+mod sequential;
+
+pub use activation::{Gelu, Relu, Tanh};
+pub use dropout::Dropout;
+pub use embedding::Embedding;
+pub use layer_norm::LayerNorm;
+pub use linear::Linear;
+pub use sequential::Sequential;
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// A layer or model: a forward function and the parameters it trains.
+///
+/// `parameters()` returns handles to the parameters themselves (an optimizer updating them
+/// updates the module), in a fixed order; `named_parameters()` pairs them with the dotted
+/// names checkpoints use (`"0.weight"` for the first layer of a [`Sequential`]).
+pub trait Module: Send + Sync {
+    /// Applies the module.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Parameters with their names, in a fixed order (weight before bias).
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
+
+    /// The parameters, in the order of [`Module::named_parameters`].
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
+    }
+
+    /// Switches training-only behaviour (dropout) on or off, here and in every child module.
+    fn set_training(&self, _training: bool) {}
+
+    /// Training mode (the default): dropout is active.
+    fn train(&self) {
+        self.set_training(true);
+    }
+
+    /// Evaluation mode: dropout passes its input through.
+    fn eval(&self) {
+        self.set_training(false);
+    }
+}

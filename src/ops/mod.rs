@@ -83,6 +83,7 @@ pub(crate) fn all_kernel_sources() -> Vec<(String, String)> {
     all.extend(softmax::kernel_sources());
     all.extend(index::kernel_sources());
     all.extend(crate::autograd::kernel_sources());
+    all.extend(crate::optim::kernel_sources());
     all
 }
 

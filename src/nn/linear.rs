@@ -1,0 +1,76 @@
+//! `Linear`: `x W^T + b`, with PyTorch's default initialisation.
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::nn::Module;
+use crate::seed::next_seed;
+use crate::tensor::Tensor;
+
+/// A fully connected layer: `y = x W^T + b`, weight `[out, in]`, bias `[out]`.
+///
+/// Initialised as PyTorch does (Kaiming-uniform with `a = sqrt(5)`): weight and bias uniform in
+/// `[-1/sqrt(in), 1/sqrt(in)]`, from the global seed ([`crate::manual_seed`]).
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::{nn::{self, Module}, Device, Tensor};
+/// let dev = Device::new()?;
+/// let lin = nn::Linear::new(4, 2, true, &dev)?;
+/// let y = lin.forward(&Tensor::ones(&[3, 4], &dev)?)?;
+/// assert_eq!(y.shape(), &[3, 2]);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Linear {
+    /// `[out, in]`.
+    pub weight: Tensor,
+    /// `[out]`, when the layer has one.
+    pub bias: Option<Tensor>,
+}
+
+/// Uniform values in `[-bound, bound)` from the global seed, as a parameter.
+fn uniform_parameter(shape: &[usize], bound: f32, device: &Device) -> Result<Tensor> {
+    let unit = Tensor::rand(shape, next_seed(), device)?;
+    Ok(crate::no_grad(|| unit.mul_scalar(2.0 * bound)?.sub_scalar(bound))?.requires_grad_(true))
+}
+
+impl Linear {
+    /// A layer from `in_features` to `out_features`, with a bias when `bias`.
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        device: &Device,
+    ) -> Result<Linear> {
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Linear::new",
+                msg: format!("needs positive sizes, got {in_features} -> {out_features}"),
+            });
+        }
+        let bound = 1.0 / (in_features as f32).sqrt();
+        let weight = uniform_parameter(&[out_features, in_features], bound, device)?;
+        let bias = if bias {
+            Some(uniform_parameter(&[out_features], bound, device)?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.weight.t()?)?;
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut params = vec![("weight".to_string(), self.weight.clone())];
+        params.extend(self.bias.iter().map(|b| ("bias".to_string(), b.clone())));
+        params
+    }
+}

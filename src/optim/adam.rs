@@ -1,0 +1,138 @@
+//! Adam and AdamW.
+
+use crate::error::Result;
+use crate::optim::{check_hyper, run_update, zero_grads, Optimizer};
+use crate::tensor::Tensor;
+
+/// Adam's and AdamW's hyperparameters, with PyTorch's meanings and Adam's defaults. PyTorch's
+/// AdamW defaults to `weight_decay: 0.01`; here it is whatever the config says.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamConfig {
+    /// Learning rate.
+    pub lr: f32,
+    /// Decay rates of the first and second moment estimates.
+    pub betas: (f32, f32),
+    /// Added to the denominator for stability.
+    pub eps: f32,
+    /// Adam: L2 penalty added to the grad. AdamW: decoupled decay of the parameter.
+    pub weight_decay: f32,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// The state both optimizers share: moments per parameter and the step count.
+struct AdamState {
+    params: Vec<Tensor>,
+    config: AdamConfig,
+    moments: Vec<Option<(Tensor, Tensor)>>,
+    steps: u64,
+}
+
+impl AdamState {
+    fn new(params: Vec<Tensor>, config: AdamConfig) -> AdamState {
+        let moments = params.iter().map(|_| None).collect();
+        AdamState {
+            params,
+            config,
+            moments,
+            steps: 0,
+        }
+    }
+
+    fn step(&mut self, op: &'static str, decoupled: bool) -> Result<()> {
+        let c = self.config;
+        check_hyper(op, "lr", c.lr, true)?;
+        check_hyper(op, "eps", c.eps, false)?;
+        check_hyper(op, "weight_decay", c.weight_decay, false)?;
+        for beta in [c.betas.0, c.betas.1] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(crate::Error::InvalidArgument {
+                    op,
+                    msg: format!("betas must be in [0, 1), got {:?}", c.betas),
+                });
+            }
+        }
+        self.steps += 1;
+        let t = self.steps as i32;
+        let correction1 = 1.0 - (c.betas.0 as f64).powi(t);
+        let correction2 = 1.0 - (c.betas.1 as f64).powi(t);
+        for (param, moments) in self.params.iter().zip(&mut self.moments) {
+            let Some(grad) = param.grad() else { continue };
+            let (m, v) = match moments {
+                Some(state) => state.clone(),
+                None => (
+                    Tensor::zeros(param.shape(), param.device())?,
+                    Tensor::zeros(param.shape(), param.device())?,
+                ),
+            };
+            let params = [
+                param.numel() as u32,
+                c.lr.to_bits(),
+                c.weight_decay.to_bits(),
+                c.betas.0.to_bits(),
+                c.betas.1.to_bits(),
+                c.eps.to_bits(),
+                (correction1 as f32).to_bits(),
+                (correction2 as f32).to_bits(),
+                (decoupled as u32) << 2,
+            ];
+            run_update(op, "adam", param, &grad, &[&m, &v], &params)?;
+            *moments = Some((m, v));
+        }
+        Ok(())
+    }
+}
+
+/// Adam as `torch.optim.Adam` (weight decay as an L2 term in the grad).
+pub struct Adam(AdamState);
+
+/// AdamW as `torch.optim.AdamW` (weight decay applied to the parameter, decoupled).
+pub struct AdamW(AdamState);
+
+impl Adam {
+    /// Adam over `params` (handles to the parameters themselves).
+    pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Adam {
+        Adam(AdamState::new(params, config))
+    }
+}
+
+impl AdamW {
+    /// AdamW over `params` (handles to the parameters themselves).
+    pub fn new(params: Vec<Tensor>, config: AdamConfig) -> AdamW {
+        AdamW(AdamState::new(params, config))
+    }
+}
+
+macro_rules! impl_optimizer {
+    ($ty:ident, $op:literal, $decoupled:literal) => {
+        impl Optimizer for $ty {
+            fn step(&mut self) -> Result<()> {
+                self.0.step($op, $decoupled)
+            }
+
+            fn zero_grad(&mut self) {
+                zero_grads(&self.0.params);
+            }
+
+            fn lr(&self) -> f32 {
+                self.0.config.lr
+            }
+
+            fn set_lr(&mut self, lr: f32) {
+                self.0.config.lr = lr;
+            }
+        }
+    };
+}
+
+impl_optimizer!(Adam, "Adam::step", false);
+impl_optimizer!(AdamW, "AdamW::step", true);

@@ -1,0 +1,42 @@
+//! Gradient clipping by global norm, on the device (no readback).
+
+use crate::autograd::NoGradGuard;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Scales the grads of `params` in place so that their global L2 norm is at most `max_norm`
+/// (as `torch.nn.utils.clip_grad_norm_`: by `min(1, max_norm / (norm + 1e-6))`), and returns
+/// the norm before clipping as a 0-dim tensor. Parameters without a grad are skipped.
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f32) -> Result<Tensor> {
+    const OP: &str = "clip_grad_norm";
+    if !max_norm.is_finite() || max_norm <= 0.0 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!("max_norm must be finite and positive, got {max_norm}"),
+        });
+    }
+    let _no_grad = NoGradGuard::new();
+    let grads: Vec<Tensor> = params.iter().filter_map(|p| p.grad()).collect();
+    let Some(first) = grads.first() else {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: "no parameter has a grad".into(),
+        });
+    };
+    let mut total = Tensor::zeros(&[], first.device())?;
+    for g in &grads {
+        total = total.add(&g.mul(g)?.sum()?)?;
+    }
+    let norm = total.sqrt()?;
+    // 1 / max(1, (norm + 1e-6) / max_norm) = min(1, max_norm / (norm + 1e-6))
+    let one = Tensor::ones(&[], first.device())?;
+    let coef = norm
+        .add_scalar(1e-6)?
+        .div_scalar(max_norm)?
+        .maximum(&one)?
+        .powf(-1.0)?;
+    for g in &grads {
+        g.copy_(&g.mul(&coef)?)?;
+    }
+    Ok(norm)
+}

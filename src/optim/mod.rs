@@ -1,0 +1,118 @@
+//! Optimizers that update parameters in place, one fused WGSL kernel per parameter per step
+//! (`shaders/optim.wgsl`), with their state on the device; gradient clipping; LR schedules.
+
+mod adam;
+mod clip;
+mod schedule;
+mod sgd;
+
+pub use adam::{Adam, AdamConfig, AdamW};
+pub use clip::clip_grad_norm;
+pub use schedule::{CosineLr, LrSchedule, StepLr};
+pub use sgd::{Sgd, SgdConfig};
+
+use crate::device::Kernel;
+use crate::error::{Error, Result};
+use crate::ops::{dispatch_at, groups, module_source, CONTIGUOUS_PER_GROUP};
+use crate::tensor::Tensor;
+
+const OPTIM_WGSL: &str = include_str!("../../shaders/optim.wgsl");
+
+fn source() -> String {
+    module_source(OPTIM_WGSL, &[])
+}
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("optim".into(), source())]
+}
+
+/// An optimizer: `step()` updates every parameter that has a grad, in place (the parameters'
+/// storage never changes); `zero_grad()` empties their grad slots.
+pub trait Optimizer {
+    /// One update of every parameter that has a grad.
+    fn step(&mut self) -> Result<()>;
+
+    /// Sets every parameter's grad slot to `None`.
+    fn zero_grad(&mut self);
+
+    /// The learning rate the next step uses.
+    fn lr(&self) -> f32;
+
+    /// Changes the learning rate (for schedules).
+    fn set_lr(&mut self, lr: f32);
+}
+
+fn zero_grads(params: &[Tensor]) {
+    for p in params {
+        p.zero_grad();
+    }
+}
+
+/// Errors unless `value` is finite (and positive where `positive`), naming the optimizer.
+fn check_hyper(op: &'static str, name: &str, value: f32, positive: bool) -> Result<()> {
+    if !value.is_finite() || (positive && value <= 0.0) || value < 0.0 {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!(
+                "{name} must be finite{}, got {value}",
+                if positive {
+                    " and positive"
+                } else {
+                    " and >= 0"
+                }
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Runs one fused update `entry` on `param` (and its state tensors, bound at 3 and 4).
+fn run_update(
+    op: &'static str,
+    entry: &'static str,
+    param: &Tensor,
+    grad: &Tensor,
+    state: &[&Tensor],
+    params: &[u32],
+) -> Result<()> {
+    if !param.is_contiguous() || param.layout().offset != 0 {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!(
+                "parameter of shape {:?} must own its contiguous storage",
+                param.shape()
+            ),
+        });
+    }
+    if grad.shape() != param.shape() {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "grad of shape {:?} for a parameter of shape {:?}",
+                grad.shape(),
+                param.shape()
+            ),
+        });
+    }
+    let n = param.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let grad = grad.contiguous()?;
+    let mut bindings = vec![(1, param), (2, &grad)];
+    bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
+    let key = format!("optim:{entry}");
+    let kernel = Kernel {
+        key: &key,
+        entry,
+        source: &source,
+    };
+    dispatch_at(
+        op,
+        &kernel,
+        &bindings,
+        params,
+        groups(n, CONTIGUOUS_PER_GROUP),
+    )
+}

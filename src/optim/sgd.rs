@@ -1,0 +1,100 @@
+//! Stochastic gradient descent with momentum, Nesterov momentum and weight decay.
+
+use crate::error::Result;
+use crate::optim::{check_hyper, run_update, zero_grads, Optimizer};
+use crate::tensor::Tensor;
+
+/// `Sgd`'s hyperparameters, with PyTorch's meanings and defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct SgdConfig {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum factor (0: plain SGD).
+    pub momentum: f32,
+    /// Dampening for momentum.
+    pub dampening: f32,
+    /// Nesterov momentum (needs momentum > 0 and dampening 0).
+    pub nesterov: bool,
+    /// L2 penalty added to the grad.
+    pub weight_decay: f32,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig {
+            lr: 1e-2,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// SGD as `torch.optim.SGD`.
+pub struct Sgd {
+    params: Vec<Tensor>,
+    config: SgdConfig,
+    momentum_buffers: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    /// SGD over `params` (handles to the parameters themselves).
+    pub fn new(params: Vec<Tensor>, config: SgdConfig) -> Sgd {
+        let momentum_buffers = params.iter().map(|_| None).collect();
+        Sgd {
+            params,
+            config,
+            momentum_buffers,
+        }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        const OP: &str = "Sgd::step";
+        let c = self.config;
+        check_hyper(OP, "lr", c.lr, true)?;
+        check_hyper(OP, "momentum", c.momentum, false)?;
+        check_hyper(OP, "weight_decay", c.weight_decay, false)?;
+        for (param, buffer) in self.params.iter().zip(&mut self.momentum_buffers) {
+            let Some(grad) = param.grad() else { continue };
+            let first = buffer.is_none();
+            let flags = c.nesterov as u32 | (first as u32) << 1;
+            let params = [
+                param.numel() as u32,
+                c.lr.to_bits(),
+                c.weight_decay.to_bits(),
+                c.momentum.to_bits(),
+                c.dampening.to_bits(),
+                0,
+                0,
+                0,
+                flags,
+            ];
+            if c.momentum == 0.0 {
+                run_update(OP, "sgd", param, &grad, &[], &params)?;
+                continue;
+            }
+            let state = match buffer {
+                Some(state) => state.clone(),
+                None => Tensor::zeros(param.shape(), param.device())?,
+            };
+            run_update(OP, "sgd_momentum", param, &grad, &[&state], &params)?;
+            *buffer = Some(state);
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) {
+        zero_grads(&self.params);
+    }
+
+    fn lr(&self) -> f32 {
+        self.config.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.config.lr = lr;
+    }
+}

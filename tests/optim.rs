@@ -1,0 +1,374 @@
+//! Optimizers against a CPU reference: five steps of SGD with momentum (and Nesterov, weight
+//! decay), Adam and AdamW on a small MLP match the same model and optimizer written here in
+//! f64, to 1e-4.
+
+mod common;
+use common::*;
+use wgrad::nn::{self, Module};
+use wgrad::optim::{self, LrSchedule, Optimizer};
+use wgrad::{Error, Tensor};
+
+const N: usize = 6;
+const IN: usize = 4;
+const HIDDEN: usize = 8;
+const OUT: usize = 3;
+const LABELS: [u32; N] = [0, 2, 1, 1, 0, 2];
+
+/// The MLP's parameters on the host: w1 [HIDDEN, IN], b1, w2 [OUT, HIDDEN], b2.
+type Params = [Vec<f64>; 4];
+
+/// Loss grads of the MLP `tanh(x W1^T + b1) W2^T + b2` under mean cross-entropy, in f64.
+fn cpu_grads(p: &Params, x: &[f64]) -> Params {
+    let (w1, b1, w2, b2) = (&p[0], &p[1], &p[2], &p[3]);
+    let mut g = [
+        vec![0.0; HIDDEN * IN],
+        vec![0.0; HIDDEN],
+        vec![0.0; OUT * HIDDEN],
+        vec![0.0; OUT],
+    ];
+    for r in 0..N {
+        let h: Vec<f64> = (0..HIDDEN)
+            .map(|j| (b1[j] + (0..IN).map(|k| x[r * IN + k] * w1[j * IN + k]).sum::<f64>()).tanh())
+            .collect();
+        let logits: Vec<f64> = (0..OUT)
+            .map(|o| b2[o] + (0..HIDDEN).map(|j| h[j] * w2[o * HIDDEN + j]).sum::<f64>())
+            .collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        let dlogits: Vec<f64> = (0..OUT)
+            .map(|o| {
+                ((logits[o] - m).exp() / z - if o == LABELS[r] as usize { 1.0 } else { 0.0 })
+                    / N as f64
+            })
+            .collect();
+        for o in 0..OUT {
+            g[3][o] += dlogits[o];
+            for j in 0..HIDDEN {
+                g[2][o * HIDDEN + j] += dlogits[o] * h[j];
+            }
+        }
+        for j in 0..HIDDEN {
+            let dh: f64 = (0..OUT)
+                .map(|o| dlogits[o] * w2[o * HIDDEN + j])
+                .sum::<f64>()
+                * (1.0 - h[j] * h[j]);
+            g[1][j] += dh;
+            for k in 0..IN {
+                g[0][j * IN + k] += dh * x[r * IN + k];
+            }
+        }
+    }
+    g
+}
+
+/// One optimizer's update rule on the host, with its state.
+trait CpuOptimizer {
+    fn update(&mut self, params: &mut Params, grads: &Params);
+}
+
+struct CpuSgd {
+    lr: f64,
+    momentum: f64,
+    nesterov: bool,
+    weight_decay: f64,
+    buffers: Option<Params>,
+}
+
+impl CpuOptimizer for CpuSgd {
+    fn update(&mut self, params: &mut Params, grads: &Params) {
+        let first = self.buffers.is_none();
+        let buffers = self.buffers.get_or_insert_with(|| grads.clone());
+        for t in 0..4 {
+            for i in 0..params[t].len() {
+                let g = grads[t][i] + self.weight_decay * params[t][i];
+                buffers[t][i] = if first {
+                    g
+                } else {
+                    self.momentum * buffers[t][i] + g
+                };
+                let step = if self.nesterov {
+                    g + self.momentum * buffers[t][i]
+                } else {
+                    buffers[t][i]
+                };
+                params[t][i] -= self.lr * step;
+            }
+        }
+    }
+}
+
+struct CpuAdam {
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    decoupled: bool,
+    moments: Option<(Params, Params)>,
+    steps: i32,
+}
+
+impl CpuOptimizer for CpuAdam {
+    fn update(&mut self, params: &mut Params, grads: &Params) {
+        self.steps += 1;
+        let zeros = || grads.clone().map(|v| vec![0.0; v.len()]);
+        let (m, v) = self.moments.get_or_insert_with(|| (zeros(), zeros()));
+        let (bc1, bc2) = (
+            1.0 - self.betas.0.powi(self.steps),
+            1.0 - self.betas.1.powi(self.steps),
+        );
+        for t in 0..4 {
+            for i in 0..params[t].len() {
+                let mut g = grads[t][i];
+                if self.decoupled {
+                    params[t][i] *= 1.0 - self.lr * self.weight_decay;
+                } else {
+                    g += self.weight_decay * params[t][i];
+                }
+                m[t][i] = self.betas.0 * m[t][i] + (1.0 - self.betas.0) * g;
+                v[t][i] = self.betas.1 * v[t][i] + (1.0 - self.betas.1) * g * g;
+                params[t][i] -= self.lr / bc1 * m[t][i] / (v[t][i].sqrt() / bc2.sqrt() + self.eps);
+            }
+        }
+    }
+}
+
+fn model() -> nn::Sequential {
+    let dev = device();
+    nn::Sequential::new()
+        .add(nn::Linear::new(IN, HIDDEN, true, dev).unwrap())
+        .add(nn::Tanh)
+        .add(nn::Linear::new(HIDDEN, OUT, true, dev).unwrap())
+}
+
+fn host(params: &[Tensor]) -> Params {
+    let v: Vec<Vec<f64>> = params
+        .iter()
+        .map(|p| p.to_vec().unwrap().iter().map(|&x| x as f64).collect())
+        .collect();
+    [v[0].clone(), v[1].clone(), v[2].clone(), v[3].clone()]
+}
+
+/// Five steps on the device and on the host from the same start; the parameters must agree.
+fn five_steps_match(
+    name: &str,
+    make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer>,
+    mut cpu: impl CpuOptimizer,
+) {
+    let net = model();
+    let params = net.parameters();
+    let (x, xs) = random_tensor(&[N, IN], 3);
+    let x64: Vec<f64> = xs.iter().map(|&v| v as f64).collect();
+    let labels = Tensor::from_labels(LABELS.to_vec(), device()).unwrap();
+    let mut reference = host(&params);
+    let mut opt = make(params.clone());
+    for step in 0..5 {
+        opt.zero_grad();
+        nn::loss::cross_entropy(&net.forward(&x).unwrap(), &labels)
+            .unwrap()
+            .backward()
+            .unwrap();
+        opt.step().unwrap();
+        let grads = cpu_grads(&reference, &x64);
+        cpu.update(&mut reference, &grads);
+        for (i, (p, want)) in params.iter().zip(&reference).enumerate() {
+            assert_close(
+                &p.to_vec().unwrap(),
+                want,
+                1e-4,
+                &format!("{name} step {step} param {i}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn sgd_with_momentum_matches_the_cpu_reference() {
+    let config = optim::SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let cpu = CpuSgd {
+        lr: 0.1,
+        momentum: 0.9,
+        nesterov: false,
+        weight_decay: 0.0,
+        buffers: None,
+    };
+    five_steps_match(
+        "sgd momentum",
+        |p| Box::new(optim::Sgd::new(p, config)),
+        cpu,
+    );
+}
+
+#[test]
+fn sgd_with_nesterov_and_weight_decay_matches_the_cpu_reference() {
+    let config = optim::SgdConfig {
+        lr: 0.05,
+        momentum: 0.8,
+        nesterov: true,
+        weight_decay: 0.01,
+        ..Default::default()
+    };
+    let cpu = CpuSgd {
+        lr: 0.05,
+        momentum: 0.8,
+        nesterov: true,
+        weight_decay: 0.01,
+        buffers: None,
+    };
+    five_steps_match(
+        "sgd nesterov",
+        |p| Box::new(optim::Sgd::new(p, config)),
+        cpu,
+    );
+}
+
+#[test]
+fn plain_sgd_matches_the_cpu_reference() {
+    let config = optim::SgdConfig {
+        lr: 0.2,
+        ..Default::default()
+    };
+    let cpu = CpuSgd {
+        lr: 0.2,
+        momentum: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+        buffers: None,
+    };
+    five_steps_match("sgd", |p| Box::new(optim::Sgd::new(p, config)), cpu);
+}
+
+#[test]
+fn adam_matches_the_cpu_reference() {
+    let config = optim::AdamConfig {
+        lr: 0.01,
+        weight_decay: 0.001,
+        ..Default::default()
+    };
+    let cpu = CpuAdam {
+        lr: 0.01,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.001,
+        decoupled: false,
+        moments: None,
+        steps: 0,
+    };
+    five_steps_match("adam", |p| Box::new(optim::Adam::new(p, config)), cpu);
+}
+
+#[test]
+fn adamw_matches_the_cpu_reference() {
+    let config = optim::AdamConfig {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let cpu = CpuAdam {
+        lr: 0.01,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.1,
+        decoupled: true,
+        moments: None,
+        steps: 0,
+    };
+    five_steps_match("adamw", |p| Box::new(optim::AdamW::new(p, config)), cpu);
+}
+
+#[test]
+fn a_step_updates_parameters_in_place_and_zero_grad_empties_the_slots() {
+    let net = model();
+    let params = net.parameters();
+    let ids: Vec<u64> = params.iter().map(|p| p.storage_id()).collect();
+    let mut opt = optim::Adam::new(params.clone(), optim::AdamConfig::default());
+    let (x, _) = random_tensor(&[N, IN], 4);
+    let before = params[0].to_vec().unwrap();
+    net.forward(&x).unwrap().sum().unwrap().backward().unwrap();
+    opt.step().unwrap();
+    assert_ne!(params[0].to_vec().unwrap(), before);
+    assert_eq!(
+        params.iter().map(|p| p.storage_id()).collect::<Vec<_>>(),
+        ids,
+        "storage never changes"
+    );
+    assert!(Tensor::same(&net.parameters()[0], &params[0]));
+    opt.zero_grad();
+    assert!(params.iter().all(|p| p.grad().is_none()));
+}
+
+#[test]
+fn a_non_finite_learning_rate_is_an_error_that_leaves_parameters_alone() {
+    let net = model();
+    let params = net.parameters();
+    let (x, _) = random_tensor(&[N, IN], 5);
+    net.forward(&x).unwrap().sum().unwrap().backward().unwrap();
+    let before = params[0].to_vec().unwrap();
+    let mut opt = optim::Sgd::new(
+        params.clone(),
+        optim::SgdConfig {
+            lr: f32::NAN,
+            ..Default::default()
+        },
+    );
+    let err = opt.step().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                op: "Sgd::step",
+                ..
+            }
+        ) && err.to_string().contains("lr"),
+        "{err}"
+    );
+    assert_eq!(params[0].to_vec().unwrap(), before);
+}
+
+#[test]
+fn clip_grad_norm_scales_grads_to_the_max_norm() {
+    let a = Tensor::zeros(&[2], device()).unwrap().requires_grad_(true);
+    let b = Tensor::zeros(&[1], device()).unwrap().requires_grad_(true);
+    a.set_grad(Some(
+        Tensor::from_vec(vec![3.0, 0.0], &[2], device()).unwrap(),
+    ))
+    .unwrap();
+    b.set_grad(Some(Tensor::from_vec(vec![4.0], &[1], device()).unwrap()))
+        .unwrap();
+    let norm = optim::clip_grad_norm(&[a.clone(), b.clone()], 1.0).unwrap();
+    assert!((norm.item().unwrap() - 5.0).abs() < 1e-5);
+    assert_close(&a.grad().unwrap().to_vec().unwrap(), &[0.6, 0.0], 1e-5, "a");
+    assert_close(&b.grad().unwrap().to_vec().unwrap(), &[0.8], 1e-5, "b");
+    // Under the limit, nothing changes.
+    optim::clip_grad_norm(&[a.clone(), b.clone()], 10.0).unwrap();
+    assert_close(
+        &b.grad().unwrap().to_vec().unwrap(),
+        &[0.8],
+        1e-5,
+        "b unchanged",
+    );
+}
+
+#[test]
+fn cosine_and_step_schedules_follow_pytorch() {
+    let cosine = optim::CosineLr {
+        base_lr: 0.1,
+        min_lr: 0.0,
+        total_steps: 10,
+    };
+    assert!((cosine.lr(0) - 0.1).abs() < 1e-7);
+    assert!((cosine.lr(5) - 0.05).abs() < 1e-7);
+    assert!(cosine.lr(10).abs() < 1e-7 && cosine.lr(20).abs() < 1e-7);
+    let step = optim::StepLr {
+        base_lr: 1.0,
+        step_size: 3,
+        gamma: 0.5,
+    };
+    assert_eq!(
+        [step.lr(0), step.lr(2), step.lr(3), step.lr(7)],
+        [1.0, 1.0, 0.5, 0.25]
+    );
+}
