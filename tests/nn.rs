@@ -1,0 +1,254 @@
+//! nn modules: shapes, values against CPU references, initialisation, modes and grads. Tests
+//! that build layers hold `serial()`, since the global seed is shared.
+
+mod common;
+use common::*;
+use std::sync::{Mutex, MutexGuard};
+use wgrad::nn::{self, Module};
+use wgrad::{manual_seed, Error, Tensor};
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[test]
+fn linear_computes_x_w_transpose_plus_b() {
+    let _s = serial();
+    let lin = nn::Linear::new(3, 2, true, device()).unwrap();
+    assert_eq!(lin.weight.shape(), &[2, 3]);
+    let (x, xs) = random_tensor(&[4, 3], 1);
+    let (w, b) = (
+        lin.weight.to_vec().unwrap(),
+        lin.bias.as_ref().unwrap().to_vec().unwrap(),
+    );
+    let want: Vec<f64> = (0..8)
+        .map(|i| {
+            b[i % 2] as f64
+                + (0..3)
+                    .map(|k| xs[(i / 2) * 3 + k] as f64 * w[(i % 2) * 3 + k] as f64)
+                    .sum::<f64>()
+        })
+        .collect();
+    assert_close(
+        &lin.forward(&x).unwrap().to_vec().unwrap(),
+        &want,
+        1e-6,
+        "linear",
+    );
+}
+
+#[test]
+fn linear_init_is_kaiming_uniform_and_repeats_under_manual_seed() {
+    let _s = serial();
+    manual_seed(42);
+    let a = nn::Linear::new(64, 32, true, device()).unwrap();
+    manual_seed(42);
+    let b = nn::Linear::new(64, 32, true, device()).unwrap();
+    let (wa, wb) = (a.weight.to_vec().unwrap(), b.weight.to_vec().unwrap());
+    assert_eq!(wa, wb);
+    let bound = 1.0 / 8.0;
+    assert!(wa.iter().all(|w| w.abs() <= bound), "within 1/sqrt(in)");
+    let spread = wa.iter().map(|w| w.abs()).fold(0.0f32, f32::max);
+    assert!(spread > 0.9 * bound, "uses the whole range: {spread}");
+    assert!(a.weight.requires_grad() && a.weight.is_leaf());
+    let c = nn::Linear::new(64, 32, true, device()).unwrap();
+    assert_ne!(
+        c.weight.to_vec().unwrap(),
+        wa,
+        "the next layer gets the next numbers"
+    );
+}
+
+#[test]
+fn parameters_are_the_handles_themselves_weight_first() {
+    let _s = serial();
+    let lin = nn::Linear::new(2, 2, true, device()).unwrap();
+    let params = lin.parameters();
+    assert!(Tensor::same(&params[0], &lin.weight));
+    assert!(Tensor::same(&params[1], lin.bias.as_ref().unwrap()));
+    assert_eq!(
+        nn::Linear::new(2, 2, false, device())
+            .unwrap()
+            .parameters()
+            .len(),
+        1
+    );
+}
+
+#[test]
+fn sequential_names_parameters_by_position() {
+    let _s = serial();
+    let dev = device();
+    let net = nn::Sequential::new()
+        .add(nn::Linear::new(4, 3, true, dev).unwrap())
+        .add(nn::Relu)
+        .add(nn::Linear::new(3, 2, false, dev).unwrap());
+    let names: Vec<String> = net.named_parameters().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, vec!["0.weight", "0.bias", "2.weight"]);
+    assert_eq!(
+        net.forward(&Tensor::ones(&[5, 4], dev).unwrap())
+            .unwrap()
+            .shape(),
+        &[5, 2]
+    );
+}
+
+#[test]
+fn c15_sequential_of_two_bias_free_linears_matches_a_hand_computed_grad() {
+    let _s = serial();
+    let dev = device();
+    let net = nn::Sequential::new()
+        .add(nn::Linear::new(2, 1, false, dev).unwrap())
+        .add(nn::Linear::new(1, 2, false, dev).unwrap());
+    let x = Tensor::from_vec(vec![1.0, 2.0, -1.0, 0.5], &[2, 2], dev).unwrap();
+    net.forward(&x).unwrap().sum().unwrap().backward().unwrap();
+    let p = net.parameters();
+    let (w1, w2) = (p[0].to_vec().unwrap(), p[1].to_vec().unwrap());
+    let xs = [[1.0f64, 2.0], [-1.0, 0.5]];
+    let h: Vec<f64> = xs
+        .iter()
+        .map(|r| r[0] * w1[0] as f64 + r[1] * w1[1] as f64)
+        .collect();
+    let w2_sum = w2[0] as f64 + w2[1] as f64;
+    let want_w1: Vec<f64> = (0..2).map(|k| w2_sum * (xs[0][k] + xs[1][k])).collect();
+    assert_close(
+        &p[0].grad().unwrap().to_vec().unwrap(),
+        &want_w1,
+        1e-6,
+        "w1",
+    );
+    assert_close(
+        &p[1].grad().unwrap().to_vec().unwrap(),
+        &[h[0] + h[1], h[0] + h[1]],
+        1e-6,
+        "w2",
+    );
+}
+
+#[test]
+fn dropout_zeroes_and_rescales_in_training_and_passes_through_in_eval() {
+    let _s = serial();
+    let dev = device();
+    let drop = nn::Dropout::new(0.25).unwrap();
+    let x = Tensor::ones(&[4000], dev).unwrap();
+    let y = drop.forward(&x).unwrap().to_vec().unwrap();
+    let zeros = y.iter().filter(|&&v| v == 0.0).count();
+    assert!(y.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.75).abs() < 1e-6));
+    assert!((zeros as f64 / 4000.0 - 0.25).abs() < 0.03, "{zeros} zeros");
+    drop.eval();
+    assert!(Tensor::same(&drop.forward(&x).unwrap(), &x));
+    drop.train();
+    manual_seed(7);
+    let a = drop.forward(&x).unwrap().to_vec().unwrap();
+    manual_seed(7);
+    assert_eq!(
+        drop.forward(&x).unwrap().to_vec().unwrap(),
+        a,
+        "seeded masks repeat"
+    );
+    assert!(matches!(
+        nn::Dropout::new(1.0),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn sequential_eval_reaches_nested_dropout() {
+    let _s = serial();
+    let net = nn::Sequential::new().add(nn::Dropout::new(0.5).unwrap());
+    let x = Tensor::ones(&[100], device()).unwrap();
+    net.eval();
+    assert_eq!(net.forward(&x).unwrap().to_vec().unwrap(), vec![1.0; 100]);
+}
+
+#[test]
+fn layer_norm_matches_reference_and_its_grads_check() {
+    let _s = serial();
+    let ln = nn::LayerNorm::new(5, 1e-5, device()).unwrap();
+    let (x, xs) = random_tensor(&[3, 5], 9);
+    let mut want = Vec::new();
+    for r in 0..3 {
+        let row: Vec<f64> = xs[r * 5..r * 5 + 5].iter().map(|&v| v as f64).collect();
+        let mean = row.iter().sum::<f64>() / 5.0;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 5.0;
+        want.extend(row.iter().map(|v| (v - mean) / (var + 1e-5).sqrt()));
+    }
+    assert_close(
+        &ln.forward(&x).unwrap().to_vec().unwrap(),
+        &want,
+        1e-5,
+        "layer_norm",
+    );
+    gradcheck(
+        "layer_norm",
+        &[
+            (vec![3, 5], values_in(15, -1.0, 1.0, 10)),
+            (vec![5], values_in(5, 0.5, 1.5, 11)),
+            (vec![5], values_in(5, -0.5, 0.5, 12)),
+        ],
+        |t| {
+            let centred = t[0].sub(&t[0].mean_dims(&[1], true)?)?;
+            let var = centred.mul(&centred)?.mean_dims(&[1], true)?;
+            centred
+                .div(&var.add_scalar(1e-5)?.sqrt()?)?
+                .mul(&t[1])?
+                .add(&t[2])
+        },
+    );
+    let err = ln
+        .forward(&Tensor::zeros(&[3, 4], device()).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Shape {
+                op: "LayerNorm",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn embedding_looks_up_rows_and_adds_grads_of_repeated_indices() {
+    let _s = serial();
+    let emb = nn::Embedding::new(5, 3, device()).unwrap();
+    let idx = Tensor::from_vec_u32(vec![4, 1, 4, 0], &[2, 2], device()).unwrap();
+    let out = emb.forward(&idx).unwrap();
+    assert_eq!(out.shape(), &[2, 2, 3]);
+    let w = emb.weight.to_vec().unwrap();
+    let got = out.to_vec().unwrap();
+    for (i, &row) in [4usize, 1, 4, 0].iter().enumerate() {
+        assert_eq!(&got[i * 3..i * 3 + 3], &w[row * 3..row * 3 + 3]);
+    }
+    out.sum().unwrap().backward().unwrap();
+    let g = emb.weight.grad().unwrap().to_vec().unwrap();
+    assert_eq!(
+        g,
+        vec![1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0]
+    );
+    let bad = Tensor::from_vec_u32(vec![5], &[1], device()).unwrap();
+    assert!(matches!(
+        emb.forward(&bad).unwrap_err(),
+        Error::Index { .. }
+    ));
+}
+
+#[test]
+fn mse_is_the_mean_squared_difference() {
+    let a = Tensor::from_vec(vec![1.0, 2.0, 3.0], &[3], device()).unwrap();
+    let b = Tensor::from_vec(vec![1.0, 0.0, 6.0], &[3], device()).unwrap();
+    assert!((nn::loss::mse(&a, &b).unwrap().item().unwrap() - 13.0 / 3.0).abs() < 1e-6);
+    gradcheck(
+        "mse",
+        &[
+            (vec![4], values_in(4, -1.0, 1.0, 1)),
+            (vec![4], values_in(4, -1.0, 1.0, 2)),
+        ],
+        |t| nn::loss::mse(&t[0], &t[1]),
+    );
+    let err = nn::loss::mse(&a, &Tensor::zeros(&[2], device()).unwrap()).unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "mse", .. }), "{err:?}");
+}
