@@ -55,6 +55,18 @@ pub enum Error {
         limit: u64,
     },
 
+    /// A file that could not be read or written, or whose contents are not what the op
+    /// expects (a corrupt checkpoint, a truncated IDX file).
+    #[error("{op}: {path}: {msg}")]
+    Io {
+        /// The op that touched the file.
+        op: &'static str,
+        /// The file.
+        path: String,
+        /// What went wrong.
+        msg: String,
+    },
+
     /// An error reported by the device: validation, out of memory, internal, or device lost.
     #[error("device error in {op}: {msg}")]
     Device {

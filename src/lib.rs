@@ -17,6 +17,7 @@
 pub mod autograd;
 mod device;
 mod error;
+pub mod io;
 pub mod nn;
 mod ops;
 pub mod optim;

@@ -1,0 +1,21 @@
+//! Files: safetensors checkpoints of a module's named parameters, MNIST-format IDX readers,
+//! and the datasets the training example uses.
+
+mod checkpoint;
+mod data;
+mod idx;
+
+pub use checkpoint::{load, save};
+pub use data::{load_idx_dir, synthetic_spirals, Dataset};
+pub use idx::{read_idx_images, read_idx_labels};
+
+use crate::error::Error;
+use std::path::Path;
+
+fn io_error(op: &'static str, path: &Path, msg: impl std::fmt::Display) -> Error {
+    Error::Io {
+        op,
+        path: path.display().to_string(),
+        msg: msg.to_string(),
+    }
+}
