@@ -6,7 +6,7 @@ use common::*;
 use std::io::Write;
 use std::path::Path;
 use wgrad::nn::{self, Module};
-use wgrad::{io, Error, Tensor};
+use wgrad::{io, Error};
 
 fn mlp() -> nn::Sequential {
     let dev = device();
