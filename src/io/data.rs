@@ -116,7 +116,7 @@ pub fn synthetic_spirals(
     seed: u64,
 ) -> (Dataset, Dataset) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let noise = Normal::new(0.0f32, 0.04).expect("valid normal");
+    let noise = Normal::new(0.0f32, 0.025).expect("valid normal");
     let mut make = |n: usize| {
         let mut inputs = Vec::with_capacity(2 * n);
         let mut labels = Vec::with_capacity(n);
