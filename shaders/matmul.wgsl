@@ -154,6 +154,11 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let rows_lo = rows_from(t.row0);
     let rows_hi = rows_from(t.row0 + 4u);
     let col_lo = t.col0 + lid * 8u;
+    // Invocations wholly past the last column have nothing to store; on CPU adapters a SIMD
+    // group of them skips the whole loop.
+    if (col_lo >= pu(1u)) {
+        return;
+    }
     let col_hi = col_lo + 4u;
     let cols_lo = cols_from(col_lo);
     let cols_hi = cols_from(col_hi);

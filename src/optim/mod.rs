@@ -99,7 +99,14 @@ fn run_update(
     if n == 0 {
         return Ok(());
     }
-    let grad = grad.contiguous()?;
+    // The kernel reads the grad densely from the start of its buffer, and may not bind the
+    // parameter's buffer twice.
+    let dense = grad.is_contiguous() && grad.layout().offset == 0;
+    let grad = if dense && grad.storage_id() != param.storage_id() {
+        grad.clone()
+    } else {
+        grad.deep_clone()?
+    };
     let mut bindings = vec![(1, param), (2, &grad)];
     bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
     let key = format!("optim:{entry}");
