@@ -63,8 +63,9 @@ struct Args {
 }
 
 fn main() {
+    let process_start = Instant::now();
     let args = Args::parse();
-    if let Err(message) = run(&args) {
+    if let Err(message) = run(&args, process_start) {
         eprintln!("error: {message}");
         std::process::exit(1);
     }
@@ -76,7 +77,7 @@ struct History {
     test_acc: Vec<f32>,
 }
 
-fn run(args: &Args) -> Result<(), String> {
+fn run(args: &Args, process_start: Instant) -> Result<(), String> {
     let lr = args.lr.unwrap_or(match args.optimizer {
         OptimizerKind::Sgd => 0.05,
         OptimizerKind::Adam | OptimizerKind::Adamw => 3e-3,
@@ -185,6 +186,10 @@ fn run(args: &Args) -> Result<(), String> {
             let value = loss.item().map_err(|e| e.to_string())?;
             step += 1;
             seen += chunk.len();
+            if step == 1 {
+                let elapsed = process_start.elapsed().as_secs_f64();
+                bar.suspend(|| println!("first step done {elapsed:.3} s after start"));
+            }
             if !value.is_finite() {
                 bar.abandon();
                 return Err(format!(
