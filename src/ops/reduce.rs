@@ -227,6 +227,7 @@ pub(crate) fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> V
         .collect()
 }
 
+/// The reduction itself; `dims` are validated and sorted ([`check_dims`]).
 fn reduce(
     op_name: &'static str,
     op: ReduceOp,
@@ -236,8 +237,7 @@ fn reduce(
     mean: bool,
 ) -> Result<Tensor> {
     x.expect_dtype(op_name, DType::F32)?;
-    let dims = check_dims(op_name, x, dims)?;
-    let out_shape = reduced_shape(x.shape(), &dims, keepdim);
+    let out_shape = reduced_shape(x.shape(), dims, keepdim);
     let k: usize = dims.iter().map(|&d| x.shape()[d]).product();
     let m: usize = out_shape.iter().product();
     if m == 0 {
@@ -256,7 +256,7 @@ fn reduce(
             (ReduceOp::Sum, true) => fill(op_name, &out_shape, f32::NAN, 0.0, x.device()),
         };
     }
-    let mat = as_matrix(x, &dims)?;
+    let mat = as_matrix(x, dims)?;
     let scale = if mean { 1.0 / k as f32 } else { 1.0 };
     reduce_matrix(op_name, op, &mat, scale)?.reshape(&out_shape)
 }
@@ -277,11 +277,11 @@ fn reduce_op(
     keepdim: bool,
     mean: bool,
 ) -> Result<Tensor> {
+    let dims = check_dims(name, x, dims)?;
     let out = {
         let _no_grad = NoGradGuard::new();
-        reduce(name, op, x, dims, keepdim, mean)?
+        reduce(name, op, x, &dims, keepdim, mean)?
     };
-    let dims = check_dims(name, x, dims)?;
     Ok(record(name, out, &[x], |out| {
         let shape = x.shape().to_vec();
         let k: usize = dims.iter().map(|&d| shape[d]).product();
