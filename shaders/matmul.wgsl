@@ -16,6 +16,12 @@
 //             of 4, row stride 1, M a multiple of 8); any: one element at a time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
+// and how the A blocks, which every invocation of the workgroup shares, are loaded (A_PAIR):
+//   a_pair_direct: each invocation loads both blocks itself;
+//   a_pair_subgroup_k / _m: on adapters whose subgroups are 8 wide (llvmpipe, where a subgroup
+//             is one SIMD group), each of the 8 lanes loads one vec4 of the two blocks and the
+//             blocks are assembled by subgroupBroadcast: 1 load instead of 8. That variant
+//             declares the lane id (SUBGROUP_LANE_PARAM) and needs the device's subgroup feature.
 
 @group(0) @binding(1) var<storage, read> a: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<f32>>;
@@ -105,6 +111,18 @@ fn b_block_any(at: u32, cols: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
     return block;
 }
 
+// The two 4x4 blocks of A (rows lo and rows hi) for one step of 4 along k.
+struct APair {
+    lo: mat4x4<f32>,
+    hi: mat4x4<f32>,
+}
+
+fn a_pair_direct(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u32, cs: u32, lane: u32) -> APair {
+    return APair(a_block_A_MODE(lo_at, rows_lo, rs, cs), a_block_A_MODE(hi_at, rows_hi, rs, cs));
+}
+
+SUBGROUP_FUNCTIONS
+
 // The rows of A (and columns of B) an invocation reads: clamped to the last valid one, so
 // edge invocations read valid memory and only their stores are skipped. Vec4 modes keep the
 // four together (their extent is a multiple of 4, so an aligned group never straddles it).
@@ -139,7 +157,7 @@ fn outer_at(a_base: u32, b_base: u32, k: u32, rows: vec4<u32>, cols: vec4<u32>) 
 // No workgroup memory, no barriers.
 @compute @workgroup_size(32)
 fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                  @builtin(local_invocation_index) lid: u32) {
+                  @builtin(local_invocation_index) lid: u32SUBGROUP_LANE_PARAM) {
     let t = tile_of(wid, nwg, 8u, 256u);
     if (t.batch >= pu(3u)) {
         return;
@@ -154,9 +172,10 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let rows_lo = rows_from(t.row0);
     let rows_hi = rows_from(t.row0 + 4u);
     let col_lo = t.col0 + lid * 8u;
-    // Invocations wholly past the last column have nothing to store; on CPU adapters a SIMD
-    // group of them skips the whole loop.
-    if (col_lo >= pu(1u)) {
+    // Invocations past the last column have nothing to store: they leave, on CPU adapters a
+    // whole SIMD group at a time. Where the subgroup shares A loads, only whole subgroups
+    // leave (EXIT_COLUMN is then the subgroup's first column).
+    if (EXIT_COLUMN >= pu(1u)) {
         return;
     }
     let col_hi = col_lo + 4u;
@@ -172,8 +191,9 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     var acc_hh = mat4x4<f32>(); // rows_hi x cols_hi
     let k_main = k_len - k_len % 4u;
     for (var k = 0u; k < k_main; k = k + 4u) {
-        let a_blk_lo = a_block_A_MODE(a_lo + k * a_cs, rows_lo, a_rs, a_cs);
-        let a_blk_hi = a_block_A_MODE(a_hi + k * a_cs, rows_hi, a_rs, a_cs);
+        let a_pair = A_PAIR(a_lo + k * a_cs, a_hi + k * a_cs, rows_lo, rows_hi, a_rs, a_cs, LANE);
+        let a_blk_lo = a_pair.lo;
+        let a_blk_hi = a_pair.hi;
         let b_blk_lo = b_block_B_MODE(b_lo + k * b_rs, cols_lo, b_rs, b_cs);
         let b_blk_hi = b_block_B_MODE(b_hi + k * b_rs, cols_hi, b_rs, b_cs);
         acc_ll = acc_ll + a_blk_lo * b_blk_lo;

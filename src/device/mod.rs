@@ -129,6 +129,8 @@ pub(crate) struct DeviceInner {
     pipelines: Mutex<PipelineCache>,
     /// Errors wgpu reported outside any scope, waiting to be returned as `Error::Device`.
     errors: Arc<Mutex<Vec<String>>>,
+    /// The subgroup width, when the device has subgroup operations and a fixed width.
+    subgroup_size: Option<u32>,
     /// True when matmul runs `MatmulKernel::SharedTiled`.
     matmul_shared_tiled: AtomicBool,
     submits: AtomicU64,
@@ -249,9 +251,15 @@ impl Device {
     fn from_adapter(adapter: wgpu::Adapter) -> Result<Device> {
         let adapter_info = adapter.get_info();
         let limits = adapter.limits();
+        // Subgroup operations, where the adapter has them, let kernels share loads across a
+        // subgroup (matmul on llvmpipe).
+        let features = adapter.features() & wgpu::Features::SUBGROUP;
+        let subgroup_size = (features.contains(wgpu::Features::SUBGROUP)
+            && adapter_info.subgroup_min_size == adapter_info.subgroup_max_size)
+            .then_some(adapter_info.subgroup_min_size);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("wgrad"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -289,6 +297,7 @@ impl Device {
         Ok(Device {
             inner: Arc::new(DeviceInner {
                 matmul_shared_tiled: AtomicBool::new(!info.is_software()),
+                subgroup_size,
                 info,
                 device,
                 queue,
@@ -330,6 +339,12 @@ impl Device {
             buffers_created: pool.created,
             pipelines: lock(&self.inner.pipelines).len(),
         }
+    }
+
+    /// The subgroup width kernels may rely on: `Some` when the device has subgroup operations
+    /// and a fixed subgroup width (8 on lavapipe).
+    pub fn subgroup_size(&self) -> Option<u32> {
+        self.inner.subgroup_size
     }
 
     /// The matmul kernel this device runs.

@@ -27,7 +27,38 @@ enum BMode {
     Any,
 }
 
-fn source(a: AMode, b: BMode) -> String {
+/// Helpers of the subgroup variant: lane l of each 8-wide subgroup loads one vec4 of the two A
+/// blocks (rows lo then hi for `k`; for `m` the 4 k-columns of lo then hi), and every lane
+/// assembles both blocks from the 8 loads by broadcast.
+const SUBGROUP_FUNCTIONS: &str = "
+// Lanes 0-3's and lanes 4-7's vectors as the columns of a matrix (lane ids must be constants).
+fn broadcast_lo(v: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u),
+                       subgroupBroadcast(v, 2u), subgroupBroadcast(v, 3u));
+}
+
+fn broadcast_hi(v: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
+                       subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
+}
+
+fn a_pair_subgroup_k(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u32, cs: u32, lane: u32) -> APair {
+    let j = lane % 4u;
+    let at = select(lo_at - rows_lo.x * rs + rows_lo[j] * rs, hi_at - rows_hi.x * rs + rows_hi[j] * rs, lane >= 4u);
+    let v = a[at / 4u];
+    return APair(transpose(broadcast_lo(v)), transpose(broadcast_hi(v)));
+}
+
+fn a_pair_subgroup_m(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u32, cs: u32, lane: u32) -> APair {
+    let at = select(lo_at, hi_at, lane >= 4u) + (lane % 4u) * cs;
+    let v = a[at / 4u];
+    return APair(broadcast_lo(v), broadcast_hi(v));
+}
+";
+
+/// The module for reading A and B in modes `a` and `b`; `share_a` loads the A blocks once
+/// per 8-wide subgroup (only for the vec4 modes of A).
+fn source(a: AMode, b: BMode, share_a: bool) -> String {
     let a_mode = match a {
         AMode::K => "k",
         AMode::M => "m",
@@ -38,9 +69,33 @@ fn source(a: AMode, b: BMode) -> String {
         BMode::K => ("k", "false"),
         BMode::Any => ("any", "false"),
     };
+    // wgpu enables the subgroup built-ins with the device feature (its WGSL front end does not
+    // take `enable subgroups;` yet).
+    let (functions, lane_param, lane, a_pair, exit_column) = if share_a {
+        let pair = if a == AMode::K {
+            "a_pair_subgroup_k"
+        } else {
+            "a_pair_subgroup_m"
+        };
+        let exit = "t.col0 + (lid - lid % 8u) * 8u";
+        (
+            SUBGROUP_FUNCTIONS,
+            ", @builtin(subgroup_invocation_id) sg_lane: u32",
+            "sg_lane",
+            pair,
+            exit,
+        )
+    } else {
+        ("", "", "0u", "a_pair_direct", "col_lo")
+    };
     module_source(
         MATMUL_WGSL,
         &[
+            ("SUBGROUP_FUNCTIONS", functions),
+            ("SUBGROUP_LANE_PARAM", lane_param),
+            ("EXIT_COLUMN", exit_column),
+            ("A_PAIR", a_pair),
+            ("LANE", lane),
             ("A_MODE", a_mode),
             ("B_MODE", b_mode),
             ("B_ALIGNED_COLS", aligned_cols),
@@ -53,7 +108,10 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     let mut all = Vec::new();
     for a in [AMode::K, AMode::M, AMode::Any] {
         for b in [BMode::N, BMode::K, BMode::Any] {
-            all.push((format!("matmul/{a:?}{b:?}"), source(a, b)));
+            all.push((format!("matmul/{a:?}{b:?}"), source(a, b, false)));
+            if a != AMode::Any {
+                all.push((format!("matmul/{a:?}{b:?}/subgroup"), source(a, b, true)));
+            }
         }
     }
     all
@@ -265,11 +323,19 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             "register_tiled" => (a_mode(&sa, m), b_mode(&sb, n)),
             _ => (AMode::Any, BMode::Any),
         };
-        let key = format!("matmul/{am:?}{bm:?}:{entry}");
+        // On 8-wide subgroups (llvmpipe's SIMD groups) the shared A blocks are loaded once per
+        // subgroup instead of once per invocation.
+        let share_a = entry == "register_tiled"
+            && am != AMode::Any
+            && this.device().subgroup_size() == Some(8);
+        let key = format!(
+            "matmul/{am:?}{bm:?}{}:{entry}",
+            if share_a { "/subgroup" } else { "" }
+        );
         let kernel = Kernel {
             key: &key,
             entry,
-            source: &|| source(am, bm),
+            source: &|| source(am, bm, share_a),
         };
         let workgroups = batches * tiles_m * tiles_n;
         dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;

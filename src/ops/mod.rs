@@ -108,8 +108,10 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
             naga::valid::Validator::new(
                 naga::valid::ValidationFlags::all(),
-                naga::valid::Capabilities::empty(),
+                naga::valid::Capabilities::SUBGROUP,
             )
+            .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+            .subgroup_operations(naga::valid::SubgroupOperationSet::all())
             .validate(&module)
             .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
         }
