@@ -25,13 +25,37 @@ fn rhs_at(i: u32) -> f32 {
 }
 
 // params: 0 n, 1 lhs offset, 2 rhs offset, 3 rank, 4..10 shape, 10..16 lhs strides,
-//         16..22 rhs strides; `contiguous` only: 22 vec4 (1 when n, both offsets and both
-//         periods are multiples of 4), 23 lhs period, 24 rhs period. An operand with period p
-//         is a dense run of p elements repeated along leading dims (a bias row): element i
-//         reads its element i % p. Period n means no repetition.
+//         16..22 rhs strides; `contiguous` and `repeated` only: 22 vec4 (1 when n, both
+//         offsets and, for `repeated`, both periods are multiples of 4); `repeated` only:
+//         23 lhs period, 24 rhs period. An operand with period p is a dense run of p elements
+//         repeated along leading dims (a bias row): element i reads its element i % p; period n
+//         means no repetition.
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
+    if (pu(22u) == 1u) {
+        let per_group = CONTIGUOUS_PER_GROUP / 4u;
+        let start = workgroup_index(wid, nwg) * per_group + lid;
+        let end = min(start + per_group, pu(0u) / 4u);
+        let la = pu(1u) / 4u;
+        let lb = pu(2u) / 4u;
+        for (var i = start; i < end; i = i + 256u) {
+            dst[i] = op4(lhs[la + i], rhs[lb + i]);
+        }
+        return;
+    }
+    let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
+    let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
+    for (var i = start; i < end; i = i + 256u) {
+        dst[i / 4u][i % 4u] = op(lhs_at(pu(1u) + i), rhs_at(pu(2u) + i));
+    }
+}
+
+// Like `contiguous`, with one or both operands repeated along leading dims. A separate entry,
+// so the plain case keeps its loop free of index wrapping.
+@compute @workgroup_size(256)
+fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
     if (pu(22u) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
         let start = workgroup_index(wid, nwg) * per_group + lid;

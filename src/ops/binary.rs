@@ -148,10 +148,11 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
         && [n, la.offset, lb.offset, period_a, period_b]
             .iter()
             .all(|x| x.is_multiple_of(4));
-    let (entry, per_group) = if contiguous {
-        ("contiguous", CONTIGUOUS_PER_GROUP)
-    } else {
-        ("strided", WORKGROUP)
+    let repeated = period_a != n || period_b != n;
+    let (entry, per_group) = match (contiguous, repeated) {
+        (true, false) => ("contiguous", CONTIGUOUS_PER_GROUP),
+        (true, true) => ("repeated", CONTIGUOUS_PER_GROUP),
+        (false, _) => ("strided", WORKGROUP),
     };
     let mut params = vec![n as u32, la.offset as u32, lb.offset as u32, rank as u32];
     params.extend(&kshape);
