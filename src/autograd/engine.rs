@@ -86,14 +86,14 @@ pub(crate) fn compute(
         Wanted::Listed(_) => listed_leaves.contains(&tensor_key(leaf)),
     };
 
-    // Every node the roots reach, in an order where each node comes after all its parents'
-    // discovery (a DFS postorder, reversed later).
-    let mut nodes: HashMap<usize, Arc<Node>> = HashMap::new();
+    // Every node the roots reach, each after all the nodes its edges lead to (a DFS postorder),
+    // so a single pass over it can decide which nodes lead to wanted tensors.
+    let mut visited: HashSet<usize> = HashSet::new();
     let mut postorder: Vec<Arc<Node>> = Vec::new();
     let mut stack: Vec<(Arc<Node>, usize)> = Vec::new();
     for root in roots {
         if let Some(node) = root.grad_fn() {
-            if nodes.insert(node_key(&node), node.clone()).is_none() {
+            if visited.insert(node_key(&node)) {
                 stack.push((node, 0));
             }
         }
@@ -102,7 +102,7 @@ pub(crate) fn compute(
         if next_edge < node.edges.len() {
             stack.push((node.clone(), next_edge + 1));
             if let Some(Edge::Node(child)) = &node.edges[next_edge] {
-                if nodes.insert(node_key(child), child.clone()).is_none() {
+                if visited.insert(node_key(child)) {
                     stack.push((child.clone(), 0));
                 }
             }
