@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! wgrad trains neural networks on any GPU that wgpu reaches (Vulkan, Metal, DX12, GL) and on
 //! software adapters where there is none: tensors live in GPU buffers, and every op dispatches
 //! a WGSL compute kernel, recorded into one command encoder and submitted in batches.
