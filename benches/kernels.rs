@@ -13,9 +13,9 @@ use wgrad::{Device, Tensor};
 fn device() -> Device {
     let dev = Device::new().expect("a wgpu adapter");
     eprintln!(
-        "adapter: {} (matmul kernel {:?})",
+        "adapter: {} (kernel flavor {:?})",
         dev.info(),
-        dev.matmul_kernel()
+        dev.kernel_flavor()
     );
     dev
 }

@@ -26,7 +26,7 @@ mod seed;
 mod tensor;
 
 pub use autograd::{no_grad, BackwardOptions};
-pub use device::{Device, DeviceInfo, DeviceStats, MatmulKernel};
+pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
 pub use error::{Error, Result};
 pub use seed::manual_seed;
 pub use tensor::{DType, Tensor};

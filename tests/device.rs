@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use std::sync::{Mutex, MutexGuard};
-use wgrad::{Device, MatmulKernel, Tensor};
+use wgrad::{nn, Device, KernelFlavor, Tensor};
 
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
@@ -152,14 +152,14 @@ fn both_matmul_kernels_match_the_reference() {
                 .sum()
         })
         .collect();
-    for kernel in [MatmulKernel::RegisterTiled, MatmulKernel::SharedTiled] {
-        dev.set_matmul_kernel(kernel);
-        assert_eq!(dev.matmul_kernel(), kernel);
+    for flavor in [KernelFlavor::Cpu, KernelFlavor::Gpu] {
+        dev.set_kernel_flavor(flavor);
+        assert_eq!(dev.kernel_flavor(), flavor);
         assert_close(
             &a.matmul(&bt).unwrap().to_vec().unwrap(),
             &want,
             1e-5,
-            &format!("{kernel:?}"),
+            &format!("{flavor:?}"),
         );
         let batched = a.unsqueeze(0).unwrap().expand(&[3, m, k]).unwrap();
         let got = batched.matmul(&bt).unwrap().to_vec().unwrap();
@@ -167,8 +167,57 @@ fn both_matmul_kernels_match_the_reference() {
             &got[2 * m * n..],
             &want,
             1e-5,
-            &format!("{kernel:?} batched"),
+            &format!("{flavor:?} batched"),
         );
+    }
+}
+
+/// Runs the ops that have CPU and GPU kernels, forward and backward, with `flavor` on a
+/// fresh software device, and returns every result.
+fn flavored_results(flavor: KernelFlavor) -> Vec<Vec<f32>> {
+    let dev = Device::software().unwrap();
+    dev.set_kernel_flavor(flavor);
+    let data = random_vec(96 * 70, 11);
+    let x = Tensor::from_slice(&data, &[96, 70], &dev)
+        .unwrap()
+        .mul_scalar(4.0)
+        .unwrap()
+        .requires_grad_(true);
+    let labels = Tensor::from_labels((0..96).map(|i| i % 70).collect(), &dev).unwrap();
+    let mut out = Vec::new();
+    let mut push = |t: Tensor| out.push(t.to_vec().unwrap());
+    push(x.sum().unwrap());
+    push(x.sum_dims(&[1], false).unwrap());
+    push(x.sum_dims(&[0], true).unwrap());
+    push(x.mean_dims(&[1], false).unwrap());
+    push(x.max_dims(&[1], false).unwrap());
+    push(x.max().unwrap());
+    push(x.softmax(1).unwrap());
+    push(x.log_softmax(1).unwrap());
+    push(x.softmax(0).unwrap());
+    let loss = nn::loss::cross_entropy(&x, &labels).unwrap();
+    push(loss.clone());
+    let w = Tensor::from_slice(&random_vec(96 * 70, 12), &[96, 70], &dev).unwrap();
+    loss.add(&x.log_softmax(1).unwrap().mul(&w).unwrap().sum().unwrap())
+        .unwrap()
+        .add(&x.softmax(0).unwrap().mul(&w).unwrap().sum().unwrap())
+        .unwrap()
+        .backward()
+        .unwrap();
+    push(x.grad().unwrap());
+    let big = Tensor::from_slice(&random_vec(3 * 9000, 13), &[3, 9000], &dev).unwrap();
+    push(big.sum_dims(&[1], false).unwrap());
+    out
+}
+
+#[test]
+fn gpu_flavored_reductions_and_row_kernels_match_the_cpu_ones() {
+    let _s = serial();
+    let cpu = flavored_results(KernelFlavor::Cpu);
+    let gpu = flavored_results(KernelFlavor::Gpu);
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+        let want: Vec<f64> = c.iter().map(|&v| v as f64).collect();
+        assert_close(g, &want, 1e-4, &format!("result {i}"));
     }
 }
 

@@ -37,16 +37,20 @@ pub(crate) struct Kernel<'a> {
     pub source: &'a dyn Fn() -> String,
 }
 
-/// Which matmul kernel a device runs. Chosen per adapter at start-up, with no tuning pass:
-/// software adapters run workgroup barriers as coroutine switches, so a barrier-free kernel wins
-/// there, while GPUs want tiles staged in workgroup memory.
+/// Which family of kernels a device runs where ops have two. Chosen per adapter at start-up,
+/// with no tuning pass: software adapters run workgroup barriers as coroutine switches and pay
+/// per memory access, so they want barrier-free kernels with one invocation per row; GPUs
+/// want workgroups that cooperate through workgroup memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MatmulKernel {
-    /// Each invocation keeps 8x8 outputs in registers, sharing its 8 rows with its workgroup
-    /// (uniform loads); no workgroup memory, no barriers.
-    RegisterTiled,
-    /// 64x64 output tiles from 64x16 panels of A and B staged in workgroup memory.
-    SharedTiled,
+pub enum KernelFlavor {
+    /// matmul keeps 8x8 outputs per invocation in registers (A loaded once per subgroup
+    /// where subgroups are 8 wide); reductions, softmax and cross-entropy give each row (or
+    /// row chunk) one invocation. No workgroup memory, no barriers.
+    Cpu,
+    /// matmul stages 64x16 panels of A and B in workgroup memory for 64x64 output tiles;
+    /// reductions, softmax and cross-entropy give each row a workgroup that reduces in
+    /// workgroup memory.
+    Gpu,
 }
 
 /// The adapter a [`Device`] runs on.
@@ -131,8 +135,8 @@ pub(crate) struct DeviceInner {
     errors: Arc<Mutex<Vec<String>>>,
     /// The subgroup width, when the device has subgroup operations and a fixed width.
     subgroup_size: Option<u32>,
-    /// True when matmul runs `MatmulKernel::SharedTiled`.
-    matmul_shared_tiled: AtomicBool,
+    /// True when the device runs `KernelFlavor::Gpu`.
+    gpu_flavor: AtomicBool,
     submits: AtomicU64,
     dispatches: AtomicU64,
     next_storage_id: AtomicU64,
@@ -296,7 +300,7 @@ impl Device {
         };
         Ok(Device {
             inner: Arc::new(DeviceInner {
-                matmul_shared_tiled: AtomicBool::new(!info.is_software()),
+                gpu_flavor: AtomicBool::new(!info.is_software()),
                 subgroup_size,
                 info,
                 device,
@@ -347,22 +351,20 @@ impl Device {
         self.inner.subgroup_size
     }
 
-    /// The matmul kernel this device runs.
-    pub fn matmul_kernel(&self) -> MatmulKernel {
-        if self.inner.matmul_shared_tiled.load(Ordering::Relaxed) {
-            MatmulKernel::SharedTiled
+    /// The family of kernels this device runs.
+    pub fn kernel_flavor(&self) -> KernelFlavor {
+        if self.inner.gpu_flavor.load(Ordering::Relaxed) {
+            KernelFlavor::Gpu
         } else {
-            MatmulKernel::RegisterTiled
+            KernelFlavor::Cpu
         }
     }
 
-    /// Overrides the per-adapter choice of matmul kernel (to compare them, or to test the GPU
-    /// kernel on a software adapter).
-    pub fn set_matmul_kernel(&self, kernel: MatmulKernel) {
-        let shared = kernel == MatmulKernel::SharedTiled;
-        self.inner
-            .matmul_shared_tiled
-            .store(shared, Ordering::Relaxed);
+    /// Overrides the per-adapter choice of kernels (to compare them, or to test the GPU
+    /// kernels on a software adapter, as CI does).
+    pub fn set_kernel_flavor(&self, flavor: KernelFlavor) {
+        let gpu = flavor == KernelFlavor::Gpu;
+        self.inner.gpu_flavor.store(gpu, Ordering::Relaxed);
     }
 
     /// The largest tensor, in bytes, that one kernel can bind on this adapter (128 MiB on

@@ -2,7 +2,7 @@
 //! strides, so `x.matmul(&w.t()?)` reads `w` transposed without a copy.
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::{Kernel, MatmulKernel};
+use crate::device::{Kernel, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::{dispatch, module_source};
@@ -157,9 +157,9 @@ fn b_mode(b: &Strides, n: usize) -> BMode {
 
 /// The device's matmul kernel: entry point and output tile (rows, columns).
 fn kernel_for(t: &Tensor) -> (&'static str, usize, usize) {
-    match t.device().matmul_kernel() {
-        MatmulKernel::RegisterTiled => ("register_tiled", 8, 256),
-        MatmulKernel::SharedTiled => ("shared_tiled", 64, 64),
+    match t.device().kernel_flavor() {
+        KernelFlavor::Cpu => ("register_tiled", 8, 256),
+        KernelFlavor::Gpu => ("shared_tiled", 64, 64),
     }
 }
 
@@ -286,7 +286,7 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     // A narrow product wastes most of register_tiled's 256-column tiles: compute
     // out^T = b^T a^T instead, which lays the long side along the tiles' columns, and return
     // its transpose (a view).
-    if this.device().matmul_kernel() == MatmulKernel::RegisterTiled && n < 64 && m > n {
+    if this.device().kernel_flavor() == KernelFlavor::Cpu && n < 64 && m > n {
         let out_t = matmul_forward(&transposed(&b)?, &transposed(&a)?)?;
         let mut out_shape = [batch.as_slice(), &[m, n]].concat();
         return finish(transposed(&out_t)?, this, other, &mut out_shape);

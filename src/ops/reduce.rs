@@ -3,7 +3,7 @@
 //! template (`shaders/reduce.wgsl`) specialised for sum or max.
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::Kernel;
+use crate::device::{Kernel, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::copy::fill;
@@ -137,14 +137,14 @@ struct Plan {
 /// take one invocation per row. Otherwise CPU adapters, where barriers are coroutine switches,
 /// split rows into enough serial chunks to fill their threads, and GPUs reduce each row chunk
 /// with a whole workgroup.
-fn plan(mat: &Matrix, software: bool) -> Plan {
+fn plan(mat: &Matrix, cpu_flavor: bool) -> Plan {
     if mat.k_stride != 1 && mat.m >= 1024 {
         return Plan {
             entry: "serial",
             chunks: 1,
         };
     }
-    if software {
+    if cpu_flavor {
         let chunks = 2048usize
             .div_ceil(mat.m)
             .clamp(1, mat.k.div_ceil(256).max(1));
@@ -199,7 +199,10 @@ fn reduce_pass(
 /// Reduces each row of `mat` into a contiguous tensor of `M` values (times `scale`): one pass,
 /// or two when rows are split into chunks.
 fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) -> Result<Tensor> {
-    let plan = plan(mat, mat.tensor.device().info().is_software());
+    let plan = plan(
+        mat,
+        mat.tensor.device().kernel_flavor() == KernelFlavor::Cpu,
+    );
     if plan.chunks == 1 {
         return reduce_pass(op_name, op, mat, plan.entry, 1, scale);
     }

@@ -2,7 +2,7 @@
 //! `shaders/softmax.wgsl` that subtract the row max first (stable for large logits).
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::Kernel;
+use crate::device::{Kernel, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::ops::{dispatch_at, groups, module_source};
 use crate::tensor::{DType, Tensor};
@@ -62,7 +62,8 @@ struct RowPass<'a> {
 /// workgroup.
 fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     let offset = pass.src.layout().offset;
-    let serial = pass.src.device().info().is_software() && m >= SERIAL_ROWS_PER_GROUP;
+    let cpu_flavor = pass.src.device().kernel_flavor() == KernelFlavor::Cpu;
+    let serial = cpu_flavor && m >= SERIAL_ROWS_PER_GROUP;
     let vec4 = serial && k.is_multiple_of(4) && offset.is_multiple_of(4);
     let labels_offset = pass.labels.map_or(0, |l| l.layout().offset);
     let grad_offset = pass.grad.map_or(0, |g| g.layout().offset);
