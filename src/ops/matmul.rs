@@ -201,6 +201,13 @@ fn promote(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((a, b))
 }
 
+/// True when `t`'s matrices are stored column by column (a transposed view of a dense one).
+fn column_major(t: &Tensor) -> bool {
+    let s = &t.layout().strides;
+    let r = s.len();
+    s[r - 2] == 1 && s[r - 1] != 1
+}
+
 /// The last two dims of `t` swapped (a view).
 fn transposed(t: &Tensor) -> Result<Tensor> {
     t.transpose(t.rank() - 2, t.rank() - 1)
@@ -230,18 +237,29 @@ impl Tensor {
                 } else {
                     g.clone()
                 };
+                // Each grad is computed in its input's own layout (a grad for a transposed view,
+                // such as the weight of `x W^T`, as the product's transpose), so that the grad
+                // the leaf finally receives is dense and needs no strided copy.
                 let grad_a = match need_a {
-                    true => Some(
-                        sum_to_shape(&g2.matmul(&transposed(&b2)?)?, a2.shape())?
-                            .reshape(a.shape())?,
-                    ),
+                    true => {
+                        let grad = if column_major(&a2) {
+                            transposed(&b2.matmul(&transposed(&g2)?)?)?
+                        } else {
+                            g2.matmul(&transposed(&b2)?)?
+                        };
+                        Some(sum_to_shape(&grad, a2.shape())?.reshape(a.shape())?)
+                    }
                     false => None,
                 };
                 let grad_b = match need_b {
-                    true => Some(
-                        sum_to_shape(&transposed(&a2)?.matmul(&g2)?, b2.shape())?
-                            .reshape(b.shape())?,
-                    ),
+                    true => {
+                        let grad = if column_major(&b2) {
+                            transposed(&transposed(&g2)?.matmul(&a2)?)?
+                        } else {
+                            transposed(&a2)?.matmul(&g2)?
+                        };
+                        Some(sum_to_shape(&grad, b2.shape())?.reshape(b.shape())?)
+                    }
                     false => None,
                 };
                 Ok(vec![grad_a, grad_b])
