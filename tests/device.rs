@@ -261,3 +261,23 @@ fn matmul_reads_transposed_operands_without_copying_them() {
         "one matmul kernel and no copies"
     );
 }
+
+#[test]
+fn the_grad_of_a_transposed_weight_is_one_kernel_and_no_strided_copy() {
+    let _s = serial();
+    let dev = device();
+    let x = Tensor::randn(&[16, 24], 1, dev).unwrap();
+    let w = Tensor::randn(&[8, 24], 2, dev)
+        .unwrap()
+        .requires_grad_(true);
+    let loss = x.matmul(&w.t().unwrap()).unwrap().sum().unwrap();
+    dev.synchronize().unwrap();
+    let before = dev.stats().dispatches;
+    loss.backward().unwrap();
+    assert_eq!(
+        dev.stats().dispatches - before,
+        1,
+        "g^T x into the weight's own layout, then a buffer copy"
+    );
+    assert!(w.grad().unwrap().is_contiguous());
+}
