@@ -7,9 +7,14 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> params: Params;
 
-// Parameter slot `i` as a u32.
+// Parameter slot `i` as a u32. Slot 63 always holds 0: indexing through it keeps the offset
+// of every parameter load opaque to the driver's compiler. Otherwise lavapipe inlines the
+// parameters that decide branches and loop bounds as constants and, where that shrinks the
+// shader enough, compiles the kernel again at every dispatch (milliseconds each, far more
+// without a warm shader cache).
 fn pu(i: u32) -> u32 {
-    return params.v[i / 4u][i % 4u];
+    let opaque_zero = params.v[15].w;
+    return params.v[(i / 4u) | opaque_zero][i % 4u];
 }
 
 // Parameter slot `i` as an f32 (stored as its bits).

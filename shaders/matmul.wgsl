@@ -121,7 +121,106 @@ fn a_pair_direct(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>,
     return APair(a_block_A_MODE(lo_at, rows_lo, rs, cs), a_block_A_MODE(hi_at, rows_hi, rs, cs));
 }
 
-SUBGROUP_FUNCTIONS
+// SUBGROUP SECTION BEGIN: kept only where the device has 8-wide subgroups.
+
+// Lanes 0-3's and lanes 4-7's vectors as the columns of a matrix (lane ids must be constants).
+fn broadcast_lo(v: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u),
+                       subgroupBroadcast(v, 2u), subgroupBroadcast(v, 3u));
+}
+
+fn broadcast_hi(v: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
+                       subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
+}
+
+// The two 4x4 A blocks of 8 rows from one vec4 per lane: in k mode lane l loaded row l at
+// k..k+4; in m mode lane l loaded rows 4 (l / 4) .. +4 at k + l % 4.
+fn a_blocks_k(v: vec4<f32>) -> APair {
+    return APair(transpose(broadcast_lo(v)), transpose(broadcast_hi(v)));
+}
+
+fn a_blocks_m(v: vec4<f32>) -> APair {
+    return APair(broadcast_lo(v), broadcast_hi(v));
+}
+
+// Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8, where `base` is
+// the offset of A[0][k] (see a_blocks_*). Rows past the last are clamped to valid ones, whose
+// results are never stored.
+fn a_lane_at_k(a_base: u32, row0: u32, lane: u32) -> u32 {
+    return a_base + min(row0 + lane, pu(0u) - 1u) * pu(6u);
+}
+
+fn a_lane_at_m(a_base: u32, row0: u32, lane: u32) -> u32 {
+    return a_base + min(row0 + (lane / 4u) * 4u, pu(0u) - 4u) * pu(6u) + (lane % 4u) * pu(7u);
+}
+
+// register_tiled's A blocks, loaded once per subgroup: `lo_at` is the offset of A[row0][k].
+fn a_pair_subgroup(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u32, cs: u32, lane: u32) -> APair {
+    return a_blocks_A_MODE(a[a_lane_at_A_MODE(lo_at - rows_lo.x * rs, rows_lo.x, lane) / 4u]);
+}
+
+// 16 rows x 128 columns per workgroup, on 8-wide subgroups: each subgroup shares the 16 rows,
+// whose A blocks its 8 lanes load together (two vec4 per lane per step of 4 along k), and
+// invocation `lid` owns 4 columns from col0 + 4 lid (one 4x4 block of B per step). Per
+// multiply-add that is two thirds of register_tiled's loads, which is what software adapters
+// pay for.
+@compute @workgroup_size(32)
+fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    let t = tile_of(wid, nwg, 16u, 128u);
+    if (t.batch >= pu(3u)) {
+        return;
+    }
+    // Whole subgroups past the last column leave (the others share their A loads).
+    if (t.col0 + (lid - lid % 8u) * 4u >= pu(1u)) {
+        return;
+    }
+    let k_len = pu(2u);
+    let a_base = pu(4u) + t.batch * pu(5u);
+    let a_cs = pu(7u);
+    let b_base = pu(8u) + t.batch * pu(9u);
+    let b_rs = pu(10u);
+    let col = t.col0 + lid * 4u;
+    let cols = cols_from(col);
+    let b_at = b_base + cols.x * pu(11u);
+    let a_lo = a_lane_at_A_MODE(a_base, t.row0, lane);
+    let a_hi = a_lane_at_A_MODE(a_base, t.row0 + 8u, lane);
+    var acc0 = mat4x4<f32>(); // rows row0 .. row0 + 4
+    var acc1 = mat4x4<f32>();
+    var acc2 = mat4x4<f32>();
+    var acc3 = mat4x4<f32>();
+    let k_main = k_len - k_len % 4u;
+    for (var k = 0u; k < k_main; k = k + 4u) {
+        let lo = a_blocks_A_MODE(a[(a_lo + k * a_cs) / 4u]);
+        let hi = a_blocks_A_MODE(a[(a_hi + k * a_cs) / 4u]);
+        let b_blk = b_block_B_MODE(b_at + k * b_rs, cols, b_rs, pu(11u));
+        acc0 = acc0 + lo.lo * b_blk;
+        acc1 = acc1 + lo.hi * b_blk;
+        acc2 = acc2 + hi.lo * b_blk;
+        acc3 = acc3 + hi.hi * b_blk;
+    }
+    for (var k = k_main; k < k_len; k = k + 1u) {
+        acc0 = acc0 + outer_at(a_base, b_base, k, rows_from(t.row0), cols);
+        acc1 = acc1 + outer_at(a_base, b_base, k, rows_from(t.row0 + 4u), cols);
+        acc2 = acc2 + outer_at(a_base, b_base, k, rows_from(t.row0 + 8u), cols);
+        acc3 = acc3 + outer_at(a_base, b_base, k, rows_from(t.row0 + 12u), cols);
+    }
+    // Transposed, column i of each accumulator is one output row's 4 columns.
+    let r0 = transpose(acc0);
+    let r1 = transpose(acc1);
+    let r2 = transpose(acc2);
+    let r3 = transpose(acc3);
+    let base = t.batch * pu(0u) * pu(1u);
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        store_row(base, t.row0 + i, col, r0[i]);
+        store_row(base, t.row0 + 4u + i, col, r1[i]);
+        store_row(base, t.row0 + 8u + i, col, r2[i]);
+        store_row(base, t.row0 + 12u + i, col, r3[i]);
+    }
+}
+
+// SUBGROUP SECTION END
 
 // The rows of A (and columns of B) an invocation reads: clamped to the last valid one, so
 // edge invocations read valid memory and only their stores are skipped. Vec4 modes keep the

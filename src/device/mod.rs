@@ -18,7 +18,7 @@ use pipelines::PipelineCache;
 pub(crate) use pool::size_class;
 use pool::BufferPool;
 
-/// Bytes of uniform parameters each dispatch may pass (64 `u32`s), and the stride between
+/// Bytes of uniform parameters each dispatch may pass (63 `u32`s and a reserved 0), and the stride between
 /// dispatches in the per-batch parameter buffer.
 pub(crate) const PARAMS_BYTES: u64 = 256;
 
@@ -436,8 +436,9 @@ impl DeviceInner {
         params: &[u32],
         workgroups: u32,
     ) -> Result<()> {
+        // The last slot stays 0: `pu` in shaders/common.wgsl indexes through it.
         assert!(
-            params.len() * 4 <= PARAMS_BYTES as usize,
+            params.len() * 4 < PARAMS_BYTES as usize,
             "{op}: too many kernel params"
         );
         if workgroups == 0 {
