@@ -33,21 +33,26 @@ fn rhs_at(i: u32) -> f32 {
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
+    let n = pu(0u);
+    let la = pu(1u);
+    let lb = pu(2u);
     if (pu(22u) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        let start = workgroup_index(wid, nwg) * per_group + lid;
-        let end = min(start + per_group, pu(0u) / 4u);
-        let la = pu(1u) / 4u;
-        let lb = pu(2u) / 4u;
-        for (var i = start; i < end; i = i + 256u) {
-            dst[i] = op4(lhs[la + i], rhs[lb + i]);
+        for (var j = 0u; j < per_group / 256u; j = j + 1u) {
+            let i = contiguous_item(wid, nwg, lid, j, per_group);
+            if (i >= n / 4u) {
+                break;
+            }
+            dst[i] = op4(lhs[la / 4u + i], rhs[lb / 4u + i]);
         }
         return;
     }
-    let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
-    let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
-    for (var i = start; i < end; i = i + 256u) {
-        dst[i / 4u][i % 4u] = op(lhs_at(pu(1u) + i), rhs_at(pu(2u) + i));
+    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {
+        let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
+        if (i >= n) {
+            break;
+        }
+        dst[i / 4u][i % 4u] = op(lhs_at(la + i), rhs_at(lb + i));
     }
 }
 
@@ -56,23 +61,28 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 @compute @workgroup_size(256)
 fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
+    let n = pu(0u);
+    let la = pu(1u);
+    let lb = pu(2u);
+    let pa = pu(23u);
+    let pb = pu(24u);
     if (pu(22u) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        let start = workgroup_index(wid, nwg) * per_group + lid;
-        let end = min(start + per_group, pu(0u) / 4u);
-        let la = pu(1u) / 4u;
-        let lb = pu(2u) / 4u;
-        let pa = pu(23u) / 4u;
-        let pb = pu(24u) / 4u;
-        for (var i = start; i < end; i = i + 256u) {
-            dst[i] = op4(lhs[la + i % pa], rhs[lb + i % pb]);
+        for (var j = 0u; j < per_group / 256u; j = j + 1u) {
+            let i = contiguous_item(wid, nwg, lid, j, per_group);
+            if (i >= n / 4u) {
+                break;
+            }
+            dst[i] = op4(lhs[la / 4u + i % (pa / 4u)], rhs[lb / 4u + i % (pb / 4u)]);
         }
         return;
     }
-    let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
-    let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
-    for (var i = start; i < end; i = i + 256u) {
-        dst[i / 4u][i % 4u] = op(lhs_at(pu(1u) + i % pu(23u)), rhs_at(pu(2u) + i % pu(24u)));
+    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {
+        let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
+        if (i >= n) {
+            break;
+        }
+        dst[i / 4u][i % 4u] = op(lhs_at(la + i % pa), rhs_at(lb + i % pb));
     }
 }
 

@@ -19,20 +19,22 @@ fn has_flag(bit: u32) -> bool {
     return (pu(8u) & bit) != 0u;
 }
 
-// The vec4s this invocation updates: [x, y).
-fn unit_range(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> vec2<u32> {
-    let per_group = CONTIGUOUS_PER_GROUP / 4u;
-    let start = workgroup_index(wid, nwg) * per_group + lid;
-    return vec2<u32>(start, min(start + per_group, (pu(0u) + 3u) / 4u));
+// The `j`-th vec4 this invocation updates (see contiguous_item), for j < VEC4S_PER_INVOCATION.
+const VEC4S_PER_GROUP: u32 = CONTIGUOUS_PER_GROUP / 4u;
+const VEC4S_PER_INVOCATION: u32 = VEC4S_PER_GROUP / 256u;
+
+fn unit(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, j: u32) -> u32 {
+    return contiguous_item(wid, nwg, lid, j, VEC4S_PER_GROUP);
 }
 
-// How many lanes of vec4 `u` lie inside the tensor.
-fn lanes(u: u32) -> u32 {
-    return min(pu(0u) - 4u * u, 4u);
+// How many vec4s hold the `n` elements.
+fn units(n: u32) -> u32 {
+    return (n + 3u) / 4u;
 }
 
-fn store_param(u: u32, v: vec4<f32>) {
-    let k = lanes(u);
+// Stores the lanes of vec4 `u` that lie inside a tensor of `n` elements.
+fn store_param(u: u32, n: u32, v: vec4<f32>) {
+    let k = min(n - 4u * u, 4u);
     if (k == 4u) {
         param[u] = v;
         return;
@@ -42,8 +44,8 @@ fn store_param(u: u32, v: vec4<f32>) {
     }
 }
 
-fn store_state1(u: u32, v: vec4<f32>) {
-    let k = lanes(u);
+fn store_state1(u: u32, n: u32, v: vec4<f32>) {
+    let k = min(n - 4u * u, 4u);
     if (k == 4u) {
         state1[u] = v;
         return;
@@ -53,8 +55,8 @@ fn store_state1(u: u32, v: vec4<f32>) {
     }
 }
 
-fn store_state2(u: u32, v: vec4<f32>) {
-    let k = lanes(u);
+fn store_state2(u: u32, n: u32, v: vec4<f32>) {
+    let k = min(n - 4u * u, 4u);
     if (k == 4u) {
         state2[u] = v;
         return;
@@ -68,10 +70,16 @@ fn store_state2(u: u32, v: vec4<f32>) {
 @compute @workgroup_size(256)
 fn sgd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
        @builtin(local_invocation_index) lid: u32) {
-    let range = unit_range(wid, nwg, lid);
-    for (var u = range.x; u < range.y; u = u + 256u) {
+    let n = pu(0u);
+    let lr = pf(1u);
+    let wd = pf(2u);
+    for (var j = 0u; j < VEC4S_PER_INVOCATION; j = j + 1u) {
+        let u = unit(wid, nwg, lid, j);
+        if (u >= units(n)) {
+            break;
+        }
         let p = param[u];
-        store_param(u, p - pf(1u) * (grad[u] + pf(2u) * p));
+        store_param(u, n, p - lr * (grad[u] + wd * p));
     }
 }
 
@@ -80,21 +88,30 @@ fn sgd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 @compute @workgroup_size(256)
 fn sgd_momentum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let range = unit_range(wid, nwg, lid);
+    let n = pu(0u);
+    let lr = pf(1u);
+    let wd = pf(2u);
     let momentum = pf(3u);
-    for (var u = range.x; u < range.y; u = u + 256u) {
-        let p = param[u];
-        let g = grad[u] + pf(2u) * p;
-        var buf = g;
-        if (!has_flag(2u)) {
-            buf = momentum * state1[u] + (1.0 - pf(4u)) * g;
+    let dampening = pf(4u);
+    let nesterov = has_flag(1u);
+    let first_step = has_flag(2u);
+    for (var j = 0u; j < VEC4S_PER_INVOCATION; j = j + 1u) {
+        let u = unit(wid, nwg, lid, j);
+        if (u >= units(n)) {
+            break;
         }
-        store_state1(u, buf);
+        let p = param[u];
+        let g = grad[u] + wd * p;
+        var buf = g;
+        if (!first_step) {
+            buf = momentum * state1[u] + (1.0 - dampening) * g;
+        }
+        store_state1(u, n, buf);
         var step = buf;
-        if (has_flag(1u)) {
+        if (nesterov) {
             step = g + momentum * buf;
         }
-        store_param(u, p - pf(1u) * step);
+        store_param(u, n, p - lr * step);
     }
 }
 
@@ -102,25 +119,31 @@ fn sgd_momentum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 @compute @workgroup_size(256)
 fn adam(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-    let range = unit_range(wid, nwg, lid);
+    let n = pu(0u);
     let lr = pf(1u);
     let wd = pf(2u);
     let beta1 = pf(3u);
     let beta2 = pf(4u);
+    let eps = pf(5u);
     let step_size = lr / pf(6u);
     let sqrt_bc2 = sqrt(pf(7u));
-    for (var u = range.x; u < range.y; u = u + 256u) {
+    let decoupled = has_flag(4u);
+    for (var j = 0u; j < VEC4S_PER_INVOCATION; j = j + 1u) {
+        let u = unit(wid, nwg, lid, j);
+        if (u >= units(n)) {
+            break;
+        }
         var p = param[u];
         var g = grad[u];
-        if (has_flag(4u)) {
+        if (decoupled) {
             p = p * (1.0 - lr * wd);
         } else {
             g = g + wd * p;
         }
         let m = beta1 * state1[u] + (1.0 - beta1) * g;
         let v = beta2 * state2[u] + (1.0 - beta2) * g * g;
-        store_state1(u, m);
-        store_state2(u, v);
-        store_param(u, p - step_size * m / (sqrt(v) / sqrt_bc2 + pf(5u)));
+        store_state1(u, n, m);
+        store_state2(u, n, v);
+        store_param(u, n, p - step_size * m / (sqrt(v) / sqrt_bc2 + eps));
     }
 }

@@ -35,20 +35,25 @@ fn op4(x: vec4<f32>, s: f32) -> vec4<f32> {
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let s = pf(2u);
+    let n = pu(0u);
+    let off = pu(1u);
     if (pu(16u) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        let start = workgroup_index(wid, nwg) * per_group + lid;
-        let end = min(start + per_group, pu(0u) / 4u);
-        let off = pu(1u) / 4u;
-        for (var i = start; i < end; i = i + 256u) {
-            dst[i] = op4(src[off + i], s);
+        for (var j = 0u; j < per_group / 256u; j = j + 1u) {
+            let i = contiguous_item(wid, nwg, lid, j, per_group);
+            if (i >= n / 4u) {
+                break;
+            }
+            dst[i] = op4(src[off / 4u + i], s);
         }
         return;
     }
-    let start = workgroup_index(wid, nwg) * CONTIGUOUS_PER_GROUP + lid;
-    let end = min(start + CONTIGUOUS_PER_GROUP, pu(0u));
-    for (var i = start; i < end; i = i + 256u) {
-        let x = pu(1u) + i;
+    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {
+        let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
+        if (i >= n) {
+            break;
+        }
+        let x = off + i;
         dst[i / 4u][i % 4u] = op(src[x / 4u][x % 4u], s);
     }
 }

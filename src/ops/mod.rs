@@ -21,7 +21,7 @@ pub(crate) const WORKGROUP: usize = 256;
 
 /// Elements one workgroup of a contiguous elementwise kernel covers (`CONTIGUOUS_PER_GROUP`
 /// in `shaders/common.wgsl`).
-pub(crate) const CONTIGUOUS_PER_GROUP: usize = 4096;
+pub(crate) const CONTIGUOUS_PER_GROUP: usize = 16384;
 
 /// Prepended to every family's WGSL.
 const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
