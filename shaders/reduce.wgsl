@@ -3,8 +3,7 @@
 // params: 0 M, 1 K, 2 offset, 3 row stride, 4 k stride, 5 chunks per row, 6 chunk length,
 //         7 scale (f32, multiplies each result: 1/K for mean), 8 vec4 reads (`serial` only:
 //         1 when the k stride is 1 and the offset, row stride and chunk length are multiples
-//         of 4), 9 interleaved reads (`serial` with vec4 reads only: 1 when chunks per row is
-//         a multiple of 8)
+//         of 4)
 //
 // The input is bound as vec4s so that `serial` can read four elements at a time: software
 // adapters pay per load, not per element.
@@ -78,28 +77,14 @@ fn serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let ks = pu(4u);
     var acc = REDUCE_IDENTITY;
     var k = start;
-    var stop = end;
     if (pu(8u) == 1u) {
-        var step = 4u;
-        if (pu(9u) == 1u) {
-            // Eight neighbouring invocations (one SIMD group on CPU adapters, which runs to
-            // completion before the next) read the span of their eight chunks interleaved, so
-            // each load instruction covers 128 contiguous bytes instead of eight far-apart
-            // places. Which elements an invocation combines does not matter to the result.
-            let lane = w % 8u;
-            k = start - lane * pu(6u) + lane * 4u;
-            stop = min(start - lane * pu(6u) + 8u * pu(6u), pu(1u));
-            step = 32u;
-        }
         var acc4 = vec4<f32>(REDUCE_IDENTITY);
-        for (; k + 4u <= stop; k = k + step) {
+        for (; k + 4u <= end; k = k + 4u) {
             acc4 = combine4(acc4, src[(base + k) / 4u]);
         }
         acc = combine(combine(acc4.x, acc4.y), combine(acc4.z, acc4.w));
     }
-    // The ragged end, element by element (with interleaved reads, at most one invocation of
-    // the eight has a partial group of four left).
-    for (; k < stop; k = k + 1u) {
+    for (; k < end; k = k + 1u) {
         acc = combine(acc, src_at(base + k * ks));
     }
     dst[w] = acc * pf(7u);

@@ -148,13 +148,6 @@ fn plan(mat: &Matrix, cpu_flavor: bool) -> Plan {
         let chunks = 2048usize
             .div_ceil(mat.m)
             .clamp(1, mat.k.div_ceil(256).max(1));
-        // Long contiguous rows split into a multiple of 8 chunks, which the kernel reads
-        // interleaved, 8 invocations together.
-        let chunks = if mat.k_stride == 1 && mat.k >= 8 * 256 {
-            chunks.next_multiple_of(8)
-        } else {
-            chunks
-        };
         return Plan {
             entry: "serial",
             chunks,
@@ -183,13 +176,11 @@ fn reduce_pass(
             .iter()
             .all(|x| x.is_multiple_of(4));
     let mut params = mat.params().to_vec();
-    let interleaved = vec4 && chunks.is_multiple_of(8);
     params.extend([
         chunks as u32,
         chunk_len as u32,
         f32_bits(scale),
         vec4 as u32,
-        interleaved as u32,
     ]);
     let key = format!("reduce/{}:{entry}", op.name());
     let kernel = Kernel {
