@@ -94,6 +94,28 @@ pub(crate) fn f32_bits(x: f32) -> u32 {
 
 #[cfg(test)]
 mod tests {
+    /// Kernels read their parameters only through `pu`/`pf`, whose opaque index keeps
+    /// lavapipe from inlining parameter values and recompiling the kernel per dispatch.
+    #[test]
+    fn kernels_read_params_only_through_pu() {
+        let common = super::COMMON_WGSL;
+        for (key, source) in super::all_kernel_sources() {
+            let family = source.strip_prefix(common).unwrap_or(&source);
+            assert!(
+                !family.contains("params."),
+                "{key} reads the params uniform directly"
+            );
+        }
+        let reads: Vec<&str> = common.lines().filter(|l| l.contains("params.v")).collect();
+        assert_eq!(
+            reads,
+            [
+                "    let opaque_zero = params.v[15].w;",
+                "    return params.v[(i / 4u) | opaque_zero][i % 4u];"
+            ]
+        );
+    }
+
     /// Every shader and every specialisation parses and validates, on any machine.
     #[test]
     fn every_kernel_source_validates_with_naga() {
