@@ -4,11 +4,13 @@
 //         7 A col stride, 8 B offset, 9 B batch stride, 10 B row stride, 11 B col stride,
 //         12 column tiles, 13 row tiles
 //
-// Two kernels: `register_tiled` keeps an 8x8 block of out in registers and uses no workgroup
-// memory or barriers (software adapters run barriers as coroutine switches, so this wins
-// there); `shared_tiled` stages 64x16 panels of A and B in workgroup memory (what GPUs want).
+// Three kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
+// uses no workgroup memory or barriers (software adapters run barriers as coroutine switches,
+// so this wins there); `register_tiled_tall` keeps 16x4 with the A loads shared by 8-wide
+// subgroups (software adapters with subgroups); `shared_tiled` stages 64x16 panels of A and B
+// in workgroup memory (what GPUs want).
 //
-// Buffers are bound as arrays of vec4 so that `register_tiled` can load four elements at a
+// Buffers are bound as arrays of vec4 so that the register kernels can load four elements at a
 // time where the layout allows: software adapters pay per load, not per element. The host
 // picks how each operand is read by splicing A_MODE and B_MODE:
 //   A_MODE k: A[r][k..k+4] is one aligned vec4 (row stride and offsets multiples of 4, col
@@ -16,12 +18,16 @@
 //             of 4, row stride 1, M a multiple of 8); any: one element at a time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
-// and how the A blocks, which every invocation of the workgroup shares, are loaded (A_PAIR):
+// how `register_tiled` loads the A blocks every invocation of the workgroup shares (A_PAIR):
 //   a_pair_direct: each invocation loads both blocks itself;
-//   a_pair_subgroup_k / _m: on adapters whose subgroups are 8 wide (llvmpipe, where a subgroup
-//             is one SIMD group), each of the 8 lanes loads one vec4 of the two blocks and the
-//             blocks are assembled by subgroupBroadcast: 1 load instead of 8. That variant
-//             declares the lane id (SUBGROUP_LANE_PARAM) and needs the device's subgroup feature.
+//   a_pair_subgroup: on adapters whose subgroups are 8 wide (llvmpipe, where a subgroup is one
+//             SIMD group), each of the 8 lanes loads one vec4 of the two blocks and the blocks
+//             are assembled by subgroupBroadcast: 1 load instead of 8. That variant declares
+//             the lane id (SUBGROUP_LANE_PARAM) and needs the device's subgroup feature.
+// and two facts about the shape, so that code the shape never runs is compiled out (software
+// adapters compile every load and store into a loop over lanes, and the per-element paths
+// doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group of 4
+// is one vec4 store) and K_TAIL (K not a multiple of 4: the last K % 4 steps run one at a time).
 
 @group(0) @binding(1) var<storage, read> a: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<f32>>;
@@ -50,8 +56,8 @@ fn tile_of(wid: vec3<u32>, nwg: vec3<u32>, tile_rows: u32, tile_cols: u32) -> Ti
 }
 
 // Writes out[row][col..col+4], skipping rows and columns past the edge. `col` is a multiple of
-// 4, so when N is too (a uniform test) each group of 4 is whole and aligned: one vec4 store,
-// with no per-element path beside it.
+// 4, so when N is too (N_ALIGNED) each group of 4 is whole and aligned: one vec4 store, and the
+// per-element path is compiled out.
 fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
     let m = pu(0u);
     let n = pu(1u);
@@ -59,7 +65,7 @@ fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
         return;
     }
     let o = base + row * n + col;
-    if (n % 4u == 0u) {
+    if (N_ALIGNED) {
         out[o / 4u] = v;
         return;
     }
@@ -200,7 +206,7 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         acc2 = acc2 + hi.lo * b_blk;
         acc3 = acc3 + hi.hi * b_blk;
     }
-    for (var k = k_main; k < k_len; k = k + 1u) {
+    for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
         acc0 = acc0 + outer_at(a_base, b_base, k, rows_from(t.row0), cols);
         acc1 = acc1 + outer_at(a_base, b_base, k, rows_from(t.row0 + 4u), cols);
         acc2 = acc2 + outer_at(a_base, b_base, k, rows_from(t.row0 + 8u), cols);
@@ -300,7 +306,7 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         acc_lh = acc_lh + a_blk_lo * b_blk_hi;
         acc_hh = acc_hh + a_blk_hi * b_blk_hi;
     }
-    for (var k = k_main; k < k_len; k = k + 1u) {
+    for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
         acc_ll = acc_ll + outer_at(a_base, b_base, k, rows_lo, cols_lo);
         acc_hl = acc_hl + outer_at(a_base, b_base, k, rows_hi, cols_lo);
         acc_lh = acc_lh + outer_at(a_base, b_base, k, rows_lo, cols_hi);

@@ -31,9 +31,29 @@ enum BMode {
     Any,
 }
 
-/// The module for reading A and B in modes `a` and `b`; `share_a` loads the A blocks once
-/// per 8-wide subgroup (only for the vec4 modes of A).
-fn source(a: AMode, b: BMode, share_a: bool) -> String {
+/// What a matmul kernel is specialised on (see shaders/matmul.wgsl): how A and B are read,
+/// whether 8-wide subgroups share the A loads (vec4 modes of A only), and two facts about the
+/// shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Specialisation {
+    a: AMode,
+    b: BMode,
+    share_a: bool,
+    /// N is a multiple of 4.
+    n_aligned: bool,
+    /// K is not a multiple of 4.
+    k_tail: bool,
+}
+
+/// The module for one specialisation.
+fn source(spec: Specialisation) -> String {
+    let Specialisation {
+        a,
+        b,
+        share_a,
+        n_aligned,
+        k_tail,
+    } = spec;
     let a_mode = match a {
         AMode::K => "k",
         AMode::M => "m",
@@ -72,6 +92,8 @@ fn source(a: AMode, b: BMode, share_a: bool) -> String {
             ("A_MODE", a_mode),
             ("B_MODE", b_mode),
             ("B_ALIGNED_COLS", aligned_cols),
+            ("N_ALIGNED", if n_aligned { "true" } else { "false" }),
+            ("K_TAIL", if k_tail { "true" } else { "false" }),
         ],
     )
 }
@@ -81,9 +103,20 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     let mut all = Vec::new();
     for a in [AMode::K, AMode::M, AMode::Any] {
         for b in [BMode::N, BMode::K, BMode::Any] {
-            all.push((format!("matmul/{a:?}{b:?}"), source(a, b, false)));
-            if a != AMode::Any {
-                all.push((format!("matmul/{a:?}{b:?}/subgroup"), source(a, b, true)));
+            for share_a in [false, true] {
+                if share_a && a == AMode::Any {
+                    continue;
+                }
+                for (n_aligned, k_tail) in [(true, false), (false, true)] {
+                    let spec = Specialisation {
+                        a,
+                        b,
+                        share_a,
+                        n_aligned,
+                        k_tail,
+                    };
+                    all.push((format!("matmul/{spec:?}"), source(spec)));
+                }
             }
         }
     }
@@ -324,14 +357,18 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             sb.cols, tiles_n, tiles_m,
         ]
         .map(|x| x as u32);
-        let key = format!(
-            "matmul/{am:?}{bm:?}{}:{entry}",
-            if share_a { "/subgroup" } else { "" }
-        );
+        let spec = Specialisation {
+            a: am,
+            b: bm,
+            share_a,
+            n_aligned: n.is_multiple_of(4),
+            k_tail: !k.is_multiple_of(4),
+        };
+        let key = format!("matmul/{spec:?}:{entry}");
         let kernel = Kernel {
             key: &key,
             entry,
-            source: &|| source(am, bm, share_a),
+            source: &|| source(spec),
         };
         let workgroups = batches * tiles_m * tiles_n;
         dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
