@@ -4,6 +4,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::seed::next_seed;
+use crate::tensor::creation::uniform_values;
 use crate::tensor::Tensor;
 
 /// A fully connected layer: `y = x W^T + b`, weight `[out, in]`, bias `[out]`.
@@ -28,10 +29,15 @@ pub struct Linear {
     pub bias: Option<Tensor>,
 }
 
-/// Uniform values in `[-bound, bound)` from the global seed, as a parameter.
+/// Uniform values in `[-bound, bound)` from the global seed, as a parameter: `Tensor::rand`'s
+/// values scaled on the host (the same f32 arithmetic a kernel would do), so that building a
+/// model compiles no kernel.
 fn uniform_parameter(shape: &[usize], bound: f32, device: &Device) -> Result<Tensor> {
-    let unit = Tensor::rand(shape, next_seed(), device)?;
-    Ok(crate::no_grad(|| unit.mul_scalar(2.0 * bound)?.sub_scalar(bound))?.requires_grad_(true))
+    let data = uniform_values(shape.iter().product(), next_seed())
+        .into_iter()
+        .map(|u| u * (2.0 * bound) - bound)
+        .collect();
+    Ok(Tensor::from_vec(data, shape, device)?.requires_grad_(true))
 }
 
 impl Linear {

@@ -108,9 +108,7 @@ impl Tensor {
 
     /// Uniform samples in `[0, 1)`, reproducible from `seed`.
     pub fn rand(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
-        let n = checked_numel("rand", shape)?;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let data: Vec<f32> = (0..n).map(|_| rng.random::<f32>()).collect();
+        let data = uniform_values(checked_numel("rand", shape)?, seed);
         upload(
             "rand",
             bytemuck::cast_slice(&data),
@@ -133,4 +131,10 @@ impl Tensor {
             device,
         )
     }
+}
+
+/// The `n` values `Tensor::rand` draws from `seed`: uniform in `[0, 1)`.
+pub(crate) fn uniform_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random::<f32>()).collect()
 }

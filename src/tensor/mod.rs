@@ -1,6 +1,6 @@
 //! `Tensor`: a cheap, thread-safe handle to a strided view of a GPU buffer.
 
-mod creation;
+pub(crate) mod creation;
 pub(crate) mod layout;
 mod storage;
 
