@@ -656,12 +656,11 @@ impl DeviceInner {
         Ok(Some(submission))
     }
 
-    /// Waits for a submission in bounded slices, so no poll holds GL's context lock long.
+    /// Waits in bounded slices, so no poll holds GL's context lock long, for `submission`, or
+    /// when there is none (nothing was open to submit) for everything submitted before: a batch
+    /// that the batch limit submitted by itself may still be running.
     fn wait(&self, submission: Option<wgpu::SubmissionIndex>) -> Result<()> {
-        let Some(submission) = submission else {
-            return self.take_error("synchronize");
-        };
-        while !self.poll_slice(Some(submission.clone()))? {}
+        while !self.poll_slice(submission.clone())? {}
         self.take_error("synchronize")
     }
 
@@ -695,5 +694,29 @@ impl DeviceInner {
             op: op.to_string(),
             msg,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Device;
+    use crate::Tensor;
+
+    /// A batch submitted by itself at the batch limit leaves no open encoder; synchronize must
+    /// still wait for it.
+    #[test]
+    fn synchronize_waits_for_a_batch_submitted_at_the_limit() {
+        let dev = Device::new().unwrap();
+        dev.synchronize().unwrap();
+        let submits = dev.stats().submits;
+        while dev.stats().submits == submits {
+            Tensor::zeros(&[1 << 22], &dev).unwrap();
+        }
+        dev.synchronize().unwrap();
+        let status = dev.inner.device.poll(wgpu::PollType::Poll).unwrap();
+        assert!(
+            status.is_queue_empty(),
+            "synchronize returned while submitted work was still running"
+        );
     }
 }
