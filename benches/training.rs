@@ -131,7 +131,14 @@ fn adam_step(c: &mut Criterion) {
             })
         });
         report(&dev, &format!("adam_step_batch_{batch}"), &mut step);
-        report_phases(&dev, &format!("adam_step_batch_{batch}"), &mlp, &mut opt, &x, &labels);
+        report_phases(
+            &dev,
+            &format!("adam_step_batch_{batch}"),
+            &mlp,
+            &mut opt,
+            &x,
+            &labels,
+        );
     }
     group.finish();
 }
