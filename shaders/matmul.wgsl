@@ -18,12 +18,10 @@
 //             of 4, row stride 1, M a multiple of 8); any: one element at a time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
-// how `register_tiled` loads the A blocks every invocation of the workgroup shares (A_PAIR):
-//   a_pair_direct: each invocation loads both blocks itself;
-//   a_pair_subgroup: on adapters whose subgroups are 8 wide (llvmpipe, where a subgroup is one
-//             SIMD group), each of the 8 lanes loads one vec4 of the two blocks and the blocks
-//             are assembled by subgroupBroadcast: 1 load instead of 8. That variant declares
-//             the lane id (SUBGROUP_LANE_PARAM) and needs the device's subgroup feature.
+// Where the device has 8-wide subgroups (llvmpipe, where a subgroup is one SIMD group), the
+// module keeps the SUBGROUP SECTION: `register_tiled_tall` and its helpers, whose 8 lanes load
+// the A blocks they share once and assemble them with subgroupBroadcast. Elsewhere the section
+// is cut out (it needs the device's subgroup feature).
 // and two facts about the shape, so that code the shape never runs is compiled out (software
 // adapters compile every load and store into a loop over lanes, and the per-element paths
 // doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group of 4
@@ -123,7 +121,7 @@ struct APair {
     hi: mat4x4<f32>,
 }
 
-fn a_pair_direct(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u32, cs: u32, lane: u32) -> APair {
+fn a_pair(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u32, cs: u32) -> APair {
     return APair(a_block_A_MODE(lo_at, rows_lo, rs, cs), a_block_A_MODE(hi_at, rows_hi, rs, cs));
 }
 
@@ -159,11 +157,6 @@ fn a_lane_at_k(a_base: u32, row0: u32, lane: u32) -> u32 {
 
 fn a_lane_at_m(a_base: u32, row0: u32, lane: u32) -> u32 {
     return a_base + min(row0 + (lane / 4u) * 4u, pu(0u) - 4u) * pu(6u) + (lane % 4u) * pu(7u);
-}
-
-// register_tiled's A blocks, loaded once per subgroup: `lo_at` is the offset of A[row0][k].
-fn a_pair_subgroup(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u32, cs: u32, lane: u32) -> APair {
-    return a_blocks_A_MODE(a[a_lane_at_A_MODE(lo_at - rows_lo.x * rs, rows_lo.x, lane) / 4u]);
 }
 
 // 16 rows x 128 columns per workgroup, on 8-wide subgroups: each subgroup shares the 16 rows,
@@ -262,7 +255,7 @@ fn outer_at(a_base: u32, b_base: u32, k: u32, rows: vec4<u32>, cols: vec4<u32>) 
 // No workgroup memory, no barriers.
 @compute @workgroup_size(32)
 fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                  @builtin(local_invocation_index) lid: u32SUBGROUP_LANE_PARAM) {
+                  @builtin(local_invocation_index) lid: u32) {
     let t = tile_of(wid, nwg, 8u, 256u);
     if (t.batch >= pu(3u)) {
         return;
@@ -278,9 +271,8 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let rows_hi = rows_from(t.row0 + 4u);
     let col_lo = t.col0 + lid * 8u;
     // Invocations past the last column have nothing to store: they leave, on CPU adapters a
-    // whole SIMD group at a time. Where the subgroup shares A loads, only whole subgroups
-    // leave (EXIT_COLUMN is then the subgroup's first column).
-    if (EXIT_COLUMN >= pu(1u)) {
+    // whole SIMD group at a time.
+    if (col_lo >= pu(1u)) {
         return;
     }
     let col_hi = col_lo + 4u;
@@ -296,7 +288,7 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     var acc_hh = mat4x4<f32>(); // rows_hi x cols_hi
     let k_main = k_len - k_len % 4u;
     for (var k = 0u; k < k_main; k = k + 4u) {
-        let a_pair = A_PAIR(a_lo + k * a_cs, a_hi + k * a_cs, rows_lo, rows_hi, a_rs, a_cs, LANE);
+        let a_pair = a_pair(a_lo + k * a_cs, a_hi + k * a_cs, rows_lo, rows_hi, a_rs, a_cs);
         let a_blk_lo = a_pair.lo;
         let a_blk_hi = a_pair.hi;
         let b_blk_lo = b_block_B_MODE(b_lo + k * b_rs, cols_lo, b_rs, b_cs);

@@ -2,7 +2,7 @@
 //! strides, so `x.matmul(&w.t()?)` reads `w` transposed without a copy.
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::{Kernel, KernelFlavor};
+use crate::device::{Device, Kernel, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::{dispatch, module_source};
@@ -15,7 +15,7 @@ const MATMUL_WGSL: &str = include_str!("../../shaders/matmul.wgsl");
 const SUBGROUP_BEGIN: &str = "// SUBGROUP SECTION BEGIN";
 const SUBGROUP_END: &str = "// SUBGROUP SECTION END";
 
-/// How `register_tiled` reads A: a vec4 along k, a vec4 along m, or element by element.
+/// How the register kernels read A: a vec4 along k, a vec4 along m, or element by element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AMode {
     K,
@@ -23,7 +23,7 @@ enum AMode {
     Any,
 }
 
-/// How `register_tiled` reads B: a vec4 along n, a vec4 along k, or element by element.
+/// How the register kernels read B: a vec4 along n, a vec4 along k, or element by element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BMode {
     N,
@@ -32,13 +32,13 @@ enum BMode {
 }
 
 /// What a matmul kernel is specialised on (see shaders/matmul.wgsl): how A and B are read,
-/// whether 8-wide subgroups share the A loads (vec4 modes of A only), and two facts about the
-/// shape.
+/// whether the module keeps the subgroup section (`register_tiled_tall`, for 8-wide subgroups
+/// and the vec4 modes of A), and two facts about the shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Specialisation {
     a: AMode,
     b: BMode,
-    share_a: bool,
+    subgroups: bool,
     /// N is a multiple of 4.
     n_aligned: bool,
     /// K is not a multiple of 4.
@@ -47,53 +47,34 @@ struct Specialisation {
 
 /// The module for one specialisation.
 fn source(spec: Specialisation) -> String {
-    let Specialisation {
-        a,
-        b,
-        share_a,
-        n_aligned,
-        k_tail,
-    } = spec;
-    let a_mode = match a {
+    let a_mode = match spec.a {
         AMode::K => "k",
         AMode::M => "m",
         AMode::Any => "any",
     };
-    let (b_mode, aligned_cols) = match b {
+    let (b_mode, aligned_cols) = match spec.b {
         BMode::N => ("n", "true"),
         BMode::K => ("k", "false"),
         BMode::Any => ("any", "false"),
     };
-    // The subgroup section (the shared A loads and the kernels that need them) is kept only
-    // where the device has subgroups; wgpu enables their built-ins with the device feature (its
-    // WGSL front end does not take `enable subgroups;` yet).
-    let (wgsl, lane_param, lane, a_pair, exit_column) = if share_a {
-        let exit = "t.col0 + (lid - lid % 8u) * 8u";
-        (
-            MATMUL_WGSL.to_string(),
-            ", @builtin(subgroup_invocation_id) sg_lane: u32",
-            "sg_lane",
-            "a_pair_subgroup",
-            exit,
-        )
+    // wgpu enables the subgroup built-ins with the device feature (its WGSL front end does not
+    // take `enable subgroups;` yet); without it the section must go.
+    let wgsl = if spec.subgroups {
+        MATMUL_WGSL.to_string()
     } else {
         let begin = MATMUL_WGSL.find(SUBGROUP_BEGIN).expect("marked section");
         let end = MATMUL_WGSL.find(SUBGROUP_END).expect("marked section") + SUBGROUP_END.len();
-        let without = format!("{}{}", &MATMUL_WGSL[..begin], &MATMUL_WGSL[end..]);
-        (without, "", "0u", "a_pair_direct", "col_lo")
+        format!("{}{}", &MATMUL_WGSL[..begin], &MATMUL_WGSL[end..])
     };
+    let flag = |on: bool| if on { "true" } else { "false" };
     module_source(
         &wgsl,
         &[
-            ("SUBGROUP_LANE_PARAM", lane_param),
-            ("EXIT_COLUMN", exit_column),
-            ("A_PAIR", a_pair),
-            ("LANE", lane),
             ("A_MODE", a_mode),
             ("B_MODE", b_mode),
             ("B_ALIGNED_COLS", aligned_cols),
-            ("N_ALIGNED", if n_aligned { "true" } else { "false" }),
-            ("K_TAIL", if k_tail { "true" } else { "false" }),
+            ("N_ALIGNED", flag(spec.n_aligned)),
+            ("K_TAIL", flag(spec.k_tail)),
         ],
     )
 }
@@ -103,15 +84,15 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     let mut all = Vec::new();
     for a in [AMode::K, AMode::M, AMode::Any] {
         for b in [BMode::N, BMode::K, BMode::Any] {
-            for share_a in [false, true] {
-                if share_a && a == AMode::Any {
+            for subgroups in [false, true] {
+                if subgroups && a == AMode::Any {
                     continue;
                 }
                 for (n_aligned, k_tail) in [(true, false), (false, true)] {
                     let spec = Specialisation {
                         a,
                         b,
-                        share_a,
+                        subgroups,
                         n_aligned,
                         k_tail,
                     };
@@ -161,11 +142,47 @@ fn b_mode(b: &Strides, n: usize) -> BMode {
     }
 }
 
-/// The device's matmul kernel: entry point and output tile (rows, columns).
-fn kernel_for(t: &Tensor) -> (&'static str, usize, usize) {
-    match t.device().kernel_flavor() {
-        KernelFlavor::Cpu => ("register_tiled", 8, 256),
-        KernelFlavor::Gpu => ("shared_tiled", 64, 64),
+/// A matmul kernel: its entry point, the output tile one workgroup computes, and the module's
+/// specialisation (the shape facts still to fill in).
+struct KernelChoice {
+    entry: &'static str,
+    tile_rows: usize,
+    tile_cols: usize,
+    spec: Specialisation,
+}
+
+/// The kernel for this device and these operand layouts. GPUs stage panels in workgroup
+/// memory. Software adapters keep the outputs in registers and pay per load: where subgroups
+/// are 8 wide (one SIMD group) and A can be read four at a time, its loads are shared across
+/// the subgroup and each invocation keeps 16 x 4 outputs (a third fewer loads per multiply-add
+/// than 8 x 8); otherwise each invocation loads its own A and keeps 8 x 8.
+fn kernel_for(device: &Device, a: AMode, b: BMode) -> KernelChoice {
+    let spec = |a, b, subgroups| Specialisation {
+        a,
+        b,
+        subgroups,
+        n_aligned: false,
+        k_tail: false,
+    };
+    match device.kernel_flavor() {
+        KernelFlavor::Gpu => KernelChoice {
+            entry: "shared_tiled",
+            tile_rows: 64,
+            tile_cols: 64,
+            spec: spec(AMode::Any, BMode::Any, false),
+        },
+        KernelFlavor::Cpu if a != AMode::Any && device.subgroup_size() == Some(8) => KernelChoice {
+            entry: "register_tiled_tall",
+            tile_rows: 16,
+            tile_cols: 128,
+            spec: spec(a, b, true),
+        },
+        KernelFlavor::Cpu => KernelChoice {
+            entry: "register_tiled",
+            tile_rows: 8,
+            tile_cols: 256,
+            spec: spec(a, b, false),
+        },
     }
 }
 
@@ -307,7 +324,7 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             })
         }
     };
-    // A narrow product wastes most of register_tiled's 256-column tiles: compute
+    // A narrow product wastes most of the register kernels' 128- or 256-column tiles: compute
     // out^T = b^T a^T instead, which lays the long side along the tiles' columns, and return
     // its transpose (a view).
     if this.device().kernel_flavor() == KernelFlavor::Cpu && n < 64 && m > n {
@@ -328,7 +345,6 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     }
     let out = Tensor::empty(OP, &out_shape, DType::F32, this.device())?;
     if out.numel() > 0 {
-        let (mut entry, mut tile_rows, mut tile_cols) = kernel_for(this);
         let r = a.rank();
         let strides = |t: &Tensor, batch: u32| Strides {
             offset: t.layout().offset,
@@ -337,37 +353,22 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             cols: t.layout().strides[r - 1],
         };
         let (sa, sb) = (strides(&a, a_batch_stride), strides(&b, b_batch_stride));
-        let (am, bm) = match entry {
-            "register_tiled" => (a_mode(&sa, m), b_mode(&sb, n)),
-            _ => (AMode::Any, BMode::Any),
-        };
-        // On 8-wide subgroups (llvmpipe's SIMD groups) the shared A blocks are loaded once per
-        // subgroup instead of once per invocation.
-        let share_a = entry == "register_tiled"
-            && am != AMode::Any
-            && this.device().subgroup_size() == Some(8);
-        // With A shared, 16 rows x 4 columns per invocation need a third fewer loads per
-        // multiply-add than 8 x 8 (loads are what a software adapter pays for).
-        if share_a {
-            (entry, tile_rows, tile_cols) = ("register_tiled_tall", 16, 128);
-        }
-        let (tiles_m, tiles_n) = (m.div_ceil(tile_rows), n.div_ceil(tile_cols));
+        let choice = kernel_for(this.device(), a_mode(&sa, m), b_mode(&sb, n));
+        let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
         let params = [
             m, n, k, batches, sa.offset, sa.batch, sa.rows, sa.cols, sb.offset, sb.batch, sb.rows,
             sb.cols, tiles_n, tiles_m,
         ]
         .map(|x| x as u32);
         let spec = Specialisation {
-            a: am,
-            b: bm,
-            share_a,
             n_aligned: n.is_multiple_of(4),
             k_tail: !k.is_multiple_of(4),
+            ..choice.spec
         };
-        let key = format!("matmul/{spec:?}:{entry}");
+        let key = format!("matmul/{spec:?}:{}", choice.entry);
         let kernel = Kernel {
             key: &key,
-            entry,
+            entry: choice.entry,
             source: &|| source(spec),
         };
         let workgroups = batches * tiles_m * tiles_n;
