@@ -18,14 +18,16 @@
 //             of 4, row stride 1, M a multiple of 8); any: one element at a time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
+// It also splices two facts about the shape, so that code the shape never runs is compiled out
+// (software adapters compile every load and store into a loop over lanes, and the per-element
+// paths doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group
+// of 4 is one vec4 store) and K_TAIL (K not a multiple of 4: the last K % 4 steps run one at a
+// time).
+//
 // Where the device has 8-wide subgroups (llvmpipe, where a subgroup is one SIMD group), the
 // module keeps the SUBGROUP SECTION: `register_tiled_tall` and its helpers, whose 8 lanes load
 // the A blocks they share once and assemble them with subgroupBroadcast. Elsewhere the section
 // is cut out (it needs the device's subgroup feature).
-// and two facts about the shape, so that code the shape never runs is compiled out (software
-// adapters compile every load and store into a loop over lanes, and the per-element paths
-// doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group of 4
-// is one vec4 store) and K_TAIL (K not a multiple of 4: the last K % 4 steps run one at a time).
 
 @group(0) @binding(1) var<storage, read> a: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<f32>>;
@@ -148,9 +150,9 @@ fn a_blocks_m(v: vec4<f32>) -> APair {
     return APair(broadcast_lo(v), broadcast_hi(v));
 }
 
-// Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8, where `base` is
-// the offset of A[0][k] (see a_blocks_*). Rows past the last are clamped to valid ones, whose
-// results are never stored.
+// Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8 at step k = 0
+// (see a_blocks_*; step k adds k times A's col stride); `a_base` is the batch's A[0][0]. Rows
+// past the last are clamped to valid ones, whose results are never stored.
 fn a_lane_at_k(a_base: u32, row0: u32, lane: u32) -> u32 {
     return a_base + min(row0 + lane, pu(0u) - 1u) * pu(6u);
 }
