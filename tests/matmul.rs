@@ -184,13 +184,17 @@ fn matmul_of_mismatched_inner_dims_names_both_shapes() {
 #[test]
 fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
     // Row-major and transposed storage for each operand, at sizes that allow four-wide reads
-    // (multiples of 4 and 8) and at ragged ones, with a k that leaves a remainder of 4.
+    // (multiples of 4 and 8) and at ragged ones, with a k that leaves a remainder of 4, and
+    // with four-wide reads of A but an N that is not a multiple of 4 (ragged output rows; wide
+    // enough, or M small enough, that the product is not computed transposed).
     for (batch, m, k, n) in [
         (1, 16, 12, 20),
         (2, 24, 9, 36),
         (1, 40, 64, 12),
         (3, 8, 5, 4),
         (1, 13, 7, 6),
+        (1, 16, 8, 66),
+        (2, 8, 12, 10),
     ] {
         let da = random_vec(batch * m * k, 21);
         let db = random_vec(batch * k * n, 22);
