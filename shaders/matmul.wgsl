@@ -140,14 +140,18 @@ fn broadcast_hi(v: vec4<f32>) -> mat4x4<f32> {
                        subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
 }
 
-// The two 4x4 A blocks of 8 rows from one vec4 per lane: in k mode lane l loaded row l at
-// k..k+4; in m mode lane l loaded rows 4 (l / 4) .. +4 at k + l % 4.
+// The two 4x4 A blocks of 8 rows from one vec4 per lane: in k and any modes lane l loaded row
+// l at k..k+4; in m mode lane l loaded rows 4 (l / 4) .. +4 at k + l % 4.
 fn a_blocks_k(v: vec4<f32>) -> APair {
     return APair(transpose(broadcast_lo(v)), transpose(broadcast_hi(v)));
 }
 
 fn a_blocks_m(v: vec4<f32>) -> APair {
     return APair(broadcast_lo(v), broadcast_hi(v));
+}
+
+fn a_blocks_any(v: vec4<f32>) -> APair {
+    return a_blocks_k(v);
 }
 
 // Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8 at step k = 0
@@ -159,6 +163,26 @@ fn a_lane_at_k(a_base: u32, row0: u32, lane: u32) -> u32 {
 
 fn a_lane_at_m(a_base: u32, row0: u32, lane: u32) -> u32 {
     return a_base + min(row0 + (lane / 4u) * 4u, pu(0u) - 4u) * pu(6u) + (lane % 4u) * pu(7u);
+}
+
+fn a_lane_at_any(a_base: u32, row0: u32, lane: u32) -> u32 {
+    return a_lane_at_k(a_base, row0, lane);
+}
+
+// The vec4 a lane loads at step k (`at` from a_lane_at_*, `cs` A's col stride): one aligned
+// load in k and m modes, four element loads in any mode (still once per subgroup, not per
+// invocation).
+fn a_lane_load_k(at: u32, k: u32, cs: u32) -> vec4<f32> {
+    return a[(at + k * cs) / 4u];
+}
+
+fn a_lane_load_m(at: u32, k: u32, cs: u32) -> vec4<f32> {
+    return a[(at + k * cs) / 4u];
+}
+
+fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
+    let o = at + k * cs;
+    return vec4<f32>(a_at(o), a_at(o + cs), a_at(o + 2u * cs), a_at(o + 3u * cs));
 }
 
 // 16 rows x 128 columns per workgroup, on 8-wide subgroups: each subgroup shares the 16 rows,
@@ -193,8 +217,8 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     var acc3 = mat4x4<f32>();
     let k_main = k_len - k_len % 4u;
     for (var k = 0u; k < k_main; k = k + 4u) {
-        let lo = a_blocks_A_MODE(a[(a_lo + k * a_cs) / 4u]);
-        let hi = a_blocks_A_MODE(a[(a_hi + k * a_cs) / 4u]);
+        let lo = a_blocks_A_MODE(a_lane_load_A_MODE(a_lo, k, a_cs));
+        let hi = a_blocks_A_MODE(a_lane_load_A_MODE(a_hi, k, a_cs));
         let b_blk = b_block_B_MODE(b_at + k * b_rs, cols, b_rs, pu(11u));
         acc0 = acc0 + lo.lo * b_blk;
         acc1 = acc1 + lo.hi * b_blk;

@@ -32,8 +32,8 @@ enum BMode {
 }
 
 /// What a matmul kernel is specialised on (see shaders/matmul.wgsl): how A and B are read,
-/// whether the module keeps the subgroup section (`register_tiled_tall`, for 8-wide subgroups
-/// and the vec4 modes of A), and two facts about the shape.
+/// whether the module keeps the subgroup section (`register_tiled_tall`, for 8-wide
+/// subgroups), and two facts about the shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Specialisation {
     a: AMode,
@@ -85,9 +85,6 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     for a in [AMode::K, AMode::M, AMode::Any] {
         for b in [BMode::N, BMode::K, BMode::Any] {
             for subgroups in [false, true] {
-                if subgroups && a == AMode::Any {
-                    continue;
-                }
                 for (n_aligned, k_tail) in [(true, false), (false, true)] {
                     let spec = Specialisation {
                         a,
@@ -153,9 +150,9 @@ struct KernelChoice {
 
 /// The kernel for this device and these operand layouts. GPUs stage panels in workgroup
 /// memory. Software adapters keep the outputs in registers and pay per load: where subgroups
-/// are 8 wide (one SIMD group) and A can be read four at a time, its loads are shared across
-/// the subgroup and each invocation keeps 16 x 4 outputs (a third fewer loads per multiply-add
-/// than 8 x 8); otherwise each invocation loads its own A and keeps 8 x 8.
+/// are 8 wide (one SIMD group), the A loads are shared across the subgroup and each invocation
+/// keeps 16 x 4 outputs (a third fewer loads per multiply-add than 8 x 8); otherwise each
+/// invocation loads its own A and keeps 8 x 8.
 fn kernel_for(device: &Device, a: AMode, b: BMode) -> KernelChoice {
     let spec = |a, b, subgroups| Specialisation {
         a,
@@ -171,7 +168,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode) -> KernelChoice {
             tile_cols: 64,
             spec: spec(AMode::Any, BMode::Any, false),
         },
-        KernelFlavor::Cpu if a != AMode::Any && device.subgroup_size() == Some(8) => KernelChoice {
+        KernelFlavor::Cpu if device.subgroup_size() == Some(8) => KernelChoice {
             entry: "register_tiled_tall",
             tile_rows: 16,
             tile_cols: 128,
