@@ -18,8 +18,8 @@ use pipelines::PipelineCache;
 pub(crate) use pool::size_class;
 use pool::BufferPool;
 
-/// Bytes of uniform parameters each dispatch may pass (63 `u32`s and a reserved 0), and the stride between
-/// dispatches in the per-batch parameter buffer.
+/// Bytes of uniform parameters each dispatch may pass (63 `u32`s and a reserved 0), and the
+/// stride between dispatches in the per-batch parameter buffer.
 pub(crate) const PARAMS_BYTES: u64 = 256;
 
 /// The most workgroups a dispatch may have along one dimension (WebGPU's default limit).
