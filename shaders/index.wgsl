@@ -15,10 +15,12 @@ fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         return;
     }
     let base = pu(2u) + row * pu(3u);
+    let k_len = pu(1u);
+    let ks = pu(4u);
     var best = bitcast<f32>(src[base]);
     var best_k = 0u;
-    for (var k = 1u; k < pu(1u); k = k + 1u) {
-        let v = bitcast<f32>(src[base + k * pu(4u)]);
+    for (var k = 1u; k < k_len; k = k + 1u) {
+        let v = bitcast<f32>(src[base + k * ks]);
         if (v > best) {
             best = v;
             best_k = k;

@@ -206,9 +206,10 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let a_cs = pu(7u);
     let b_base = pu(8u) + t.batch * pu(9u);
     let b_rs = pu(10u);
+    let b_cs = pu(11u);
     let col = t.col0 + lid * 4u;
     let cols = cols_from(col);
-    let b_at = b_base + cols.x * pu(11u);
+    let b_at = b_base + cols.x * b_cs;
     let a_lo = a_lane_at_A_MODE(a_base, t.row0, lane);
     let a_hi = a_lane_at_A_MODE(a_base, t.row0 + 8u, lane);
     var acc0 = mat4x4<f32>(); // rows row0 .. row0 + 4
@@ -219,7 +220,7 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     for (var k = 0u; k < k_main; k = k + 4u) {
         let lo = a_blocks_A_MODE(a_lane_load_A_MODE(a_lo, k, a_cs));
         let hi = a_blocks_A_MODE(a_lane_load_A_MODE(a_hi, k, a_cs));
-        let b_blk = b_block_B_MODE(b_at + k * b_rs, cols, b_rs, pu(11u));
+        let b_blk = b_block_B_MODE(b_at + k * b_rs, cols, b_rs, b_cs);
         acc0 = acc0 + lo.lo * b_blk;
         acc1 = acc1 + lo.hi * b_blk;
         acc2 = acc2 + hi.lo * b_blk;
@@ -361,7 +362,11 @@ fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let n = pu(1u);
     let k_len = pu(2u);
     let a_base = pu(4u) + t.batch * pu(5u);
+    let a_rs = pu(6u);
+    let a_cs = pu(7u);
     let b_base = pu(8u) + t.batch * pu(9u);
+    let b_rs = pu(10u);
+    let b_cs = pu(11u);
     let tr = (lid / 16u) * 4u;
     let tc = (lid % 16u) * 4u;
     var acc0 = vec4<f32>(0.0);
@@ -379,11 +384,11 @@ fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             let c = t.col0 + rc;
             var av = 0.0;
             if (k < k_len && r < m) {
-                av = a_at(a_base + r * pu(6u) + k * pu(7u));
+                av = a_at(a_base + r * a_rs + k * a_cs);
             }
             var bv = 0.0;
             if (k < k_len && c < n) {
-                bv = b_at(b_base + k * pu(10u) + c * pu(11u));
+                bv = b_at(b_base + k * b_rs + c * b_cs);
             }
             a_panel[e] = av;
             b_panel[e] = bv;
