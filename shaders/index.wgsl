@@ -61,11 +61,13 @@ fn gather(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let idx = min(indices[pu(3u) + i], pu(4u) - 1u);
     var rem = i;
     var off = pu(2u);
-    for (var k = 0u; k < pu(5u); k = k + 1u) {
+    let rank = pu(5u);
+    let dim = pu(1u);
+    for (var k = 0u; k < rank; k = k + 1u) {
         let d = 5u - k;
         let n = pu(6u + d);
         var coord = rem % n;
-        if (d == pu(1u)) {
+        if (d == dim) {
             coord = idx;
         }
         off = off + coord * pu(12u + d);
@@ -90,10 +92,12 @@ fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     let o = i / (dim_size * inner);
     let p = (i / inner) % dim_size;
     let selected = pu(1u);
+    let src_offset = pu(4u);
+    let indices_offset = pu(5u);
     var acc = 0.0;
     for (var j = 0u; j < selected; j = j + 1u) {
-        if (indices[pu(5u) + j] == p) {
-            acc = acc + bitcast<f32>(src[pu(4u) + (o * selected + j) * inner + i % inner]);
+        if (indices[indices_offset + j] == p) {
+            acc = acc + bitcast<f32>(src[src_offset + (o * selected + j) * inner + i % inner]);
         }
     }
     dst[i] = bitcast<u32>(acc);
@@ -136,11 +140,14 @@ fn gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         }
         stride = stride * n;
     }
+    let count = pu(12u + dim);
+    let src_offset = pu(2u);
+    let indices_offset = pu(3u);
     var acc = 0.0;
-    for (var j = 0u; j < pu(12u + dim); j = j + 1u) {
+    for (var j = 0u; j < count; j = j + 1u) {
         let at = base + j * dim_stride;
-        if (indices[pu(3u) + at] == coord[dim]) {
-            acc = acc + bitcast<f32>(src[pu(2u) + at]);
+        if (indices[indices_offset + at] == coord[dim]) {
+            acc = acc + bitcast<f32>(src[src_offset + at]);
         }
     }
     dst[i] = bitcast<u32>(acc);
