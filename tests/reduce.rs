@@ -4,7 +4,8 @@ mod common;
 use common::*;
 use wgrad::{Error, Tensor};
 
-const SIZES: [usize; 9] = [0, 1, 7, 255, 256, 257, 1023, 4097, 70001];
+// The acceptance sizes of the foundation issue, plus 70004: four-wide reads over several workgroups with a partial last one.
+const SIZES: [usize; 10] = [0, 1, 7, 255, 256, 257, 1023, 4097, 70001, 70004];
 
 /// Reference reduction of `data` (shape `shape`) over `dims` with `f` starting from `init`.
 fn reduce_ref(
