@@ -177,7 +177,7 @@ fn a_lane_load_k(at: u32, k: u32, cs: u32) -> vec4<f32> {
 }
 
 fn a_lane_load_m(at: u32, k: u32, cs: u32) -> vec4<f32> {
-    return a[(at + k * cs) / 4u];
+    return a_lane_load_k(at, k, cs);
 }
 
 fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {

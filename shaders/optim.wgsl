@@ -32,9 +32,14 @@ fn units(n: u32) -> u32 {
     return (n + 3u) / 4u;
 }
 
+// How many lanes of vec4 `u` lie inside a tensor of `n` elements.
+fn lanes(u: u32, n: u32) -> u32 {
+    return min(n - 4u * u, 4u);
+}
+
 // Stores the lanes of vec4 `u` that lie inside a tensor of `n` elements.
 fn store_param(u: u32, n: u32, v: vec4<f32>) {
-    let k = min(n - 4u * u, 4u);
+    let k = lanes(u, n);
     if (k == 4u) {
         param[u] = v;
         return;
@@ -45,7 +50,7 @@ fn store_param(u: u32, n: u32, v: vec4<f32>) {
 }
 
 fn store_state1(u: u32, n: u32, v: vec4<f32>) {
-    let k = min(n - 4u * u, 4u);
+    let k = lanes(u, n);
     if (k == 4u) {
         state1[u] = v;
         return;
@@ -56,7 +61,7 @@ fn store_state1(u: u32, n: u32, v: vec4<f32>) {
 }
 
 fn store_state2(u: u32, n: u32, v: vec4<f32>) {
-    let k = min(n - 4u * u, 4u);
+    let k = lanes(u, n);
     if (k == 4u) {
         state2[u] = v;
         return;
