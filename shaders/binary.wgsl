@@ -24,19 +24,14 @@ fn rhs_at(i: u32) -> f32 {
     return rhs[i / 4u][i % 4u];
 }
 
-// params: 0 n, 1 lhs offset, 2 rhs offset, 3 rank, 4..10 shape, 10..16 lhs strides,
-//         16..22 rhs strides; `contiguous` and `repeated` only: 22 vec4 (1 when n, both
-//         offsets and, for `repeated`, both periods are multiples of 4); `repeated` only:
-//         23 lhs period, 24 rhs period. An operand with period p is a dense run of p elements
-//         repeated along leading dims (a bias row): element i reads its element i % p; period n
-//         means no repetition.
+// Params: `BinaryParams` (src/ops/binary.rs).
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let n = pu(0u);
-    let la = pu(1u);
-    let lb = pu(2u);
-    if (pu(22u) == 1u) {
+    let n = pu(BINARY_N);
+    let la = pu(BINARY_LHS_OFFSET);
+    let lb = pu(BINARY_RHS_OFFSET);
+    if (pu(BINARY_VEC4) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
         for (var j = 0u; j < per_group / 256u; j = j + 1u) {
             let i = contiguous_item(wid, nwg, lid, j, per_group);
@@ -61,12 +56,12 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 @compute @workgroup_size(256)
 fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
-    let n = pu(0u);
-    let la = pu(1u);
-    let lb = pu(2u);
-    let pa = pu(23u);
-    let pb = pu(24u);
-    if (pu(22u) == 1u) {
+    let n = pu(BINARY_N);
+    let la = pu(BINARY_LHS_OFFSET);
+    let lb = pu(BINARY_RHS_OFFSET);
+    let pa = pu(BINARY_LHS_PERIOD);
+    let pb = pu(BINARY_RHS_PERIOD);
+    if (pu(BINARY_VEC4) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
         for (var j = 0u; j < per_group / 256u; j = j + 1u) {
             let i = contiguous_item(wid, nwg, lid, j, per_group);
@@ -90,11 +85,11 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
+    if (i >= pu(BINARY_N)) {
         return;
     }
-    let rank = pu(3u);
-    let a = lhs_at(pu(1u) + strided_offset(i, rank, 4u, 10u));
-    let b = rhs_at(pu(2u) + strided_offset(i, rank, 4u, 16u));
+    let rank = pu(BINARY_RANK);
+    let a = lhs_at(pu(BINARY_LHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_LHS_STRIDES));
+    let b = rhs_at(pu(BINARY_RHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_RHS_STRIDES));
     dst[i / 4u][i % 4u] = op(a, b);
 }

@@ -1,5 +1,6 @@
 // Prepended to every wgrad kernel: the uniform parameter block at binding 0 and index helpers.
-// Each kernel documents which parameter slot holds what.
+// Each kernel's params are a Rust struct (`kernel_params!`); the module gets a named slot
+// constant per field, read with `pu(NAME)`.
 
 struct Params {
     v: array<vec4<u32>, 16>,

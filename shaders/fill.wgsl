@@ -2,13 +2,13 @@
 
 @group(0) @binding(1) var<storage, read_write> dst: array<f32>;
 
-// params: 0 n, 1 start (f32), 2 step (f32)
+// Params: `FillParams` (src/ops/copy.rs).
 @compute @workgroup_size(256)
 fn fill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
+    if (i >= pu(FILL_N)) {
         return;
     }
-    dst[i] = pf(1u) + pf(2u) * f32(i);
+    dst[i] = pf(FILL_START) + pf(FILL_STEP) * f32(i);
 }

@@ -6,17 +6,16 @@
 @group(0) @binding(3) var<storage, read> indices: array<u32>;
 
 // The index of the first maximum of each row of an [M, K] strided view.
-// params: 0 M, 1 K, 2 offset, 3 row stride, 4 k stride
 @compute @workgroup_size(256)
 fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg) * 256u + lid;
-    if (row >= pu(0u)) {
+    if (row >= pu(ARGMAX_ROWS)) {
         return;
     }
-    let base = pu(2u) + row * pu(3u);
-    let k_len = pu(1u);
-    let ks = pu(4u);
+    let base = pu(ARGMAX_OFFSET) + row * pu(ARGMAX_ROW_STRIDE);
+    let k_len = pu(ARGMAX_LEN);
+    let ks = pu(ARGMAX_K_STRIDE);
     var best = bitcast<f32>(src[base]);
     var best_k = 0u;
     for (var k = 1u; k < k_len; k = k + 1u) {
@@ -31,46 +30,43 @@ fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 
 // index_select of a contiguous tensor seen as [outer, dim, inner]:
 // dst[o, j, i] = src[o, indices[j], i].
-// params: 0 n, 1 selected count, 2 inner, 3 dim size, 4 src offset, 5 indices offset
 @compute @workgroup_size(256)
 fn index_select(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
+    if (i >= pu(INDEX_SELECT_N)) {
         return;
     }
-    let inner = pu(2u);
-    let selected = pu(1u);
+    let inner = pu(INDEX_SELECT_INNER);
+    let selected = pu(INDEX_SELECT_SELECTED);
     let o = i / (selected * inner);
     let j = (i / inner) % selected;
-    let idx = min(indices[pu(5u) + j], pu(3u) - 1u);
-    dst[i] = src[pu(4u) + (o * pu(3u) + idx) * inner + i % inner];
+    let idx = min(indices[pu(INDEX_SELECT_INDICES_OFFSET) + j], pu(INDEX_SELECT_DIM_SIZE) - 1u);
+    dst[i] = src[pu(INDEX_SELECT_SRC_OFFSET) + (o * pu(INDEX_SELECT_DIM_SIZE) + idx) * inner + i % inner];
 }
 
 // gather along `dim`: dst[..., j, ...] = src[..., indices[..., j, ...], ...], with dst shaped
 // like the (contiguous) indices and src read through its strides.
-// params: 0 n, 1 dim (0..6, counted in the padded 6 dims), 2 src offset, 3 indices offset,
-//         4 size of src along dim, 5 rank, 6..12 shape of indices, 12..18 src strides
 @compute @workgroup_size(256)
 fn gather(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
+    if (i >= pu(GATHER_N)) {
         return;
     }
-    let idx = min(indices[pu(3u) + i], pu(4u) - 1u);
+    let idx = min(indices[pu(GATHER_INDICES_OFFSET) + i], pu(GATHER_SRC_DIM_SIZE) - 1u);
     var rem = i;
-    var off = pu(2u);
-    let rank = pu(5u);
-    let dim = pu(1u);
+    var off = pu(GATHER_SRC_OFFSET);
+    let rank = pu(GATHER_RANK);
+    let dim = pu(GATHER_DIM);
     for (var k = 0u; k < rank; k = k + 1u) {
         let d = 5u - k;
-        let n = pu(6u + d);
+        let n = pu(GATHER_SHAPE + d);
         var coord = rem % n;
         if (d == dim) {
             coord = idx;
         }
-        off = off + coord * pu(12u + d);
+        off = off + coord * pu(GATHER_SRC_STRIDES + d);
         rem = rem / n;
     }
     dst[i] = src[off];
@@ -79,21 +75,20 @@ fn gather(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 // The grad of index_select: dst[o, p, i] = sum of src[o, j, i] over the j with indices[j] == p,
 // for src (the incoming grad, contiguous [outer, selected, inner]) and dst contiguous
 // [outer, dim size, inner]. One invocation per dst element, so repeated indices need no atomics.
-// params: 0 n (dst elements), 1 selected count, 2 inner, 3 dim size, 4 src offset, 5 indices offset
 @compute @workgroup_size(256)
 fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
+    if (i >= pu(INDEX_SELECT_N)) {
         return;
     }
-    let inner = pu(2u);
-    let dim_size = pu(3u);
+    let inner = pu(INDEX_SELECT_INNER);
+    let dim_size = pu(INDEX_SELECT_DIM_SIZE);
     let o = i / (dim_size * inner);
     let p = (i / inner) % dim_size;
-    let selected = pu(1u);
-    let src_offset = pu(4u);
-    let indices_offset = pu(5u);
+    let selected = pu(INDEX_SELECT_SELECTED);
+    let src_offset = pu(INDEX_SELECT_SRC_OFFSET);
+    let indices_offset = pu(INDEX_SELECT_INDICES_OFFSET);
     var acc = 0.0;
     for (var j = 0u; j < selected; j = j + 1u) {
         if (indices[indices_offset + j] == p) {
@@ -107,20 +102,18 @@ fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
 // indices[c with dim -> j] == c[dim], where src (the incoming grad) and indices are contiguous
 // with the indices' shape, and dst is contiguous with the input's shape. Positions outside the
 // indices' extent get 0.
-// params: 0 n (dst elements), 1 dim (in the padded 6 dims), 2 src offset, 3 indices offset,
-//         4 rank, 6..12 dst shape, 12..18 indices shape
 @compute @workgroup_size(256)
 fn gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
+    if (i >= pu(GATHER_BACKWARD_N)) {
         return;
     }
-    let dim = pu(1u);
+    let dim = pu(GATHER_BACKWARD_DIM);
     var coord: array<u32, 6>;
     var rem = i;
     for (var d = 5; d >= 0; d = d - 1) {
-        let n = pu(6u + u32(d));
+        let n = pu(GATHER_BACKWARD_DST_SHAPE + u32(d));
         coord[d] = rem % n;
         rem = rem / n;
     }
@@ -129,7 +122,7 @@ fn gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     var stride = 1u;
     var dim_stride = 1u;
     for (var d = 5; d >= 0; d = d - 1) {
-        let n = pu(12u + u32(d));
+        let n = pu(GATHER_BACKWARD_INDICES_SHAPE + u32(d));
         if (u32(d) == dim) {
             dim_stride = stride;
         } else if (coord[d] >= n) {
@@ -140,9 +133,9 @@ fn gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         }
         stride = stride * n;
     }
-    let count = pu(12u + dim);
-    let src_offset = pu(2u);
-    let indices_offset = pu(3u);
+    let count = pu(GATHER_BACKWARD_INDICES_SHAPE + dim);
+    let src_offset = pu(GATHER_BACKWARD_SRC_OFFSET);
+    let indices_offset = pu(GATHER_BACKWARD_INDICES_OFFSET);
     var acc = 0.0;
     for (var j = 0u; j < count; j = j + 1u) {
         let at = base + j * dim_stride;

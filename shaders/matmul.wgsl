@@ -1,8 +1,6 @@
 // Batched matrix multiply out[b] = A[b] x B[b], with A and B read through strides (so a
 // transposed view needs no copy) and out contiguous [batch, M, N].
-// params: 0 M, 1 N, 2 K, 3 batch, 4 A offset, 5 A batch stride, 6 A row stride,
-//         7 A col stride, 8 B offset, 9 B batch stride, 10 B row stride, 11 B col stride,
-//         12 column tiles, 13 row tiles
+// Params: `MatmulParams` (src/ops/matmul.rs).
 //
 // Three kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
 // uses no workgroup memory or barriers (software adapters run barriers as coroutine switches,
@@ -50,17 +48,17 @@ struct Tile {
 // Which batch and which tile of `tile_rows` x `tile_cols` outputs this workgroup computes.
 fn tile_of(wid: vec3<u32>, nwg: vec3<u32>, tile_rows: u32, tile_cols: u32) -> Tile {
     let w = workgroup_index(wid, nwg);
-    let per_batch = pu(12u) * pu(13u);
+    let per_batch = pu(MATMUL_COL_TILES) * pu(MATMUL_ROW_TILES);
     let in_batch = w % per_batch;
-    return Tile(w / per_batch, (in_batch / pu(12u)) * tile_rows, (in_batch % pu(12u)) * tile_cols);
+    return Tile(w / per_batch, (in_batch / pu(MATMUL_COL_TILES)) * tile_rows, (in_batch % pu(MATMUL_COL_TILES)) * tile_cols);
 }
 
 // Writes out[row][col..col+4], skipping rows and columns past the edge. `col` is a multiple of
 // 4, so when N is too (N_ALIGNED) each group of 4 is whole and aligned: one vec4 store, and the
 // per-element path is compiled out.
 fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
-    let m = pu(0u);
-    let n = pu(1u);
+    let m = pu(MATMUL_M);
+    let n = pu(MATMUL_N);
     if (row >= m || col >= n) {
         return;
     }
@@ -158,11 +156,11 @@ fn a_blocks_any(v: vec4<f32>) -> APair {
 // (see a_blocks_*; step k adds k times A's col stride); `a_base` is the batch's A[0][0]. Rows
 // past the last are clamped to valid ones, whose results are never stored.
 fn a_lane_at_k(a_base: u32, row0: u32, lane: u32) -> u32 {
-    return a_base + min(row0 + lane, pu(0u) - 1u) * pu(6u);
+    return a_base + min(row0 + lane, pu(MATMUL_M) - 1u) * pu(MATMUL_A_ROW_STRIDE);
 }
 
 fn a_lane_at_m(a_base: u32, row0: u32, lane: u32) -> u32 {
-    return a_base + min(row0 + (lane / 4u) * 4u, pu(0u) - 4u) * pu(6u) + (lane % 4u) * pu(7u);
+    return a_base + min(row0 + (lane / 4u) * 4u, pu(MATMUL_M) - 4u) * pu(MATMUL_A_ROW_STRIDE) + (lane % 4u) * pu(MATMUL_A_COL_STRIDE);
 }
 
 fn a_lane_at_any(a_base: u32, row0: u32, lane: u32) -> u32 {
@@ -194,19 +192,19 @@ fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
 fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
     let t = tile_of(wid, nwg, 16u, 128u);
-    if (t.batch >= pu(3u)) {
+    if (t.batch >= pu(MATMUL_BATCHES)) {
         return;
     }
     // Whole subgroups past the last column leave (the others share their A loads).
-    if (t.col0 + (lid - lid % 8u) * 4u >= pu(1u)) {
+    if (t.col0 + (lid - lid % 8u) * 4u >= pu(MATMUL_N)) {
         return;
     }
-    let k_len = pu(2u);
-    let a_base = pu(4u) + t.batch * pu(5u);
-    let a_cs = pu(7u);
-    let b_base = pu(8u) + t.batch * pu(9u);
-    let b_rs = pu(10u);
-    let b_cs = pu(11u);
+    let k_len = pu(MATMUL_K);
+    let a_base = pu(MATMUL_A_OFFSET) + t.batch * pu(MATMUL_A_BATCH_STRIDE);
+    let a_cs = pu(MATMUL_A_COL_STRIDE);
+    let b_base = pu(MATMUL_B_OFFSET) + t.batch * pu(MATMUL_B_BATCH_STRIDE);
+    let b_rs = pu(MATMUL_B_ROW_STRIDE);
+    let b_cs = pu(MATMUL_B_COL_STRIDE);
     let col = t.col0 + lid * 4u;
     let cols = cols_from(col);
     let b_at = b_base + cols.x * b_cs;
@@ -237,7 +235,7 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let r1 = transpose(acc1);
     let r2 = transpose(acc2);
     let r3 = transpose(acc3);
-    let base = t.batch * pu(0u) * pu(1u);
+    let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
     for (var i = 0u; i < 4u; i = i + 1u) {
         store_row(base, t.row0 + i, col, r0[i]);
         store_row(base, t.row0 + 4u + i, col, r1[i]);
@@ -252,11 +250,11 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 // edge invocations read valid memory and only their stores are skipped. Vec4 modes keep the
 // four together (their extent is a multiple of 4, so an aligned group never straddles it).
 fn rows_from(r0: u32) -> vec4<u32> {
-    return min(vec4<u32>(r0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(pu(0u) - 1u));
+    return min(vec4<u32>(r0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(pu(MATMUL_M) - 1u));
 }
 
 fn cols_from(c0: u32) -> vec4<u32> {
-    let n = pu(1u);
+    let n = pu(MATMUL_N);
     if (B_ALIGNED_COLS) {
         return vec4<u32>(min(c0, n - 4u)) + vec4<u32>(0u, 1u, 2u, 3u);
     }
@@ -266,10 +264,10 @@ fn cols_from(c0: u32) -> vec4<u32> {
 // One step along k, for the last k_len % 4 steps: the outer product of A[rows][k] and
 // B[k][cols], read element by element. `a_base`, `b_base` are the batch's offsets.
 fn outer_at(a_base: u32, b_base: u32, k: u32, rows: vec4<u32>, cols: vec4<u32>) -> mat4x4<f32> {
-    let ao = a_base + k * pu(7u);
-    let bo = b_base + k * pu(10u);
-    let a_rs = pu(6u);
-    let b_cs = pu(11u);
+    let ao = a_base + k * pu(MATMUL_A_COL_STRIDE);
+    let bo = b_base + k * pu(MATMUL_B_ROW_STRIDE);
+    let a_rs = pu(MATMUL_A_ROW_STRIDE);
+    let b_cs = pu(MATMUL_B_COL_STRIDE);
     let av = vec4<f32>(a_at(ao + rows.x * a_rs), a_at(ao + rows.y * a_rs), a_at(ao + rows.z * a_rs), a_at(ao + rows.w * a_rs));
     let bv = vec4<f32>(b_at(bo + cols.x * b_cs), b_at(bo + cols.y * b_cs), b_at(bo + cols.z * b_cs), b_at(bo + cols.w * b_cs));
     return mat4x4<f32>(av * bv.x, av * bv.y, av * bv.z, av * bv.w);
@@ -284,22 +282,22 @@ fn outer_at(a_base: u32, b_base: u32, k: u32, rows: vec4<u32>, cols: vec4<u32>) 
 fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
     let t = tile_of(wid, nwg, 8u, 256u);
-    if (t.batch >= pu(3u)) {
+    if (t.batch >= pu(MATMUL_BATCHES)) {
         return;
     }
-    let k_len = pu(2u);
-    let a_base = pu(4u) + t.batch * pu(5u);
-    let a_rs = pu(6u);
-    let a_cs = pu(7u);
-    let b_base = pu(8u) + t.batch * pu(9u);
-    let b_rs = pu(10u);
-    let b_cs = pu(11u);
+    let k_len = pu(MATMUL_K);
+    let a_base = pu(MATMUL_A_OFFSET) + t.batch * pu(MATMUL_A_BATCH_STRIDE);
+    let a_rs = pu(MATMUL_A_ROW_STRIDE);
+    let a_cs = pu(MATMUL_A_COL_STRIDE);
+    let b_base = pu(MATMUL_B_OFFSET) + t.batch * pu(MATMUL_B_BATCH_STRIDE);
+    let b_rs = pu(MATMUL_B_ROW_STRIDE);
+    let b_cs = pu(MATMUL_B_COL_STRIDE);
     let rows_lo = rows_from(t.row0);
     let rows_hi = rows_from(t.row0 + 4u);
     let col_lo = t.col0 + lid * 8u;
     // Invocations past the last column have nothing to store: they leave, on CPU adapters a
     // whole SIMD group at a time.
-    if (col_lo >= pu(1u)) {
+    if (col_lo >= pu(MATMUL_N)) {
         return;
     }
     let col_hi = col_lo + 4u;
@@ -336,7 +334,7 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let hl = transpose(acc_hl);
     let lh = transpose(acc_lh);
     let hh = transpose(acc_hh);
-    let base = t.batch * pu(0u) * pu(1u);
+    let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
     for (var i = 0u; i < 4u; i = i + 1u) {
         store_row(base, t.row0 + i, col_lo, ll[i]);
         store_row(base, t.row0 + 4u + i, col_lo, hl[i]);
@@ -355,18 +353,18 @@ fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
                 @builtin(local_invocation_index) lid: u32) {
     let t = tile_of(wid, nwg, TILE, TILE);
     // Uniform across the workgroup, so the early return cannot split a barrier.
-    if (t.batch >= pu(3u)) {
+    if (t.batch >= pu(MATMUL_BATCHES)) {
         return;
     }
-    let m = pu(0u);
-    let n = pu(1u);
-    let k_len = pu(2u);
-    let a_base = pu(4u) + t.batch * pu(5u);
-    let a_rs = pu(6u);
-    let a_cs = pu(7u);
-    let b_base = pu(8u) + t.batch * pu(9u);
-    let b_rs = pu(10u);
-    let b_cs = pu(11u);
+    let m = pu(MATMUL_M);
+    let n = pu(MATMUL_N);
+    let k_len = pu(MATMUL_K);
+    let a_base = pu(MATMUL_A_OFFSET) + t.batch * pu(MATMUL_A_BATCH_STRIDE);
+    let a_rs = pu(MATMUL_A_ROW_STRIDE);
+    let a_cs = pu(MATMUL_A_COL_STRIDE);
+    let b_base = pu(MATMUL_B_OFFSET) + t.batch * pu(MATMUL_B_BATCH_STRIDE);
+    let b_rs = pu(MATMUL_B_ROW_STRIDE);
+    let b_cs = pu(MATMUL_B_COL_STRIDE);
     let tr = (lid / 16u) * 4u;
     let tc = (lid % 16u) * 4u;
     var acc0 = vec4<f32>(0.0);

@@ -1,8 +1,7 @@
 // Fused optimizer updates: one dispatch per parameter per step, updating the parameter and its
 // state in place. Numerics follow PyTorch's SGD, Adam and AdamW.
-// params: 0 n, 1 lr, 2 weight decay, 3 momentum (sgd) or beta1, 4 dampening (sgd) or beta2,
-//         5 eps, 6 1 - beta1^t, 7 1 - beta2^t, 8 flags: 1 nesterov, 2 first step (sgd),
-//         4 decoupled weight decay (adamw); all f32 except 0 and 8
+// Params: `SgdParams` and `AdamParams` in src/optim/mod.rs. Flags: 1 nesterov, 2 first step
+// (sgd), 4 decoupled weight decay (adamw).
 //
 // Each invocation updates four elements at a time (one vec4: software adapters pay per load,
 // not per element). The last vec4 of a parameter whose size is not a multiple of 4 is read
@@ -15,8 +14,8 @@
 // adam: the second moment.
 @group(0) @binding(4) var<storage, read_write> state2: array<vec4<f32>>;
 
-fn has_flag(bit: u32) -> bool {
-    return (pu(8u) & bit) != 0u;
+fn has_flag(flags: u32, bit: u32) -> bool {
+    return (flags & bit) != 0u;
 }
 
 // The `j`-th vec4 this invocation updates (see contiguous_item), for j < VEC4S_PER_INVOCATION.
@@ -75,9 +74,9 @@ fn store_state2(u: u32, n: u32, v: vec4<f32>) {
 @compute @workgroup_size(256)
 fn sgd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
        @builtin(local_invocation_index) lid: u32) {
-    let n = pu(0u);
-    let lr = pf(1u);
-    let wd = pf(2u);
+    let n = pu(SGD_N);
+    let lr = pf(SGD_LR);
+    let wd = pf(SGD_WEIGHT_DECAY);
     for (var j = 0u; j < VEC4S_PER_INVOCATION; j = j + 1u) {
         let u = unit(wid, nwg, lid, j);
         if (u >= units(n)) {
@@ -93,13 +92,13 @@ fn sgd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 @compute @workgroup_size(256)
 fn sgd_momentum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let n = pu(0u);
-    let lr = pf(1u);
-    let wd = pf(2u);
-    let momentum = pf(3u);
-    let dampening = pf(4u);
-    let nesterov = has_flag(1u);
-    let first_step = has_flag(2u);
+    let n = pu(SGD_N);
+    let lr = pf(SGD_LR);
+    let wd = pf(SGD_WEIGHT_DECAY);
+    let momentum = pf(SGD_MOMENTUM);
+    let dampening = pf(SGD_DAMPENING);
+    let nesterov = has_flag(pu(SGD_FLAGS), 1u);
+    let first_step = has_flag(pu(SGD_FLAGS), 2u);
     for (var j = 0u; j < VEC4S_PER_INVOCATION; j = j + 1u) {
         let u = unit(wid, nwg, lid, j);
         if (u >= units(n)) {
@@ -124,15 +123,15 @@ fn sgd_momentum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 @compute @workgroup_size(256)
 fn adam(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-    let n = pu(0u);
-    let lr = pf(1u);
-    let wd = pf(2u);
-    let beta1 = pf(3u);
-    let beta2 = pf(4u);
-    let eps = pf(5u);
-    let step_size = lr / pf(6u);
-    let sqrt_bc2 = sqrt(pf(7u));
-    let decoupled = has_flag(4u);
+    let n = pu(ADAM_N);
+    let lr = pf(ADAM_LR);
+    let wd = pf(ADAM_WEIGHT_DECAY);
+    let beta1 = pf(ADAM_BETA1);
+    let beta2 = pf(ADAM_BETA2);
+    let eps = pf(ADAM_EPS);
+    let step_size = lr / pf(ADAM_BIAS_CORRECTION1);
+    let sqrt_bc2 = sqrt(pf(ADAM_BIAS_CORRECTION2));
+    let decoupled = has_flag(pu(ADAM_FLAGS), 4u);
     for (var j = 0u; j < VEC4S_PER_INVOCATION; j = j + 1u) {
         let u = unit(wid, nwg, lid, j);
         if (u >= units(n)) {

@@ -1,9 +1,6 @@
 // Reductions of an [M, K] strided view along K: sum or max, one template. The host splices
 // REDUCE_IDENTITY and the combining expression REDUCE_COMBINE (in `a` and `b`).
-// params: 0 M, 1 K, 2 offset, 3 row stride, 4 k stride, 5 chunks per row, 6 chunk length,
-//         7 scale (f32, multiplies each result: 1/K for mean), 8 vec4 reads (`serial` only:
-//         1 when the k stride is 1 and the offset, row stride and chunk length are multiples
-//         of 4)
+// Params: `ReduceParams` (src/ops/reduce.rs).
 //
 // The input is bound as vec4s so that `serial` can read four elements at a time: software
 // adapters pay per load, not per element.
@@ -31,17 +28,17 @@ var<workgroup> partial: array<f32, 256>;
 fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let w = workgroup_index(wid, nwg);
-    let chunks = pu(5u);
+    let chunks = pu(REDUCE_CHUNKS);
     // Uniform across the workgroup, so the early return cannot split a barrier.
-    if (w >= pu(0u) * chunks) {
+    if (w >= pu(REDUCE_ROWS) * chunks) {
         return;
     }
     let row = w / chunks;
     let chunk = w % chunks;
-    let start = chunk * pu(6u);
-    let end = min(start + pu(6u), pu(1u));
-    let base = pu(2u) + row * pu(3u);
-    let ks = pu(4u);
+    let start = chunk * pu(REDUCE_CHUNK_LEN);
+    let end = min(start + pu(REDUCE_CHUNK_LEN), pu(REDUCE_LEN));
+    let base = pu(REDUCE_OFFSET) + row * pu(REDUCE_ROW_STRIDE);
+    let ks = pu(REDUCE_K_STRIDE);
     var acc = REDUCE_IDENTITY;
     for (var k = start + lid; k < end; k = k + 256u) {
         acc = combine(acc, src_at(base + k * ks));
@@ -55,7 +52,7 @@ fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         workgroupBarrier();
     }
     if (lid == 0u) {
-        dst[w] = partial[0] * pf(7u);
+        dst[w] = partial[0] * pf(REDUCE_SCALE);
     }
 }
 
@@ -67,17 +64,17 @@ fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 fn serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
     let w = workgroup_index(wid, nwg) * 256u + lid;
-    let chunks = pu(5u);
-    if (w >= pu(0u) * chunks) {
+    let chunks = pu(REDUCE_CHUNKS);
+    if (w >= pu(REDUCE_ROWS) * chunks) {
         return;
     }
-    let start = (w % chunks) * pu(6u);
-    let end = min(start + pu(6u), pu(1u));
-    let base = pu(2u) + (w / chunks) * pu(3u);
-    let ks = pu(4u);
+    let start = (w % chunks) * pu(REDUCE_CHUNK_LEN);
+    let end = min(start + pu(REDUCE_CHUNK_LEN), pu(REDUCE_LEN));
+    let base = pu(REDUCE_OFFSET) + (w / chunks) * pu(REDUCE_ROW_STRIDE);
+    let ks = pu(REDUCE_K_STRIDE);
     var acc = REDUCE_IDENTITY;
     var k = start;
-    if (pu(8u) == 1u) {
+    if (pu(REDUCE_VEC4) == 1u) {
         var acc4 = vec4<f32>(REDUCE_IDENTITY);
         for (; k + 4u <= end; k = k + 4u) {
             acc4 = combine4(acc4, src[(base + k) / 4u]);
@@ -87,5 +84,5 @@ fn serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     for (; k < end; k = k + 1u) {
         acc = combine(acc, src_at(base + k * ks));
     }
-    dst[w] = acc * pf(7u);
+    dst[w] = acc * pf(REDUCE_SCALE);
 }

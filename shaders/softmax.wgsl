@@ -6,9 +6,7 @@
 // when K and the offset are multiples of 4.
 // The backward entries are fused the same way: softmax_backward takes the forward's output y
 // and the incoming grad g; cross_entropy_backward recomputes the row's softmax from the logits.
-// params: 0 M, 1 K, 2 src offset, 3 labels offset, 4 log (1: log_softmax, 0: softmax),
-//         5 vec4 reads (`serial` only), 6 grad offset, 7 scale (f32; cross_entropy_backward:
-//         1 / M, the mean's factor)
+// Params: `SoftmaxParams` (src/ops/softmax.rs).
 
 @group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
@@ -24,7 +22,7 @@ fn src_at(i: u32) -> f32 {
 }
 
 fn grad_at(i: u32) -> f32 {
-    let at = pu(6u) + i;
+    let at = pu(SOFTMAX_GRAD_OFFSET) + i;
     return grad[at / 4u][at % 4u];
 }
 
@@ -35,7 +33,7 @@ fn set_dst(i: u32, v: f32) {
 // The value softmax (or log_softmax) writes for x, given the row's max and log-sum-exp.
 fn softmax_value(x: f32, stats: vec2<f32>) -> f32 {
     let shifted = x - stats.x - stats.y;
-    if (pu(4u) == 1u) {
+    if (pu(SOFTMAX_LOG) == 1u) {
         return shifted;
     }
     return exp(shifted);
@@ -74,7 +72,7 @@ fn row_stats_workgroup(base: u32, k_len: u32, lid: u32) -> vec2<f32> {
 fn row_stats_serial(base: u32, k_len: u32) -> vec2<f32> {
     var m = NEG_INF;
     var s = 0.0;
-    if (pu(5u) == 1u) {
+    if (pu(SOFTMAX_VEC4) == 1u) {
         var m4 = vec4<f32>(NEG_INF);
         for (var k = 0u; k < k_len; k = k + 4u) {
             m4 = max(m4, src[(base + k) / 4u]);
@@ -100,11 +98,11 @@ fn row_stats_serial(base: u32, k_len: u32) -> vec2<f32> {
 fn softmax_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg);
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_workgroup(base, k_len, lid);
     for (var k = lid; k < k_len; k = k + WG) {
         set_dst(row * k_len + k, softmax_value(src_at(base + k), stats));
@@ -115,13 +113,13 @@ fn softmax_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 fn softmax_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg) * WG + lid;
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_serial(base, k_len);
-    if (pu(5u) == 1u) {
+    if (pu(SOFTMAX_VEC4) == 1u) {
         for (var k = 0u; k < k_len; k = k + 4u) {
             let x = src[(base + k) / 4u];
             let v = vec4<f32>(softmax_value(x.x, stats), softmax_value(x.y, stats),
@@ -140,14 +138,14 @@ fn softmax_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 fn cross_entropy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg);
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_workgroup(base, k_len, lid);
     if (lid == 0u) {
-        let label = min(labels[pu(3u) + row], k_len - 1u);
+        let label = min(labels[pu(SOFTMAX_LABELS_OFFSET) + row], k_len - 1u);
         set_dst(row, stats.x + stats.y - src_at(base + label));
     }
 }
@@ -156,20 +154,20 @@ fn cross_entropy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 fn cross_entropy_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                         @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg) * WG + lid;
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_serial(base, k_len);
-    let label = min(labels[pu(3u) + row], k_len - 1u);
+    let label = min(labels[pu(SOFTMAX_LABELS_OFFSET) + row], k_len - 1u);
     set_dst(row, stats.x + stats.y - src_at(base + label));
 }
 
 // The grad of softmax (or log_softmax) for one element, given the row's sum: for softmax
 // dx = y (g - sum(g y)); for log_softmax dx = g - exp(y) sum(g).
 fn softmax_grad_value(y: f32, g: f32, sum: f32) -> f32 {
-    if (pu(4u) == 1u) {
+    if (pu(SOFTMAX_LOG) == 1u) {
         return g - exp(y) * sum;
     }
     return y * (g - sum);
@@ -177,18 +175,18 @@ fn softmax_grad_value(y: f32, g: f32, sum: f32) -> f32 {
 
 // What softmax_grad_value needs summed over the row: g y for softmax, g for log_softmax.
 fn softmax_grad_term(y: f32, g: f32) -> f32 {
-    return select(g * y, g, pu(4u) == 1u);
+    return select(g * y, g, pu(SOFTMAX_LOG) == 1u);
 }
 
 @compute @workgroup_size(64)
 fn softmax_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg);
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     var part = 0.0;
     for (var k = lid; k < k_len; k = k + WG) {
         part = part + softmax_grad_term(src_at(base + k), grad_at(row * k_len + k));
@@ -204,11 +202,11 @@ fn softmax_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
 fn softmax_backward_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                            @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg) * WG + lid;
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     var sum = 0.0;
     for (var k = 0u; k < k_len; k = k + 1u) {
         sum = sum + softmax_grad_term(src_at(base + k), grad_at(row * k_len + k));
@@ -223,20 +221,20 @@ fn softmax_backward_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
 // the loss's grad (one element of `grad`).
 fn cross_entropy_grad_value(x: f32, stats: vec2<f32>, is_label: bool) -> f32 {
     let p = exp(x - stats.x - stats.y);
-    return (p - select(0.0, 1.0, is_label)) * grad_at(0u) * pf(7u);
+    return (p - select(0.0, 1.0, is_label)) * grad_at(0u) * pf(SOFTMAX_SCALE);
 }
 
 @compute @workgroup_size(64)
 fn cross_entropy_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                                @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg);
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_workgroup(base, k_len, lid);
-    let label = labels[pu(3u) + row];
+    let label = labels[pu(SOFTMAX_LABELS_OFFSET) + row];
     for (var k = lid; k < k_len; k = k + WG) {
         set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), stats, k == label));
     }
@@ -246,13 +244,13 @@ fn cross_entropy_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(n
 fn cross_entropy_backward_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                                  @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg) * WG + lid;
-    if (row >= pu(0u)) {
+    if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
-    let k_len = pu(1u);
-    let base = pu(2u) + row * k_len;
+    let k_len = pu(SOFTMAX_LEN);
+    let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_serial(base, k_len);
-    let label = labels[pu(3u) + row];
+    let label = labels[pu(SOFTMAX_LABELS_OFFSET) + row];
     for (var k = 0u; k < k_len; k = k + 1u) {
         set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), stats, k == label));
     }

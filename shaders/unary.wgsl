@@ -29,15 +29,14 @@ fn op4(x: vec4<f32>, s: f32) -> vec4<f32> {
     return vec4<f32>(op(x.x, s), op(x.y, s), op(x.z, s), op(x.w, s));
 }
 
-// params: 0 n, 1 src offset, 2 scalar s (f32), 3 rank, 4..10 shape, 10..16 src strides,
-//         16 vec4 (`contiguous` only: 1 when n and the offset are multiples of 4)
+// Params: `UnaryParams` (src/ops/unary.rs).
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let s = pf(2u);
-    let n = pu(0u);
-    let off = pu(1u);
-    if (pu(16u) == 1u) {
+    let s = pf(UNARY_SCALAR);
+    let n = pu(UNARY_N);
+    let off = pu(UNARY_OFFSET);
+    if (pu(UNARY_VEC4) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
         for (var j = 0u; j < per_group / 256u; j = j + 1u) {
             let i = contiguous_item(wid, nwg, lid, j, per_group);
@@ -62,9 +61,9 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(0u)) {
+    if (i >= pu(UNARY_N)) {
         return;
     }
-    let x = pu(1u) + strided_offset(i, pu(3u), 4u, 10u);
-    dst[i / 4u][i % 4u] = op(src[x / 4u][x % 4u], pf(2u));
+    let x = pu(UNARY_OFFSET) + strided_offset(i, pu(UNARY_RANK), UNARY_SHAPE, UNARY_STRIDES);
+    dst[i / 4u][i % 4u] = op(src[x / 4u][x % 4u], pf(UNARY_SCALAR));
 }

@@ -19,10 +19,13 @@ pub mod autograd;
 mod device;
 mod error;
 pub mod io;
+mod kernel;
 pub mod nn;
 mod ops;
 pub mod optim;
 mod seed;
+#[cfg(test)]
+mod shader_tests;
 mod tensor;
 
 pub use autograd::{no_grad, BackwardOptions};

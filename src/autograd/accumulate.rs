@@ -1,22 +1,33 @@
 //! `accumulate_grad` (S-1) and the engine's two ways of installing a grad: the buffer swap of
 //! S-2 and the in-place add of S-3. Kernels: `shaders/accumulate_grad.wgsl`.
 
-use crate::device::Kernel;
 use crate::error::{Error, Result};
+use crate::kernel::{groups, launch_at, strided_dims, Kernel, KernelParams, ShaderFamily, WORKGROUP};
 use crate::ops::copy::copy_into;
-use crate::ops::{dispatch_at, groups, module_source, WORKGROUP};
-use crate::tensor::layout::merge_dims;
 use crate::tensor::{DType, Storage, Tensor};
 
-const ACCUMULATE_WGSL: &str = include_str!("../../shaders/accumulate_grad.wgsl");
-
-fn source() -> String {
-    module_source(ACCUMULATE_WGSL, &[])
+crate::kernel_params! {
+    /// An elementwise pass over the current grad and the new grad (same shape, any layouts).
+    pub(crate) struct AccumulateParams {
+        n: u32,
+        rank: u32,
+        current_offset: u32,
+        new_offset: u32,
+        shape: [u32; 6],
+        current_strides: [u32; 6],
+        new_strides: [u32; 6],
+    }
 }
+
+static ACCUMULATE: ShaderFamily = ShaderFamily {
+    name: "accumulate_grad",
+    wgsl: include_str!("../../shaders/accumulate_grad.wgsl"),
+    params: &[&AccumulateParams::LAYOUT],
+};
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("accumulate_grad".into(), source())]
+    vec![("accumulate_grad".into(), ACCUMULATE.source(&[]))]
 }
 
 fn check_pair(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<()> {
@@ -37,23 +48,18 @@ fn check_pair(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<(
 }
 
 /// Params of an elementwise pass over `current` and `new_grad` (same shape, any layouts).
-fn pair_params(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<Vec<u32>> {
+fn pair_params(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<AccumulateParams> {
     let (lc, ln) = (current.layout(), new_grad.layout());
-    let (rank, shape, strides) =
-        merge_dims(&lc.shape, &[&lc.strides, &ln.strides]).ok_or_else(|| Error::Shape {
-            op,
-            msg: format!("shape {:?} has more than 6 non-mergeable dims", lc.shape),
-        })?;
-    let mut params = vec![
-        current.numel() as u32,
-        rank as u32,
-        lc.offset as u32,
-        ln.offset as u32,
-    ];
-    params.extend(&shape);
-    params.extend(&strides[0]);
-    params.extend(&strides[1]);
-    Ok(params)
+    let dims = strided_dims(op, &lc.shape, &[&lc.strides, &ln.strides])?;
+    Ok(AccumulateParams {
+        n: current.numel() as u32,
+        rank: dims.rank,
+        current_offset: lc.offset as u32,
+        new_offset: ln.offset as u32,
+        shape: dims.shape,
+        current_strides: dims.strides[0],
+        new_strides: dims.strides[1],
+    })
 }
 
 /// The grad a leaf should hold after receiving `new_grad`, in a buffer that aliases neither
@@ -85,14 +91,9 @@ pub fn accumulate_grad(current: Option<&Tensor>, new_grad: &Tensor) -> Result<Te
         return Ok(out);
     }
     let params = pair_params(OP, current, new_grad)?;
-    let kernel = Kernel {
-        key: "accumulate_grad:clone_add",
-        entry: "clone_add",
-        source: &source,
-    };
-    dispatch_at(
+    launch_at(
         OP,
-        &kernel,
+        &Kernel::plain(&ACCUMULATE, "clone_add"),
         &[(1, new_grad), (2, current), (3, &out)],
         &params,
         groups(n, WORKGROUP),
@@ -115,14 +116,9 @@ pub(crate) fn add_into(current: &Tensor, new_grad: &Tensor) -> Result<()> {
         new_grad.clone()
     };
     let params = pair_params(OP, current, &new_grad)?;
-    let kernel = Kernel {
-        key: "accumulate_grad:add_into",
-        entry: "add_into",
-        source: &source,
-    };
-    dispatch_at(
+    launch_at(
         OP,
-        &kernel,
+        &Kernel::plain(&ACCUMULATE, "add_into"),
         &[(1, &new_grad), (3, current)],
         &params,
         groups(n, WORKGROUP),

@@ -29,9 +29,9 @@ const MAX_WORKGROUPS_PER_DIM: u32 = 65535;
 /// threads give up on after 6 s, so waits are sliced well below that.
 const POLL_SLICE: Duration = Duration::from_millis(50);
 
-/// A kernel the device can run: one WGSL module (a family's shader with its specialisation
-/// applied) and the entry point to call. `key` names the pair for the pipeline cache.
-pub(crate) struct Kernel<'a> {
+/// What the device compiles a pipeline from: one WGSL module (a family's shader with its
+/// specialisation applied) and the entry point to call. `key` names the pair for the cache.
+pub(crate) struct PipelineSource<'a> {
     pub key: &'a str,
     pub entry: &'static str,
     pub source: &'a dyn Fn() -> String,
@@ -431,14 +431,14 @@ impl DeviceInner {
     pub(crate) fn dispatch(
         &self,
         op: &'static str,
-        kernel: &Kernel,
+        kernel: &PipelineSource,
         buffers: &[(u32, &wgpu::Buffer)],
-        params: &[u32],
+        params: &[u8],
         workgroups: u32,
     ) -> Result<()> {
         // The last slot stays 0: `pu` in shaders/common.wgsl indexes through it.
         assert!(
-            params.len() * 4 < PARAMS_BYTES as usize,
+            params.len() < PARAMS_BYTES as usize,
             "{op}: too many kernel params"
         );
         if workgroups == 0 {
@@ -452,7 +452,7 @@ impl DeviceInner {
         );
         let mut rec = lock(&self.recorder);
         let offset = rec.params.len() as u64;
-        rec.params.extend_from_slice(bytemuck::cast_slice(params));
+        rec.params.extend_from_slice(params);
         rec.params.resize((offset + PARAMS_BYTES) as usize, 0);
 
         let mut entries = vec![wgpu::BindGroupEntry {

@@ -2,13 +2,38 @@
 //! One WGSL template (`shaders/binary.wgsl`) is specialised with each op's expression.
 
 use crate::autograd::record;
-use crate::device::Kernel;
 use crate::error::{Error, Result};
-use crate::ops::{dispatch, groups, module_source, CONTIGUOUS_PER_GROUP, WORKGROUP};
-use crate::tensor::layout::{broadcast_shapes, merge_dims};
+use crate::kernel::{
+    groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+    WORKGROUP,
+};
+use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::{DType, Layout, Tensor};
 
-const BINARY_WGSL: &str = include_str!("../../shaders/binary.wgsl");
+crate::kernel_params! {
+    /// `contiguous`, `repeated` and `strided`. `vec4` (not `strided`): 1 when `n`, both offsets
+    /// and both periods are multiples of 4. Periods (`repeated` only): an operand with period
+    /// `p` is a dense run of `p` elements repeated along the leading dims (a bias row): element
+    /// `i` reads its element `i % p`; period `n` means no repetition.
+    pub(crate) struct BinaryParams {
+        n: u32,
+        lhs_offset: u32,
+        rhs_offset: u32,
+        rank: u32,
+        shape: [u32; 6],
+        lhs_strides: [u32; 6],
+        rhs_strides: [u32; 6],
+        vec4: u32,
+        lhs_period: u32,
+        rhs_period: u32,
+    }
+}
+
+static BINARY: ShaderFamily = ShaderFamily {
+    name: "binary",
+    wgsl: include_str!("../../shaders/binary.wgsl"),
+    params: &[&BinaryParams::LAYOUT],
+};
 
 /// The binary ops; each is one specialisation of the template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +110,7 @@ impl BinaryOp {
     }
 
     fn source(self) -> String {
-        module_source(BINARY_WGSL, &[("BINARY_EXPR", self.expr())])
+        BINARY.source(&[("BINARY_EXPR", self.expr())])
     }
 }
 
@@ -132,11 +157,7 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
     }
     let la = a.layout().expand(name, &shape)?;
     let lb = b.layout().expand(name, &shape)?;
-    let (rank, kshape, strides) =
-        merge_dims(&shape, &[&la.strides, &lb.strides]).ok_or_else(|| Error::Shape {
-            op: name,
-            msg: format!("broadcast shape {shape:?} has more than 6 non-mergeable dims"),
-        })?;
+    let dims = strided_dims(name, &shape, &[&la.strides, &lb.strides])?;
     // Dense operands, or dense runs repeated along leading dims (a bias added to each row),
     // take the contiguous kernel; anything else walks its strides.
     let (period_a, period_b) = (broadcast_period(&la), broadcast_period(&lb));
@@ -154,18 +175,21 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
         (true, true) => ("repeated", CONTIGUOUS_PER_GROUP),
         (false, _) => ("strided", WORKGROUP),
     };
-    let mut params = vec![n as u32, la.offset as u32, lb.offset as u32, rank as u32];
-    params.extend(&kshape);
-    params.extend(&strides[0]);
-    params.extend(&strides[1]);
-    params.extend([vec4 as u32, period_a as u32, period_b as u32]);
-    let key = format!("binary/{name}:{entry}");
-    let kernel = Kernel {
-        key: &key,
-        entry,
-        source: &|| op.source(),
+    let params = BinaryParams {
+        n: n as u32,
+        lhs_offset: la.offset as u32,
+        rhs_offset: lb.offset as u32,
+        rank: dims.rank,
+        shape: dims.shape,
+        lhs_strides: dims.strides[0],
+        rhs_strides: dims.strides[1],
+        vec4: vec4 as u32,
+        lhs_period: period_a as u32,
+        rhs_period: period_b as u32,
     };
-    dispatch(name, &kernel, &[a, b, &out], &params, groups(n, per_group))?;
+    let source = || op.source();
+    let kernel = Kernel::specialised(&BINARY, entry, name, &source);
+    launch(name, &kernel, &[a, b, &out], &params, groups(n, per_group))?;
     Ok(out)
 }
 

@@ -2,28 +2,47 @@
 //! fill (zeros, ones, full, arange). Copies have the identity as backward.
 
 use crate::autograd::record;
-use crate::device::{Device, Kernel};
+use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
-use crate::tensor::layout::merge_dims;
+use crate::kernel::{groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, WORKGROUP};
 use crate::tensor::{DType, Layout, Tensor};
 
-const COPY_WGSL: &str = include_str!("../../shaders/copy.wgsl");
-const FILL_WGSL: &str = include_str!("../../shaders/fill.wgsl");
-
-fn copy_source() -> String {
-    module_source(COPY_WGSL, &[])
+crate::kernel_params! {
+    /// `strided_copy`: element `i` of the shape, read at the source's strides, written at the
+    /// destination's.
+    pub(crate) struct CopyParams {
+        n: u32,
+        src_offset: u32,
+        dst_offset: u32,
+        rank: u32,
+        shape: [u32; 6],
+        src_strides: [u32; 6],
+        dst_strides: [u32; 6],
+    }
 }
 
-fn fill_source() -> String {
-    module_source(FILL_WGSL, &[])
+crate::kernel_params! {
+    /// `fill`: element `i` is `start + step * i`.
+    pub(crate) struct FillParams { n: u32, start: f32, step: f32 }
 }
+
+static COPY: ShaderFamily = ShaderFamily {
+    name: "copy",
+    wgsl: include_str!("../../shaders/copy.wgsl"),
+    params: &[&CopyParams::LAYOUT],
+};
+
+static FILL: ShaderFamily = ShaderFamily {
+    name: "fill",
+    wgsl: include_str!("../../shaders/fill.wgsl"),
+    params: &[&FillParams::LAYOUT],
+};
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![
-        ("copy".into(), copy_source()),
-        ("fill".into(), fill_source()),
+        ("copy".into(), COPY.source(&[])),
+        ("fill".into(), FILL.source(&[])),
     ]
 }
 
@@ -38,28 +57,22 @@ pub(crate) fn copy_into(
     if n == 0 {
         return Ok(());
     }
-    let (rank, shape, strides) =
-        merge_dims(src.shape(), &[&src.layout().strides, &dst_layout.strides]).ok_or_else(
-            || Error::Shape {
-                op,
-                msg: format!("shape {:?} has more than 6 non-mergeable dims", src.shape()),
-            },
-        )?;
-    let mut params = vec![
-        n as u32,
-        src.layout().offset as u32,
-        dst_layout.offset as u32,
-        rank as u32,
-    ];
-    params.extend(&shape);
-    params.extend(&strides[0]);
-    params.extend(&strides[1]);
-    let kernel = Kernel {
-        key: "copy:strided_copy",
-        entry: "strided_copy",
-        source: &copy_source,
+    let dims = strided_dims(
+        op,
+        src.shape(),
+        &[&src.layout().strides, &dst_layout.strides],
+    )?;
+    let params = CopyParams {
+        n: n as u32,
+        src_offset: src.layout().offset as u32,
+        dst_offset: dst_layout.offset as u32,
+        rank: dims.rank,
+        shape: dims.shape,
+        src_strides: dims.strides[0],
+        dst_strides: dims.strides[1],
     };
-    dispatch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP))
+    let kernel = Kernel::plain(&COPY, "strided_copy");
+    launch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP))
 }
 
 /// A contiguous f32 tensor holding `start + step * i`.
@@ -72,18 +85,13 @@ pub(crate) fn fill(
 ) -> Result<Tensor> {
     let out = Tensor::empty(op, shape, DType::F32, device)?;
     let n = out.numel();
-    let kernel = Kernel {
-        key: "fill:fill",
-        entry: "fill",
-        source: &fill_source,
+    let params = FillParams {
+        n: n as u32,
+        start,
+        step,
     };
-    dispatch(
-        op,
-        &kernel,
-        &[&out],
-        &[n as u32, f32_bits(start), f32_bits(step)],
-        groups(n, WORKGROUP),
-    )?;
+    let kernel = Kernel::plain(&FILL, "fill");
+    launch(op, &kernel, &[&out], &params, groups(n, WORKGROUP))?;
     Ok(out)
 }
 

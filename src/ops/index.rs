@@ -2,22 +2,73 @@
 //! checked against the bound each u32 tensor carries, so no data is read back to validate.
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::Kernel;
 use crate::error::{Error, Result};
+use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
 use crate::ops::reduce::{as_matrix, reduced_shape};
-use crate::ops::{dispatch, groups, module_source, WORKGROUP};
 use crate::tensor::layout::KERNEL_RANK;
 use crate::tensor::{DType, Tensor};
 
-const INDEX_WGSL: &str = include_str!("../../shaders/index.wgsl");
-
-fn source() -> String {
-    module_source(INDEX_WGSL, &[])
+crate::kernel_params! {
+    /// `argmax` over each row of an `[rows, len]` strided view.
+    pub(crate) struct ArgmaxParams { rows: u32, len: u32, offset: u32, row_stride: u32, k_stride: u32 }
 }
+
+crate::kernel_params! {
+    /// `index_select` and its backward over contiguous `[outer, dim_size, inner]` data, of
+    /// which `selected` slices are picked; `n` counts the elements written.
+    pub(crate) struct IndexSelectParams {
+        n: u32, selected: u32, inner: u32, dim_size: u32, src_offset: u32, indices_offset: u32,
+    }
+}
+
+crate::kernel_params! {
+    /// `gather`: `dim` counts in the six padded dims; `shape` is the indices' (padded with 1s)
+    /// and `src_strides` the input's (padded with 0s).
+    pub(crate) struct GatherParams {
+        n: u32,
+        dim: u32,
+        src_offset: u32,
+        indices_offset: u32,
+        src_dim_size: u32,
+        rank: u32,
+        shape: [u32; 6],
+        src_strides: [u32; 6],
+    }
+}
+
+crate::kernel_params! {
+    /// `gather_backward`: shapes padded with 1s to six dims, `dim` counted in them.
+    pub(crate) struct GatherBackwardParams {
+        n: u32,
+        dim: u32,
+        src_offset: u32,
+        indices_offset: u32,
+        rank: u32,
+        dst_shape: [u32; 6],
+        indices_shape: [u32; 6],
+    }
+}
+
+static INDEX: ShaderFamily = ShaderFamily {
+    name: "index",
+    wgsl: include_str!("../../shaders/index.wgsl"),
+    params: &[
+        &ArgmaxParams::LAYOUT,
+        &IndexSelectParams::LAYOUT,
+        &GatherParams::LAYOUT,
+        &GatherBackwardParams::LAYOUT,
+    ],
+};
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("index".into(), source())]
+    vec![("index".into(), INDEX.source(&[]))]
+}
+
+/// `shape` padded at the front with `fill` to six dims.
+fn padded(shape: &[usize], fill: u32) -> [u32; KERNEL_RANK] {
+    let pad = KERNEL_RANK - shape.len();
+    std::array::from_fn(|d| if d < pad { fill } else { shape[d - pad] as u32 })
 }
 
 /// Errors unless every value of `indices` is below `size` (known from its bound).
@@ -69,16 +120,18 @@ impl Tensor {
         let mat = as_matrix(self, &[dim])?;
         let out = Tensor::empty(OP, &[mat.m], DType::U32, self.device())?
             .with_index_bound(Some(k as u32));
-        let kernel = Kernel {
-            key: "index:argmax",
-            entry: "argmax",
-            source: &source,
+        let params = ArgmaxParams {
+            rows: mat.m as u32,
+            len: mat.k as u32,
+            offset: mat.tensor.layout().offset as u32,
+            row_stride: mat.row_stride as u32,
+            k_stride: mat.k_stride as u32,
         };
-        dispatch(
+        launch(
             OP,
-            &kernel,
+            &Kernel::plain(&INDEX, "argmax"),
             &[&mat.tensor, &out],
-            &mat.params(),
+            &params,
             groups(mat.m, WORKGROUP),
         )?;
         out.reshape(&out_shape)
@@ -134,22 +187,17 @@ fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<T
     let x = this.contiguous()?;
     let idx = indices.contiguous()?;
     let inner: usize = this.shape()[dim + 1..].iter().product();
-    let params = [
-        n as u32,
-        indices.numel() as u32,
-        inner as u32,
-        this.shape()[dim] as u32,
-        x.layout().offset as u32,
-        idx.layout().offset as u32,
-    ];
-    let kernel = Kernel {
-        key: "index:index_select",
-        entry: "index_select",
-        source: &source,
+    let params = IndexSelectParams {
+        n: n as u32,
+        selected: indices.numel() as u32,
+        inner: inner as u32,
+        dim_size: this.shape()[dim] as u32,
+        src_offset: x.layout().offset as u32,
+        indices_offset: idx.layout().offset as u32,
     };
-    dispatch(
+    launch(
         OP,
-        &kernel,
+        &Kernel::plain(&INDEX, "index_select"),
         &[&x, &out, &idx],
         &params,
         groups(n, WORKGROUP),
@@ -187,36 +235,19 @@ fn gather_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor>
     }
     let idx = indices.contiguous()?;
     let pad = KERNEL_RANK - this.rank();
-    let mut params = vec![
-        n as u32,
-        (pad + dim) as u32,
-        this.layout().offset as u32,
-        idx.layout().offset as u32,
-        this.shape()[dim] as u32,
-        this.rank() as u32,
-    ];
-    params.extend((0..KERNEL_RANK).map(|d| {
-        if d < pad {
-            1
-        } else {
-            indices.shape()[d - pad] as u32
-        }
-    }));
-    params.extend((0..KERNEL_RANK).map(|d| {
-        if d < pad {
-            0
-        } else {
-            this.layout().strides[d - pad] as u32
-        }
-    }));
-    let kernel = Kernel {
-        key: "index:gather",
-        entry: "gather",
-        source: &source,
+    let params = GatherParams {
+        n: n as u32,
+        dim: (pad + dim) as u32,
+        src_offset: this.layout().offset as u32,
+        indices_offset: idx.layout().offset as u32,
+        src_dim_size: this.shape()[dim] as u32,
+        rank: this.rank() as u32,
+        shape: padded(indices.shape(), 1),
+        src_strides: padded(&this.layout().strides, 0),
     };
-    dispatch(
+    launch(
         OP,
-        &kernel,
+        &Kernel::plain(&INDEX, "gather"),
         &[this, &out, &idx],
         &params,
         groups(n, WORKGROUP),
@@ -239,23 +270,17 @@ fn index_select_backward(
     }
     let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
     let inner: usize = shape[dim + 1..].iter().product();
-    let params = [
-        n,
-        indices.numel(),
-        inner,
-        shape[dim],
-        g.layout().offset,
-        idx.layout().offset,
-    ]
-    .map(|x| x as u32);
-    let kernel = Kernel {
-        key: "index:index_select_backward",
-        entry: "index_select_backward",
-        source: &source,
+    let params = IndexSelectParams {
+        n: n as u32,
+        selected: indices.numel() as u32,
+        inner: inner as u32,
+        dim_size: shape[dim] as u32,
+        src_offset: g.layout().offset as u32,
+        indices_offset: idx.layout().offset as u32,
     };
-    dispatch(
+    launch(
         OP,
-        &kernel,
+        &Kernel::plain(&INDEX, "index_select_backward"),
         &[&g, &out, &idx],
         &params,
         groups(n, WORKGROUP),
@@ -273,29 +298,18 @@ fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize])
     }
     let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
     let pad = KERNEL_RANK - shape.len();
-    let padded = |s: &[usize]| -> Vec<u32> {
-        (0..KERNEL_RANK)
-            .map(|d| if d < pad { 1 } else { s[d - pad] as u32 })
-            .collect()
+    let params = GatherBackwardParams {
+        n: n as u32,
+        dim: (pad + dim) as u32,
+        src_offset: g.layout().offset as u32,
+        indices_offset: idx.layout().offset as u32,
+        rank: shape.len() as u32,
+        dst_shape: padded(shape, 1),
+        indices_shape: padded(indices.shape(), 1),
     };
-    let mut params = vec![
-        n as u32,
-        (pad + dim) as u32,
-        g.layout().offset as u32,
-        idx.layout().offset as u32,
-        shape.len() as u32,
-        0,
-    ];
-    params.extend(padded(shape));
-    params.extend(padded(indices.shape()));
-    let kernel = Kernel {
-        key: "index:gather_backward",
-        entry: "gather_backward",
-        source: &source,
-    };
-    dispatch(
+    launch(
         OP,
-        &kernel,
+        &Kernel::plain(&INDEX, "gather_backward"),
         &[&g, &out, &idx],
         &params,
         groups(n, WORKGROUP),

@@ -2,14 +2,39 @@
 //! strides, so `x.matmul(&w.t()?)` reads `w` transposed without a copy.
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::{Device, Kernel, KernelFlavor};
+use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
+use crate::kernel::{launch, Kernel, KernelParams, ShaderFamily};
 use crate::ops::binary::sum_to_shape;
-use crate::ops::{dispatch, module_source};
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
 use crate::tensor::{DType, Tensor};
 
-const MATMUL_WGSL: &str = include_str!("../../shaders/matmul.wgsl");
+crate::kernel_params! {
+    /// `batches` products of `[m, k] x [k, n]`, each operand read at its offset and strides
+    /// (in elements); the output tiles are `row_tiles x col_tiles` per batch.
+    pub(crate) struct MatmulParams {
+        m: u32,
+        n: u32,
+        k: u32,
+        batches: u32,
+        a_offset: u32,
+        a_batch_stride: u32,
+        a_row_stride: u32,
+        a_col_stride: u32,
+        b_offset: u32,
+        b_batch_stride: u32,
+        b_row_stride: u32,
+        b_col_stride: u32,
+        col_tiles: u32,
+        row_tiles: u32,
+    }
+}
+
+static MATMUL: ShaderFamily = ShaderFamily {
+    name: "matmul",
+    wgsl: include_str!("../../shaders/matmul.wgsl"),
+    params: &[&MatmulParams::LAYOUT],
+};
 
 /// The marks around the part of matmul.wgsl that needs subgroup operations.
 const SUBGROUP_BEGIN: &str = "// SUBGROUP SECTION BEGIN";
@@ -60,14 +85,14 @@ fn source(spec: Specialisation) -> String {
     // wgpu enables the subgroup built-ins with the device feature (its WGSL front end does not
     // take `enable subgroups;` yet); without it the section must go.
     let wgsl = if spec.subgroups {
-        MATMUL_WGSL.to_string()
+        MATMUL.wgsl.to_string()
     } else {
-        let begin = MATMUL_WGSL.find(SUBGROUP_BEGIN).expect("marked section");
-        let end = MATMUL_WGSL.find(SUBGROUP_END).expect("marked section") + SUBGROUP_END.len();
-        format!("{}{}", &MATMUL_WGSL[..begin], &MATMUL_WGSL[end..])
+        let begin = MATMUL.wgsl.find(SUBGROUP_BEGIN).expect("marked section");
+        let end = MATMUL.wgsl.find(SUBGROUP_END).expect("marked section") + SUBGROUP_END.len();
+        format!("{}{}", &MATMUL.wgsl[..begin], &MATMUL.wgsl[end..])
     };
     let flag = |on: bool| if on { "true" } else { "false" };
-    module_source(
+    MATMUL.source_of(
         &wgsl,
         &[
             ("A_MODE", a_mode),
@@ -352,24 +377,32 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         let (sa, sb) = (strides(&a, a_batch_stride), strides(&b, b_batch_stride));
         let choice = kernel_for(this.device(), a_mode(&sa, m), b_mode(&sb, n));
         let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
-        let params = [
-            m, n, k, batches, sa.offset, sa.batch, sa.rows, sa.cols, sb.offset, sb.batch, sb.rows,
-            sb.cols, tiles_n, tiles_m,
-        ]
-        .map(|x| x as u32);
+        let params = MatmulParams {
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            batches: batches as u32,
+            a_offset: sa.offset as u32,
+            a_batch_stride: sa.batch as u32,
+            a_row_stride: sa.rows as u32,
+            a_col_stride: sa.cols as u32,
+            b_offset: sb.offset as u32,
+            b_batch_stride: sb.batch as u32,
+            b_row_stride: sb.rows as u32,
+            b_col_stride: sb.cols as u32,
+            col_tiles: tiles_n as u32,
+            row_tiles: tiles_m as u32,
+        };
         let spec = Specialisation {
             n_aligned: n.is_multiple_of(4),
             k_tail: !k.is_multiple_of(4),
             ..choice.spec
         };
-        let key = format!("matmul/{spec:?}:{}", choice.entry);
-        let kernel = Kernel {
-            key: &key,
-            entry: choice.entry,
-            source: &|| source(spec),
-        };
+        let variant = format!("{spec:?}");
+        let specialised = || source(spec);
+        let kernel = Kernel::specialised(&MATMUL, choice.entry, &variant, &specialised);
         let workgroups = batches * tiles_m * tiles_n;
-        dispatch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
+        launch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
     }
     finish(out, this, other, &mut out_shape)
 }

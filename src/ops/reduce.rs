@@ -3,15 +3,36 @@
 //! template (`shaders/reduce.wgsl`) specialised for sum or max.
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::{Kernel, KernelFlavor};
+use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
+use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::copy::fill;
-use crate::ops::{dispatch, f32_bits, groups, module_source, WORKGROUP};
 use crate::tensor::layout::merge_dims;
 use crate::tensor::{DType, Tensor};
 
-const REDUCE_WGSL: &str = include_str!("../../shaders/reduce.wgsl");
+crate::kernel_params! {
+    /// `rows` and `serial` over an `[M, K]` view in chunks of `chunk_len`; each result is
+    /// multiplied by `scale` (1/K for mean). `vec4` (`serial` only): 1 when the k stride is 1
+    /// and the offset and row stride are multiples of 4.
+    pub(crate) struct ReduceParams {
+        rows: u32,
+        len: u32,
+        offset: u32,
+        row_stride: u32,
+        k_stride: u32,
+        chunks: u32,
+        chunk_len: u32,
+        scale: f32,
+        vec4: u32,
+    }
+}
+
+static REDUCE: ShaderFamily = ShaderFamily {
+    name: "reduce",
+    wgsl: include_str!("../../shaders/reduce.wgsl"),
+    params: &[&ReduceParams::LAYOUT],
+};
 
 /// Elements one `rows` workgroup reduces at least, so large reductions take two passes.
 const MIN_CHUNK: usize = 4096;
@@ -37,10 +58,7 @@ impl ReduceOp {
             ReduceOp::Sum => ("0.0", "a + b"),
             ReduceOp::Max => ("bitcast<f32>(0xff800000u)", "max(a, b)"),
         };
-        module_source(
-            REDUCE_WGSL,
-            &[("REDUCE_IDENTITY", identity), ("REDUCE_COMBINE", combine)],
-        )
+        REDUCE.source(&[("REDUCE_IDENTITY", identity), ("REDUCE_COMBINE", combine)])
     }
 }
 
@@ -59,19 +77,6 @@ pub(crate) struct Matrix {
     pub k: usize,
     pub row_stride: usize,
     pub k_stride: usize,
-}
-
-impl Matrix {
-    /// The view as the first five kernel parameter slots: M, K, offset, row stride, k stride.
-    pub fn params(&self) -> [u32; 5] {
-        [
-            self.m as u32,
-            self.k as u32,
-            self.tensor.layout().offset as u32,
-            self.row_stride as u32,
-            self.k_stride as u32,
-        ]
-    }
 }
 
 /// Collapses dims of one operand into one `(size, stride)`, if its strides allow.
@@ -175,24 +180,24 @@ fn reduce_pass(
         && [mat.tensor.layout().offset, mat.row_stride]
             .iter()
             .all(|x| x.is_multiple_of(4));
-    let mut params = mat.params().to_vec();
-    params.extend([
-        chunks as u32,
-        chunk_len as u32,
-        f32_bits(scale),
-        vec4 as u32,
-    ]);
-    let key = format!("reduce/{}:{entry}", op.name());
-    let kernel = Kernel {
-        key: &key,
-        entry,
-        source: &|| op.source(),
+    let params = ReduceParams {
+        rows: mat.m as u32,
+        len: mat.k as u32,
+        offset: mat.tensor.layout().offset as u32,
+        row_stride: mat.row_stride as u32,
+        k_stride: mat.k_stride as u32,
+        chunks: chunks as u32,
+        chunk_len: chunk_len as u32,
+        scale,
+        vec4: vec4 as u32,
     };
+    let source = || op.source();
+    let kernel = Kernel::specialised(&REDUCE, entry, op.name(), &source);
     let workgroups = match entry {
         "rows" => (mat.m * chunks) as u32,
         _ => groups(mat.m * chunks, WORKGROUP),
     };
-    dispatch(op_name, &kernel, &[&mat.tensor, &out], &params, workgroups)?;
+    launch(op_name, &kernel, &[&mat.tensor, &out], &params, workgroups)?;
     Ok(out)
 }
 

@@ -2,20 +2,36 @@
 //! `shaders/softmax.wgsl` that subtract the row max first (stable for large logits).
 
 use crate::autograd::{record, NoGradGuard};
-use crate::device::{Kernel, KernelFlavor};
+use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
-use crate::ops::{dispatch_at, groups, module_source};
+use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily};
 use crate::tensor::{DType, Tensor};
 
-const SOFTMAX_WGSL: &str = include_str!("../../shaders/softmax.wgsl");
-
-fn source() -> String {
-    module_source(SOFTMAX_WGSL, &[])
+crate::kernel_params! {
+    /// Every row kernel: `rows` rows of `len` elements from `offset`. `log`: 1 for
+    /// log_softmax. `vec4` (`serial` only): four-wide reads. `scale` (cross_entropy_backward):
+    /// 1 / rows, the mean's factor.
+    pub(crate) struct SoftmaxParams {
+        rows: u32,
+        len: u32,
+        offset: u32,
+        labels_offset: u32,
+        log: u32,
+        vec4: u32,
+        grad_offset: u32,
+        scale: f32,
+    }
 }
+
+static SOFTMAX: ShaderFamily = ShaderFamily {
+    name: "softmax",
+    wgsl: include_str!("../../shaders/softmax.wgsl"),
+    params: &[&SoftmaxParams::LAYOUT],
+};
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("softmax".into(), source())]
+    vec![("softmax".into(), SOFTMAX.source(&[]))]
 }
 
 /// Rows of the `[M, K]` input one `*_serial` workgroup handles (its `WG`).
@@ -67,32 +83,26 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     let vec4 = serial && k.is_multiple_of(4) && offset.is_multiple_of(4);
     let labels_offset = pass.labels.map_or(0, |l| l.layout().offset);
     let grad_offset = pass.grad.map_or(0, |g| g.layout().offset);
-    let params = [
-        m as u32,
-        k as u32,
-        offset as u32,
-        labels_offset as u32,
-        pass.log as u32,
-        vec4 as u32,
-        grad_offset as u32,
-        pass.scale.to_bits(),
-    ];
+    let params = SoftmaxParams {
+        rows: m as u32,
+        len: k as u32,
+        offset: offset as u32,
+        labels_offset: labels_offset as u32,
+        log: pass.log as u32,
+        vec4: vec4 as u32,
+        grad_offset: grad_offset as u32,
+        scale: pass.scale,
+    };
     let workgroups = if serial {
         groups(m, SERIAL_ROWS_PER_GROUP)
     } else {
         m as u32
     };
-    let entry = pass.family.entry(serial);
-    let key = format!("softmax:{entry}");
-    let kernel = Kernel {
-        key: &key,
-        entry,
-        source: &source,
-    };
+    let kernel = Kernel::plain(&SOFTMAX, pass.family.entry(serial));
     let mut bindings = vec![(1, pass.src), (2, pass.dst)];
     bindings.extend(pass.labels.map(|l| (3, l)));
     bindings.extend(pass.grad.map(|g| (4, g)));
-    dispatch_at(op, &kernel, &bindings, &params, workgroups)
+    launch_at(op, &kernel, &bindings, &params, workgroups)
 }
 
 /// Softmax or log_softmax over `x` moved so that `dim` is last; its backward is one fused

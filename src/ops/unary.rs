@@ -2,14 +2,33 @@
 //! (`shaders/unary.wgsl`) is specialised with each op's expression.
 
 use crate::autograd::record;
-use crate::device::Kernel;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::kernel::{
+    groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+    WORKGROUP,
+};
 use crate::ops::binary::{binary, BinaryOp};
-use crate::ops::{dispatch, f32_bits, groups, module_source, CONTIGUOUS_PER_GROUP, WORKGROUP};
-use crate::tensor::layout::merge_dims;
 use crate::tensor::{DType, Tensor};
 
-const UNARY_WGSL: &str = include_str!("../../shaders/unary.wgsl");
+crate::kernel_params! {
+    /// `contiguous` and `strided`: `vec4` (contiguous only) is 1 when `n` and `offset` are
+    /// multiples of 4.
+    pub(crate) struct UnaryParams {
+        n: u32,
+        offset: u32,
+        scalar: f32,
+        rank: u32,
+        shape: [u32; 6],
+        strides: [u32; 6],
+        vec4: u32,
+    }
+}
+
+static UNARY: ShaderFamily = ShaderFamily {
+    name: "unary",
+    wgsl: include_str!("../../shaders/unary.wgsl"),
+    params: &[&UnaryParams::LAYOUT],
+};
 
 /// The unary ops; each is one specialisation of the template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +101,7 @@ impl UnaryOp {
     }
 
     fn source(self) -> String {
-        module_source(UNARY_WGSL, &[("UNARY_EXPR", self.expr())])
+        UNARY.source(&[("UNARY_EXPR", self.expr())])
     }
 }
 
@@ -104,11 +123,7 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
         return Ok(out);
     }
     let layout = x.layout();
-    let (rank, shape, strides) =
-        merge_dims(&layout.shape, &[&layout.strides]).ok_or_else(|| Error::Shape {
-            op: name,
-            msg: format!("shape {:?} has more than 6 non-mergeable dims", x.shape()),
-        })?;
+    let dims = strided_dims(name, &layout.shape, &[&layout.strides])?;
     let contiguous = x.is_contiguous();
     // Four elements per load where lengths and offsets allow: about twice the bandwidth on
     // CPU adapters.
@@ -118,22 +133,18 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
     } else {
         ("strided", WORKGROUP)
     };
-    let mut params = vec![
-        n as u32,
-        layout.offset as u32,
-        f32_bits(scalar),
-        rank as u32,
-    ];
-    params.extend(&shape);
-    params.extend(&strides[0]);
-    params.push(vec4 as u32);
-    let key = format!("unary/{name}:{entry}");
-    let kernel = Kernel {
-        key: &key,
-        entry,
-        source: &|| op.source(),
+    let params = UnaryParams {
+        n: n as u32,
+        offset: layout.offset as u32,
+        scalar,
+        rank: dims.rank,
+        shape: dims.shape,
+        strides: dims.strides[0],
+        vec4: vec4 as u32,
     };
-    dispatch(name, &kernel, &[x, &out], &params, groups(n, per_group))?;
+    let source = || op.source();
+    let kernel = Kernel::specialised(&UNARY, entry, name, &source);
+    launch(name, &kernel, &[x, &out], &params, groups(n, per_group))?;
     Ok(out)
 }
 

@@ -1,7 +1,7 @@
 //! Adam and AdamW.
 
 use crate::error::Result;
-use crate::optim::{check_hyper, run_update, zero_grads, Optimizer};
+use crate::optim::{check_hyper, run_update, zero_grads, AdamParams, Optimizer};
 use crate::tensor::Tensor;
 
 /// Adam's and AdamW's hyperparameters, with PyTorch's meanings and Adam's defaults. PyTorch's
@@ -74,17 +74,17 @@ impl AdamState {
                     Tensor::zeros(param.shape(), param.device())?,
                 ),
             };
-            let params = [
-                param.numel() as u32,
-                c.lr.to_bits(),
-                c.weight_decay.to_bits(),
-                c.betas.0.to_bits(),
-                c.betas.1.to_bits(),
-                c.eps.to_bits(),
-                (correction1 as f32).to_bits(),
-                (correction2 as f32).to_bits(),
-                (decoupled as u32) << 2,
-            ];
+            let params = AdamParams {
+                n: param.numel() as u32,
+                lr: c.lr,
+                weight_decay: c.weight_decay,
+                beta1: c.betas.0,
+                beta2: c.betas.1,
+                eps: c.eps,
+                bias_correction1: correction1 as f32,
+                bias_correction2: correction2 as f32,
+                flags: (decoupled as u32) << 2,
+            };
             run_update(op, "adam", param, &grad, &[&m, &v], &params)?;
             *moments = Some((m, v));
         }

@@ -11,20 +11,36 @@ pub use clip::clip_grad_norm;
 pub use schedule::{CosineLr, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 
-use crate::device::Kernel;
 use crate::error::{Error, Result};
-use crate::ops::{dispatch_at, groups, module_source, CONTIGUOUS_PER_GROUP};
+use crate::kernel::{
+    groups, launch_at, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+};
 use crate::tensor::Tensor;
 
-const OPTIM_WGSL: &str = include_str!("../../shaders/optim.wgsl");
-
-fn source() -> String {
-    module_source(OPTIM_WGSL, &[])
+crate::kernel_params! {
+    /// `sgd` and `sgd_momentum`: flags 1 nesterov, 2 first step.
+    pub(crate) struct SgdParams {
+        n: u32, lr: f32, weight_decay: f32, momentum: f32, dampening: f32, flags: u32,
+    }
 }
+
+crate::kernel_params! {
+    /// `adam`: bias corrections are `1 - beta^t`; flag 4 is AdamW's decoupled weight decay.
+    pub(crate) struct AdamParams {
+        n: u32, lr: f32, weight_decay: f32, beta1: f32, beta2: f32, eps: f32,
+        bias_correction1: f32, bias_correction2: f32, flags: u32,
+    }
+}
+
+static OPTIM: ShaderFamily = ShaderFamily {
+    name: "optim",
+    wgsl: include_str!("../../shaders/optim.wgsl"),
+    params: &[&SgdParams::LAYOUT, &AdamParams::LAYOUT],
+};
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("optim".into(), source())]
+    vec![("optim".into(), OPTIM.source(&[]))]
 }
 
 /// An optimizer: `step()` updates every parameter that has a grad, in place (the parameters'
@@ -68,13 +84,13 @@ fn check_hyper(op: &'static str, name: &str, value: f32, positive: bool) -> Resu
 }
 
 /// Runs one fused update `entry` on `param` (and its state tensors, bound at 3 and 4).
-fn run_update(
+fn run_update<P: KernelParams>(
     op: &'static str,
     entry: &'static str,
     param: &Tensor,
     grad: &Tensor,
     state: &[&Tensor],
-    params: &[u32],
+    params: &P,
 ) -> Result<()> {
     if !param.is_contiguous() || param.layout().offset != 0 {
         return Err(Error::InvalidArgument {
@@ -109,15 +125,9 @@ fn run_update(
     };
     let mut bindings = vec![(1, param), (2, &grad)];
     bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
-    let key = format!("optim:{entry}");
-    let kernel = Kernel {
-        key: &key,
-        entry,
-        source: &source,
-    };
-    dispatch_at(
+    launch_at(
         op,
-        &kernel,
+        &Kernel::plain(&OPTIM, entry),
         &bindings,
         params,
         groups(n, CONTIGUOUS_PER_GROUP),

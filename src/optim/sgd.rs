@@ -1,7 +1,7 @@
 //! Stochastic gradient descent with momentum, Nesterov momentum and weight decay.
 
 use crate::error::Result;
-use crate::optim::{check_hyper, run_update, zero_grads, Optimizer};
+use crate::optim::{check_hyper, run_update, zero_grads, Optimizer, SgdParams};
 use crate::tensor::Tensor;
 
 /// `Sgd`'s hyperparameters, with PyTorch's meanings and defaults.
@@ -61,17 +61,14 @@ impl Optimizer for Sgd {
             let Some(grad) = param.grad() else { continue };
             let first = buffer.is_none();
             let flags = c.nesterov as u32 | (first as u32) << 1;
-            let params = [
-                param.numel() as u32,
-                c.lr.to_bits(),
-                c.weight_decay.to_bits(),
-                c.momentum.to_bits(),
-                c.dampening.to_bits(),
-                0,
-                0,
-                0,
+            let params = SgdParams {
+                n: param.numel() as u32,
+                lr: c.lr,
+                weight_decay: c.weight_decay,
+                momentum: c.momentum,
+                dampening: c.dampening,
                 flags,
-            ];
+            };
             if c.momentum == 0.0 {
                 run_update(OP, "sgd", param, &grad, &[], &params)?;
                 continue;

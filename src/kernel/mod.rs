@@ -1,0 +1,180 @@
+//! Launching a WGSL kernel: the one door from ops to the device.
+//!
+//! A kernel is an entry point of a [`ShaderFamily`] (one WGSL file under `shaders/`), possibly
+//! specialised by replacing placeholders in its text. Its parameters are a typed struct
+//! declared with [`kernel_params!`](crate::kernel_params), whose layout the family's WGSL sees
+//! as named slot constants. [`launch`] binds tensors' buffers, uploads the params and records
+//! one dispatch into the device's open batch.
+
+mod params;
+
+pub(crate) use params::{KernelParams, ParamsLayout, MAX_SLOTS};
+
+use std::sync::Arc;
+
+use crate::device::PipelineSource;
+use crate::error::{Error, Result};
+use crate::tensor::layout::merge_dims;
+use crate::tensor::{Storage, Tensor};
+
+/// Invocations per workgroup of the elementwise kernels.
+pub(crate) const WORKGROUP: usize = 256;
+
+/// Elements one workgroup of a contiguous elementwise kernel covers (`CONTIGUOUS_PER_GROUP`
+/// in `shaders/common.wgsl`).
+pub(crate) const CONTIGUOUS_PER_GROUP: usize = 16384;
+
+/// Prepended to every family's WGSL: the params uniform, `pu`/`pf`, index helpers.
+pub(crate) const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
+
+/// Workgroups needed to cover `n` items, `per_group` per workgroup.
+pub(crate) fn groups(n: usize, per_group: usize) -> u32 {
+    n.div_ceil(per_group) as u32
+}
+
+/// One WGSL file of kernels and the params structs its entry points read.
+pub(crate) struct ShaderFamily {
+    /// Names the family in pipeline keys and errors, e.g. `"unary"`.
+    pub name: &'static str,
+    /// The file's text (`include_str!`).
+    pub wgsl: &'static str,
+    /// The params layouts whose slot constants the file uses.
+    pub params: &'static [&'static ParamsLayout],
+}
+
+impl ShaderFamily {
+    /// The module for one specialisation: the common prelude, the slot constants, and the
+    /// family's text with each `(placeholder, value)` replaced.
+    pub fn source(&self, specialisation: &[(&str, &str)]) -> String {
+        self.source_of(self.wgsl, specialisation)
+    }
+
+    /// As [`ShaderFamily::source`] for an edited copy of the family's text (matmul drops its
+    /// subgroup section where the device has none).
+    pub fn source_of(&self, wgsl: &str, specialisation: &[(&str, &str)]) -> String {
+        let slots: String = self.params.iter().map(|p| p.wgsl_slots()).collect();
+        let mut source = format!("{COMMON_WGSL}\n{slots}\n{wgsl}");
+        for (placeholder, value) in specialisation {
+            source = source.replace(placeholder, value);
+        }
+        source
+    }
+}
+
+/// One kernel: an entry point of a family, in one specialisation.
+pub(crate) struct Kernel<'a> {
+    /// The family the entry point lives in.
+    pub family: &'static ShaderFamily,
+    /// The WGSL entry point.
+    pub entry: &'static str,
+    /// Names the specialisation in the pipeline key (`""` for an unspecialised family).
+    pub variant: &'a str,
+    /// Builds a specialised module source; called once, at the kernel's first launch.
+    /// `None`: the family's text as it is.
+    pub specialise: Option<&'a dyn Fn() -> String>,
+}
+
+impl<'a> Kernel<'a> {
+    /// An entry point of a family that has no placeholders.
+    pub fn plain(family: &'static ShaderFamily, entry: &'static str) -> Kernel<'static> {
+        Kernel {
+            family,
+            entry,
+            variant: "",
+            specialise: None,
+        }
+    }
+
+    /// An entry point in the specialisation `variant`, whose module `source` builds.
+    pub fn specialised(
+        family: &'static ShaderFamily,
+        entry: &'static str,
+        variant: &'a str,
+        source: &'a dyn Fn() -> String,
+    ) -> Kernel<'a> {
+        Kernel {
+            family,
+            entry,
+            variant,
+            specialise: Some(source),
+        }
+    }
+
+    fn key(&self) -> String {
+        format!("{}/{}:{}", self.family.name, self.variant, self.entry)
+    }
+}
+
+/// Records one dispatch of `kernel` over `workgroups` workgroups, binding `params` as the
+/// uniform at binding 0 and `tensors`' buffers at bindings 1, 2, ... in order.
+pub(crate) fn launch<P: KernelParams>(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[&Tensor],
+    params: &P,
+    workgroups: u32,
+) -> Result<()> {
+    let bound: Vec<(u32, &Tensor)> = (1..).zip(tensors.iter().copied()).collect();
+    launch_at(op, kernel, &bound, params, workgroups)
+}
+
+/// As [`launch`], binding each tensor's buffer at the binding number beside it.
+pub(crate) fn launch_at<P: KernelParams>(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[(u32, &Tensor)],
+    params: &P,
+    workgroups: u32,
+) -> Result<()> {
+    let storages: Vec<(u32, Arc<Storage>)> =
+        tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
+    let buffers: Vec<(u32, &wgpu::Buffer)> =
+        storages.iter().map(|(b, s)| (*b, s.buffer())).collect();
+    let key = kernel.key();
+    let family = kernel.family;
+    let plain_source = || family.source(&[]);
+    let source = kernel.specialise.unwrap_or(&plain_source);
+    let pipeline = PipelineSource {
+        key: &key,
+        entry: kernel.entry,
+        source,
+    };
+    tensors[0].1.device().inner.dispatch(
+        op,
+        &pipeline,
+        &buffers,
+        bytemuck::bytes_of(params),
+        workgroups,
+    )
+}
+
+/// The dims a strided kernel walks: size-1 dims dropped, dense runs merged, padded at the
+/// front to six (`strided_offset` in `shaders/common.wgsl`).
+pub(crate) struct StridedDims {
+    /// Dims left after merging (at most 6).
+    pub rank: u32,
+    /// Their sizes, padded with 1s at the front.
+    pub shape: [u32; 6],
+    /// Each operand's strides over those dims, padded with 0s at the front.
+    pub strides: Vec<[u32; 6]>,
+}
+
+/// Merges `shape` for operands with `strides`, or an error naming `op` when more than six dims
+/// remain.
+pub(crate) fn strided_dims(
+    op: &'static str,
+    shape: &[usize],
+    strides: &[&[usize]],
+) -> Result<StridedDims> {
+    let (rank, merged_shape, merged_strides) =
+        merge_dims(shape, strides).ok_or_else(|| Error::Shape {
+            op,
+            msg: format!("shape {shape:?} has more than 6 non-mergeable dims"),
+        })?;
+    let six = |v: Vec<u32>| -> [u32; 6] { v.try_into().expect("merge_dims pads to six dims") };
+    Ok(StridedDims {
+        rank: rank as u32,
+        shape: six(merged_shape),
+        strides: merged_strides.into_iter().map(six).collect(),
+    })
+}
