@@ -2,7 +2,9 @@
 //! S-2 and the in-place add of S-3. Kernels: `shaders/accumulate_grad.wgsl`.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch_at, strided_dims, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::kernel::{
+    groups, launch_at, strided_dims, Kernel, KernelParams, ShaderFamily, WORKGROUP,
+};
 use crate::ops::copy::copy_into;
 use crate::tensor::{DType, Storage, Tensor};
 

@@ -11,9 +11,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::autograd::accumulate::{accumulate_grad, add_into, swap_in};
-use crate::autograd::mode::NoGradGuard;
-use crate::autograd::node::{Edge, Node};
 use crate::error::{Error, Result};
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::{Edge, Node};
 use crate::tensor::Tensor;
 
 /// Which grads the walk collects.

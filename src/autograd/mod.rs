@@ -4,18 +4,13 @@
 //! input edges and its backward rule. `backward()` runs the engine in two stages: compute
 //! the grads ([`grad`] is that stage alone), then install them: into a leaf's grad slot by
 //! [`accumulate_grad`] and a buffer swap (S-2), or, for `backward_with` and listed
-//! `inputs`, by an in-place add (S-3). The rules are in the team's `SEMANTICS.md`.
+//! `inputs`, by an in-place add (S-3). The rules are in `docs/semantics.md`.
 
 mod accumulate;
 mod engine;
-mod mode;
-mod node;
 
-use std::sync::{Arc, MutexGuard};
-
+pub use crate::tensor::grad_mode::{is_grad_enabled, no_grad, NoGradGuard};
 pub use accumulate::accumulate_grad;
-pub use mode::{is_grad_enabled, no_grad, NoGradGuard};
-pub(crate) use node::{record, AutogradMeta, Node};
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -153,17 +148,6 @@ fn root_grads(
 }
 
 impl Tensor {
-    pub(crate) fn meta(&self) -> MutexGuard<'_, AutogradMeta> {
-        self.inner
-            .autograd
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn grad_fn(&self) -> Option<Arc<Node>> {
-        self.meta().grad_fn.clone()
-    }
-
     /// Marks a leaf as requiring grad (or not), and returns it. On a non-leaf (made by an op
     /// that recorded a node) it has no effect: such tensors always require grad.
     pub fn requires_grad_(self, requires_grad: bool) -> Tensor {

@@ -94,9 +94,18 @@ mod tests {
     fn slot_constants_follow_the_struct_layout() {
         let wgsl = ExampleTileParams::LAYOUT.wgsl_slots();
         assert!(wgsl.contains("const EXAMPLE_TILE_N: u32 = 0u;"), "{wgsl}");
-        assert!(wgsl.contains("const EXAMPLE_TILE_SCALE: u32 = 1u;"), "{wgsl}");
-        assert!(wgsl.contains("const EXAMPLE_TILE_SHAPE: u32 = 2u;"), "{wgsl}");
-        assert!(wgsl.contains("const EXAMPLE_TILE_LAST: u32 = 8u;"), "{wgsl}");
+        assert!(
+            wgsl.contains("const EXAMPLE_TILE_SCALE: u32 = 1u;"),
+            "{wgsl}"
+        );
+        assert!(
+            wgsl.contains("const EXAMPLE_TILE_SHAPE: u32 = 2u;"),
+            "{wgsl}"
+        );
+        assert!(
+            wgsl.contains("const EXAMPLE_TILE_LAST: u32 = 8u;"),
+            "{wgsl}"
+        );
         let p = ExampleTileParams {
             n: 7,
             scale: 0.5,

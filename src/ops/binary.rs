@@ -1,12 +1,12 @@
 //! Elementwise binary ops with NumPy broadcasting, and the `std::ops` traits on `&Tensor`.
 //! One WGSL template (`shaders/binary.wgsl`) is specialised with each op's expression.
 
-use crate::autograd::record;
 use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
     WORKGROUP,
 };
+use crate::tensor::graph::record;
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::{DType, Layout, Tensor};
 

@@ -1,10 +1,10 @@
-//! Data movement and creation kernels: strided copy (contiguous, cat, reshape of a view) and
-//! fill (zeros, ones, full, arange). Copies have the identity as backward.
+//! Data movement: strided copy (contiguous, cat, reshape of a view), fill (zeros, ones, full,
+//! arange) and readback to the host (`to_vec`, `item`). Copies have the identity as backward.
 
-use crate::autograd::record;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {
@@ -101,6 +101,67 @@ fn record_identity(name: &'static str, out: Tensor, x: &Tensor) -> Tensor {
 }
 
 impl Tensor {
+    /// An f32 tensor of zeros.
+    pub fn zeros(shape: &[usize], device: &Device) -> Result<Tensor> {
+        fill("zeros", shape, 0.0, 0.0, device)
+    }
+
+    /// An f32 tensor of ones.
+    pub fn ones(shape: &[usize], device: &Device) -> Result<Tensor> {
+        fill("ones", shape, 1.0, 0.0, device)
+    }
+
+    /// An f32 tensor with every element `value`.
+    pub fn full(shape: &[usize], value: f32, device: &Device) -> Result<Tensor> {
+        fill("full", shape, value, 0.0, device)
+    }
+
+    /// `[0, 1, ..., n - 1]` as f32.
+    pub fn arange(n: usize, device: &Device) -> Result<Tensor> {
+        fill("arange", &[n], 0.0, 1.0, device)
+    }
+
+    /// The values, row-major, as f32. Submits pending work and waits for it.
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
+        self.expect_dtype("to_vec", DType::F32)?;
+        Ok(bytemuck::pod_collect_to_vec(&self.read_bytes("to_vec")?))
+    }
+
+    /// The values, row-major, of a u32 tensor (labels, indices, argmax).
+    pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
+        self.expect_dtype("to_vec_u32", DType::U32)?;
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_bytes("to_vec_u32")?,
+        ))
+    }
+
+    /// The value of a one-element f32 tensor.
+    pub fn item(&self) -> Result<f32> {
+        if self.numel() != 1 {
+            return Err(Error::Shape {
+                op: "item",
+                msg: format!(
+                    "needs a tensor of one element, got shape {:?}",
+                    self.shape()
+                ),
+            });
+        }
+        self.expect_dtype("item", DType::F32)?;
+        Ok(bytemuck::pod_collect_to_vec::<u8, f32>(&self.read_bytes("item")?)[0])
+    }
+
+    fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {
+        let dense = self.contiguous()?;
+        let storage = dense.storage();
+        let size = dense.dtype().size() as u64;
+        dense.device().inner.read(
+            op,
+            storage.buffer(),
+            dense.layout().offset as u64 * size,
+            dense.numel() as u64 * size,
+        )
+    }
+
     /// A contiguous tensor with the same values: `self` itself when already contiguous,
     /// else a copy.
     pub fn contiguous(&self) -> Result<Tensor> {
@@ -149,7 +210,7 @@ impl Tensor {
                 ),
             });
         }
-        if self.requires_grad() && crate::autograd::is_grad_enabled() {
+        if self.requires_grad() && crate::tensor::grad_mode::is_grad_enabled() {
             return Err(Error::InvalidArgument {
                 op: OP,
                 msg: format!(

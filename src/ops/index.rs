@@ -1,10 +1,11 @@
 //! Ops that produce or consume u32 indices: `argmax`, `index_select`, `gather`. Indices are
 //! checked against the bound each u32 tensor carries, so no data is read back to validate.
 
-use crate::autograd::{record, NoGradGuard};
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
 use crate::ops::reduce::{as_matrix, reduced_shape};
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
 use crate::tensor::layout::KERNEL_RANK;
 use crate::tensor::{DType, Tensor};
 

@@ -1,11 +1,12 @@
 //! Batched matrix multiply with NumPy-style batch broadcasting. Inputs are read through their
 //! strides, so `x.matmul(&w.t()?)` reads `w` transposed without a copy.
 
-use crate::autograd::{record, NoGradGuard};
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{launch, Kernel, KernelParams, ShaderFamily};
 use crate::ops::binary::sum_to_shape;
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
 use crate::tensor::{DType, Tensor};
 

@@ -2,12 +2,13 @@
 //! Every reduction is run on an `[M, K]` view (kept dims x reduced dims) by one WGSL
 //! template (`shaders/reduce.wgsl`) specialised for sum or max.
 
-use crate::autograd::{record, NoGradGuard};
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::copy::fill;
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
 use crate::tensor::layout::merge_dims;
 use crate::tensor::{DType, Tensor};
 

@@ -1,10 +1,11 @@
 //! Softmax, log-softmax and the fused cross-entropy, forward and backward: row kernels in
 //! `shaders/softmax.wgsl` that subtract the row max first (stable for large logits).
 
-use crate::autograd::{record, NoGradGuard};
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily};
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {

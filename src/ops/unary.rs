@@ -1,13 +1,13 @@
 //! Elementwise unary ops and ops with a scalar operand. One WGSL template
 //! (`shaders/unary.wgsl`) is specialised with each op's expression.
 
-use crate::autograd::record;
 use crate::error::Result;
 use crate::kernel::{
     groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
     WORKGROUP,
 };
 use crate::ops::binary::{binary, BinaryOp};
+use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {

@@ -1,10 +1,11 @@
 //! Views: new layouts over the same storage (no copy), except `reshape` of a layout that
 //! cannot be re-strided, which copies.
 
-use crate::autograd::{record, NoGradGuard};
 use crate::error::{Error, Result};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::copy::copy_into;
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
 use crate::tensor::{checked_numel, Tensor};
 
 /// Records an op that only re-shapes `x` (same elements, same order): its grad is the

@@ -12,9 +12,7 @@ pub use schedule::{CosineLr, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::{Error, Result};
-use crate::kernel::{
-    groups, launch_at, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
-};
+use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP};
 use crate::tensor::Tensor;
 
 crate::kernel_params! {

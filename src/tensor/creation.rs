@@ -1,5 +1,5 @@
-//! Making tensors: from host data (one upload), by fill kernels (no upload), or from a seeded
-//! random generator.
+//! Making tensors from host data (one upload) or from a seeded random generator. Tensors made
+//! by a fill kernel (`zeros`, `ones`, `full`, `arange`) are in `ops/copy.rs`.
 
 use std::sync::Arc;
 
@@ -8,7 +8,6 @@ use rand_distr::{Distribution, StandardNormal};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::ops::copy::fill;
 use crate::tensor::{checked_numel, DType, Layout, Storage, Tensor};
 
 fn upload(
@@ -84,26 +83,6 @@ impl Tensor {
     pub fn from_labels(labels: Vec<u32>, device: &Device) -> Result<Tensor> {
         let n = labels.len();
         Self::from_vec_u32(labels, &[n], device)
-    }
-
-    /// An f32 tensor of zeros.
-    pub fn zeros(shape: &[usize], device: &Device) -> Result<Tensor> {
-        fill("zeros", shape, 0.0, 0.0, device)
-    }
-
-    /// An f32 tensor of ones.
-    pub fn ones(shape: &[usize], device: &Device) -> Result<Tensor> {
-        fill("ones", shape, 1.0, 0.0, device)
-    }
-
-    /// An f32 tensor with every element `value`.
-    pub fn full(shape: &[usize], value: f32, device: &Device) -> Result<Tensor> {
-        fill("full", shape, value, 0.0, device)
-    }
-
-    /// `[0, 1, ..., n - 1]` as f32.
-    pub fn arange(n: usize, device: &Device) -> Result<Tensor> {
-        fill("arange", &[n], 0.0, 1.0, device)
     }
 
     /// Uniform samples in `[0, 1)`, reproducible from `seed`.

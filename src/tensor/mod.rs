@@ -1,14 +1,16 @@
 //! `Tensor`: a cheap, thread-safe handle to a strided view of a GPU buffer.
 
 pub(crate) mod creation;
+pub(crate) mod grad_mode;
+pub(crate) mod graph;
 pub(crate) mod layout;
 mod storage;
 
 use std::sync::{Arc, Mutex, RwLock};
 
-use crate::autograd::AutogradMeta;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use graph::AutogradMeta;
 pub(crate) use layout::Layout;
 pub(crate) use storage::Storage;
 
@@ -181,47 +183,6 @@ impl Tensor {
     /// Handle identity: true when `a` and `b` are the same tensor object, not merely equal.
     pub fn same(a: &Tensor, b: &Tensor) -> bool {
         Arc::ptr_eq(&a.inner, &b.inner)
-    }
-
-    /// The values, row-major, as f32. Submits pending work and waits for it.
-    pub fn to_vec(&self) -> Result<Vec<f32>> {
-        self.expect_dtype("to_vec", DType::F32)?;
-        Ok(bytemuck::pod_collect_to_vec(&self.read_bytes("to_vec")?))
-    }
-
-    /// The values, row-major, of a u32 tensor (labels, indices, argmax).
-    pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
-        self.expect_dtype("to_vec_u32", DType::U32)?;
-        Ok(bytemuck::pod_collect_to_vec(
-            &self.read_bytes("to_vec_u32")?,
-        ))
-    }
-
-    /// The value of a one-element f32 tensor.
-    pub fn item(&self) -> Result<f32> {
-        if self.numel() != 1 {
-            return Err(Error::Shape {
-                op: "item",
-                msg: format!(
-                    "needs a tensor of one element, got shape {:?}",
-                    self.shape()
-                ),
-            });
-        }
-        self.expect_dtype("item", DType::F32)?;
-        Ok(bytemuck::pod_collect_to_vec::<u8, f32>(&self.read_bytes("item")?)[0])
-    }
-
-    fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {
-        let dense = self.contiguous()?;
-        let storage = dense.storage();
-        let size = dense.dtype().size() as u64;
-        dense.device().inner.read(
-            op,
-            storage.buffer(),
-            dense.layout().offset as u64 * size,
-            dense.numel() as u64 * size,
-        )
     }
 
     pub(crate) fn expect_dtype(&self, op: &'static str, dtype: DType) -> Result<()> {

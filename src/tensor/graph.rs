@@ -1,9 +1,9 @@
 //! Graph nodes and how ops record them.
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use crate::autograd::mode::is_grad_enabled;
 use crate::error::Result;
+use crate::tensor::grad_mode::is_grad_enabled;
 use crate::tensor::{Tensor, TensorInner};
 
 /// A backward rule: from the grad of a node's output to the grads of its inputs (`None` for
@@ -106,4 +106,19 @@ where
         meta.grad_fn = Some(Arc::new(node));
     }
     out
+}
+
+impl Tensor {
+    /// The tensor's autograd state: its grad slot, `requires_grad`, and the node that made it.
+    pub(crate) fn meta(&self) -> MutexGuard<'_, AutogradMeta> {
+        self.inner
+            .autograd
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The node that made this tensor, if an op recorded one.
+    pub(crate) fn grad_fn(&self) -> Option<Arc<Node>> {
+        self.meta().grad_fn.clone()
+    }
 }
