@@ -31,5 +31,6 @@ mod tensor;
 pub use autograd::{no_grad, BackwardOptions};
 pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
 pub use error::{Error, Result};
+pub use ops::conv::Conv2dOptions;
 pub use seed::manual_seed;
 pub use tensor::{DType, Tensor};

@@ -3,9 +3,11 @@
 //! `shaders/`.
 
 pub(crate) mod binary;
+pub(crate) mod conv;
 pub(crate) mod copy;
 pub(crate) mod index;
 pub(crate) mod matmul;
+pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod softmax;
 pub(crate) mod unary;

@@ -1,0 +1,348 @@
+//! conv2d, max_pool2d and avg_pool2d against CPU references in f64, their backward rules
+//! against finite differences (S-13), and their errors.
+
+mod common;
+use common::*;
+use wgrad::{Conv2dOptions, Error, Tensor};
+
+/// PyTorch's conv2d on the CPU: x [n, c_in, h, w], w [c_out, c_in / groups, kh, kw].
+fn conv_reference(
+    x: &[f32],
+    xs: [usize; 4],
+    w: &[f32],
+    ws: [usize; 4],
+    bias: Option<&[f32]>,
+    o: Conv2dOptions,
+) -> (Vec<f64>, [usize; 4]) {
+    let [n, c_in, h, wd] = xs;
+    let [c_out, cg, kh, kw] = ws;
+    let span = |k: usize| o.dilation * (k - 1) + 1;
+    let oh = (h + 2 * o.padding - span(kh)) / o.stride + 1;
+    let ow = (wd + 2 * o.padding - span(kw)) / o.stride + 1;
+    let per_group_out = c_out / o.groups;
+    let mut out = vec![0.0f64; n * c_out * oh * ow];
+    for b in 0..n {
+        for co in 0..c_out {
+            let g = co / per_group_out;
+            for y in 0..oh {
+                for xo in 0..ow {
+                    let mut acc = bias.map_or(0.0, |bv| bv[co] as f64);
+                    for ci in 0..cg {
+                        let cin = g * cg + ci;
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let iy =
+                                    (y * o.stride + ky * o.dilation) as isize - o.padding as isize;
+                                let ix =
+                                    (xo * o.stride + kx * o.dilation) as isize - o.padding as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
+                                    continue;
+                                }
+                                let xv = x[((b * c_in + cin) * h + iy as usize) * wd + ix as usize];
+                                let wv = w[((co * cg + ci) * kh + ky) * kw + kx];
+                                acc += xv as f64 * wv as f64;
+                            }
+                        }
+                    }
+                    out[((b * c_out + co) * oh + y) * ow + xo] = acc;
+                }
+            }
+        }
+    }
+    (out, [n, c_out, oh, ow])
+}
+
+fn options(stride: usize, padding: usize, dilation: usize, groups: usize) -> Conv2dOptions {
+    Conv2dOptions {
+        stride,
+        padding,
+        dilation,
+        groups,
+    }
+}
+
+#[test]
+fn conv2d_matches_cpu_reference() {
+    let dev = device();
+    let cases = [
+        ([1, 1, 5, 5], [1, 1, 3, 3], options(1, 0, 1, 1)),
+        ([3, 2, 7, 6], [4, 2, 3, 3], options(1, 1, 1, 1)),
+        ([2, 3, 9, 8], [5, 3, 3, 2], options(2, 1, 1, 1)),
+        ([2, 2, 9, 9], [3, 2, 3, 3], options(1, 2, 2, 1)),
+        ([2, 4, 6, 5], [6, 2, 3, 3], options(1, 1, 1, 2)),
+        ([1, 3, 28, 28], [8, 3, 5, 5], options(3, 2, 1, 1)),
+        ([2, 1, 4, 4], [2, 1, 1, 1], options(1, 0, 1, 1)),
+    ];
+    for (i, (xs, ws, o)) in cases.into_iter().enumerate() {
+        let (x, xv) = random_tensor(&xs, 10 + i as u64);
+        let (w, wv) = random_tensor(&ws, 20 + i as u64);
+        let (b, bv) = random_tensor(&[ws[0]], 30 + i as u64);
+        let got = x.conv2d_with(&w, Some(&b), o).unwrap();
+        let (want, shape) = conv_reference(&xv, xs, &wv, ws, Some(&bv), o);
+        assert_eq!(got.shape(), &shape, "case {i} shape");
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-4,
+            &format!("conv2d case {i}"),
+        );
+    }
+    let x = Tensor::zeros(&[0, 2, 5, 5], dev).unwrap();
+    let w = Tensor::ones(&[3, 2, 3, 3], dev).unwrap();
+    assert_eq!(x.conv2d(&w, None, 1, 1).unwrap().shape(), &[0, 3, 5, 5]);
+}
+
+#[test]
+fn conv2d_reads_strided_views_of_its_inputs() {
+    let (x, xv) = random_tensor(&[2, 3, 5, 4], 1);
+    let (w, wv) = random_tensor(&[2, 3, 3, 3], 2);
+    // x.transpose(2, 3) twice is x again, but as a non-contiguous view in between.
+    let xt = x.transpose(2, 3).unwrap();
+    let got = xt.transpose(2, 3).unwrap().conv2d(&w, None, 1, 1).unwrap();
+    let (want, _) = conv_reference(
+        &xv,
+        [2, 3, 5, 4],
+        &wv,
+        [2, 3, 3, 3],
+        None,
+        options(1, 1, 1, 1),
+    );
+    assert_close(&got.to_vec().unwrap(), &want, 1e-4, "conv2d of a view");
+}
+
+#[test]
+fn conv2d_gradcheck() {
+    for (xs, ws, stride, padding) in [
+        ([1, 1, 5, 5], [2, 1, 3, 3], 1, 0),
+        ([3, 2, 5, 4], [2, 2, 3, 3], 1, 1),
+        ([1, 2, 7, 5], [3, 2, 3, 3], 2, 0),
+        ([3, 1, 6, 7], [2, 1, 2, 3], 2, 1),
+    ] {
+        let name = format!("conv2d x{xs:?} w{ws:?} stride {stride} padding {padding}");
+        let bias = [ws[0]];
+        gradcheck(
+            &name,
+            &[
+                (xs.to_vec(), values_in(xs.iter().product(), -1.0, 1.0, 1)),
+                (ws.to_vec(), values_in(ws.iter().product(), -1.0, 1.0, 2)),
+                (bias.to_vec(), values_in(ws[0], -1.0, 1.0, 3)),
+            ],
+            |t| t[0].conv2d(&t[1], Some(&t[2]), stride, padding),
+        );
+    }
+}
+
+#[test]
+fn conv2d_gradcheck_with_dilation_and_groups() {
+    gradcheck(
+        "conv2d dilation 2 groups 2",
+        &[
+            (vec![2, 4, 6, 6], values_in(288, -1.0, 1.0, 4)),
+            (vec![4, 2, 2, 2], values_in(32, -1.0, 1.0, 5)),
+        ],
+        |t| t[0].conv2d_with(&t[1], None, options(1, 1, 2, 2)),
+    );
+}
+
+/// The weight grad's k runs over every output pixel of the batch; past one chunk (4,096
+/// steps) it is split across invocations and the partial sums added.
+#[test]
+fn conv2d_weight_grad_over_long_k_matches_cpu() {
+    let dev = device();
+    let (xs, ws) = ([3, 2, 40, 40], [2, 2, 3, 3]); // k = 3 * 40 * 40 = 4800
+    let (x, xv) = random_tensor(&xs, 7);
+    let (w, _) = random_tensor(&ws, 8);
+    let w = w.requires_grad_(true);
+    let y = x.conv2d(&w, None, 1, 1).unwrap();
+    let (g, gv) = random_tensor(y.shape(), 9);
+    y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+    // d/dw[co, ci, ky, kx] = sum over b, oy, ox of g[b, co, oy, ox] x[b, ci, oy + ky - 1, ox + kx - 1]
+    let mut want = vec![0.0f64; 36];
+    for co in 0..2 {
+        for ci in 0..2 {
+            for ky in 0..3 {
+                for kx in 0..3 {
+                    let mut acc = 0.0;
+                    for b in 0..3 {
+                        for oy in 0..40 {
+                            for ox in 0..40 {
+                                let (iy, ix) = (oy + ky, ox + kx);
+                                if iy < 1 || ix < 1 || iy > 40 || ix > 40 {
+                                    continue;
+                                }
+                                let gval = gv[((b * 2 + co) * 40 + oy) * 40 + ox] as f64;
+                                let xval = xv[((b * 2 + ci) * 40 + iy - 1) * 40 + ix - 1] as f64;
+                                acc += gval * xval;
+                            }
+                        }
+                    }
+                    want[((co * 2 + ci) * 3 + ky) * 3 + kx] = acc;
+                }
+            }
+        }
+    }
+    assert_close(
+        &w.grad().unwrap().to_vec().unwrap(),
+        &want,
+        1e-3,
+        "weight grad",
+    );
+    let _ = dev;
+}
+
+/// PyTorch's pools on the CPU (no padding).
+fn pool_reference(x: &[f32], xs: [usize; 4], k: usize, s: usize, max: bool) -> Vec<f64> {
+    let [n, c, h, w] = xs;
+    let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
+    let mut out = Vec::new();
+    for p in 0..n * c {
+        for y in 0..oh {
+            for xo in 0..ow {
+                let vals =
+                    (0..k * k).map(|t| x[(p * h + y * s + t / k) * w + xo * s + t % k] as f64);
+                out.push(if max {
+                    vals.fold(f64::NEG_INFINITY, f64::max)
+                } else {
+                    vals.sum::<f64>() / (k * k) as f64
+                });
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn pools_match_cpu_reference() {
+    for (xs, k, s) in [
+        ([2, 3, 8, 8], 2, 2),
+        ([1, 2, 7, 9], 3, 2),
+        ([2, 1, 5, 5], 3, 1),
+        ([1, 1, 1, 1], 1, 1),
+    ] {
+        let (x, xv) = random_tensor(&xs, 3);
+        let got = x.max_pool2d(k, s).unwrap();
+        let want = pool_reference(&xv, xs, k, s, true);
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-6,
+            &format!("max_pool2d {xs:?} {k} {s}"),
+        );
+        let got = x.avg_pool2d(k, s).unwrap();
+        let want = pool_reference(&xv, xs, k, s, false);
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-5,
+            &format!("avg_pool2d {xs:?} {k} {s}"),
+        );
+    }
+}
+
+#[test]
+fn pools_gradcheck() {
+    // Distinct values, so that no window has a tie at its maximum.
+    let distinct =
+        |n: usize| -> Vec<f32> { (0..n).map(|i| ((i * 37) % n) as f32 * 0.1 - 1.0).collect() };
+    for (xs, k, s) in [
+        ([2, 2, 6, 6], 2, 2),
+        ([1, 2, 7, 5], 3, 2),
+        ([1, 1, 5, 5], 3, 1),
+    ] {
+        let n = xs.iter().product();
+        gradcheck(
+            &format!("max_pool2d {xs:?} {k} {s}"),
+            &[(xs.to_vec(), distinct(n))],
+            |t| t[0].max_pool2d(k, s),
+        );
+        gradcheck(
+            &format!("avg_pool2d {xs:?} {k} {s}"),
+            &[(xs.to_vec(), distinct(n))],
+            |t| t[0].avg_pool2d(k, s),
+        );
+    }
+}
+
+#[test]
+fn max_pool2d_sends_a_tied_grad_to_the_first_maximum() {
+    let dev = device();
+    let x = Tensor::from_vec(vec![1.0, 3.0, 3.0, 2.0], &[1, 1, 2, 2], dev)
+        .unwrap()
+        .requires_grad_(true);
+    x.max_pool2d(2, 2)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(
+        x.grad().unwrap().to_vec().unwrap(),
+        vec![0.0, 1.0, 0.0, 0.0]
+    );
+}
+
+#[test]
+fn max_pool2d_propagates_nan() {
+    let dev = device();
+    let x = Tensor::from_vec(vec![1.0, f32::NAN, 3.0, 2.0], &[1, 1, 2, 2], dev).unwrap();
+    assert!(x.max_pool2d(2, 2).unwrap().to_vec().unwrap()[0].is_nan());
+}
+
+fn expect_error(result: wgrad::Result<Tensor>, op: &str, mentions: &str) {
+    match result {
+        Err(e @ (Error::Shape { .. } | Error::InvalidArgument { .. })) => {
+            let msg = e.to_string();
+            assert!(msg.contains(op) && msg.contains(mentions), "{msg}");
+        }
+        Err(e) => panic!("unexpected error kind: {e}"),
+        Ok(t) => panic!("expected an error, got shape {:?}", t.shape()),
+    }
+}
+
+#[test]
+fn conv2d_rejects_bad_input() {
+    let dev = device();
+    let x = Tensor::zeros(&[2, 3, 5, 5], dev).unwrap();
+    let w = Tensor::zeros(&[4, 3, 3, 3], dev).unwrap();
+    expect_error(
+        Tensor::zeros(&[3, 5, 5], dev)
+            .unwrap()
+            .conv2d(&w, None, 1, 0),
+        "conv2d",
+        "[3, 5, 5]",
+    );
+    expect_error(
+        x.conv2d(&Tensor::zeros(&[4, 2, 3, 3], dev).unwrap(), None, 1, 0),
+        "conv2d",
+        "[4, 2, 3, 3]",
+    );
+    expect_error(
+        x.conv2d(&Tensor::zeros(&[4, 3, 8, 8], dev).unwrap(), None, 1, 1),
+        "conv2d",
+        "7x7",
+    );
+    expect_error(x.conv2d(&w, None, 0, 0), "conv2d", "stride");
+    expect_error(
+        x.conv2d(&w, Some(&Tensor::zeros(&[3], dev).unwrap()), 1, 0),
+        "conv2d",
+        "bias",
+    );
+    expect_error(
+        x.conv2d_with(&w, None, options(1, 0, 1, 2)),
+        "conv2d",
+        "group",
+    );
+}
+
+#[test]
+fn pools_reject_bad_input() {
+    let dev = device();
+    let x = Tensor::zeros(&[1, 1, 4, 4], dev).unwrap();
+    expect_error(x.max_pool2d(5, 1), "max_pool2d", "[1, 1, 4, 4]");
+    expect_error(x.avg_pool2d(2, 0), "avg_pool2d", "stride");
+    expect_error(
+        Tensor::zeros(&[4, 4], dev).unwrap().max_pool2d(2, 2),
+        "max_pool2d",
+        "[4, 4]",
+    );
+}
