@@ -5,61 +5,23 @@
 //! a progress bar with the loss and samples/s, evaluates on the test split every epoch, and
 //! ends with one line: `final: test_acc=... train_loss=... steps=... samples_per_s=...`.
 
-use std::path::{Path, PathBuf};
+mod support;
+
 use std::time::Instant;
 
-use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
-use wgrad::nn::{self, Module};
-use wgrad::optim::{self, LrSchedule, Optimizer};
-use wgrad::{io, Device, Tensor};
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum OptimizerKind {
-    Sgd,
-    Adam,
-    Adamw,
-}
+use clap::Parser;
+use support::TrainArgs;
+use wgrad::{io, nn, Device};
 
 /// Train an MLP classifier with wgrad.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
-    /// Directory of MNIST-format IDX files (train-images-idx3-ubyte, ...; .gz allowed).
-    /// Without it, a built-in synthetic set is used.
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// Passes over the training set.
-    #[arg(long, default_value_t = 20)]
-    epochs: usize,
-    /// Examples per step.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
-    batch_size: u64,
-    /// Peak learning rate, decayed to 0 by a cosine schedule (default: 3e-3 for Adam and
-    /// AdamW, 0.05 for SGD with momentum 0.9).
-    #[arg(long)]
-    lr: Option<f32>,
+    #[command(flatten)]
+    train: TrainArgs,
     /// Width of the two hidden layers.
     #[arg(long, default_value_t = 128)]
     hidden: usize,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Adam)]
-    optimizer: OptimizerKind,
-    /// Seed for initialisation, shuffling and the synthetic set.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Start from this safetensors checkpoint (of the same architecture) instead of a fresh
-    /// initialisation.
-    #[arg(long)]
-    load: Option<PathBuf>,
-    /// Save the trained model as a safetensors checkpoint here.
-    #[arg(long)]
-    save: Option<PathBuf>,
-    /// Write a PNG of the loss and test accuracy per epoch here.
-    #[arg(long)]
-    plot: Option<PathBuf>,
 }
 
 fn main() {
@@ -71,246 +33,24 @@ fn main() {
     }
 }
 
-/// Per-epoch figures, for the plot.
-struct History {
-    train_loss: Vec<f32>,
-    test_acc: Vec<f32>,
-}
-
 fn run(args: &Args, process_start: Instant) -> Result<(), String> {
-    let lr = args.lr.unwrap_or(match args.optimizer {
-        OptimizerKind::Sgd => 0.05,
-        OptimizerKind::Adam | OptimizerKind::Adamw => 3e-3,
-    });
-    if !lr.is_finite() || lr <= 0.0 {
-        return Err(format!("--lr must be a finite positive number, got {lr}"));
-    }
-    if args.epochs == 0 || args.hidden == 0 {
-        return Err("--epochs and --hidden must be at least 1".into());
+    args.train.lr()?;
+    if args.hidden == 0 {
+        return Err("--hidden must be at least 1".into());
     }
     let dev = Device::new().map_err(|e| e.to_string())?;
     println!("adapter: {}", dev.info());
-    let (train, test) = match &args.data {
-        Some(dir) => io::load_idx_dir(dir).map_err(|e| e.to_string())?,
-        None => io::synthetic_spirals(4, 8000, 2000, args.seed),
-    };
-    if train.is_empty() || test.is_empty() {
-        return Err("the training and test sets must not be empty".into());
-    }
-    let source = args
-        .data
-        .as_ref()
-        .map_or("synthetic spirals".to_string(), |d| d.display().to_string());
-    println!(
-        "data: {source}: {} train / {} test examples, {} features, {} classes",
-        train.len(),
-        test.len(),
-        train.features,
-        train.classes
-    );
-
-    wgrad::manual_seed(args.seed);
+    let (train, test) = args.train.dataset(
+        |seed| io::synthetic_spirals(4, 8000, 2000, seed),
+        "synthetic spirals",
+    )?;
+    wgrad::manual_seed(args.train.seed);
+    let linear = |i, o| nn::Linear::new(i, o, true, &dev).map_err(|e| e.to_string());
     let model = nn::Sequential::new()
-        .add(nn::Linear::new(train.features, args.hidden, true, &dev).map_err(|e| e.to_string())?)
+        .add(linear(train.features, args.hidden)?)
         .add(nn::Relu)
-        .add(nn::Linear::new(args.hidden, args.hidden, true, &dev).map_err(|e| e.to_string())?)
+        .add(linear(args.hidden, args.hidden)?)
         .add(nn::Relu)
-        .add(nn::Linear::new(args.hidden, train.classes, true, &dev).map_err(|e| e.to_string())?);
-    if let Some(path) = &args.load {
-        io::load(path, &model).map_err(|e| e.to_string())?;
-        println!("loaded: {}", path.display());
-    }
-    let params = model.parameters();
-    let mut opt: Box<dyn Optimizer> = match args.optimizer {
-        OptimizerKind::Sgd => Box::new(optim::Sgd::new(
-            params,
-            optim::SgdConfig {
-                lr,
-                momentum: 0.9,
-                ..Default::default()
-            },
-        )),
-        OptimizerKind::Adam => Box::new(optim::Adam::new(
-            params,
-            optim::AdamConfig {
-                lr,
-                ..Default::default()
-            },
-        )),
-        OptimizerKind::Adamw => Box::new(optim::AdamW::new(
-            params,
-            optim::AdamConfig {
-                lr,
-                weight_decay: 0.01,
-                ..Default::default()
-            },
-        )),
-    };
-
-    let batch = args.batch_size as usize;
-    let steps_per_epoch = train.len().div_ceil(batch);
-    // Cosine decay to zero over the run: large steps early, a settled model at the end.
-    let schedule = optim::CosineLr {
-        base_lr: lr,
-        min_lr: 0.0,
-        total_steps: steps_per_epoch * args.epochs,
-    };
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
-    let mut order: Vec<usize> = (0..train.len()).collect();
-    let mut history = History {
-        train_loss: Vec::new(),
-        test_acc: Vec::new(),
-    };
-    let (mut step, mut seen) = (0usize, 0usize);
-    let started = Instant::now();
-    let style = ProgressStyle::with_template("epoch {prefix} {bar:30} {pos}/{len} {msg}")
-        .expect("valid template");
-    for epoch in 1..=args.epochs {
-        model.train();
-        order.shuffle(&mut rng);
-        let bar = ProgressBar::new(steps_per_epoch as u64)
-            .with_style(style.clone())
-            .with_prefix(format!("{epoch}/{}", args.epochs));
-        let mut epoch_loss = 0.0f64;
-        for chunk in order.chunks(batch) {
-            let (inputs, labels) = train.batch(chunk);
-            let x = Tensor::from_vec(inputs, &[chunk.len(), train.features], &dev)
-                .map_err(|e| e.to_string())?;
-            let y = Tensor::from_labels(labels, &dev).map_err(|e| e.to_string())?;
-            opt.set_lr(schedule.lr(step));
-            opt.zero_grad();
-            let loss = nn::loss::cross_entropy(&model.forward(&x).map_err(|e| e.to_string())?, &y)
-                .map_err(|e| e.to_string())?;
-            loss.backward().map_err(|e| e.to_string())?;
-            opt.step().map_err(|e| e.to_string())?;
-            let value = loss.item().map_err(|e| e.to_string())?;
-            step += 1;
-            seen += chunk.len();
-            if step == 1 {
-                let elapsed = process_start.elapsed().as_secs_f64();
-                bar.suspend(|| println!("first step done {elapsed:.3} s after start"));
-            }
-            if !value.is_finite() {
-                bar.abandon();
-                return Err(format!(
-                    "the loss became {value} at step {step} (epoch {epoch}); try a smaller --lr"
-                ));
-            }
-            epoch_loss += value as f64 * chunk.len() as f64;
-            bar.set_message(format!(
-                "loss {value:.4}  {:.0} samples/s",
-                seen as f64 / started.elapsed().as_secs_f64()
-            ));
-            bar.inc(1);
-        }
-        let train_loss = (epoch_loss / train.len() as f64) as f32;
-        let test_acc = accuracy(&model, &test, &dev).map_err(|e| e.to_string())?;
-        bar.finish_and_clear();
-        println!("epoch {epoch}: train_loss={train_loss:.4} test_acc={test_acc:.4}");
-        history.train_loss.push(train_loss);
-        history.test_acc.push(test_acc);
-    }
-    let samples_per_s = seen as f64 / started.elapsed().as_secs_f64();
-
-    if let Some(path) = &args.save {
-        io::save(path, &model).map_err(|e| e.to_string())?;
-        println!("saved: {}", path.display());
-    }
-    if let Some(path) = &args.plot {
-        plot(path, &history).map_err(|e| format!("writing the plot {}: {e}", path.display()))?;
-        println!("plot: {}", path.display());
-    }
-    println!(
-        "final: test_acc={:.4} train_loss={:.4} steps={step} samples_per_s={samples_per_s:.1}",
-        history.test_acc.last().expect("at least one epoch"),
-        history.train_loss.last().expect("at least one epoch"),
-    );
-    Ok(())
-}
-
-/// Fraction of `data` the model classifies correctly, in evaluation mode and without a graph.
-fn accuracy(model: &dyn Module, data: &io::Dataset, dev: &Device) -> wgrad::Result<f32> {
-    model.eval();
-    let _no_grad = wgrad::autograd::NoGradGuard::new();
-    let indices: Vec<usize> = (0..data.len()).collect();
-    let mut correct = 0;
-    for chunk in indices.chunks(1024) {
-        let (inputs, labels) = data.batch(chunk);
-        let x = Tensor::from_vec(inputs, &[chunk.len(), data.features], dev)?;
-        let predicted = model.forward(&x)?.argmax(1, false)?.to_vec_u32()?;
-        correct += predicted
-            .iter()
-            .zip(&labels)
-            .filter(|(p, l)| p == l)
-            .count();
-    }
-    Ok(correct as f32 / data.len() as f32)
-}
-
-/// A PNG with the training loss and the test accuracy per epoch, side by side.
-fn plot(path: &Path, history: &History) -> Result<(), Box<dyn std::error::Error>> {
-    use plotters::prelude::*;
-    let labelled = register_font();
-    let root = BitMapBackend::new(path, (900, 360)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let (left, right) = root.split_horizontally(450);
-    let epochs = history.train_loss.len();
-    let series = [
-        (left, "train loss", &history.train_loss, RED),
-        (right, "test accuracy", &history.test_acc, BLUE),
-    ];
-    for (area, title, values, color) in series {
-        let top = values.iter().cloned().fold(f32::MIN, f32::max).max(1e-6) * 1.1;
-        let mut builder = ChartBuilder::on(&area);
-        builder
-            .margin(12)
-            .x_label_area_size(30)
-            .y_label_area_size(45);
-        if labelled {
-            builder.caption(title, ("sans-serif", 20));
-        }
-        let mut chart = builder.build_cartesian_2d(1f32..epochs.max(2) as f32, 0f32..top)?;
-        let mut mesh = chart.configure_mesh();
-        if labelled {
-            mesh.x_desc("epoch");
-        } else {
-            mesh.disable_x_mesh()
-                .disable_y_mesh()
-                .x_labels(0)
-                .y_labels(0);
-        }
-        mesh.draw()?;
-        chart.draw_series(LineSeries::new(
-            values.iter().enumerate().map(|(i, &v)| ((i + 1) as f32, v)),
-            color.stroke_width(2),
-        ))?;
-    }
-    root.present()?;
-    Ok(())
-}
-
-/// Registers a system sans-serif font for plot text; false when none is installed (the plot
-/// is then drawn without text).
-fn register_font() -> bool {
-    let candidates = [
-        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/TTF/DejaVuSans.ttf",
-        "/System/Library/Fonts/Supplemental/Arial.ttf",
-        "C:\\Windows\\Fonts\\arial.ttf",
-    ];
-    for path in candidates {
-        if let Ok(bytes) = std::fs::read(path) {
-            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-            if plotters::style::register_font(
-                "sans-serif",
-                plotters::style::FontStyle::Normal,
-                bytes,
-            )
-            .is_ok()
-            {
-                return true;
-            }
-        }
-    }
-    false
+        .add(linear(args.hidden, train.classes)?);
+    support::fit(&model, &train, &test, &dev, &args.train, process_start)
 }

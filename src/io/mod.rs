@@ -6,7 +6,7 @@ mod data;
 mod idx;
 
 pub use checkpoint::{load, save};
-pub use data::{load_idx_dir, synthetic_spirals, Dataset};
+pub use data::{load_idx_dir, synthetic_shapes, synthetic_spirals, Dataset, SHAPES_SIDE};
 pub use idx::{read_idx_images, read_idx_labels};
 
 use crate::error::Error;

@@ -32,7 +32,7 @@ pub struct Linear {
 /// Uniform values in `[-bound, bound)` from the global seed, as a parameter: `Tensor::rand`'s
 /// values scaled on the host (the same f32 arithmetic a kernel would do), so that building a
 /// model compiles no kernel.
-fn uniform_parameter(shape: &[usize], bound: f32, device: &Device) -> Result<Tensor> {
+pub(crate) fn uniform_parameter(shape: &[usize], bound: f32, device: &Device) -> Result<Tensor> {
     let data = uniform_values(shape.iter().product(), next_seed())
         .into_iter()
         .map(|u| u * (2.0 * bound) - bound)

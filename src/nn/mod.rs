@@ -1,6 +1,7 @@
 //! Neural-network building blocks: the [`Module`] trait, layers, activations and losses.
 
 mod activation;
+mod conv;
 mod dropout;
 mod embedding;
 mod layer_norm;
@@ -9,6 +10,7 @@ pub mod loss;
 mod sequential;
 
 pub use activation::{Gelu, Relu, Tanh};
+pub use conv::{AvgPool2d, Conv2d, Flatten, MaxPool2d};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use layer_norm::LayerNorm;

@@ -134,4 +134,16 @@ impl Tensor {
         };
         Ok(record_reshape("reshape", out, self))
     }
+
+    /// Dims `start_dim..` merged into one, as PyTorch's `flatten(start_dim)`: `[N, C, H, W]`
+    /// with `start_dim` 1 gives `[N, C H W]`. A rank-0 tensor becomes `[1]`.
+    pub fn flatten(&self, start_dim: usize) -> Result<Tensor> {
+        if self.rank() == 0 {
+            return self.reshape(&[1]);
+        }
+        self.layout().check_dim("flatten", start_dim)?;
+        let mut shape = self.shape()[..start_dim].to_vec();
+        shape.push(self.shape()[start_dim..].iter().product());
+        self.reshape(&shape)
+    }
 }
