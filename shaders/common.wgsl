@@ -67,3 +67,8 @@ fn erf_approx(v: f32) -> f32 {
     let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
     return sign(v) * (1.0 - poly * exp(-a * a));
 }
+
+// True for NaN, tested on the bits: drivers may fold `v != v` to false.
+fn is_nan(v: f32) -> bool {
+    return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
+}

@@ -79,10 +79,6 @@ fn windows_over(y: u32, out_len: u32) -> vec2<u32> {
     return vec2<u32>(first, min(y / s + 1u, out_len));
 }
 
-fn is_nan(v: f32) -> bool {
-    return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
-}
-
 // Where input element `i` lies, and the outputs whose windows hold it: rows [first, last + 1)
 // and columns likewise.
 struct Covering {

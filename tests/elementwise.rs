@@ -66,6 +66,15 @@ fn unary_cases() -> Vec<UnaryCase> {
         ("sub_scalar", |t| t.sub_scalar(0.25), |x| x - 0.25, 1e-7),
         ("mul_scalar", |t| t.mul_scalar(-3.0), |x| x * -3.0, 1e-7),
         ("div_scalar", |t| t.div_scalar(3.0), |x| x / 3.0, 1e-7),
+        ("abs", Tensor::abs, f64::abs, 0.0),
+        (
+            "sign",
+            Tensor::sign,
+            |x| if x == 0.0 { 0.0 } else { x.signum() },
+            0.0,
+        ),
+        ("erf", Tensor::erf, erf, 1e-6),
+        ("clamp", |t| t.clamp(-0.3, 0.5), |x| x.clamp(-0.3, 0.5), 0.0),
     ]
 }
 
@@ -365,4 +374,15 @@ fn a_row_broadcast_on_either_side_at_any_offset_matches_reference() {
             .collect();
         assert_close(&got, &want, 1e-7, &format!("bias[{start}..] - x"));
     }
+}
+
+#[test]
+fn clamp_keeps_nan_and_rejects_crossed_bounds() {
+    let dev = device();
+    let x = Tensor::from_vec(vec![f32::NAN, -2.0, 2.0], &[3], dev).unwrap();
+    let y = x.clamp(-1.0, 1.0).unwrap().to_vec().unwrap();
+    assert!(y[0].is_nan());
+    assert_eq!(&y[1..], &[-1.0, 1.0]);
+    let err = x.clamp(1.0, -1.0).unwrap_err().to_string();
+    assert!(err.contains("clamp") && err.contains("min 1"), "{err}");
 }

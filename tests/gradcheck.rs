@@ -43,6 +43,10 @@ fn unary_ops() {
     gradcheck("powf 3", &x(), |t| t[0].powf(3.0));
     gradcheck("powf 2.5", &[positive(&[4], 6)], |t| t[0].powf(2.5));
     gradcheck("powf 0", &x(), |t| t[0].powf(0.0));
+    gradcheck("abs", &[spread(&[6], 8)], |t| t[0].abs());
+    gradcheck("erf", &x(), |t| t[0].erf());
+    // spread values are multiples of 0.37, away from the bounds
+    gradcheck("clamp", &[spread(&[8], 9)], |t| t[0].clamp(-1.0, 1.5));
 }
 
 #[test]

@@ -53,11 +53,12 @@ pub(crate) enum BinaryOp {
     SigmoidBackward,
     GeluBackward,
     SqrtBackward,
+    ErfBackward,
 }
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 12] = [
+    const ALL: [BinaryOp; 13] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -70,6 +71,7 @@ impl BinaryOp {
         BinaryOp::SigmoidBackward,
         BinaryOp::GeluBackward,
         BinaryOp::SqrtBackward,
+        BinaryOp::ErfBackward,
     ];
 
     fn name(self) -> &'static str {
@@ -86,6 +88,7 @@ impl BinaryOp {
             BinaryOp::SigmoidBackward => "sigmoid_backward",
             BinaryOp::GeluBackward => "gelu_backward",
             BinaryOp::SqrtBackward => "sqrt_backward",
+            BinaryOp::ErfBackward => "erf_backward",
         }
     }
 
@@ -106,6 +109,8 @@ impl BinaryOp {
                 "a * (0.5 * (1.0 + erf_approx(b * 0.7071067811865476)) + b * 0.3989422804014327 * exp(-0.5 * b * b))"
             }
             BinaryOp::SqrtBackward => "a * 0.5 / b",
+            // d/dx erf(x) = 2 / sqrt(pi) e^(-x^2)
+            BinaryOp::ErfBackward => "a * 1.1283791670955126 * exp(-b * b)",
         }
     }
 

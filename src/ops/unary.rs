@@ -21,6 +21,7 @@ crate::kernel_params! {
         shape: [u32; 6],
         strides: [u32; 6],
         vec4: u32,
+        scalar2: f32,
     }
 }
 
@@ -45,11 +46,18 @@ pub(crate) enum UnaryOp {
     AddScalar,
     MulScalar,
     DivScalar,
+    Abs,
+    Sign,
+    Erf,
+    /// `x` limited to `[s, t]` (NaN stays NaN).
+    Clamp,
+    /// 1 where `s <= x <= t`, else 0: where clamp passes its grad.
+    InRange,
 }
 
 impl UnaryOp {
     #[cfg(test)]
-    const ALL: [UnaryOp; 12] = [
+    const ALL: [UnaryOp; 17] = [
         UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Log,
@@ -62,6 +70,11 @@ impl UnaryOp {
         UnaryOp::AddScalar,
         UnaryOp::MulScalar,
         UnaryOp::DivScalar,
+        UnaryOp::Abs,
+        UnaryOp::Sign,
+        UnaryOp::Erf,
+        UnaryOp::Clamp,
+        UnaryOp::InRange,
     ];
 
     fn name(self) -> &'static str {
@@ -78,6 +91,11 @@ impl UnaryOp {
             UnaryOp::AddScalar => "add_scalar",
             UnaryOp::MulScalar => "mul_scalar",
             UnaryOp::DivScalar => "div_scalar",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Sign => "sign",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Clamp => "clamp",
+            UnaryOp::InRange => "in_range",
         }
     }
 
@@ -97,6 +115,11 @@ impl UnaryOp {
             UnaryOp::AddScalar => "x + s",
             UnaryOp::MulScalar => "x * s",
             UnaryOp::DivScalar => "x / s",
+            UnaryOp::Abs => "abs(x)",
+            UnaryOp::Sign => "sign(x)",
+            UnaryOp::Erf => "erf_approx(x)",
+            UnaryOp::Clamp => "select(clamp(x, s, pf(UNARY_SCALAR2)), x, is_nan(x))",
+            UnaryOp::InRange => "select(0.0, 1.0, x >= s && x <= pf(UNARY_SCALAR2))",
         }
     }
 
@@ -115,6 +138,11 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 
 /// Runs `op` over every element of `x` into a new contiguous tensor.
 pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
+    unary_with(x, op, scalar, 0.0)
+}
+
+/// As [`unary`], for the ops with a second scalar `t` (clamp's upper bound).
+fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tensor> {
     let name = op.name();
     x.expect_dtype(name, DType::F32)?;
     let out = Tensor::empty(name, x.shape(), DType::F32, x.device())?;
@@ -141,6 +169,7 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
         shape: dims.shape,
         strides: dims.strides[0],
         vec4: vec4 as u32,
+        scalar2,
     };
     let source = || op.source();
     let kernel = Kernel::specialised(&UNARY, entry, name, &source);
@@ -292,5 +321,46 @@ impl Tensor {
         Ok(record_grad_only("div_scalar", out, self, move |g| {
             g.div_scalar(s)
         }))
+    }
+
+    /// `|x|`; its grad is `sign(x)` (0 at 0, as PyTorch).
+    pub fn abs(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Abs, 0.0)?;
+        Ok(record_unary("abs", out, self, Saved::Input, |g, x| {
+            g.mul(&x.sign()?)
+        }))
+    }
+
+    /// -1, 0 or 1 by the sign of each element; its grad is 0.
+    pub fn sign(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Sign, 0.0)?;
+        Ok(record_grad_only("sign", out, self, |g| g.mul_scalar(0.0)))
+    }
+
+    /// The error function (absolute error below 1.5e-7).
+    pub fn erf(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Erf, 0.0)?;
+        Ok(record_unary("erf", out, self, Saved::Input, |g, x| {
+            binary(g, x, BinaryOp::ErfBackward)
+        }))
+    }
+
+    /// Each element limited to `[min, max]`; NaN stays NaN. The grad passes where
+    /// `min <= x <= max`, as PyTorch's `clamp`.
+    pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
+        if min.is_nan() || max.is_nan() || min > max {
+            return Err(crate::error::Error::InvalidArgument {
+                op: "clamp",
+                msg: format!("needs min <= max, got min {min} and max {max}"),
+            });
+        }
+        let out = unary_with(self, UnaryOp::Clamp, min, max)?;
+        Ok(record_unary(
+            "clamp",
+            out,
+            self,
+            Saved::Input,
+            move |g, x| g.mul(&unary_with(x, UnaryOp::InRange, min, max)?),
+        ))
     }
 }
