@@ -1,22 +1,25 @@
-//! 2-d convolution (NCHW) forward and backward, each an implicit GEMM (`shaders/conv.wgsl`):
-//! the kernel reads images, weights and grads through index maps, so no im2col matrix is
-//! stored. Bias is a broadcast add; groups are one convolution per channel group.
+//! 2-d convolution (NCHW) forward and backward as matmuls over column matrices: `im2col`
+//! (`shaders/conv.wgsl`) lays a chunk of images out as `[images, c_in kh kw, out pixels]`, so
+//! the forward is `weight x cols` and the weight grad `out_grad x cols^T`, both on the matmul
+//! kernels; `col2im` sums the cols grad `weight^T x out_grad` back onto the input. Chunks of
+//! images bound the column matrix (at most `COLS_LIMIT` elements) whatever the batch. Bias is
+//! a broadcast add; groups are one convolution per channel group.
 
 use crate::error::{Error, Result};
-use crate::kernel::{launch, Kernel, KernelParams, ShaderFamily};
+use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// One implicit GEMM `[m, k] x [k, n]` of a convolution of `batch` images of
-    /// `c_in x height x width` with `c_out` kernels of `kernel_h x kernel_w`, giving
-    /// `out_h x out_w` maps. `k` is split into `chunks` of `k_chunk` steps.
+    /// `im2col` and `col2im` over a chunk of images of `c_in x height x width`, read with
+    /// `kernel_h x kernel_w` taps into `out_h x out_w` positions. `n` counts what the entry
+    /// writes: rows of `out_w` elements (`im2col`) or elements (`col2im`).
     pub(crate) struct ConvParams {
-        batch: u32,
+        n: u32,
         c_in: u32,
         height: u32,
         width: u32,
-        c_out: u32,
         kernel_h: u32,
         kernel_w: u32,
         out_h: u32,
@@ -24,14 +27,7 @@ crate::kernel_params! {
         stride: u32,
         padding: u32,
         dilation: u32,
-        m: u32,
-        n: u32,
-        k: u32,
-        k_chunk: u32,
-        chunks: u32,
-        tiles_n: u32,
-        lhs_offset: u32,
-        rhs_offset: u32,
+        src_offset: u32,
     }
 }
 
@@ -41,44 +37,13 @@ static CONV: ShaderFamily = ShaderFamily {
     params: &[&ConvParams::LAYOUT],
 };
 
-/// Steps of k one invocation runs at most: well under llvmpipe's 65,535 loop iterations.
-const K_CHUNK: usize = 4096;
-
-/// Invocations per workgroup of `implicit_gemm`.
-const GEMM_WORKGROUP: usize = 64;
-
-/// The three GEMMs of a convolution (see `shaders/conv.wgsl`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Gemm {
-    Forward,
-    InputGrad,
-    WeightGrad,
-}
-
-impl Gemm {
-    #[cfg(test)]
-    const ALL: [Gemm; 3] = [Gemm::Forward, Gemm::InputGrad, Gemm::WeightGrad];
-
-    fn mode(self) -> &'static str {
-        match self {
-            Gemm::Forward => "forward",
-            Gemm::InputGrad => "input_grad",
-            Gemm::WeightGrad => "weight_grad",
-        }
-    }
-
-    fn source(self) -> String {
-        CONV.source(&[("CONV_MODE", self.mode())])
-    }
-}
-
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    Gemm::ALL
-        .iter()
-        .map(|g| (format!("conv/{}", g.mode()), g.source()))
-        .collect()
+    vec![("conv".into(), CONV.source(&[]))]
 }
+
+/// Most elements of one chunk's column matrix (16 MiB).
+const COLS_LIMIT: usize = 1 << 22;
 
 /// Stride, padding, dilation and groups of a convolution, with PyTorch's defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,18 +87,36 @@ struct Geometry {
 }
 
 impl Geometry {
-    /// `(m, n, k)` of one of the convolution's GEMMs.
-    fn gemm_shape(&self, gemm: Gemm) -> (usize, usize, usize) {
-        let taps = self.kernel_h * self.kernel_w;
-        let out_pixels = self.batch * self.out_h * self.out_w;
-        match gemm {
-            Gemm::Forward => (self.c_out, out_pixels, self.c_in * taps),
-            Gemm::InputGrad => (
-                self.c_in,
-                self.batch * self.height * self.width,
-                self.c_out * taps,
-            ),
-            Gemm::WeightGrad => (self.c_out, self.c_in * taps, out_pixels),
+    /// Rows of the column matrix: `c_in * kernel_h * kernel_w`.
+    fn taps(&self) -> usize {
+        self.c_in * self.kernel_h * self.kernel_w
+    }
+
+    /// Output pixels per image.
+    fn out_pixels(&self) -> usize {
+        self.out_h * self.out_w
+    }
+
+    /// Images per chunk, so that one chunk's column matrix holds at most [`COLS_LIMIT`]
+    /// elements (at least one image).
+    fn images_per_chunk(&self) -> usize {
+        (COLS_LIMIT / (self.taps() * self.out_pixels()).max(1)).max(1)
+    }
+
+    fn params(&self, n: usize, src: &Tensor) -> ConvParams {
+        ConvParams {
+            n: n as u32,
+            c_in: self.c_in as u32,
+            height: self.height as u32,
+            width: self.width as u32,
+            kernel_h: self.kernel_h as u32,
+            kernel_w: self.kernel_w as u32,
+            out_h: self.out_h as u32,
+            out_w: self.out_w as u32,
+            stride: self.stride as u32,
+            padding: self.padding as u32,
+            dilation: self.dilation as u32,
+            src_offset: src.layout().offset as u32,
         }
     }
 }
@@ -203,75 +186,125 @@ fn geometry(x: &Tensor, w: &Tensor, options: &Conv2dOptions) -> Result<Geometry>
     })
 }
 
-/// Runs one GEMM of the convolution: `lhs` is A's tensor and `rhs` B's (both contiguous), the
-/// result has `out_shape`. Long k is split into chunks whose partial sums are then added.
-fn implicit_gemm(
-    gemm: Gemm,
-    geo: &Geometry,
-    lhs: &Tensor,
-    rhs: &Tensor,
-    out_shape: &[usize],
-) -> Result<Tensor> {
+/// The column matrix `[images, c_in kh kw, out pixels]` of `images` (contiguous, a chunk of
+/// the batch), zeros in the padding.
+fn im2col(images: &Tensor, geo: &Geometry) -> Result<Tensor> {
     const OP: &str = "conv2d";
-    let (m, n, k) = geo.gemm_shape(gemm);
-    let numel: usize = out_shape.iter().product();
-    if numel == 0 || k == 0 {
-        return Tensor::zeros(out_shape, lhs.device());
+    let count = images.shape()[0];
+    let cols = Tensor::empty(
+        OP,
+        &[count, geo.taps(), geo.out_pixels()],
+        DType::F32,
+        images.device(),
+    )?;
+    if cols.numel() > 0 {
+        let rows = count * geo.taps() * geo.out_h;
+        let kernel = Kernel::plain(&CONV, "im2col");
+        let params = geo.params(rows, images);
+        launch(
+            OP,
+            &kernel,
+            &[images, &cols],
+            &params,
+            groups(rows, WORKGROUP),
+        )?;
     }
-    let (lhs, rhs) = (lhs.contiguous()?, rhs.contiguous()?);
-    let chunks = k.div_ceil(K_CHUNK);
-    let out = Tensor::empty(OP, &[chunks, numel], DType::F32, lhs.device())?;
-    let tiles_n = n.div_ceil(4);
-    let invocations = tiles_n * m.div_ceil(4) * chunks;
-    let params = ConvParams {
-        batch: geo.batch as u32,
-        c_in: geo.c_in as u32,
-        height: geo.height as u32,
-        width: geo.width as u32,
-        c_out: geo.c_out as u32,
-        kernel_h: geo.kernel_h as u32,
-        kernel_w: geo.kernel_w as u32,
-        out_h: geo.out_h as u32,
-        out_w: geo.out_w as u32,
-        stride: geo.stride as u32,
-        padding: geo.padding as u32,
-        dilation: geo.dilation as u32,
-        m: m as u32,
-        n: n as u32,
-        k: k as u32,
-        k_chunk: K_CHUNK as u32,
-        chunks: chunks as u32,
-        tiles_n: tiles_n as u32,
-        lhs_offset: lhs.layout().offset as u32,
-        rhs_offset: rhs.layout().offset as u32,
-    };
-    let source = || gemm.source();
-    let kernel = Kernel::specialised(&CONV, "implicit_gemm", gemm.mode(), &source);
-    let workgroups = invocations.div_ceil(GEMM_WORKGROUP) as u32;
-    launch(OP, &kernel, &[&lhs, &rhs, &out], &params, workgroups)?;
-    let summed = if chunks == 1 {
-        out
-    } else {
-        out.sum_dims(&[0], false)?
-    };
-    summed.reshape(out_shape)
+    Ok(cols)
+}
+
+/// The input grad `[images, c_in, height, width]` from the grad of a chunk's column matrix
+/// (any layout: a matmul may return its product as a transposed view).
+fn col2im(cols_grad: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    const OP: &str = "conv2d";
+    let cols_grad = &cols_grad.contiguous()?;
+    let count = cols_grad.shape()[0];
+    let shape = [count, geo.c_in, geo.height, geo.width];
+    let grad = Tensor::empty(OP, &shape, DType::F32, cols_grad.device())?;
+    let n = grad.numel();
+    if n > 0 {
+        let kernel = Kernel::plain(&CONV, "col2im");
+        let params = geo.params(n, cols_grad);
+        launch(
+            OP,
+            &kernel,
+            &[cols_grad, &grad],
+            &params,
+            groups(n, WORKGROUP),
+        )?;
+    }
+    Ok(grad)
+}
+
+/// `f(start, count)` over the batch in chunks of images, the results joined along dim 0;
+/// a tensor of shape `[0, rest..]` for an empty batch.
+fn by_chunks(
+    x: &Tensor,
+    geo: &Geometry,
+    rest: [usize; 3],
+    f: impl Fn(usize, usize) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let step = geo.images_per_chunk();
+    let parts = (0..geo.batch)
+        .step_by(step)
+        .map(|start| f(start, step.min(geo.batch - start)))
+        .collect::<Result<Vec<_>>>()?;
+    match parts.len() {
+        0 => Tensor::zeros(&[0, rest[0], rest[1], rest[2]], x.device()),
+        1 => Ok(parts.into_iter().next().expect("one part")),
+        _ => Tensor::cat(&parts, 0),
+    }
 }
 
 /// One group's convolution (no bias), recorded with its backward to input and weight.
 fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
-    let out_shape = [geo.batch, geo.c_out, geo.out_h, geo.out_w];
-    let out = implicit_gemm(Gemm::Forward, &geo, w, x, &out_shape)?;
+    let out = {
+        let _no_grad = NoGradGuard::new();
+        let w_mat = w.reshape(&[geo.c_out, geo.taps()])?;
+        let out_rest = [geo.c_out, geo.out_h, geo.out_w];
+        by_chunks(x, &geo, out_rest, |start, count| {
+            let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, &geo)?;
+            w_mat
+                .matmul(&cols)?
+                .reshape(&[count, geo.c_out, geo.out_h, geo.out_w])
+        })?
+    };
     Ok(record("conv2d", out, &[x, w], |_| {
         let (need_x, need_w) = (x.requires_grad(), w.requires_grad());
         let (x, w) = (x.detach(), w.detach());
-        let (x_shape, w_shape) = (x.shape().to_vec(), w.shape().to_vec());
         move |g: &Tensor| {
+            let w_mat = w.reshape(&[geo.c_out, geo.taps()])?;
+            let in_rest = [geo.c_in, geo.height, geo.width];
+            let g_chunk = |start, count| -> Result<Tensor> {
+                g.narrow(0, start, count)?
+                    .reshape(&[count, geo.c_out, geo.out_pixels()])
+            };
             let grad_x = match need_x {
-                true => Some(implicit_gemm(Gemm::InputGrad, &geo, &w, g, &x_shape)?),
+                true => Some(by_chunks(&x, &geo, in_rest, |start, count| {
+                    col2im(&w_mat.t()?.matmul(&g_chunk(start, count)?)?, &geo)
+                })?),
                 false => None,
             };
             let grad_w = match need_w {
-                true => Some(implicit_gemm(Gemm::WeightGrad, &geo, g, &x, &w_shape)?),
+                true => {
+                    let step = geo.images_per_chunk();
+                    let mut sum: Option<Tensor> = None;
+                    for start in (0..geo.batch).step_by(step) {
+                        let count = step.min(geo.batch - start);
+                        let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, &geo)?;
+                        let part = g_chunk(start, count)?
+                            .matmul(&cols.transpose(1, 2)?)?
+                            .sum_dims(&[0], false)?;
+                        sum = Some(match sum {
+                            Some(s) => s.add(&part)?,
+                            None => part,
+                        });
+                    }
+                    let sum = match sum {
+                        Some(s) => s,
+                        None => Tensor::zeros(&[geo.c_out, geo.taps()], w.device())?,
+                    };
+                    Some(sum.reshape(w.shape())?)
+                }
                 false => None,
             };
             Ok(vec![grad_x, grad_w])
