@@ -2,6 +2,7 @@
 //! kernel launch) and, beside it, their backward rules; each family's WGSL is one file in
 //! `shaders/`.
 
+pub(crate) mod attention;
 pub(crate) mod binary;
 pub(crate) mod conv;
 pub(crate) mod copy;

@@ -1,0 +1,209 @@
+//! scaled_dot_product_attention against an f64 CPU reference (values and all three grads),
+//! against finite differences (S-13), past the loop-split thresholds, and its errors.
+
+mod common;
+use common::*;
+use wgrad::{BackwardOptions, Error, Tensor};
+
+/// Forward and grads of attention on the CPU for one head: q [tq, d], k [tk, d], v [tk, dv],
+/// out grad g [tq, dv]. Returns (out, dq, dk, dv).
+#[allow(clippy::type_complexity)]
+fn reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    (tq, tk, d, dv): (usize, usize, usize, usize),
+    causal: bool,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let scale = 1.0 / (d as f64).sqrt();
+    let (mut out, mut dq, mut dk, mut dvv) = (
+        vec![0.0; tq * dv],
+        vec![0.0; tq * d],
+        vec![0.0; tk * d],
+        vec![0.0; tk * dv],
+    );
+    for i in 0..tq {
+        let keys = if causal { (i + 1).min(tk) } else { tk };
+        let s: Vec<f64> = (0..keys)
+            .map(|j| {
+                (0..d)
+                    .map(|c| q[i * d + c] as f64 * k[j * d + c] as f64)
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        let p: Vec<f64> = e.iter().map(|x| x / z).collect();
+        for j in 0..keys {
+            for c in 0..dv {
+                out[i * dv + c] += p[j] * v[j * dv + c] as f64;
+            }
+        }
+        let dp: Vec<f64> = (0..keys)
+            .map(|j| {
+                (0..dv)
+                    .map(|c| g[i * dv + c] as f64 * v[j * dv + c] as f64)
+                    .sum()
+            })
+            .collect();
+        let delta: f64 = (0..keys).map(|j| p[j] * dp[j]).sum();
+        for j in 0..keys {
+            let ds = p[j] * (dp[j] - delta) * scale;
+            for c in 0..d {
+                dq[i * d + c] += ds * k[j * d + c] as f64;
+                dk[j * d + c] += ds * q[i * d + c] as f64;
+            }
+            for c in 0..dv {
+                dvv[j * dv + c] += p[j] * g[i * dv + c] as f64;
+            }
+        }
+    }
+    (out, dq, dk, dvv)
+}
+
+/// Runs attention on `heads` heads and checks the output and all grads against the reference.
+fn check_against_reference(heads: usize, tq: usize, tk: usize, d: usize, dv: usize, causal: bool) {
+    let what = format!("heads {heads} tq {tq} tk {tk} d {d} dv {dv} causal {causal}");
+    let (q, qv) = random_tensor(&[heads, tq, d], 1);
+    let (k, kv) = random_tensor(&[heads, tk, d], 2);
+    let (v, vv) = random_tensor(&[heads, tk, dv], 3);
+    let (g, gv) = random_tensor(&[heads, tq, dv], 4);
+    let (q, k, v) = (
+        q.requires_grad_(true),
+        k.requires_grad_(true),
+        v.requires_grad_(true),
+    );
+    let out = q.scaled_dot_product_attention(&k, &v, causal).unwrap();
+    assert_eq!(out.shape(), &[heads, tq, dv], "{what}");
+    out.backward_with(BackwardOptions {
+        grad_output: Some(g),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut want = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for h in 0..heads {
+        let r = reference(
+            &qv[h * tq * d..(h + 1) * tq * d],
+            &kv[h * tk * d..(h + 1) * tk * d],
+            &vv[h * tk * dv..(h + 1) * tk * dv],
+            &gv[h * tq * dv..(h + 1) * tq * dv],
+            (tq, tk, d, dv),
+            causal,
+        );
+        want.0.extend(r.0);
+        want.1.extend(r.1);
+        want.2.extend(r.2);
+        want.3.extend(r.3);
+    }
+    assert_close(
+        &out.to_vec().unwrap(),
+        &want.0,
+        1e-4,
+        &format!("out, {what}"),
+    );
+    assert_close(
+        &q.grad().unwrap().to_vec().unwrap(),
+        &want.1,
+        1e-3,
+        &format!("dq, {what}"),
+    );
+    assert_close(
+        &k.grad().unwrap().to_vec().unwrap(),
+        &want.2,
+        1e-3,
+        &format!("dk, {what}"),
+    );
+    assert_close(
+        &v.grad().unwrap().to_vec().unwrap(),
+        &want.3,
+        1e-3,
+        &format!("dv, {what}"),
+    );
+}
+
+#[test]
+fn sdpa_matches_cpu_reference_causal_and_not() {
+    for causal in [false, true] {
+        for t in [1, 7, 65] {
+            check_against_reference(3, t, t, 8, 8, causal);
+        }
+    }
+    check_against_reference(2, 5, 9, 6, 3, false); // Tq != Tk, D and Dv not multiples of 4
+    check_against_reference(2, 9, 5, 5, 7, true); // causal with Tq > Tk, aligned top-left
+    check_against_reference(1, 3, 4, 256, 4, false); // the widest head
+}
+
+/// Past about 6,000 keys (or queries) per row (fewer for wider heads) an invocation would run more loop iterations
+/// than llvmpipe allows; the loops are then split across invocations and the partial results
+/// joined. These shapes take the split path in the forward, the query grad and the key grads.
+#[test]
+fn sdpa_splits_long_sequences_across_invocations() {
+    check_against_reference(1, 2, 40_000, 4, 4, false);
+    check_against_reference(1, 40_000, 2, 4, 4, false);
+}
+
+#[test]
+fn sdpa_gradcheck() {
+    for causal in [false, true] {
+        for t in [1, 7, 65] {
+            let d = if t == 65 { 2 } else { 4 };
+            let shape = vec![1, t, d];
+            let n = t * d;
+            gradcheck(
+                &format!("sdpa t {t} causal {causal}"),
+                &[
+                    (shape.clone(), values_in(n, -1.0, 1.0, 1)),
+                    (shape.clone(), values_in(n, -1.0, 1.0, 2)),
+                    (shape, values_in(n, -1.0, 1.0, 3)),
+                ],
+                |x| x[0].scaled_dot_product_attention(&x[1], &x[2], causal),
+            );
+        }
+    }
+}
+
+#[test]
+fn sdpa_keeps_batch_dims_and_reads_views() {
+    let (q, _) = random_tensor(&[2, 3, 5, 4], 5);
+    let (k, _) = random_tensor(&[2, 3, 6, 4], 6);
+    let (v, _) = random_tensor(&[2, 3, 6, 2], 7);
+    let out = q.scaled_dot_product_attention(&k, &v, false).unwrap();
+    assert_eq!(out.shape(), &[2, 3, 5, 2]);
+    // A transposed view of the heads gives the same rows, transposed back.
+    let qt = q.transpose(0, 1).unwrap();
+    let kt = k.transpose(0, 1).unwrap();
+    let vt = v.transpose(0, 1).unwrap();
+    let out_t = qt.scaled_dot_product_attention(&kt, &vt, false).unwrap();
+    let back = out_t.transpose(0, 1).unwrap().to_vec().unwrap();
+    let want: Vec<f64> = out.to_vec().unwrap().iter().map(|&x| x as f64).collect();
+    assert_close(&back, &want, 1e-5, "sdpa of transposed views");
+}
+
+#[test]
+fn sdpa_rejects_mismatched_shapes() {
+    let dev = device();
+    let t = |s: &[usize]| Tensor::zeros(s, dev).unwrap();
+    let cases = [
+        (t(&[2, 5, 4]), t(&[2, 5, 3]), t(&[2, 5, 4])), // D differs
+        (t(&[2, 5, 4]), t(&[3, 5, 4]), t(&[3, 5, 4])), // batch dims differ
+        (t(&[2, 5, 4]), t(&[2, 5, 4]), t(&[2, 6, 4])), // k and v lengths differ
+        (t(&[4]), t(&[4]), t(&[4])),                   // rank 1
+        (t(&[1, 2, 300]), t(&[1, 2, 300]), t(&[1, 2, 4])), // too wide
+    ];
+    for (q, k, v) in cases {
+        match q.scaled_dot_product_attention(&k, &v, false) {
+            Err(e @ Error::Shape { .. }) => {
+                let msg = e.to_string();
+                assert!(msg.contains("scaled_dot_product_attention"), "{msg}");
+                assert!(msg.contains(&format!("{:?}", q.shape())), "{msg}");
+            }
+            other => panic!(
+                "expected a shape error, got {:?}",
+                other.map(|t| t.shape().to_vec())
+            ),
+        }
+    }
+}
