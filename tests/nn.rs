@@ -187,14 +187,16 @@ fn layer_norm_matches_reference_and_its_grads_check() {
             (vec![5], values_in(5, 0.5, 1.5, 11)),
             (vec![5], values_in(5, -0.5, 0.5, 12)),
         ],
-        |t| {
-            let centred = t[0].sub(&t[0].mean_dims(&[1], true)?)?;
-            let var = centred.mul(&centred)?.mean_dims(&[1], true)?;
-            centred
-                .div(&var.add_scalar(1e-5)?.sqrt()?)?
-                .mul(&t[1])?
-                .add(&t[2])
-        },
+        |t| t[0].layer_norm(&t[1], &t[2], 1e-5),
+    );
+    gradcheck(
+        "layer_norm of a 3-d input",
+        &[
+            (vec![2, 3, 7], values_in(42, -1.0, 1.0, 13)),
+            (vec![7], values_in(7, 0.5, 1.5, 14)),
+            (vec![7], values_in(7, -0.5, 0.5, 15)),
+        ],
+        |t| t[0].layer_norm(&t[1], &t[2], 1e-5),
     );
     let err = ln
         .forward(&Tensor::zeros(&[3, 4], device()).unwrap())
@@ -203,12 +205,37 @@ fn layer_norm_matches_reference_and_its_grads_check() {
         matches!(
             err,
             Error::Shape {
-                op: "LayerNorm",
+                op: "layer_norm",
                 ..
             }
         ),
         "{err:?}"
     );
+    assert!(nn::LayerNorm::new(5, -1.0, device()).is_err());
+}
+
+/// Rows longer than the fused kernel takes are normalised by the composed ops: same values.
+#[test]
+fn layer_norm_of_rows_past_the_fused_length_matches_reference() {
+    let len = 20_000;
+    let (x, xs) = random_tensor(&[2, len], 16);
+    let w = Tensor::full(&[len], 2.0, device()).unwrap();
+    let b = Tensor::full(&[len], 0.5, device()).unwrap();
+    let mut want = Vec::new();
+    for r in 0..2 {
+        let row: Vec<f64> = xs[r * len..(r + 1) * len]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let mean = row.iter().sum::<f64>() / len as f64;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / len as f64;
+        want.extend(
+            row.iter()
+                .map(|v| (v - mean) / (var + 1e-5).sqrt() * 2.0 + 0.5),
+        );
+    }
+    let got = x.layer_norm(&w, &b, 1e-5).unwrap().to_vec().unwrap();
+    assert_close(&got, &want, 1e-4, "long-row layer_norm");
 }
 
 #[test]

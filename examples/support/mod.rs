@@ -2,7 +2,7 @@
 //! run itself (Adam/AdamW/SGD with cosine decay, a progress bar, per-epoch test accuracy,
 //! checkpoints, a plot, and one `final:` line).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
@@ -12,6 +12,8 @@ use rand::SeedableRng;
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, LrSchedule, Optimizer};
 use wgrad::{io, Device, Tensor};
+
+pub mod plot;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum OptimizerKind {
@@ -217,7 +219,10 @@ pub fn fit(
         println!("saved: {}", path.display());
     }
     if let Some(path) = &args.plot {
-        plot(path, &history).map_err(|e| format!("writing the plot {}: {e}", path.display()))?;
+        let loss = ("train loss", history.train_loss.as_slice());
+        let acc = ("test accuracy", history.test_acc.as_slice());
+        plot::plot(path, "epoch", loss, acc)
+            .map_err(|e| format!("writing the plot {}: {e}", path.display()))?;
         println!("plot: {}", path.display());
     }
     println!(
@@ -245,72 +250,4 @@ fn accuracy(model: &dyn Module, data: &io::Dataset, dev: &Device) -> wgrad::Resu
             .count();
     }
     Ok(correct as f32 / data.len() as f32)
-}
-
-/// A PNG with the training loss and the test accuracy per epoch, side by side.
-fn plot(path: &Path, history: &History) -> Result<(), Box<dyn std::error::Error>> {
-    use plotters::prelude::*;
-    let labelled = register_font();
-    let root = BitMapBackend::new(path, (900, 360)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let (left, right) = root.split_horizontally(450);
-    let epochs = history.train_loss.len();
-    let series = [
-        (left, "train loss", &history.train_loss, RED),
-        (right, "test accuracy", &history.test_acc, BLUE),
-    ];
-    for (area, title, values, color) in series {
-        let top = values.iter().cloned().fold(f32::MIN, f32::max).max(1e-6) * 1.1;
-        let mut builder = ChartBuilder::on(&area);
-        builder
-            .margin(12)
-            .x_label_area_size(30)
-            .y_label_area_size(45);
-        if labelled {
-            builder.caption(title, ("sans-serif", 20));
-        }
-        let mut chart = builder.build_cartesian_2d(1f32..epochs.max(2) as f32, 0f32..top)?;
-        let mut mesh = chart.configure_mesh();
-        if labelled {
-            mesh.x_desc("epoch");
-        } else {
-            mesh.disable_x_mesh()
-                .disable_y_mesh()
-                .x_labels(0)
-                .y_labels(0);
-        }
-        mesh.draw()?;
-        chart.draw_series(LineSeries::new(
-            values.iter().enumerate().map(|(i, &v)| ((i + 1) as f32, v)),
-            color.stroke_width(2),
-        ))?;
-    }
-    root.present()?;
-    Ok(())
-}
-
-/// Registers a system sans-serif font for plot text; false when none is installed (the plot
-/// is then drawn without text).
-fn register_font() -> bool {
-    let candidates = [
-        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/TTF/DejaVuSans.ttf",
-        "/System/Library/Fonts/Supplemental/Arial.ttf",
-        "C:\\Windows\\Fonts\\arial.ttf",
-    ];
-    for path in candidates {
-        if let Ok(bytes) = std::fs::read(path) {
-            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-            if plotters::style::register_font(
-                "sans-serif",
-                plotters::style::FontStyle::Normal,
-                bytes,
-            )
-            .is_ok()
-            {
-                return true;
-            }
-        }
-    }
-    false
 }

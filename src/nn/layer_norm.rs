@@ -18,6 +18,12 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// LayerNorm over a last dim of size `dim`, with `eps` added to the variance.
     pub fn new(dim: usize, eps: f32, device: &Device) -> Result<LayerNorm> {
+        if !(eps >= 0.0 && eps.is_finite()) {
+            return Err(Error::InvalidArgument {
+                op: "LayerNorm::new",
+                msg: format!("eps must be finite and >= 0, got {eps}"),
+            });
+        }
         Ok(LayerNorm {
             weight: Tensor::ones(&[dim], device)?.requires_grad_(true),
             bias: Tensor::zeros(&[dim], device)?.requires_grad_(true),
@@ -28,22 +34,7 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let last = x
-            .rank()
-            .checked_sub(1)
-            .filter(|&d| x.shape()[d] == self.weight.numel())
-            .ok_or_else(|| Error::Shape {
-                op: "LayerNorm",
-                msg: format!(
-                    "input of shape {:?} does not end in {}",
-                    x.shape(),
-                    self.weight.numel()
-                ),
-            })?;
-        let centred = x.sub(&x.mean_dims(&[last], true)?)?;
-        let var = centred.mul(&centred)?.mean_dims(&[last], true)?;
-        let normed = centred.div(&var.add_scalar(self.eps)?.sqrt()?)?;
-        normed.mul(&self.weight)?.add(&self.bias)
+        x.layer_norm(&self.weight, &self.bias, self.eps)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

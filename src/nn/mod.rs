@@ -8,6 +8,7 @@ mod layer_norm;
 mod linear;
 pub mod loss;
 mod sequential;
+mod transformer;
 
 pub use activation::{Gelu, Relu, Tanh};
 pub use conv::{AvgPool2d, Conv2d, Flatten, MaxPool2d};
@@ -16,6 +17,7 @@ pub use embedding::Embedding;
 pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use sequential::Sequential;
+pub use transformer::{MultiheadAttention, TransformerBlock};
 
 use crate::error::Result;
 use crate::tensor::Tensor;

@@ -8,6 +8,7 @@ pub(crate) mod conv;
 pub(crate) mod copy;
 pub(crate) mod index;
 pub(crate) mod matmul;
+pub(crate) mod norm;
 pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod softmax;

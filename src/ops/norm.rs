@@ -1,0 +1,145 @@
+//! LayerNorm over the last dim as one fused row kernel forward and one backward
+//! (`shaders/norm.wgsl`), saving each row's mean and inverse deviation. Rows longer than
+//! [`FUSED_MAX_LEN`] (whose loops would pass llvmpipe's iteration limit) are normalised by
+//! the composed ops instead.
+
+use crate::error::{Error, Result};
+use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily};
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
+use crate::tensor::{DType, Tensor};
+
+crate::kernel_params! {
+    /// `rows` rows of `len` elements of x; weight and bias have `len` elements.
+    pub(crate) struct NormParams {
+        rows: u32,
+        len: u32,
+        eps: f32,
+        x_offset: u32,
+        weight_offset: u32,
+        bias_offset: u32,
+        grad_offset: u32,
+    }
+}
+
+static NORM: ShaderFamily = ShaderFamily {
+    name: "norm",
+    wgsl: include_str!("../../shaders/norm.wgsl"),
+    params: &[&NormParams::LAYOUT],
+};
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("norm".into(), NORM.source(&[]))]
+}
+
+/// Longest row the fused kernels take: their loops stay well under llvmpipe's 65,535
+/// iterations per invocation.
+const FUSED_MAX_LEN: usize = 16_384;
+
+const NORM_WORKGROUP: usize = 64;
+
+fn check(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<usize> {
+    const OP: &str = "layer_norm";
+    for t in [weight, bias] {
+        x.expect_same_device(OP, t)?;
+        t.expect_dtype(OP, DType::F32)?;
+    }
+    x.expect_dtype(OP, DType::F32)?;
+    let len = x.shape().last().copied().unwrap_or(0);
+    if x.rank() == 0 || weight.shape() != [len] || bias.shape() != [len] {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "input {:?} needs weight and bias of shape [last dim], got {:?} and {:?}",
+                x.shape(),
+                weight.shape(),
+                bias.shape()
+            ),
+        });
+    }
+    if !(eps >= 0.0 && eps.is_finite()) {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!("eps must be finite and >= 0, got {eps}"),
+        });
+    }
+    Ok(len)
+}
+
+/// The composed LayerNorm, for rows too long for the fused kernels.
+fn composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
+    let last = x.rank() - 1;
+    let centred = x.sub(&x.mean_dims(&[last], true)?)?;
+    let var = centred.mul(&centred)?.mean_dims(&[last], true)?;
+    let normed = centred.div(&var.add_scalar(eps)?.sqrt()?)?;
+    normed.mul(weight)?.add(bias)
+}
+
+impl Tensor {
+    /// Normalises the last dim to zero mean and unit (biased) variance, then scales by
+    /// `weight` and shifts by `bias` (both `[last dim]`), as PyTorch's `layer_norm`.
+    pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
+        const OP: &str = "layer_norm";
+        let len = check(self, weight, bias, eps)?;
+        if len > FUSED_MAX_LEN {
+            return composed(self, weight, bias, eps);
+        }
+        let rows = self.numel().checked_div(len).unwrap_or(0);
+        let dev = self.device();
+        let (x, weight_c, bias_c) = {
+            let _no_grad = NoGradGuard::new();
+            (self.contiguous()?, weight.contiguous()?, bias.contiguous()?)
+        };
+        let out = Tensor::empty(OP, self.shape(), DType::F32, dev)?;
+        let stats = Tensor::empty(OP, &[rows, 2], DType::F32, dev)?;
+        let params = NormParams {
+            rows: rows as u32,
+            len: len as u32,
+            eps,
+            x_offset: x.layout().offset as u32,
+            weight_offset: weight_c.layout().offset as u32,
+            bias_offset: bias_c.layout().offset as u32,
+            grad_offset: 0,
+        };
+        if rows > 0 && len > 0 {
+            let bound = [
+                (1, &x),
+                (2, &weight_c),
+                (3, &bias_c),
+                (4, &out),
+                (5, &stats),
+            ];
+            let kernel = Kernel::plain(&NORM, "forward");
+            launch_at(OP, &kernel, &bound, &params, groups(rows, NORM_WORKGROUP))?;
+        }
+        Ok(record(OP, out, &[self, weight, bias], |_| {
+            let (x, weight_c) = (x.detach(), weight_c.detach());
+            move |g: &Tensor| {
+                let g = g.contiguous()?;
+                let dev = g.device();
+                let grad_x = Tensor::empty(OP, x.shape(), DType::F32, dev)?;
+                let grad_xhat = Tensor::empty(OP, &[rows, len], DType::F32, dev)?;
+                if rows > 0 && len > 0 {
+                    let params = NormParams {
+                        grad_offset: g.layout().offset as u32,
+                        ..params
+                    };
+                    let bound = [
+                        (1, &x),
+                        (2, &weight_c),
+                        (4, &grad_x),
+                        (5, &stats),
+                        (6, &g),
+                        (7, &grad_xhat),
+                    ];
+                    let kernel = Kernel::plain(&NORM, "backward");
+                    launch_at(OP, &kernel, &bound, &params, groups(rows, NORM_WORKGROUP))?;
+                }
+                let grad_weight = grad_xhat.sum_dims(&[0], false)?;
+                let grad_bias = g.reshape(&[rows, len])?.sum_dims(&[0], false)?;
+                Ok(vec![Some(grad_x), Some(grad_weight), Some(grad_bias)])
+            }
+        }))
+    }
+}
