@@ -317,7 +317,7 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
             args.lr
         ));
     }
-    if args.width % args.heads != 0 {
+    if !args.width.is_multiple_of(args.heads) {
         return Err(format!(
             "--width ({}) must be a multiple of --heads ({})",
             args.width, args.heads

@@ -47,7 +47,7 @@ impl MultiheadAttention {
     /// (Xavier-uniform in-projection, zero biases, out-projection as a [`Linear`] with a zero
     /// bias).
     pub fn new(dim: usize, heads: usize, causal: bool, device: &Device) -> Result<Self> {
-        if heads == 0 || dim == 0 || dim % heads != 0 {
+        if heads == 0 || dim == 0 || !dim.is_multiple_of(heads) {
             return Err(Error::InvalidArgument {
                 op: "MultiheadAttention::new",
                 msg: format!("dim ({dim}) must be a positive multiple of heads ({heads})"),
