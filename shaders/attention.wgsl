@@ -1,9 +1,11 @@
 // Scaled dot-product attention, fused: softmax(q k^T * scale) v without storing the Tq x Tk
 // scores. The forward keeps a running max and sum per query row (online softmax, as
 // flash-attention) and saves each row's log-sum-exp; the backward recomputes the scores from
-// it. Params: `AttentionParams` (src/ops/attention.rs). q, k, v, the out grad and the outputs
-// are contiguous [rows, features]; `heads` (batch x heads) stacks Tq query rows and Tk key rows
-// each.
+// it. Params: `AttentionParams` (src/ops/attention.rs). Head h (of batch x heads) has Tq
+// query rows and Tk key rows; q, k, v and the out grad are read in place through their
+// strides (a head's rows start at offset + (h / inner_len) outer_stride + (h % inner_len)
+// inner_stride, rows row_stride apart, features adjacent); the outputs are contiguous.
+// ALIGNED (offsets and strides multiples of 4, D and Dv too) reads four features per load.
 //
 // One invocation owns one query row (forward, query grad) or one key row (key and value
 // grads) and loops over the other side in spans of `span` rows, split `splits` ways across
@@ -11,12 +13,12 @@
 // each split writes its own partial result and the host (or `combine`) adds them up. Rows are
 // read four features at a time, zero-padded past the row's end.
 
-@group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k: array<f32>;
-@group(0) @binding(3) var<storage, read> v: array<f32>;
+@group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> k: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> v: array<vec4<f32>>;
 // forward: out [splits, rows, dv] (normalised when splits == 1, else the unnormalised sums).
 // backward: the out grad.
-@group(0) @binding(4) var<storage, read_write> o: array<f32>;
+@group(0) @binding(4) var<storage, read_write> o: array<vec4<f32>>;
 // forward: [splits, rows, 2] running (max, sum), or [rows, 2] (log-sum-exp, 0) when
 // splits == 1. backward: [rows, 2] (log-sum-exp, rowsum(out grad * out)).
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
@@ -32,29 +34,54 @@ fn masked(i: u32, len: u32) -> vec4<f32> {
     return select(vec4<f32>(0.0), vec4<f32>(1.0), vec4<u32>(i) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(len));
 }
 
-fn q4(row: u32, c: u32) -> vec4<f32> {
-    let len = pu(ATTENTION_D);
-    let at = pu(ATTENTION_Q_OFFSET) + row * len + 4u * c;
-    return vec4<f32>(q[at], q[at + 1u], q[at + 2u], q[at + 3u]) * masked(4u * c, len);
+// Where head `h`'s first row starts, for a tensor whose layout params start at `at` (offset,
+// outer stride, inner stride, inner len, row stride).
+fn head_start(h: u32, at: u32) -> u32 {
+    let inner_len = pu(at + 3u);
+    return pu(at) + (h / inner_len) * pu(at + 1u) + (h % inner_len) * pu(at + 2u);
 }
 
-fn k4(row: u32, c: u32) -> vec4<f32> {
-    let len = pu(ATTENTION_D);
-    let at = pu(ATTENTION_K_OFFSET) + row * len + 4u * c;
-    return vec4<f32>(k[at], k[at + 1u], k[at + 2u], k[at + 3u]) * masked(4u * c, len);
+// Features 4c..4c+4 of the row starting at element `at`, zero past `len`.
+fn q4(at: u32, c: u32, len: u32) -> vec4<f32> {
+    let i = at + 4u * c;
+    if (ALIGNED) {
+        return q[i / 4u];
+    }
+    return vec4<f32>(q[i / 4u][i % 4u], q[(i + 1u) / 4u][(i + 1u) % 4u], q[(i + 2u) / 4u][(i + 2u) % 4u], q[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
 }
 
-fn v4(row: u32, c: u32) -> vec4<f32> {
-    let len = pu(ATTENTION_DV);
-    let at = pu(ATTENTION_V_OFFSET) + row * len + 4u * c;
-    return vec4<f32>(v[at], v[at + 1u], v[at + 2u], v[at + 3u]) * masked(4u * c, len);
+fn k4(at: u32, c: u32, len: u32) -> vec4<f32> {
+    let i = at + 4u * c;
+    if (ALIGNED) {
+        return k[i / 4u];
+    }
+    return vec4<f32>(k[i / 4u][i % 4u], k[(i + 1u) / 4u][(i + 1u) % 4u], k[(i + 2u) / 4u][(i + 2u) % 4u], k[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
 }
 
-// The out grad's row (bound at `o` in the backward).
-fn dout4(row: u32, c: u32) -> vec4<f32> {
-    let len = pu(ATTENTION_DV);
-    let at = pu(ATTENTION_O_OFFSET) + row * len + 4u * c;
-    return vec4<f32>(o[at], o[at + 1u], o[at + 2u], o[at + 3u]) * masked(4u * c, len);
+fn v4(at: u32, c: u32, len: u32) -> vec4<f32> {
+    let i = at + 4u * c;
+    if (ALIGNED) {
+        return v[i / 4u];
+    }
+    return vec4<f32>(v[i / 4u][i % 4u], v[(i + 1u) / 4u][(i + 1u) % 4u], v[(i + 2u) / 4u][(i + 2u) % 4u], v[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
+}
+
+// The out grad (bound at `o` in the backward).
+fn dout4(at: u32, c: u32, len: u32) -> vec4<f32> {
+    let i = at + 4u * c;
+    if (ALIGNED) {
+        return o[i / 4u];
+    }
+    return vec4<f32>(o[i / 4u][i % 4u], o[(i + 1u) / 4u][(i + 1u) % 4u], o[(i + 2u) / 4u][(i + 2u) % 4u], o[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
+}
+
+// Element `i` of the vec4 arrays, one at a time (the combine pass and the forward's stores).
+fn v_at(i: u32) -> f32 {
+    return v[i / 4u][i % 4u];
+}
+
+fn k_at(i: u32) -> f32 {
+    return k[i / 4u][i % 4u];
 }
 
 // Keys [first, last) that query `i` (of Tq) attends to in split `s`.
@@ -96,15 +123,20 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let row = t % rows;
     let s = t / rows;
     let t_q = pu(ATTENTION_T_Q);
-    let t_k = pu(ATTENTION_T_K);
-    let key_base = (row / t_q) * t_k;
-    let d4 = (pu(ATTENTION_D) + 3u) / 4u;
+    let h = row / t_q;
+    let d = pu(ATTENTION_D);
+    let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
     let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
+    let q_at = head_start(h, ATTENTION_Q_LAYOUT) + (row % t_q) * pu(ATTENTION_Q_LAYOUT + 4u);
+    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
+    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, MAX_VEC4S>;
     for (var c = 0u; c < d4; c = c + 1u) {
-        query[c] = q4(row, c) * scale;
+        query[c] = q4(q_at, c, d) * scale;
     }
     var acc: array<vec4<f32>, MAX_VEC4S>;
     for (var c = 0u; c < dv4; c = c + 1u) {
@@ -116,37 +148,37 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     for (var j = keys.x; j < keys.y; j = j + 1u) {
         var score = 0.0;
         for (var c = 0u; c < d4; c = c + 1u) {
-            score = score + dot(query[c], k4(key_base + j, c));
+            score = score + dot(query[c], k4(k_head + j * k_rs, c, d));
         }
         let m_new = max(m, score);
         let correction = exp(m - m_new);
         let p = exp(score - m_new);
         l = l * correction + p;
         for (var c = 0u; c < dv4; c = c + 1u) {
-            acc[c] = acc[c] * correction + p * v4(key_base + j, c);
+            acc[c] = acc[c] * correction + p * v4(v_head + j * v_rs, c, dv);
         }
         m = m_new;
     }
     let out_base = (s * rows + row) * dv;
+    // A row with no key (causal, Tq > Tk) has l = 0: its output is 0, as a 0 / 0 would not be.
+    var inv = 1.0;
     if (splits == 1u) {
-        // A row with no key (causal, Tq > Tk) has l = 0: its output is 0, as a 0 / 0 would not be.
-        let inv = select(0.0, 1.0 / l, l > 0.0);
-        for (var c = 0u; c < dv4; c = c + 1u) {
-            for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
-            o[out_base + 4u * c + e] = (acc[c] * inv)[e];
-        }
-        }
-        stats[2u * row] = m + log(l);
-        stats[2u * row + 1u] = 0.0;
-        return;
+        inv = select(0.0, 1.0 / l, l > 0.0);
     }
     for (var c = 0u; c < dv4; c = c + 1u) {
+        let value = acc[c] * inv;
         for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
-            o[out_base + 4u * c + e] = (acc[c])[e];
+            let at = out_base + 4u * c + e;
+            o[at / 4u][at % 4u] = value[e];
         }
     }
-    stats[2u * (s * rows + row)] = m;
-    stats[2u * (s * rows + row) + 1u] = l;
+    if (splits == 1u) {
+        stats[2u * row] = m + log(l);
+        stats[2u * row + 1u] = 0.0;
+    } else {
+        stats[2u * (s * rows + row)] = m;
+        stats[2u * (s * rows + row) + 1u] = l;
+    }
 }
 
 // Joins the splits of `forward`: one invocation per query row. Reads the partial sums from
@@ -164,21 +196,22 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let dv = pu(ATTENTION_DV);
     var m = bitcast<f32>(0xff800000u);
     for (var s = 0u; s < splits; s = s + 1u) {
-        m = max(m, k[2u * (s * rows + row)]);
+        m = max(m, k_at(2u * (s * rows + row)));
     }
     var l = 0.0;
     for (var s = 0u; s < splits; s = s + 1u) {
         let at = 2u * (s * rows + row);
-        l = l + k[at + 1u] * select(0.0, exp(k[at] - m), k[at + 1u] > 0.0);
+        l = l + k_at(at + 1u) * select(0.0, exp(k_at(at) - m), k_at(at + 1u) > 0.0);
     }
     let inv = select(0.0, 1.0 / l, l > 0.0);
     for (var c = 0u; c < dv; c = c + 1u) {
         var sum = 0.0;
         for (var s = 0u; s < splits; s = s + 1u) {
             let at = 2u * (s * rows + row);
-            sum = sum + v[(s * rows + row) * dv + c] * select(0.0, exp(k[at] - m), k[at + 1u] > 0.0);
+            sum = sum + v_at((s * rows + row) * dv + c) * select(0.0, exp(k_at(at) - m), k_at(at + 1u) > 0.0);
         }
-        o[row * dv + c] = sum * inv;
+        let out_at = row * dv + c;
+        o[out_at / 4u][out_at % 4u] = sum * inv;
     }
     stats[2u * row] = m + log(l);
     stats[2u * row + 1u] = 0.0;
@@ -198,37 +231,44 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let row = t % rows;
     let s = t / rows;
     let t_q = pu(ATTENTION_T_Q);
-    let t_k = pu(ATTENTION_T_K);
-    let key_base = (row / t_q) * t_k;
+    let h = row / t_q;
     let d = pu(ATTENTION_D);
     let d4 = (d + 3u) / 4u;
-    let dv4 = (pu(ATTENTION_DV) + 3u) / 4u;
+    let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
+    let q_at = head_start(h, ATTENTION_Q_LAYOUT) + (row % t_q) * pu(ATTENTION_Q_LAYOUT + 4u);
+    let o_at = head_start(h, ATTENTION_O_LAYOUT) + (row % t_q) * pu(ATTENTION_O_LAYOUT + 4u);
+    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
+    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, MAX_VEC4S>;
     var grad: array<vec4<f32>, MAX_VEC4S>;
     for (var c = 0u; c < d4; c = c + 1u) {
-        query[c] = q4(row, c) * scale;
+        query[c] = q4(q_at, c, d) * scale;
         grad[c] = vec4<f32>(0.0);
     }
     var dout: array<vec4<f32>, MAX_VEC4S>;
     for (var c = 0u; c < dv4; c = c + 1u) {
-        dout[c] = dout4(row, c);
+        dout[c] = dout4(o_at, c, dv);
     }
     let lse = stats[2u * row];
     let delta = stats[2u * row + 1u];
     let keys = key_range(row % t_q, s);
     for (var j = keys.x; j < keys.y; j = j + 1u) {
+        let k_row = k_head + j * k_rs;
         var score = 0.0;
         for (var c = 0u; c < d4; c = c + 1u) {
-            score = score + dot(query[c], k4(key_base + j, c));
+            score = score + dot(query[c], k4(k_row, c, d));
         }
         var dp = 0.0;
         for (var c = 0u; c < dv4; c = c + 1u) {
-            dp = dp + dot(dout[c], v4(key_base + j, c));
+            dp = dp + dot(dout[c], v4(v_head + j * v_rs, c, dv));
         }
         let ds = exp(score - lse) * (dp - delta) * scale;
         for (var c = 0u; c < d4; c = c + 1u) {
-            grad[c] = grad[c] + ds * k4(key_base + j, c);
+            grad[c] = grad[c] + ds * k4(k_row, c, d);
         }
     }
     let base = (s * rows + row) * d;
@@ -254,41 +294,49 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let s = t / rows;
     let t_q = pu(ATTENTION_T_Q);
     let t_k = pu(ATTENTION_T_K);
-    let query_base = (row / t_k) * t_q;
+    let h = row / t_k;
     let d = pu(ATTENTION_D);
     let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
     let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
+    let k_at_row = head_start(h, ATTENTION_K_LAYOUT) + (row % t_k) * pu(ATTENTION_K_LAYOUT + 4u);
+    let v_at_row = head_start(h, ATTENTION_V_LAYOUT) + (row % t_k) * pu(ATTENTION_V_LAYOUT + 4u);
+    let q_head = head_start(h, ATTENTION_Q_LAYOUT);
+    let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
+    let o_head = head_start(h, ATTENTION_O_LAYOUT);
+    let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
     var key: array<vec4<f32>, MAX_VEC4S>;
     var grad_key: array<vec4<f32>, MAX_VEC4S>;
     for (var c = 0u; c < d4; c = c + 1u) {
-        key[c] = k4(row, c) * scale;
+        key[c] = k4(k_at_row, c, d) * scale;
         grad_key[c] = vec4<f32>(0.0);
     }
     var value: array<vec4<f32>, MAX_VEC4S>;
     var grad_value: array<vec4<f32>, MAX_VEC4S>;
     for (var c = 0u; c < dv4; c = c + 1u) {
-        value[c] = v4(row, c);
+        value[c] = v4(v_at_row, c, dv);
         grad_value[c] = vec4<f32>(0.0);
     }
     let queries = query_range(row % t_k, s);
     for (var i = queries.x; i < queries.y; i = i + 1u) {
-        let qi = query_base + i;
+        let q_row = q_head + i * q_rs;
+        let o_row = o_head + i * o_rs;
+        let stat = 2u * (h * t_q + i);
         var score = 0.0;
         for (var c = 0u; c < d4; c = c + 1u) {
-            score = score + dot(key[c], q4(qi, c));
+            score = score + dot(key[c], q4(q_row, c, d));
         }
-        let p = exp(score - stats[2u * qi]);
+        let p = exp(score - stats[stat]);
         var dp = 0.0;
         for (var c = 0u; c < dv4; c = c + 1u) {
-            let g = dout4(qi, c);
+            let g = dout4(o_row, c, dv);
             dp = dp + dot(g, value[c]);
             grad_value[c] = grad_value[c] + p * g;
         }
-        let ds = p * (dp - stats[2u * qi + 1u]) * scale;
+        let ds = p * (dp - stats[stat + 1u]) * scale;
         for (var c = 0u; c < d4; c = c + 1u) {
-            grad_key[c] = grad_key[c] + ds * q4(qi, c);
+            grad_key[c] = grad_key[c] + ds * q4(q_row, c, d);
         }
     }
     for (var c = 0u; c < d4; c = c + 1u) {

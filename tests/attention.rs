@@ -207,3 +207,36 @@ fn sdpa_rejects_mismatched_shapes() {
         }
     }
 }
+
+/// Heads cut from one packed q|k|v projection, as MultiheadAttention makes them, are read in
+/// place (strided rows, offsets not multiples of 4) and give what contiguous copies give.
+#[test]
+fn sdpa_reads_heads_of_a_packed_projection_in_place() {
+    let (b, t, heads, dh) = (2, 5, 3, 6);
+    let c = heads * dh;
+    let (qkv, _) = random_tensor(&[b, t, 3 * c], 8);
+    let head = |i: usize| {
+        qkv.narrow(2, i * c, c)
+            .unwrap()
+            .reshape(&[b, t, heads, dh])
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
+    let (q, k, v) = (head(0), head(1), head(2));
+    let got = q
+        .scaled_dot_product_attention(&k, &v, true)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let dense = |x: &Tensor| x.contiguous().unwrap();
+    let want: Vec<f64> = dense(&q)
+        .scaled_dot_product_attention(&dense(&k), &dense(&v), true)
+        .unwrap()
+        .to_vec()
+        .unwrap()
+        .iter()
+        .map(|&x| x as f64)
+        .collect();
+    assert_close(&got, &want, 1e-5, "heads of a packed projection");
+}

@@ -7,12 +7,14 @@ use crate::error::{Error, Result};
 use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
+use crate::tensor::layout::merge_dims;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `heads` stacks of `t_q` query rows and `t_k` key rows; q and k rows have `d` features,
-    /// v rows `dv`. `rows` counts the rows the entry owns (query rows, or key rows for
+    /// Heads of `t_q` query rows and `t_k` key rows; q and k rows have `d` features, v rows
+    /// `dv`. `rows` counts the rows the entry owns (query rows, or key rows for
     /// `backward_key`), each looping over the other side in `splits` spans of `span` rows.
+    /// Each `*_layout` is a [`HeadLayout`] of q, k, v and the out grad.
     pub(crate) struct AttentionParams {
         rows: u32,
         t_q: u32,
@@ -23,11 +25,90 @@ crate::kernel_params! {
         scale: f32,
         span: u32,
         splits: u32,
-        q_offset: u32,
-        k_offset: u32,
-        v_offset: u32,
-        o_offset: u32,
+        q_layout: [u32; 5],
+        k_layout: [u32; 5],
+        v_layout: [u32; 5],
+        o_layout: [u32; 5],
     }
+}
+
+/// Where the rows of a `[.., T, features]` tensor lie, read in place: head `h` (of the batch
+/// dims, merged into at most two) starts at `offset + (h / inner_len) outer_stride +
+/// (h % inner_len) inner_stride`, its rows `row_stride` apart, features adjacent.
+#[derive(Debug, Clone, Copy)]
+struct HeadLayout {
+    offset: usize,
+    outer_stride: usize,
+    inner_stride: usize,
+    inner_len: usize,
+    row_stride: usize,
+}
+
+impl HeadLayout {
+    /// The layout of `t` as it is, or `None` when its features are not adjacent or its
+    /// batch dims do not merge into two.
+    fn of(t: &Tensor) -> Option<HeadLayout> {
+        let (shape, strides) = (t.shape(), &t.layout().strides);
+        let r = t.rank();
+        if shape[r - 1] > 1 && strides[r - 1] != 1 {
+            return None;
+        }
+        let (rank, merged, merged_strides) = merge_dims(&shape[..r - 2], &[&strides[..r - 2]])?;
+        if rank > 2 {
+            return None;
+        }
+        let s = &merged_strides[0];
+        Some(HeadLayout {
+            offset: t.layout().offset,
+            outer_stride: s[4] as usize,
+            inner_stride: s[5] as usize,
+            inner_len: merged[5] as usize,
+            row_stride: strides[r - 2],
+        })
+    }
+
+    /// `t` itself when the kernels can read it in place, else a contiguous copy; with its
+    /// layout.
+    fn readable(t: &Tensor) -> Result<(Tensor, HeadLayout)> {
+        if let Some(layout) = HeadLayout::of(t) {
+            return Ok((t.clone(), layout));
+        }
+        let dense = {
+            let _no_grad = NoGradGuard::new();
+            t.contiguous()?
+        };
+        let layout = HeadLayout::of(&dense).expect("a contiguous tensor is readable");
+        Ok((dense, layout))
+    }
+
+    fn slots(&self) -> [u32; 5] {
+        [
+            self.offset,
+            self.outer_stride,
+            self.inner_stride,
+            self.inner_len.max(1),
+            self.row_stride,
+        ]
+        .map(|x| x as u32)
+    }
+
+    /// Every start and stride a multiple of 4, so rows can be read four features at a time.
+    fn aligned(&self) -> bool {
+        [
+            self.offset,
+            self.outer_stride,
+            self.inner_stride,
+            self.row_stride,
+        ]
+        .iter()
+        .all(|x| x.is_multiple_of(4))
+    }
+}
+
+/// q, k, v (and, backward, the out grad) as the kernels read them.
+struct Operands {
+    tensors: [Tensor; 4],
+    layouts: [HeadLayout; 4],
 }
 
 static ATTENTION: ShaderFamily = ShaderFamily {
@@ -36,9 +117,41 @@ static ATTENTION: ShaderFamily = ShaderFamily {
     params: &[&AttentionParams::LAYOUT],
 };
 
+fn source(aligned: bool) -> String {
+    ATTENTION.source(&[("ALIGNED", if aligned { "true" } else { "false" })])
+}
+
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("attention".into(), ATTENTION.source(&[]))]
+    [false, true]
+        .iter()
+        .map(|&aligned| (format!("attention/aligned={aligned}"), source(aligned)))
+        .collect()
+}
+
+/// Runs `entry` with `bound` tensors, four features per load where `operands` allow.
+fn run(
+    entry: &'static str,
+    operands: &[&HeadLayout],
+    s: &Shape,
+    bound: &[(u32, &Tensor)],
+    params: &AttentionParams,
+    invocations: usize,
+) -> Result<()> {
+    let aligned = s.d.is_multiple_of(4)
+        && s.dv.is_multiple_of(4)
+        && operands.iter().all(|layout| layout.aligned());
+    let specialise = || source(aligned);
+    let variant = if aligned { "aligned" } else { "unaligned" };
+    let kernel = Kernel::specialised(&ATTENTION, entry, variant, &specialise);
+    let workgroups = groups(invocations, ATTENTION_WORKGROUP);
+    launch_at(
+        "scaled_dot_product_attention",
+        &kernel,
+        bound,
+        params,
+        workgroups,
+    )
 }
 
 /// Features a row may have (`MAX_VEC4S` vec4s in the kernels).
@@ -72,7 +185,13 @@ impl Shape {
         (span, len.div_ceil(span).max(1))
     }
 
-    fn params(&self, rows: usize, span: usize, splits: usize, t: [&Tensor; 4]) -> AttentionParams {
+    fn params(
+        &self,
+        rows: usize,
+        span: usize,
+        splits: usize,
+        l: &[HeadLayout; 4],
+    ) -> AttentionParams {
         AttentionParams {
             rows: rows as u32,
             t_q: self.t_q as u32,
@@ -83,10 +202,10 @@ impl Shape {
             scale: 1.0 / (self.d as f32).sqrt(),
             span: span as u32,
             splits: splits as u32,
-            q_offset: t[0].layout().offset as u32,
-            k_offset: t[1].layout().offset as u32,
-            v_offset: t[2].layout().offset as u32,
-            o_offset: t[3].layout().offset as u32,
+            q_layout: l[0].slots(),
+            k_layout: l[1].slots(),
+            v_layout: l[2].slots(),
+            o_layout: l[3].slots(),
         }
     }
 }
@@ -148,9 +267,11 @@ fn sum_splits(partial: Tensor, splits: usize) -> Result<Tensor> {
 }
 
 /// The forward: `(out [heads Tq, Dv], stats [heads Tq, 2])` with the log-sum-exp of each row
-/// in `stats[.., 0]`.
-fn forward(s: &Shape, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+/// in `stats[.., 0]`. `ops.tensors[3]` is unused (any tensor).
+fn forward(s: &Shape, ops: &Operands) -> Result<(Tensor, Tensor)> {
     const OP: &str = "scaled_dot_product_attention";
+    let [q, k, v, _] = &ops.tensors;
+    let [lq, lk, lv, _] = &ops.layouts;
     let dev = q.device();
     let rows = s.heads * s.t_q;
     let out = Tensor::empty(OP, &[rows, s.dv], DType::F32, dev)?;
@@ -159,76 +280,80 @@ fn forward(s: &Shape, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Ten
         return Ok((out, stats));
     }
     let (span, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
-    let workgroups = |n: usize| groups(n, ATTENTION_WORKGROUP);
-    let kernel = Kernel::plain(&ATTENTION, "forward");
+    let params = s.params(rows, span, splits, &ops.layouts);
+    let read = [lq, lk, lv];
     if splits == 1 {
-        let params = s.params(rows, span, 1, [q, k, v, &out]);
         let bound = [(1, q), (2, k), (3, v), (4, &out), (5, &stats)];
-        launch_at(OP, &kernel, &bound, &params, workgroups(rows))?;
+        run("forward", &read, s, &bound, &params, rows)?;
         return Ok((out, stats));
     }
     let partial = Tensor::empty(OP, &[splits, rows, s.dv], DType::F32, dev)?;
     let partial_stats = Tensor::empty(OP, &[splits, rows, 2], DType::F32, dev)?;
-    let params = s.params(rows, span, splits, [q, k, v, &out]);
     let bound = [(1, q), (2, k), (3, v), (4, &partial), (5, &partial_stats)];
-    launch_at(OP, &kernel, &bound, &params, workgroups(rows * splits))?;
-    let combine = Kernel::plain(&ATTENTION, "combine");
+    run("forward", &read, s, &bound, &params, rows * splits)?;
     let bound = [(2, &partial_stats), (3, &partial), (4, &out), (5, &stats)];
-    launch_at(OP, &combine, &bound, &params, workgroups(rows))?;
+    run("combine", &[], s, &bound, &params, rows)?;
     Ok((out, stats))
 }
 
 /// The grads of q, k and v (each `None` unless `need` says so) from the out grad `g`.
-#[allow(clippy::too_many_arguments)]
 fn backward(
     s: &Shape,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    out: &Tensor,
-    stats: &Tensor,
+    (out, stats): (&Tensor, &Tensor),
     g: &Tensor,
     need: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
     const OP: &str = "scaled_dot_product_attention";
     let dev = q.device();
     let (rows_q, rows_k) = (s.heads * s.t_q, s.heads * s.t_k);
-    let g = g.contiguous()?.reshape(&[rows_q, s.dv])?;
+    let ops = operands([q, k, v, g])?;
+    let [q, k, v, g] = &ops.tensors;
     // (log-sum-exp, delta = rowsum(g * out)) per query row.
-    let delta = g.mul(out)?.sum_dims(&[1], true)?;
+    let delta = g.reshape(&[rows_q, s.dv])?.mul(out)?.sum_dims(&[1], true)?;
     let stats = Tensor::cat(&[stats.narrow(1, 0, 1)?, delta], 1)?;
-    let workgroups = |n: usize| groups(n, ATTENTION_WORKGROUP);
+    let all: Vec<&HeadLayout> = ops.layouts.iter().collect();
     let (d4, dv4) = (s.d.div_ceil(4), s.dv.div_ceil(4));
     let mut grads = [None, None, None];
     if need[0] {
         let (span, splits) = s.split(s.t_k, 2 * d4 + dv4 + 1);
         let partial = Tensor::empty(OP, &[splits, rows_q, s.d], DType::F32, dev)?;
-        let params = s.params(rows_q, span, splits, [q, k, v, &g]);
-        let bound = [(1, q), (2, k), (3, v), (4, &g), (5, &stats), (6, &partial)];
-        let kernel = Kernel::plain(&ATTENTION, "backward_query");
-        launch_at(OP, &kernel, &bound, &params, workgroups(rows_q * splits))?;
+        let params = s.params(rows_q, span, splits, &ops.layouts);
+        let bound = [(1, q), (2, k), (3, v), (4, g), (5, &stats), (6, &partial)];
+        run("backward_query", &all, s, &bound, &params, rows_q * splits)?;
         grads[0] = Some(sum_splits(partial, splits)?);
     }
     if need[1] || need[2] {
         let (span, splits) = s.split(s.t_q, 2 * d4 + dv4 + 1);
         let partial_k = Tensor::empty(OP, &[splits, rows_k, s.d], DType::F32, dev)?;
         let partial_v = Tensor::empty(OP, &[splits, rows_k, s.dv], DType::F32, dev)?;
-        let params = s.params(rows_k, span, splits, [q, k, v, &g]);
+        let params = s.params(rows_k, span, splits, &ops.layouts);
         let bound = [
             (1, q),
             (2, k),
             (3, v),
-            (4, &g),
+            (4, g),
             (5, &stats),
             (6, &partial_k),
             (7, &partial_v),
         ];
-        let kernel = Kernel::plain(&ATTENTION, "backward_key");
-        launch_at(OP, &kernel, &bound, &params, workgroups(rows_k * splits))?;
+        run("backward_key", &all, s, &bound, &params, rows_k * splits)?;
         grads[1] = need[1].then(|| sum_splits(partial_k, splits)).transpose()?;
         grads[2] = need[2].then(|| sum_splits(partial_v, splits)).transpose()?;
     }
     Ok(grads)
+}
+
+/// `tensors` as the kernels read them: in place where their layouts allow.
+fn operands(tensors: [&Tensor; 4]) -> Result<Operands> {
+    let [a, b, c, d] = tensors.map(HeadLayout::readable);
+    let (a, b, c, d) = (a?, b?, c?, d?);
+    Ok(Operands {
+        layouts: [a.1, b.1, c.1, d.1],
+        tensors: [a.0, b.0, c.0, d.0],
+    })
 }
 
 impl Tensor {
@@ -281,11 +406,8 @@ impl Tensor {
                 },
             ));
         }
-        let (q, k2, v2) = {
-            let _no_grad = NoGradGuard::new();
-            (self.contiguous()?, k.contiguous()?, v.contiguous()?)
-        };
-        let (out, stats) = forward(&shape, &q, &k2, &v2)?;
+        let ops = operands([self, k, v, self])?;
+        let (out, stats) = forward(&shape, &ops)?;
         let result = out.reshape(&out_shape)?;
         Ok(record(
             "scaled_dot_product_attention",
@@ -298,9 +420,10 @@ impl Tensor {
                     k.shape().to_vec(),
                     v.shape().to_vec(),
                 ];
-                let (q, k, v, out) = (q.detach(), k2.detach(), v2.detach(), out.detach());
+                let [q, k, v, _] = ops.tensors.map(|t| t.detach());
+                let out = out.detach();
                 move |g: &Tensor| {
-                    let grads = backward(&shape, &q, &k, &v, &out, &stats, g, need)?;
+                    let grads = backward(&shape, &q, &k, &v, (&out, &stats), g, need)?;
                     grads
                         .into_iter()
                         .zip(&shapes)
