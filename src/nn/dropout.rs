@@ -2,11 +2,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use rand::{Rng, SeedableRng};
-
 use crate::error::{Error, Result};
 use crate::nn::Module;
-use crate::seed::next_seed;
 use crate::tensor::Tensor;
 
 /// Zeroes each element with probability `p` in training mode and scales the kept ones by
@@ -35,21 +32,10 @@ impl Dropout {
 
 impl Module for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !self.training.load(Ordering::Relaxed) || self.p == 0.0 {
+        if !self.training.load(Ordering::Relaxed) {
             return Ok(x.clone());
         }
-        let keep = 1.0 / (1.0 - self.p);
-        let mut rng = rand::rngs::StdRng::seed_from_u64(next_seed());
-        let mask: Vec<f32> = (0..x.numel())
-            .map(|_| {
-                if rng.random::<f32>() < self.p {
-                    0.0
-                } else {
-                    keep
-                }
-            })
-            .collect();
-        x.mul(&Tensor::from_vec(mask, x.shape(), x.device())?)
+        x.dropout(self.p)
     }
 
     fn set_training(&self, training: bool) {

@@ -6,6 +6,8 @@ use crate::kernel::{
     groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
     WORKGROUP,
 };
+use crate::seed::next_seed;
+use crate::tensor::creation::uniform_values;
 use crate::tensor::graph::record;
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::{DType, Layout, Tensor};
@@ -26,6 +28,7 @@ crate::kernel_params! {
         vec4: u32,
         lhs_period: u32,
         rhs_period: u32,
+        scalar: f32,
     }
 }
 
@@ -54,11 +57,13 @@ pub(crate) enum BinaryOp {
     GeluBackward,
     SqrtBackward,
     ErfBackward,
+    /// `a`, or the params' scalar where the u32 mask `b` is nonzero.
+    MaskedFill,
 }
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 13] = [
+    const ALL: [BinaryOp; 14] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -72,6 +77,7 @@ impl BinaryOp {
         BinaryOp::GeluBackward,
         BinaryOp::SqrtBackward,
         BinaryOp::ErfBackward,
+        BinaryOp::MaskedFill,
     ];
 
     fn name(self) -> &'static str {
@@ -89,6 +95,7 @@ impl BinaryOp {
             BinaryOp::GeluBackward => "gelu_backward",
             BinaryOp::SqrtBackward => "sqrt_backward",
             BinaryOp::ErfBackward => "erf_backward",
+            BinaryOp::MaskedFill => "masked_fill",
         }
     }
 
@@ -111,6 +118,8 @@ impl BinaryOp {
             BinaryOp::SqrtBackward => "a * 0.5 / b",
             // d/dx erf(x) = 2 / sqrt(pi) e^(-x^2)
             BinaryOp::ErfBackward => "a * 1.1283791670955126 * exp(-b * b)",
+            // The mask's u32 bits, read through the f32 binding unchanged.
+            BinaryOp::MaskedFill => "select(a, pf(BINARY_SCALAR), bitcast<u32>(b) != 0u)",
         }
     }
 
@@ -143,10 +152,20 @@ fn broadcast_period(layout: &Layout) -> Option<usize> {
 
 /// `a op b` broadcast to their common shape, into a new contiguous tensor.
 pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
+    binary_with(a, b, op, 0.0)
+}
+
+/// As [`binary`], for the ops that read a scalar (masked_fill's value). `b` is a u32 mask for
+/// `MaskedFill`, else f32.
+fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tensor> {
     let name = op.name();
     a.expect_same_device(name, b)?;
     a.expect_dtype(name, DType::F32)?;
-    b.expect_dtype(name, DType::F32)?;
+    let b_dtype = match op {
+        BinaryOp::MaskedFill => DType::U32,
+        _ => DType::F32,
+    };
+    b.expect_dtype(name, b_dtype)?;
     let shape = broadcast_shapes(a.shape(), b.shape()).ok_or_else(|| Error::Shape {
         op: name,
         msg: format!(
@@ -191,6 +210,7 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
         vec4: vec4 as u32,
         lhs_period: period_a as u32,
         rhs_period: period_b as u32,
+        scalar,
     };
     let source = || op.source();
     let kernel = Kernel::specialised(&BINARY, entry, name, &source);
@@ -292,6 +312,96 @@ impl_std_op!(Add, add);
 impl_std_op!(Sub, sub);
 impl_std_op!(Mul, mul);
 impl_std_op!(Div, div);
+
+/// Masks and dropout: ops that combine a tensor with a mask.
+impl Tensor {
+    /// `value` where the u32 `mask` (broadcast to this tensor's shape) is nonzero, else
+    /// this tensor's element. The grad passes where the mask is 0.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Tensor};
+    /// let dev = Device::new()?;
+    /// let x = Tensor::zeros(&[2, 2], &dev)?;
+    /// let causal = Tensor::triu_mask(2, 2, 1, &dev)?; // 1 above the diagonal
+    /// let y = x.masked_fill(&causal, f32::NEG_INFINITY)?;
+    /// assert_eq!(y.to_vec()?, vec![0.0, f32::NEG_INFINITY, 0.0, 0.0]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn masked_fill(&self, mask: &Tensor, value: f32) -> Result<Tensor> {
+        const OP: &str = "masked_fill";
+        if broadcast_shapes(self.shape(), mask.shape()).as_deref() != Some(self.shape()) {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "mask of shape {:?} does not broadcast to the input's shape {:?}",
+                    mask.shape(),
+                    self.shape()
+                ),
+            });
+        }
+        let out = binary_with(self, mask, BinaryOp::MaskedFill, value)?;
+        Ok(record(OP, out, &[self], |_| {
+            let mask = mask.clone();
+            move |g: &Tensor| {
+                Ok(vec![Some(binary_with(
+                    g,
+                    &mask,
+                    BinaryOp::MaskedFill,
+                    0.0,
+                )?)])
+            }
+        }))
+    }
+
+    /// The elements on and below diagonal `diagonal` of the last two dims
+    /// (`j <= i + diagonal`); 0 elsewhere.
+    pub fn tril(&self, diagonal: i64) -> Result<Tensor> {
+        let (rows, cols) = self.last_two("tril")?;
+        let above = Tensor::triu_mask(rows, cols, diagonal + 1, self.device())?;
+        self.masked_fill(&above, 0.0)
+    }
+
+    /// The elements on and above diagonal `diagonal` of the last two dims
+    /// (`j >= i + diagonal`); 0 elsewhere.
+    pub fn triu(&self, diagonal: i64) -> Result<Tensor> {
+        let (rows, cols) = self.last_two("triu")?;
+        let below = Tensor::tril_mask(rows, cols, diagonal - 1, self.device())?;
+        self.masked_fill(&below, 0.0)
+    }
+
+    fn last_two(&self, op: &'static str) -> Result<(usize, usize)> {
+        match self.shape() {
+            [.., rows, cols] => Ok((*rows, *cols)),
+            _ => Err(Error::Shape {
+                op,
+                msg: format!("needs at least 2 dims, got shape {:?}", self.shape()),
+            }),
+        }
+    }
+
+    /// Zeroes each element with probability `p` and scales the rest by `1 / (1 - p)`, as
+    /// PyTorch's `dropout` in training. The mask is drawn on the host from the global seed
+    /// ([`crate::manual_seed`]), so runs repeat; the grad passes through the same mask.
+    pub fn dropout(&self, p: f32) -> Result<Tensor> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::InvalidArgument {
+                op: "dropout",
+                msg: format!("p must be in [0, 1), got {p}"),
+            });
+        }
+        if p == 0.0 {
+            return Ok(self.clone());
+        }
+        let keep = 1.0 / (1.0 - p);
+        let mask: Vec<f32> = uniform_values(self.numel(), next_seed())
+            .into_iter()
+            .map(|u| if u < p { 0.0 } else { keep })
+            .collect();
+        self.mul(&Tensor::from_vec(mask, self.shape(), self.device())?)
+    }
+}
 
 impl std::ops::Neg for &Tensor {
     type Output = Result<Tensor>;

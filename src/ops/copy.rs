@@ -237,6 +237,44 @@ impl Tensor {
         copy_into(OP, &src, self, self.layout())
     }
 
+    /// The last two dims padded with `value`: `left` and `right` columns, `top` and `bottom`
+    /// rows (PyTorch's `F.pad(x, (left, right, top, bottom), value=value)`). The grad is the
+    /// unpadded part of the out grad.
+    pub fn pad2d(
+        &self,
+        (left, right, top, bottom): (usize, usize, usize, usize),
+        value: f32,
+    ) -> Result<Tensor> {
+        const OP: &str = "pad2d";
+        self.expect_dtype(OP, DType::F32)?;
+        let r = self.rank();
+        if r < 2 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("needs at least 2 dims, got shape {:?}", self.shape()),
+            });
+        }
+        let (h, w) = (self.shape()[r - 2], self.shape()[r - 1]);
+        let mut shape = self.shape().to_vec();
+        shape[r - 2] += top + bottom;
+        shape[r - 1] += left + right;
+        let out = fill(OP, &shape, value, 0.0, self.device())?;
+        let region = out
+            .layout()
+            .narrow(OP, r - 2, top, h)?
+            .narrow(OP, r - 1, left, w)?;
+        copy_into(OP, self, &out, &region)?;
+        Ok(record(OP, out, &[self], |_| {
+            move |g: &Tensor| {
+                Ok(vec![Some(g.narrow(r - 2, top, h)?.narrow(
+                    r - 1,
+                    left,
+                    w,
+                )?)])
+            }
+        }))
+    }
+
     /// Concatenates tensors of one dtype along `dim`; all other dims must agree.
     pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
         const OP: &str = "cat";
