@@ -279,3 +279,115 @@ fn mse_is_the_mean_squared_difference() {
     let err = nn::loss::mse(&a, &Tensor::zeros(&[2], device()).unwrap()).unwrap_err();
     assert!(matches!(err, Error::Shape { op: "mse", .. }), "{err:?}");
 }
+
+/// PyTorch's BatchNorm2d in training mode on the CPU: (output, batch mean, unbiased var).
+fn batch_norm_reference(x: &[f32], [n, c, h, w]: [usize; 4]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let count = (n * h * w) as f64;
+    let at = |b: usize, ch: usize, i: usize| x[(b * c + ch) * h * w + i] as f64;
+    let mut out = vec![0.0; x.len()];
+    let (mut means, mut vars) = (Vec::new(), Vec::new());
+    for ch in 0..c {
+        let values: Vec<f64> = (0..n)
+            .flat_map(|b| (0..h * w).map(move |i| (b, i)))
+            .map(|(b, i)| at(b, ch, i))
+            .collect();
+        let mean = values.iter().sum::<f64>() / count;
+        let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / count;
+        for b in 0..n {
+            for i in 0..h * w {
+                out[(b * c + ch) * h * w + i] = (at(b, ch, i) - mean) / (var + 1e-5).sqrt();
+            }
+        }
+        means.push(mean);
+        vars.push(var * count / (count - 1.0));
+    }
+    (out, means, vars)
+}
+
+#[test]
+fn batch_norm_2d_trains_on_batch_statistics_and_updates_running_ones() {
+    let _s = serial();
+    let bn = nn::BatchNorm2d::new(3, device()).unwrap();
+    let (x, xs) = random_tensor(&[2, 3, 4, 5], 21);
+    let (want, means, vars) = batch_norm_reference(&xs, [2, 3, 4, 5]);
+    assert_close(
+        &bn.forward(&x).unwrap().to_vec().unwrap(),
+        &want,
+        1e-4,
+        "batch norm",
+    );
+    let running_mean: Vec<f64> = means.iter().map(|m| 0.1 * m).collect();
+    let running_var: Vec<f64> = vars.iter().map(|v| 0.9 + 0.1 * v).collect();
+    assert_close(
+        &bn.running_mean.to_vec().unwrap(),
+        &running_mean,
+        1e-4,
+        "running_mean",
+    );
+    assert_close(
+        &bn.running_var.to_vec().unwrap(),
+        &running_var,
+        1e-4,
+        "running_var",
+    );
+    // Evaluation mode normalises with the running statistics and leaves them alone.
+    bn.eval();
+    let got = bn.forward(&x).unwrap().to_vec().unwrap();
+    let eval_want: Vec<f64> = (0..xs.len())
+        .map(|i| {
+            let ch = (i / 20) % 3;
+            (xs[i] as f64 - running_mean[ch]) / (running_var[ch] + 1e-5).sqrt()
+        })
+        .collect();
+    assert_close(&got, &eval_want, 1e-4, "batch norm in eval mode");
+    assert_close(
+        &bn.running_mean.to_vec().unwrap(),
+        &running_mean,
+        1e-4,
+        "running_mean kept",
+    );
+}
+
+#[test]
+fn batch_norm_2d_gradcheck() {
+    let _s = serial();
+    gradcheck(
+        "BatchNorm2d",
+        &[
+            (vec![2, 2, 3, 3], values_in(36, -1.0, 1.0, 22)),
+            (vec![2], values_in(2, 0.5, 1.5, 23)),
+            (vec![2], values_in(2, -0.5, 0.5, 24)),
+        ],
+        |t| {
+            let mut bn = nn::BatchNorm2d::new(2, device())?;
+            bn.weight = t[1].clone();
+            bn.bias = t[2].clone();
+            bn.forward(&t[0])
+        },
+    );
+}
+
+#[test]
+fn batch_norm_2d_buffers_round_trip_through_a_checkpoint() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bn.safetensors");
+    let bn = nn::BatchNorm2d::new(2, device()).unwrap();
+    bn.forward(&random_tensor(&[3, 2, 2, 2], 25).0).unwrap();
+    wgrad::io::save(&path, &bn).unwrap();
+    let fresh = nn::BatchNorm2d::new(2, device()).unwrap();
+    wgrad::io::load(&path, &fresh).unwrap();
+    assert_eq!(
+        fresh.running_mean.to_vec().unwrap(),
+        bn.running_mean.to_vec().unwrap()
+    );
+    assert_eq!(
+        fresh.running_var.to_vec().unwrap(),
+        bn.running_var.to_vec().unwrap()
+    );
+    assert_ne!(fresh.running_var.to_vec().unwrap(), vec![1.0, 1.0]);
+    let err = bn
+        .forward(&Tensor::zeros(&[2, 3, 2, 2], device()).unwrap())
+        .unwrap_err();
+    assert!(err.to_string().contains("BatchNorm2d"), "{err}");
+}

@@ -12,13 +12,20 @@ use crate::io::io_error;
 use crate::nn::Module;
 use crate::tensor::Tensor;
 
-/// Writes `module`'s named parameters to `path` as f32 safetensors. The file is written beside
+/// What a checkpoint holds: the parameters, then the buffers.
+fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
+    let mut state = module.named_parameters();
+    state.extend(module.named_buffers());
+    state
+}
+
+/// Writes `module`'s named parameters and buffers to `path` as f32 safetensors. The file is written beside
 /// `path` under a temporary name, flushed to disk, then renamed over `path`, so a crash never
 /// leaves a half-written checkpoint.
 pub fn save(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
     const OP: &str = "io::save";
     let path = path.as_ref();
-    let params = module.named_parameters();
+    let params = named_state(module);
     let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, t) in &params {
         let values = t.to_vec()?;
@@ -60,7 +67,7 @@ pub fn save(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
     })
 }
 
-/// Reads the parameters of `module` from the safetensors file at `path`, by name. Every
+/// Reads the parameters and buffers of `module` from the safetensors file at `path`, by name. Every
 /// tensor is checked first (present, f32, right shape), so on any error the module is left
 /// unchanged; the error names the tensor.
 pub fn load(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
@@ -70,7 +77,7 @@ pub fn load(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
     let file = SafeTensors::deserialize(&bytes)
         .map_err(|e| io_error(OP, path, format!("not a valid safetensors file: {e}")))?;
     let mut staged: Vec<(Tensor, Tensor)> = Vec::new();
-    for (name, param) in module.named_parameters() {
+    for (name, param) in named_state(module) {
         let view = file.tensor(&name).map_err(|_| {
             io_error(
                 OP,

@@ -1,6 +1,7 @@
 //! Neural-network building blocks: the [`Module`] trait, layers, activations and losses.
 
 mod activation;
+mod batch_norm;
 mod conv;
 mod dropout;
 mod embedding;
@@ -11,6 +12,7 @@ mod sequential;
 mod transformer;
 
 pub use activation::{Gelu, Relu, Tanh};
+pub use batch_norm::BatchNorm2d;
 pub use conv::{AvgPool2d, Conv2d, Flatten, MaxPool2d};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
@@ -33,6 +35,12 @@ pub trait Module: Send + Sync {
 
     /// Parameters with their names, in a fixed order (weight before bias).
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
+
+    /// State that is saved and loaded with the parameters but not trained (BatchNorm's
+    /// running statistics), with dotted names as for parameters.
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
         Vec::new()
     }
 

@@ -52,6 +52,19 @@ impl Module for Sequential {
             .collect()
     }
 
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, layer)| {
+                layer
+                    .named_buffers()
+                    .into_iter()
+                    .map(move |(name, t)| (format!("{i}.{name}"), t))
+            })
+            .collect()
+    }
+
     fn set_training(&self, training: bool) {
         for layer in &self.layers {
             layer.set_training(training);
