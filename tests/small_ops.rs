@@ -135,3 +135,27 @@ fn dropout_zeroes_about_p_and_scales_the_rest() {
     assert!(x.dropout(1.0).is_err());
     assert_eq!(x.dropout(0.0).unwrap().to_vec().unwrap(), vec![1.0; 10_000]);
 }
+
+#[test]
+fn stack_adds_a_dim_and_its_grad_splits_back() {
+    let dev = device();
+    let a = Tensor::from_vec(vec![1.0, 2.0], &[2], dev).unwrap();
+    let b = Tensor::from_vec(vec![3.0, 4.0], &[2], dev).unwrap();
+    let rows = Tensor::stack(&[a.clone(), b.clone()], 0).unwrap();
+    assert_eq!(rows.shape(), &[2, 2]);
+    assert_eq!(rows.to_vec().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    let cols = Tensor::stack(&[a, b], 1).unwrap();
+    assert_eq!(cols.to_vec().unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
+    gradcheck(
+        "stack",
+        &[
+            (vec![2, 3], values_in(6, -1.0, 1.0, 6)),
+            (vec![2, 3], values_in(6, -1.0, 1.0, 7)),
+        ],
+        |t| Tensor::stack(t, 1),
+    );
+    let c = Tensor::zeros(&[3], dev).unwrap();
+    let err = Tensor::stack(&[c.clone(), Tensor::zeros(&[2], dev).unwrap()], 0).unwrap_err();
+    assert!(err.to_string().contains("stack"), "{err}");
+    assert!(Tensor::stack(&[c], 2).is_err());
+}

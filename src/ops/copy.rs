@@ -275,6 +275,33 @@ impl Tensor {
         }))
     }
 
+    /// Stacks tensors of one shape along a new dim `dim` (`0..=rank`). Its grad is each
+    /// input's slice of the out grad (the backward of `cat`).
+    pub fn stack(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+        const OP: &str = "stack";
+        let first = tensors.first().ok_or_else(|| Error::InvalidArgument {
+            op: OP,
+            msg: "needs at least one tensor".into(),
+        })?;
+        if let Some(t) = tensors.iter().find(|t| t.shape() != first.shape()) {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("shapes {:?} and {:?} differ", first.shape(), t.shape()),
+            });
+        }
+        if dim > first.rank() {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("dim {dim} is out of range for rank {} + 1", first.rank()),
+            });
+        }
+        let unsqueezed = tensors
+            .iter()
+            .map(|t| t.unsqueeze(dim))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&unsqueezed, dim)
+    }
+
     /// Concatenates tensors of one dtype along `dim`; all other dims must agree.
     pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
         const OP: &str = "cat";

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""PyTorch CPU yardsticks for the CNN and GPT examples: the same models, data, optimizers and
+schedules, trained in PyTorch, printing the same `final:` lines and the time per step.
+
+    python3 tools/pytorch_baselines.py cnn [--epochs 2] [--data /usr/share/datasets/fashion-mnist]
+    python3 tools/pytorch_baselines.py gpt [--iters 2000] [--data data/shakespeare.txt]
+    python3 tools/pytorch_baselines.py steps   # ms per step of both, batch 64 CNN and batch 12 GPT
+
+Needs torch and numpy (pip install torch numpy). Threads: PyTorch's default (all cores).
+"""
+
+import argparse
+import gzip
+import math
+import pathlib
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def read_idx(path):
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    dims = data[3]
+    shape = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
+def find(directory, name):
+    plain = pathlib.Path(directory) / name
+    return plain if plain.exists() else pathlib.Path(f"{plain}.gz")
+
+
+def cnn_model():
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Flatten(), nn.Linear(3136, 128), nn.ReLU(), nn.Linear(128, 10),
+    )
+
+
+def cnn(args):
+    torch.manual_seed(0)
+    load = lambda name: read_idx(find(args.data, name))
+    x_train = torch.tensor(load("train-images-idx3-ubyte") / 255.0, dtype=torch.float32)[:, None]
+    y_train = torch.tensor(load("train-labels-idx1-ubyte"), dtype=torch.long)
+    x_test = torch.tensor(load("t10k-images-idx3-ubyte") / 255.0, dtype=torch.float32)[:, None]
+    y_test = torch.tensor(load("t10k-labels-idx1-ubyte"), dtype=torch.long)
+    model = cnn_model()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    steps_per_epoch = math.ceil(len(x_train) / 128)
+    total = steps_per_epoch * args.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+    step, started = 0, time.time()
+    for epoch in range(1, args.epochs + 1):
+        model.train()
+        order = torch.randperm(len(x_train))
+        total_loss = 0.0
+        for i in range(0, len(x_train), 128):
+            idx = order[i : i + 128]
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            total_loss += loss.item() * len(idx)
+            step += 1
+        model.eval()
+        with torch.no_grad():
+            acc = sum((model(x_test[i : i + 1000]).argmax(1) == y_test[i : i + 1000]).sum().item()
+                      for i in range(0, len(x_test), 1000)) / len(x_test)
+        print(f"epoch {epoch}: train_loss={total_loss / len(x_train):.4f} test_acc={acc:.4f}")
+    rate = step * 128 / (time.time() - started)
+    print(f"final: test_acc={acc:.4f} train_loss={total_loss / len(x_train):.4f} steps={step} samples_per_s={rate:.1f}")
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab, width=128, layers=4, heads=4, block=64):
+        super().__init__()
+        self.token, self.position = nn.Embedding(vocab, width), nn.Embedding(block, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.token(idx) + self.position(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_optimizer(model, lr):
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99))
+
+
+def gpt(args):
+    torch.manual_seed(0)
+    text = pathlib.Path(args.data).read_text(encoding="utf-8", errors="replace")
+    chars = sorted(set(text))
+    ids = torch.tensor(np.searchsorted(np.array(chars), np.array(list(text))), dtype=torch.long)
+    split = len(ids) * 9 // 10
+    train, val = ids[:split], ids[split:]
+    model = Gpt(len(chars))
+    opt = gpt_optimizer(model, 1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(data):
+        starts = torch.randint(0, len(data) - 64, (12,), generator=gen)
+        x = torch.stack([data[s : s + 64] for s in starts])
+        y = torch.stack([data[s + 1 : s + 65] for s in starts])
+        return x, y
+
+    def estimate(data):
+        model.eval()
+        with torch.no_grad():
+            losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                      for x, y in (batch(data) for _ in range(20))]
+        model.train()
+        return sum(losses) / len(losses)
+
+    started = time.time()
+    for step in range(1, args.iters + 1):
+        lr = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * (step - 1) / args.iters))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = batch(train)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 250 == 0 or step == args.iters:
+            train_loss, val_loss = estimate(train), estimate(val)
+            print(f"step {step}: train_loss={train_loss:.4f} val_loss={val_loss:.4f}")
+    rate = args.iters * 12 * 64 / (time.time() - started)
+    print(f"final: val_loss={val_loss:.4f} train_loss={train_loss:.4f} steps={args.iters} tokens_per_s={rate:.1f}")
+
+
+def steps(_args):
+    def time_steps(model, make_batch, opt, n=20):
+        for i in range(n + 5):
+            if i == 5:
+                started = time.time()
+            x, y = make_batch()
+            loss = F.cross_entropy(model(x).flatten(0, -2) if x.dim() == 2 else model(x), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return (time.time() - started) / n * 1e3
+
+    torch.manual_seed(0)
+    model = cnn_model()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    ms = time_steps(model, lambda: (torch.rand(64, 1, 28, 28), torch.randint(0, 10, (64,))), opt)
+    print(f"cnn step, batch 64 (Adam): {ms:.1f} ms")
+    model = Gpt(65)
+    opt = gpt_optimizer(model, 1e-3)
+    ms = time_steps(model, lambda: (torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))), opt)
+    print(f"gpt step, batch 12 block 64 (AdamW): {ms:.1f} ms")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["cnn", "gpt", "steps"])
+    parser.add_argument("--data")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=2000)
+    args = parser.parse_args()
+    if args.data is None:
+        args.data = "/usr/share/datasets/fashion-mnist" if args.what == "cnn" else "data/shakespeare.txt"
+    {"cnn": cnn, "gpt": gpt, "steps": steps}[args.what](args)
