@@ -72,3 +72,12 @@ fn erf_approx(v: f32) -> f32 {
 fn is_nan(v: f32) -> bool {
     return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
 }
+
+// The larger of a and b, NaN when either is (WGSL's max may return the other operand).
+fn nan_max(a: f32, b: f32) -> f32 {
+    return select(max(a, b), a + b, is_nan(a) || is_nan(b));
+}
+
+fn nan_max4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(nan_max(a.x, b.x), nan_max(a.y, b.y), nan_max(a.z, b.z), nan_max(a.w, b.w));
+}

@@ -5,7 +5,8 @@
 @group(0) @binding(2) var<storage, read_write> dst: array<u32>;
 @group(0) @binding(3) var<storage, read> indices: array<u32>;
 
-// The index of the first maximum of each row of an [M, K] strided view.
+// The index of the first maximum of each row of an [M, K] strided view (the first NaN, if
+// any: NaN counts as the maximum, as in PyTorch).
 @compute @workgroup_size(256)
 fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
@@ -20,7 +21,7 @@ fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     var best_k = 0u;
     for (var k = 1u; k < k_len; k = k + 1u) {
         let v = bitcast<f32>(src[base + k * ks]);
-        if (v > best) {
+        if (v > best || (is_nan(v) && !is_nan(best))) {
             best = v;
             best_k = k;
         }

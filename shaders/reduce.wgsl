@@ -17,7 +17,7 @@ fn combine(a: f32, b: f32) -> f32 {
 }
 
 fn combine4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
-    return REDUCE_COMBINE;
+    return REDUCE_VEC4_COMBINE;
 }
 
 var<workgroup> partial: array<f32, 256>;

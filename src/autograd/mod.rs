@@ -149,8 +149,13 @@ fn root_grads(
 
 impl Tensor {
     /// Marks a leaf as requiring grad (or not), and returns it. On a non-leaf (made by an op
-    /// that recorded a node) it has no effect: such tensors always require grad.
+    /// that recorded a node) it has no effect: such tensors always require grad. Only f32
+    /// tensors can require grad: on a u32 tensor (indices, labels) it has no effect either,
+    /// where PyTorch raises; so no grad or optimizer step ever writes into indices.
     pub fn requires_grad_(self, requires_grad: bool) -> Tensor {
+        if self.dtype() != crate::tensor::DType::F32 {
+            return self;
+        }
         {
             let mut meta = self.meta();
             if meta.grad_fn.is_none() {
@@ -184,6 +189,7 @@ impl Tensor {
         const OP: &str = "set_grad";
         if let Some(g) = &grad {
             self.expect_same_device(OP, g)?;
+            self.expect_dtype(OP, crate::tensor::DType::F32)?;
             g.expect_dtype(OP, crate::tensor::DType::F32)?;
             if g.shape() != self.shape() {
                 return Err(Error::Shape {

@@ -105,7 +105,7 @@ impl BinaryOp {
             BinaryOp::Sub => "a - b",
             BinaryOp::Mul => "a * b",
             BinaryOp::Div => "a / b",
-            BinaryOp::Maximum => "max(a, b)",
+            BinaryOp::Maximum => "nan_max(a, b)",
             BinaryOp::MaximumShare => "select(select(0.0, 0.5, a == b), 1.0, a > b)",
             BinaryOp::Equal => "select(0.0, 1.0, a == b)",
             BinaryOp::ReluBackward => "select(0.0, a, b > 0.0)",

@@ -212,6 +212,9 @@ fn kernel_for(device: &Device, a: AMode, b: BMode) -> KernelChoice {
 /// Batch stride of a tensor whose batch dims (all but the last two) merge into one.
 fn batch_stride(t: &Tensor) -> Option<u32> {
     let rank = t.rank();
+    if t.shape()[..rank - 2].contains(&0) {
+        return Some(0); // no batch to visit
+    }
     let (batch_rank, _, strides) =
         merge_dims(&t.shape()[..rank - 2], &[&t.layout().strides[..rank - 2]])?;
     match batch_rank {
@@ -227,7 +230,10 @@ fn with_batch_stride(t: Tensor) -> Result<(Tensor, u32)> {
         return Ok((t, stride));
     }
     let dense = t.contiguous()?;
-    let stride = batch_stride(&dense).expect("dense batch dims merge");
+    let stride = batch_stride(&dense).ok_or_else(|| Error::Shape {
+        op: "matmul",
+        msg: format!("batch dims of shape {:?} do not merge", t.shape()),
+    })?;
     Ok((dense, stride))
 }
 
@@ -270,13 +276,17 @@ impl Tensor {
             let _no_grad = NoGradGuard::new();
             matmul_forward(self, other)?
         };
-        Ok(record("matmul", out, &[self, other], |out| {
+        Ok(record("matmul", out, &[self, other], |_| {
             let (a, b) = (self.detach(), other.detach());
             let (need_a, need_b) = (self.requires_grad(), other.requires_grad());
-            let out_shape = out.shape().to_vec();
             move |g: &Tensor| {
                 let (a2, b2) = promote(&a, &b)?;
-                let batch = &out_shape[..out_shape.len().saturating_sub(2)];
+                // The product's batch dims, from the promoted operands: the output's shape has
+                // lost the dims of 1-D operands.
+                let batch =
+                    broadcast_shapes(&a2.shape()[..a2.rank() - 2], &b2.shape()[..b2.rank() - 2])
+                        .unwrap_or_default();
+                let batch = batch.as_slice();
                 let (m, n) = (a2.shape()[a2.rank() - 2], b2.shape()[b2.rank() - 1]);
                 let g2 = if a.rank() == 1 || b.rank() == 1 {
                     g.reshape(&[batch, &[m, n]].concat())?

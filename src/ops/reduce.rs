@@ -55,11 +55,20 @@ impl ReduceOp {
     }
 
     fn source(self) -> String {
-        let (identity, combine) = match self {
-            ReduceOp::Sum => ("0.0", "a + b"),
-            ReduceOp::Max => ("bitcast<f32>(0xff800000u)", "max(a, b)"),
+        // Max propagates NaN, as PyTorch's does.
+        let (identity, combine, combine4) = match self {
+            ReduceOp::Sum => ("0.0", "a + b", "a + b"),
+            ReduceOp::Max => (
+                "bitcast<f32>(0xff800000u)",
+                "nan_max(a, b)",
+                "nan_max4(a, b)",
+            ),
         };
-        REDUCE.source(&[("REDUCE_IDENTITY", identity), ("REDUCE_COMBINE", combine)])
+        REDUCE.source(&[
+            ("REDUCE_IDENTITY", identity),
+            ("REDUCE_VEC4_COMBINE", combine4),
+            ("REDUCE_COMBINE", combine),
+        ])
     }
 }
 
@@ -127,6 +136,15 @@ pub(crate) fn check_dims(op: &'static str, x: &Tensor, dims: &[usize]) -> Result
     let mut sorted = dims.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
+    if sorted.len() != dims.len() {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!(
+                "dims {dims:?} name a dim more than once (input {:?})",
+                x.shape()
+            ),
+        });
+    }
     for &d in &sorted {
         x.layout().check_dim(op, d)?;
     }

@@ -105,9 +105,10 @@ impl UnaryOp {
             UnaryOp::Neg => "-x",
             UnaryOp::Exp => "exp(x)",
             UnaryOp::Log => "log(x)",
-            UnaryOp::Relu => "max(x, 0.0)",
+            // NaN stays NaN, as in PyTorch.
+            UnaryOp::Relu => "select(max(x, 0.0), x, is_nan(x))",
             // Clamped: some drivers compute tanh through exp and overflow to NaN.
-            UnaryOp::Tanh => "tanh(clamp(x, -20.0, 20.0))",
+            UnaryOp::Tanh => "select(tanh(clamp(x, -20.0, 20.0)), x, is_nan(x))",
             UnaryOp::Sigmoid => "1.0 / (1.0 + exp(-x))",
             UnaryOp::Gelu => "0.5 * x * (1.0 + erf_approx(x * 0.7071067811865476))",
             UnaryOp::Sqrt => "sqrt(x)",

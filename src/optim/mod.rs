@@ -90,6 +90,7 @@ fn run_update<P: KernelParams>(
     state: &[&Tensor],
     params: &P,
 ) -> Result<()> {
+    param.expect_dtype(op, crate::tensor::DType::F32)?;
     if !param.is_contiguous() || param.layout().offset != 0 {
         return Err(Error::InvalidArgument {
             op,

@@ -61,6 +61,10 @@ impl Layout {
 
     /// True when the elements lie row-major and densely from `offset`.
     pub fn is_contiguous(&self) -> bool {
+        // An empty tensor places no element anywhere: whatever its strides, it is dense.
+        if self.shape.contains(&0) {
+            return true;
+        }
         let mut expected = 1;
         for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
             if n != 1 && s != expected {
@@ -172,6 +176,8 @@ impl Layout {
         if shape.len() < self.shape.len() {
             return Err(err());
         }
+        // Kernels index elements with u32s: a view may not hold more.
+        crate::tensor::checked_numel(op, shape)?;
         let lead = shape.len() - self.shape.len();
         let mut strides = vec![0; shape.len()];
         for (i, &n) in shape.iter().enumerate() {
