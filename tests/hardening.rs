@@ -131,3 +131,109 @@ fn layer_norm_rejects_a_negative_eps() {
     );
     assert!(x.layer_norm(&w, &b, f32::NAN).is_err());
 }
+
+#[test]
+fn a_grad_output_on_another_device_is_an_error() {
+    let other = wgrad::Device::software().unwrap();
+    let x = Tensor::ones(&[2], device()).unwrap().requires_grad_(true);
+    let y = x.mul_scalar(2.0).unwrap();
+    let g = Tensor::ones(&[2], &other).unwrap();
+    let err = y
+        .backward_with(wgrad::BackwardOptions {
+            grad_output: Some(g),
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("device"), "{err}");
+    assert!(x.grad().is_none());
+}
+
+#[test]
+fn tensors_too_large_for_the_adapter_fail_before_taking_host_memory() {
+    let dev = device();
+    let err = Tensor::rand(&[u32::MAX as usize], 0, dev).unwrap_err();
+    assert!(matches!(err, Error::TooLarge { op: "rand", .. }), "{err}");
+    let err = Tensor::randn(&[1 << 31], 0, dev).unwrap_err();
+    assert!(matches!(err, Error::TooLarge { op: "randn", .. }), "{err}");
+    let err = nn::Linear::new(60_000, 60_000, true, dev).err().unwrap();
+    assert!(matches!(err, Error::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn sgd_rejects_nan_dampening_and_nesterov_without_momentum() {
+    use wgrad::optim::{Optimizer, Sgd, SgdConfig};
+    let p = Tensor::ones(&[2], device()).unwrap().requires_grad_(true);
+    p.set_grad(Some(Tensor::ones(&[2], device()).unwrap()))
+        .unwrap();
+    let bad = [
+        SgdConfig {
+            dampening: f32::NAN,
+            ..Default::default()
+        },
+        SgdConfig {
+            nesterov: true,
+            momentum: 0.0,
+            ..Default::default()
+        },
+    ];
+    for config in bad {
+        let err = Sgd::new(vec![p.clone()], config).step().unwrap_err();
+        assert!(err.to_string().contains("Sgd::step"), "{err}");
+        assert_eq!(
+            p.to_vec().unwrap(),
+            vec![1.0, 1.0],
+            "the parameter is unchanged"
+        );
+    }
+}
+
+#[test]
+fn load_rejects_tensors_the_module_lacks_unless_told_to_skip_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wide.safetensors");
+    let wide = nn::Sequential::new()
+        .add(nn::Linear::new(2, 2, true, device()).unwrap())
+        .add(nn::Linear::new(2, 2, true, device()).unwrap());
+    wgrad::io::save(&path, &wide).unwrap();
+    let narrow = nn::Sequential::new().add(nn::Linear::new(2, 2, true, device()).unwrap());
+    let before = narrow.parameters()[0].to_vec().unwrap();
+    let err = wgrad::io::load(&path, &narrow).unwrap_err().to_string();
+    assert!(err.contains("1.weight") && err.contains("strict"), "{err}");
+    assert_eq!(
+        narrow.parameters()[0].to_vec().unwrap(),
+        before,
+        "unchanged on error"
+    );
+    let options = wgrad::io::LoadOptions { strict: false };
+    let skipped = wgrad::io::load_with(&path, &narrow, options).unwrap();
+    assert_eq!(skipped, vec!["1.bias".to_string(), "1.weight".to_string()]);
+    assert_eq!(
+        narrow.parameters()[0].to_vec().unwrap(),
+        wide.parameters()[0].to_vec().unwrap()
+    );
+}
+
+#[test]
+fn save_removes_temporary_files_of_dead_writers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    // A pid far above any Linux pid_max: no such writer is alive.
+    let stale = dir.path().join(".model.safetensors.tmp-4294967");
+    std::fs::write(&stale, b"half a checkpoint").unwrap();
+    let other = dir.path().join(".other.safetensors.tmp-4294967");
+    std::fs::write(&other, b"not ours").unwrap();
+    let model = nn::Linear::new(2, 2, true, device()).unwrap();
+    wgrad::io::save(&path, &model).unwrap();
+    if std::path::Path::new("/proc/self").exists() {
+        assert!(!stale.exists(), "the dead writer's temporary file is gone");
+    }
+    assert!(other.exists(), "another file's temporary is left alone");
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"model.safetensors".to_string()),
+        "{names:?}"
+    );
+}

@@ -128,6 +128,7 @@ fn root_grads(
                     });
                 }
                 g.expect_dtype(op, crate::tensor::DType::F32)?;
+                out.expect_same_device(op, g)?;
                 g.clone()
             }
             None if out.numel() == 1 => Tensor::ones(out.shape(), out.device())?,

@@ -152,6 +152,50 @@ struct Recorder {
     ops: Vec<&'static str>,
 }
 
+/// The backends `WGPU_BACKEND` names (vulkan, metal, dx12, gl; comma-separated), or all of
+/// them when it is unset. A value that names none is an error, not a silent fallback.
+fn backends_from_env() -> Result<wgpu::Backends> {
+    backends_from(std::env::var("WGPU_BACKEND").ok())
+}
+
+fn backends_from(setting: Option<String>) -> Result<wgpu::Backends> {
+    match setting {
+        Some(value) => {
+            let backends = wgpu::Backends::from_comma_list(&value);
+            if backends.is_empty() {
+                return Err(Error::NoAdapter(format!(
+                    "WGPU_BACKEND={value:?} names no backend; use vulkan, metal, dx12 or gl \
+                     (comma-separated), or unset it"
+                )));
+            }
+            Ok(backends)
+        }
+        None => Ok(wgpu::Backends::all()),
+    }
+}
+
+/// Mesa's device-select Vulkan layer connects to Wayland to order GPUs; without a session
+/// (`XDG_RUNTIME_DIR` unset: CI, servers, containers) libwayland then prints two `error:`
+/// lines at every start. wgrad ranks adapters itself, so there the layer is switched off
+/// (`NODEVICE_SELECT=1`), unless the user has set that variable. This runs when a device is
+/// opened, before wgpu starts any thread of its own.
+fn quiet_device_select_layer() {
+    let headless = std::env::var_os("XDG_RUNTIME_DIR").is_none();
+    if headless && std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
+}
+
+/// The adapters of `backends`.
+fn enumerate(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends,
+        flags: wgpu::InstanceFlags::empty().with_env(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    pollster::block_on(instance.enumerate_adapters(backends))
+}
+
 fn looks_like_software(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     [
@@ -178,7 +222,8 @@ const INSTALL_HINT: &str = "install a GPU driver, or a software one: on Debian/U
 
 impl Device {
     /// The best adapter on this machine: a discrete GPU, else an integrated one, else a
-    /// software adapter (and then it says so on stderr). Honours `WGPU_BACKEND`
+    /// software adapter (and then says so through the `log` crate, at info level). Honours
+    /// `WGPU_BACKEND`
     /// (vulkan, metal, dx12, gl) and `WGRAD_ADAPTER=software`.
     pub fn new() -> Result<Device> {
         let software_only = std::env::var("WGRAD_ADAPTER")
@@ -186,8 +231,8 @@ impl Device {
             .unwrap_or(false);
         let device = Self::open(software_only)?;
         if device.inner.info.is_software() && !software_only {
-            eprintln!(
-                "wgrad: no hardware GPU adapter found; using software adapter {}",
+            log::info!(
+                "no hardware GPU adapter found; using software adapter {}",
                 device.inner.info
             );
         }
@@ -206,13 +251,19 @@ impl Device {
     }
 
     fn open(software_only: bool) -> Result<Device> {
-        let backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all());
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-            backends,
-            flags: wgpu::InstanceFlags::empty().with_env(),
-            ..wgpu::InstanceDescriptor::new_without_display_handle()
-        });
-        let adapters = pollster::block_on(instance.enumerate_adapters(backends));
+        let backends = backends_from_env()?;
+        quiet_device_select_layer();
+        // The native APIs first; GL only where they find nothing (probing GL starts EGL,
+        // which prints errors on machines without a display).
+        let native = backends & !wgpu::Backends::GL;
+        let mut adapters = if native.is_empty() {
+            Vec::new()
+        } else {
+            enumerate(native)
+        };
+        if adapters.is_empty() && backends.contains(wgpu::Backends::GL) {
+            adapters = enumerate(wgpu::Backends::GL);
+        }
         let rank = |a: &wgpu::Adapter| {
             let info = a.get_info();
             let kind = match info.device_type {
@@ -699,7 +750,18 @@ impl DeviceInner {
 
 #[cfg(test)]
 mod tests {
-    use super::Device;
+    use super::{backends_from, Device};
+
+    #[test]
+    fn wgpu_backend_naming_no_backend_is_an_error() {
+        let err = backends_from(Some("foo".into())).unwrap_err().to_string();
+        assert!(err.contains("WGPU_BACKEND") && err.contains("foo"), "{err}");
+        assert_eq!(
+            backends_from(Some("vulkan".into())).unwrap(),
+            wgpu::Backends::VULKAN
+        );
+        assert_eq!(backends_from(None).unwrap(), wgpu::Backends::all());
+    }
 
     /// A batch submitted by itself at the batch limit leaves no open encoder; synchronize must
     /// still wait for it.

@@ -5,7 +5,7 @@ mod checkpoint;
 mod data;
 mod idx;
 
-pub use checkpoint::{load, save};
+pub use checkpoint::{load, load_with, save, LoadOptions};
 pub use data::{load_idx_dir, synthetic_shapes, synthetic_spirals, Dataset, SHAPES_SIDE};
 pub use idx::{read_idx_images, read_idx_labels};
 

@@ -4,7 +4,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::seed::next_seed;
-use crate::tensor::creation::uniform_values;
+use crate::tensor::creation::{checked_host_numel, uniform_values};
 use crate::tensor::Tensor;
 
 /// A fully connected layer: `y = x W^T + b`, weight `[out, in]`, bias `[out]`.
@@ -33,7 +33,8 @@ pub struct Linear {
 /// values scaled on the host (the same f32 arithmetic a kernel would do), so that building a
 /// model compiles no kernel.
 pub(crate) fn uniform_parameter(shape: &[usize], bound: f32, device: &Device) -> Result<Tensor> {
-    let data = uniform_values(shape.iter().product(), next_seed())
+    let numel = checked_host_numel("parameter init", shape, device)?;
+    let data = uniform_values(numel, next_seed())
         .into_iter()
         .map(|u| u * (2.0 * bound) - bound)
         .collect();

@@ -1,6 +1,6 @@
 //! Stochastic gradient descent with momentum, Nesterov momentum and weight decay.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::optim::{check_hyper, run_update, zero_grads, Optimizer, SgdParams};
 use crate::tensor::Tensor;
 
@@ -57,6 +57,17 @@ impl Optimizer for Sgd {
         check_hyper(OP, "lr", c.lr, true)?;
         check_hyper(OP, "momentum", c.momentum, false)?;
         check_hyper(OP, "weight_decay", c.weight_decay, false)?;
+        check_hyper(OP, "dampening", c.dampening, false)?;
+        if c.nesterov && (c.momentum == 0.0 || c.dampening != 0.0) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!(
+                    "Nesterov momentum needs momentum > 0 and dampening 0, got momentum {} and \
+                     dampening {}",
+                    c.momentum, c.dampening
+                ),
+            });
+        }
         for (param, buffer) in self.params.iter().zip(&mut self.momentum_buffers) {
             let Some(grad) = param.grad() else { continue };
             let first = buffer.is_none();

@@ -27,6 +27,22 @@ fn upload(
     ))
 }
 
+/// The element count of an f32 tensor of `shape` to be made on the host, checked against
+/// what `device` can hold in one tensor before any host memory is taken for it.
+pub(crate) fn checked_host_numel(
+    op: &'static str,
+    shape: &[usize],
+    device: &Device,
+) -> Result<usize> {
+    let numel = checked_numel(op, shape)?;
+    let bytes = numel as u64 * 4;
+    let limit = device.max_tensor_bytes();
+    if bytes > limit {
+        return Err(Error::TooLarge { op, bytes, limit });
+    }
+    Ok(numel)
+}
+
 fn check_len(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
     let numel = checked_numel(op, shape)?;
     if len != numel {
@@ -105,7 +121,7 @@ impl Tensor {
 
     /// Uniform samples in `[0, 1)`, reproducible from `seed`.
     pub fn rand(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
-        let data = uniform_values(checked_numel("rand", shape)?, seed);
+        let data = uniform_values(checked_host_numel("rand", shape, device)?, seed);
         upload(
             "rand",
             bytemuck::cast_slice(&data),
@@ -117,7 +133,7 @@ impl Tensor {
 
     /// Standard normal samples, reproducible from `seed`.
     pub fn randn(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
-        let n = checked_numel("randn", shape)?;
+        let n = checked_host_numel("randn", shape, device)?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let data: Vec<f32> = (0..n).map(|_| StandardNormal.sample(&mut rng)).collect();
         upload(
