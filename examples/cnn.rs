@@ -77,7 +77,7 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     let dev = Device::new().map_err(|e| e.to_string())?;
     println!("adapter: {}", dev.info());
     let (train, test) = args.train.dataset(
-        |seed| io::synthetic_shapes(4000, 1000, seed),
+        |seed| io::synthetic_shapes(2000, 1000, seed),
         "synthetic shapes",
     )?;
     let side = (train.features as f64).sqrt().round() as usize;

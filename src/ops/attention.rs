@@ -117,15 +117,21 @@ static ATTENTION: ShaderFamily = ShaderFamily {
     params: &[&AttentionParams::LAYOUT],
 };
 
-fn source(aligned: bool) -> String {
-    ATTENTION.source(&[("ALIGNED", if aligned { "true" } else { "false" })])
+/// The module for heads of `d` q/k features and `dv` v features, reading four features per
+/// load when `aligned`.
+fn source(d: usize, dv: usize, aligned: bool) -> String {
+    ATTENTION.source(&[
+        ("ALIGNED", if aligned { "true" } else { "false" }),
+        ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
+        ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
+    ])
 }
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    [false, true]
+    [(32, 32, true), (6, 3, false), (256, 256, true)]
         .iter()
-        .map(|&aligned| (format!("attention/aligned={aligned}"), source(aligned)))
+        .map(|&(d, dv, aligned)| (format!("attention/{d}x{dv}/{aligned}"), source(d, dv, aligned)))
         .collect()
 }
 
@@ -141,9 +147,9 @@ fn run(
     let aligned = s.d.is_multiple_of(4)
         && s.dv.is_multiple_of(4)
         && operands.iter().all(|layout| layout.aligned());
-    let specialise = || source(aligned);
-    let variant = if aligned { "aligned" } else { "unaligned" };
-    let kernel = Kernel::specialised(&ATTENTION, entry, variant, &specialise);
+    let specialise = || source(s.d, s.dv, aligned);
+    let variant = format!("{}x{}/{aligned}", s.d.div_ceil(4), s.dv.div_ceil(4));
+    let kernel = Kernel::specialised(&ATTENTION, entry, &variant, &specialise);
     let workgroups = groups(invocations, ATTENTION_WORKGROUP);
     launch_at(
         "scaled_dot_product_attention",
@@ -154,7 +160,7 @@ fn run(
     )
 }
 
-/// Features a row may have (`MAX_VEC4S` vec4s in the kernels).
+/// Features a row may have (the kernels keep rows in registers).
 const MAX_FEATURES: usize = 256;
 
 /// Loop iterations one invocation may run: well under llvmpipe's 65,535, which counts every
