@@ -131,7 +131,12 @@ fn source(d: usize, dv: usize, aligned: bool) -> String {
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     [(32, 32, true), (6, 3, false), (256, 256, true)]
         .iter()
-        .map(|&(d, dv, aligned)| (format!("attention/{d}x{dv}/{aligned}"), source(d, dv, aligned)))
+        .map(|&(d, dv, aligned)| {
+            (
+                format!("attention/{d}x{dv}/{aligned}"),
+                source(d, dv, aligned),
+            )
+        })
         .collect()
 }
 

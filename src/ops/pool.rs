@@ -84,9 +84,40 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
     })
 }
 
+/// Runs `entry` from `src` (any layout) into `dst`, one invocation per element of `dst`;
+/// max pooling's arg-max is bound beside them.
+fn run(
+    kind: Pool,
+    entry: &'static str,
+    src: &Tensor,
+    dst: &Tensor,
+    argmax: Option<&Tensor>,
+    params: PoolParams,
+) -> Result<()> {
+    let n = dst.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let src = src.contiguous()?;
+    let mut tensors = vec![&src, dst];
+    tensors.extend(argmax);
+    let params = PoolParams {
+        n: n as u32,
+        ..params
+    };
+    let kernel = Kernel::plain(&POOL, entry);
+    launch(
+        kind.name(),
+        &kernel,
+        &tensors,
+        &params,
+        groups(n, WORKGROUP),
+    )
+}
+
 fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> {
     let op = kind.name();
-    let mut params = pool_params(op, x, kernel, stride)?;
+    let params = pool_params(op, x, kernel, stride)?;
     let shape = [
         x.shape()[0],
         x.shape()[1],
@@ -98,47 +129,20 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
         Pool::Max => Some(Tensor::empty(op, &shape, DType::U32, x.device())?),
         Pool::Avg => None,
     };
-    let n = out.numel();
-    if n > 0 {
-        params.n = n as u32;
-        let src = x.contiguous()?;
-        let mut tensors = vec![&src, &out];
-        tensors.extend(argmax.as_ref());
-        let entry = match kind {
-            Pool::Max => "max_forward",
-            Pool::Avg => "avg_forward",
-        };
-        launch(
-            op,
-            &Kernel::plain(&POOL, entry),
-            &tensors,
-            &params,
-            groups(n, WORKGROUP),
-        )?;
-    }
+    let entry = match kind {
+        Pool::Max => "max_forward",
+        Pool::Avg => "avg_forward",
+    };
+    run(kind, entry, x, &out, argmax.as_ref(), params)?;
     Ok(record(op, out, &[x], |_| {
         let in_shape = x.shape().to_vec();
         move |g: &Tensor| {
-            let mut params = params;
             let grad = Tensor::empty(op, &in_shape, DType::F32, g.device())?;
-            let n = grad.numel();
-            if n > 0 {
-                params.n = n as u32;
-                let g = g.contiguous()?;
-                let mut tensors = vec![&g, &grad];
-                tensors.extend(argmax.as_ref());
-                let entry = match kind {
-                    Pool::Max => "max_backward",
-                    Pool::Avg => "avg_backward",
-                };
-                launch(
-                    op,
-                    &Kernel::plain(&POOL, entry),
-                    &tensors,
-                    &params,
-                    groups(n, WORKGROUP),
-                )?;
-            }
+            let entry = match kind {
+                Pool::Max => "max_backward",
+                Pool::Avg => "avg_backward",
+            };
+            run(kind, entry, g, &grad, argmax.as_ref(), params)?;
             Ok(vec![Some(grad)])
         }
     }))
