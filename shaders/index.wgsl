@@ -6,24 +6,59 @@
 @group(0) @binding(3) var<storage, read> indices: array<u32>;
 
 // The index of the first maximum of each row of an [M, K] strided view (the first NaN, if
-// any: NaN counts as the maximum, as in PyTorch).
+// any: NaN counts as the maximum, as in PyTorch), over chunks of at most `chunk_len` elements
+// (llvmpipe ends an invocation's loops after 65,535 iterations). One invocation per (row,
+// chunk); with one chunk it writes the index, else (value bits, index) pairs for
+// `argmax_join`.
 @compute @workgroup_size(256)
 fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg) * 256u + lid;
-    if (row >= pu(ARGMAX_ROWS)) {
+    let t = workgroup_index(wid, nwg) * 256u + lid;
+    let chunks = pu(ARGMAX_CHUNKS);
+    if (t >= pu(ARGMAX_ROWS) * chunks) {
         return;
     }
+    let row = t / chunks;
+    let chunk = t % chunks;
     let base = pu(ARGMAX_OFFSET) + row * pu(ARGMAX_ROW_STRIDE);
-    let k_len = pu(ARGMAX_LEN);
     let ks = pu(ARGMAX_K_STRIDE);
-    var best = bitcast<f32>(src[base]);
-    var best_k = 0u;
-    for (var k = 1u; k < k_len; k = k + 1u) {
+    let start = chunk * pu(ARGMAX_CHUNK_LEN);
+    let end = min(start + pu(ARGMAX_CHUNK_LEN), pu(ARGMAX_LEN));
+    var best = bitcast<f32>(src[base + start * ks]);
+    var best_k = start;
+    for (var k = start + 1u; k < end; k = k + 1u) {
         let v = bitcast<f32>(src[base + k * ks]);
         if (v > best || (is_nan(v) && !is_nan(best))) {
             best = v;
             best_k = k;
+        }
+    }
+    if (chunks == 1u) {
+        dst[row] = best_k;
+    } else {
+        dst[2u * t] = bitcast<u32>(best);
+        dst[2u * t + 1u] = best_k;
+    }
+}
+
+// Joins `argmax`'s chunks: `src` holds (value bits, index) per (row, chunk); the first chunk
+// with the largest value (or the first NaN) wins.
+@compute @workgroup_size(256)
+fn argmax_join(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg) * 256u + lid;
+    if (row >= pu(ARGMAX_ROWS)) {
+        return;
+    }
+    let chunks = pu(ARGMAX_CHUNKS);
+    let first = 2u * row * chunks;
+    var best = bitcast<f32>(src[first]);
+    var best_k = src[first + 1u];
+    for (var c = 1u; c < chunks; c = c + 1u) {
+        let v = bitcast<f32>(src[first + 2u * c]);
+        if (v > best || (is_nan(v) && !is_nan(best))) {
+            best = v;
+            best_k = src[first + 2u * c + 1u];
         }
     }
     dst[row] = best_k;

@@ -237,3 +237,111 @@ fn save_removes_temporary_files_of_dead_writers() {
         "{names:?}"
     );
 }
+
+/// llvmpipe ends an invocation's loops after 65,535 iterations, silently. Rows, products and
+/// lookups past that length are split across invocations, on both kernel flavours.
+#[test]
+fn lengths_past_65536_give_right_values_on_both_kernel_flavours() {
+    let dev = device();
+    let default_flavor = dev.kernel_flavor();
+    let (m, n) = (64, 100_000);
+    // Every row alike: small values, and a peak near the end.
+    let row: Vec<f32> = (0..n)
+        .map(|i| {
+            if i == n - 3 {
+                5.0
+            } else {
+                ((i * 7919) % 1000) as f32 / 1000.0
+            }
+        })
+        .collect();
+    let lse = 5.0
+        + row
+            .iter()
+            .map(|&x| (x as f64 - 5.0).exp())
+            .sum::<f64>()
+            .ln();
+    let sum: f64 = row.iter().map(|&x| x as f64).sum();
+    for flavor in [wgrad::KernelFlavor::Cpu, wgrad::KernelFlavor::Gpu] {
+        dev.set_kernel_flavor(flavor);
+        let what = format!("{flavor:?}");
+        let x = Tensor::from_vec(row.repeat(m), &[m, n], dev)
+            .unwrap()
+            .requires_grad_(true);
+        let sums = x
+            .softmax(1)
+            .unwrap()
+            .sum_dims(&[1], false)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_close(&sums, &vec![1.0; m], 1e-4, &format!("softmax rows, {what}"));
+        let argmax = x.argmax(1, false).unwrap().to_vec_u32().unwrap();
+        assert_eq!(argmax, vec![n as u32 - 3; m], "argmax, {what}");
+        let row_sums = x.sum_dims(&[1], false).unwrap().to_vec().unwrap();
+        assert_close(&row_sums, &vec![sum; m], 1e-4, &format!("sum, {what}"));
+        let labels = Tensor::from_labels(vec![7; m], dev).unwrap();
+        let loss = wgrad::nn::loss::cross_entropy(&x, &labels).unwrap();
+        let want = lse - row[7] as f64;
+        assert_close(
+            &[loss.item().unwrap()],
+            &[want],
+            1e-4,
+            &format!("cross_entropy, {what}"),
+        );
+        loss.backward().unwrap();
+        // Each row's grad is (softmax - one-hot) / m: it sums to 0; at the peak it is p / m.
+        let grad = x.grad().unwrap();
+        let grad_sums = grad.sum_dims(&[1], false).unwrap().to_vec().unwrap();
+        assert_close(
+            &grad_sums,
+            &vec![0.0; m],
+            1e-5,
+            &format!("cross_entropy grad, {what}"),
+        );
+        let peak = grad.narrow(1, n - 3, 1).unwrap().to_vec().unwrap()[0] as f64;
+        let p = (5.0 - lse).exp() / m as f64;
+        assert!(
+            (peak - p).abs() < 1e-6,
+            "cross_entropy grad at the peak, {what}: {peak} vs {p}"
+        );
+
+        let k = 70_000;
+        let a = Tensor::full(&[2, k], 0.5, dev).unwrap();
+        let b = Tensor::ones(&[k, 3], dev).unwrap();
+        let product = a.matmul(&b).unwrap().to_vec().unwrap();
+        assert_close(
+            &product,
+            &vec![35_000.0; 6],
+            1e-6,
+            &format!("matmul K = {k}, {what}"),
+        );
+
+        let table = Tensor::ones(&[5, 2], dev).unwrap().requires_grad_(true);
+        let repeated = Tensor::from_vec_u32(vec![3; k], &[k], dev).unwrap();
+        let looked_up = table.index_select(0, &repeated).unwrap();
+        looked_up.sum().unwrap().backward().unwrap();
+        let mut want = vec![0.0; 10];
+        want[6] = k as f64;
+        want[7] = k as f64;
+        let got = table.grad().unwrap().to_vec().unwrap();
+        assert_close(&got, &want, 1e-6, &format!("index_select backward, {what}"));
+        let column = Tensor::ones(&[2, 1], dev).unwrap().requires_grad_(true);
+        let zeros = Tensor::from_vec_u32(vec![0; 2 * k], &[2, k], dev).unwrap();
+        column
+            .gather(1, &zeros)
+            .unwrap()
+            .sum()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let got = column.grad().unwrap().to_vec().unwrap();
+        assert_close(
+            &got,
+            &[k as f64; 2],
+            1e-6,
+            &format!("gather backward, {what}"),
+        );
+    }
+    dev.set_kernel_flavor(default_flavor);
+}

@@ -10,8 +10,11 @@ use crate::tensor::layout::KERNEL_RANK;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `argmax` over each row of an `[rows, len]` strided view.
-    pub(crate) struct ArgmaxParams { rows: u32, len: u32, offset: u32, row_stride: u32, k_stride: u32 }
+    /// `argmax` over each row of an `[rows, len]` strided view, in `chunks` chunks of
+    /// `chunk_len`; `argmax_join` joins the chunks of each row.
+    pub(crate) struct ArgmaxParams {
+        rows: u32, len: u32, offset: u32, row_stride: u32, k_stride: u32, chunks: u32, chunk_len: u32,
+    }
 }
 
 crate::kernel_params! {
@@ -64,6 +67,31 @@ static INDEX: ShaderFamily = ShaderFamily {
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("index".into(), INDEX.source(&[]))]
+}
+
+/// Elements one argmax invocation scans at most: well under llvmpipe's 65,535 iterations.
+const ARGMAX_CHUNK: usize = 16_384;
+
+/// Lookups one backward invocation sums over at most: each dst element loops over them.
+const SCATTER_CHUNK: usize = 16_384;
+
+/// `backward(grad part, indices part)` summed over chunks of at most [`SCATTER_CHUNK`]
+/// lookups out of `len`, each part cut by `parts(start, len)`.
+fn sum_over_chunks(
+    len: usize,
+    parts: impl Fn(usize, usize) -> Result<(Tensor, Tensor)>,
+    backward: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let mut sum: Option<Tensor> = None;
+    for start in (0..len).step_by(SCATTER_CHUNK) {
+        let (g, idx) = parts(start, SCATTER_CHUNK.min(len - start))?;
+        let part = backward(&g, &idx)?;
+        sum = Some(match sum {
+            Some(s) => s.add(&part)?,
+            None => part,
+        });
+    }
+    Ok(sum.expect("len > SCATTER_CHUNK gives at least one chunk"))
 }
 
 /// `shape` padded at the front with `fill` to six dims.
@@ -121,20 +149,33 @@ impl Tensor {
         let mat = as_matrix(self, &[dim])?;
         let out = Tensor::empty(OP, &[mat.m], DType::U32, self.device())?
             .with_index_bound(Some(k as u32));
+        let chunks = mat.k.div_ceil(ARGMAX_CHUNK).max(1);
         let params = ArgmaxParams {
             rows: mat.m as u32,
             len: mat.k as u32,
             offset: mat.tensor.layout().offset as u32,
             row_stride: mat.row_stride as u32,
             k_stride: mat.k_stride as u32,
+            chunks: chunks as u32,
+            chunk_len: ARGMAX_CHUNK as u32,
         };
-        launch(
-            OP,
-            &Kernel::plain(&INDEX, "argmax"),
-            &[&mat.tensor, &out],
-            &params,
-            groups(mat.m, WORKGROUP),
-        )?;
+        let pass = |entry, src: &Tensor, dst: &Tensor, invocations: usize| {
+            let kernel = Kernel::plain(&INDEX, entry);
+            launch(
+                OP,
+                &kernel,
+                &[src, dst],
+                &params,
+                groups(invocations, WORKGROUP),
+            )
+        };
+        if chunks == 1 {
+            pass("argmax", &mat.tensor, &out, mat.m)?;
+        } else {
+            let pairs = Tensor::empty(OP, &[mat.m, chunks, 2], DType::U32, self.device())?;
+            pass("argmax", &mat.tensor, &pairs, mat.m * chunks)?;
+            pass("argmax_join", &pairs, &out, mat.m)?;
+        }
         out.reshape(&out_shape)
     }
 
@@ -263,6 +304,18 @@ fn index_select_backward(
     indices: &Tensor,
     shape: &[usize],
 ) -> Result<Tensor> {
+    let selected = indices.numel();
+    if selected > SCATTER_CHUNK {
+        let parts = |start, len| -> Result<(Tensor, Tensor)> {
+            Ok((
+                grad.narrow(dim, start, len)?,
+                indices.narrow(0, start, len)?,
+            ))
+        };
+        return sum_over_chunks(selected, parts, |g, i| {
+            index_select_backward(g, dim, i, shape)
+        });
+    }
     const OP: &str = "index_select";
     let out = Tensor::empty(OP, shape, DType::F32, grad.device())?;
     let n = out.numel();
@@ -291,6 +344,16 @@ fn index_select_backward(
 
 /// The grad of `gather` for an input of `shape`.
 fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    let extent = indices.shape()[dim];
+    if extent > SCATTER_CHUNK {
+        let parts = |start, len| -> Result<(Tensor, Tensor)> {
+            Ok((
+                grad.narrow(dim, start, len)?,
+                indices.narrow(dim, start, len)?,
+            ))
+        };
+        return sum_over_chunks(extent, parts, |g, i| gather_backward(g, dim, i, shape));
+    }
     const OP: &str = "gather";
     let out = Tensor::empty(OP, shape, DType::F32, grad.device())?;
     let n = out.numel();

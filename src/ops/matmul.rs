@@ -324,6 +324,10 @@ impl Tensor {
     }
 }
 
+/// Most steps of k one product runs in one kernel: well under llvmpipe's 65,535 loop
+/// iterations per invocation, on every kernel.
+const K_CHUNK: usize = 16_384;
+
 /// The product itself: shape rules, the batch layout, and one kernel dispatch.
 fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
@@ -375,6 +379,23 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     if k == 0 {
         let zeros = Tensor::zeros(&out_shape, this.device())?;
         return finish(zeros, this, other, &mut out_shape);
+    }
+    if k > K_CHUNK {
+        // Long products are summed over chunks of k: no kernel loops past llvmpipe's 65,535
+        // iterations per invocation.
+        let mut sum: Option<Tensor> = None;
+        for start in (0..k).step_by(K_CHUNK) {
+            let len = K_CHUNK.min(k - start);
+            let a_part = a.narrow(a.rank() - 1, start, len)?;
+            let b_part = b.narrow(b.rank() - 2, start, len)?;
+            let part = matmul_forward(&a_part, &b_part)?;
+            sum = Some(match sum {
+                Some(s) => s.add(&part)?,
+                None => part,
+            });
+        }
+        let sum = sum.expect("k > K_CHUNK gives at least one chunk");
+        return finish(sum, this, other, &mut out_shape);
     }
     let out = Tensor::empty(OP, &out_shape, DType::F32, this.device())?;
     if out.numel() > 0 {

@@ -74,13 +74,29 @@ struct RowPass<'a> {
     scale: f32,
 }
 
+/// Longest row one invocation walks (several passes each): well under llvmpipe's 65,535
+/// loop iterations per invocation.
+const SERIAL_MAX_LEN: usize = 16_384;
+
+/// Longest row a workgroup of 64 walks, each invocation taking one element in 64.
+const ROWS_MAX_LEN: usize = 64 * SERIAL_MAX_LEN;
+
 /// Runs `pass`. Software adapters give each row one invocation (no barriers; four-wide reads
-/// when aligned) once there are enough rows to fill a workgroup; GPUs give each row a
-/// workgroup.
+/// when aligned) once there are enough rows to fill a workgroup and the rows are not too
+/// long for one invocation; otherwise, and on GPUs, each row gets a workgroup.
 fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
+    if k > ROWS_MAX_LEN {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "rows of {k} elements are longer than the {ROWS_MAX_LEN} this kernel takes \
+                 ({m} rows)"
+            ),
+        });
+    }
     let offset = pass.src.layout().offset;
     let cpu_flavor = pass.src.device().kernel_flavor() == KernelFlavor::Cpu;
-    let serial = cpu_flavor && m >= SERIAL_ROWS_PER_GROUP;
+    let serial = cpu_flavor && m >= SERIAL_ROWS_PER_GROUP && k <= SERIAL_MAX_LEN;
     let vec4 = serial && k.is_multiple_of(4) && offset.is_multiple_of(4);
     let labels_offset = pass.labels.map_or(0, |l| l.layout().offset);
     let grad_offset = pass.grad.map_or(0, |g| g.layout().offset);
