@@ -312,7 +312,7 @@ fn lengths_past_65536_give_right_values_on_both_kernel_flavours() {
         let product = a.matmul(&b).unwrap().to_vec().unwrap();
         assert_close(
             &product,
-            &vec![35_000.0; 6],
+            &[35_000.0; 6],
             1e-6,
             &format!("matmul K = {k}, {what}"),
         );
