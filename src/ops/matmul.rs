@@ -253,6 +253,17 @@ fn promote(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((a, b))
 }
 
+/// For `a` of rank > 2 times a matrix `b`, the number of rows of `a` stacked into one matrix,
+/// when its layout allows that as a view (no copy).
+fn stacked_rows(a: &Tensor, b: &Tensor) -> Option<usize> {
+    if a.rank() <= 2 || b.rank() != 2 {
+        return None;
+    }
+    let k = a.shape()[a.rank() - 1];
+    let rows = a.numel().checked_div(k)?;
+    a.layout().reshape_view(&[rows, k]).map(|_| rows)
+}
+
 /// True when `t`'s matrices are stored column by column (a transposed view of a dense one).
 fn column_major(t: &Tensor) -> bool {
     let s = &t.layout().strides;
@@ -272,6 +283,15 @@ impl Tensor {
     /// Backward: `grad_a = grad @ b^T` and `grad_b = a^T @ grad`, with the transposes read as
     /// views, summed over broadcast batch dims.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some(rows) = stacked_rows(self, other) {
+            // A batch of matrices times one matrix is one product of the stacked rows (as
+            // `x W^T` in a Linear over [B, T, C]): one large GEMM forward and backward, and
+            // the weight's grad without a batched product and a sum over the batch.
+            let k = self.shape()[self.rank() - 1];
+            let mut out_shape = self.shape().to_vec();
+            *out_shape.last_mut().expect("rank > 2") = other.shape()[1];
+            return self.reshape(&[rows, k])?.matmul(other)?.reshape(&out_shape);
+        }
         let out = {
             let _no_grad = NoGradGuard::new();
             matmul_forward(self, other)?
