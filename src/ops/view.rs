@@ -6,7 +6,7 @@ use crate::ops::binary::sum_to_shape;
 use crate::ops::copy::copy_into;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
-use crate::tensor::{checked_numel, Tensor};
+use crate::tensor::{checked_numel, Tensor, MAX_RANK};
 
 /// Records an op that only re-shapes `x` (same elements, same order): its grad is the
 /// output's grad re-shaped back.
@@ -80,10 +80,13 @@ impl Tensor {
 
     /// Inserts a dim of size 1 at `dim` (a view).
     pub fn unsqueeze(&self, dim: usize) -> Result<Tensor> {
-        if dim > self.rank() {
+        if dim > self.rank() || self.rank() >= MAX_RANK {
             return Err(Error::Shape {
                 op: "unsqueeze",
-                msg: format!("dim {dim} is out of range for shape {:?}", self.shape()),
+                msg: format!(
+                    "dim {dim} is out of range for shape {:?} (at most {MAX_RANK} dims)",
+                    self.shape()
+                ),
             });
         }
         let mut layout = self.layout().clone();

@@ -214,8 +214,21 @@ impl Tensor {
     }
 }
 
-/// The number of elements of `shape`, or an error if it overflows.
+/// Most dims a tensor may have: what strided kernels walk.
+pub(crate) const MAX_RANK: usize = 6;
+
+/// The number of elements of `shape`, or an error if it has more than [`MAX_RANK`] dims or
+/// more elements than a u32 counts.
 pub(crate) fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    if shape.len() > MAX_RANK {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "shape {shape:?} has rank {}; tensors have at most {MAX_RANK} dims",
+                shape.len()
+            ),
+        });
+    }
     shape
         .iter()
         .try_fold(1usize, |acc, &n| acc.checked_mul(n))

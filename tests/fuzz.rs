@@ -1,0 +1,465 @@
+//! A seeded fuzzer: random programs of ops over random shapes (0- and 1-sized dims,
+//! broadcasting, views, ranks 0 to 6; rank 7 must be an error) run on wgrad and on an f64 CPU
+//! interpreter. Values must agree; for programs of smooth ops, finite differences must agree
+//! with the grad of the first input; nothing may panic.
+//!
+//! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
+//! `WGRAD_FUZZ_SEED=S` starts from case S (each case is reproducible from its number alone).
+
+mod common;
+use common::*;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use wgrad::Tensor;
+
+/// A tensor on the CPU: row-major f64 values.
+#[derive(Clone, Debug)]
+struct Cpu {
+    shape: Vec<usize>,
+    data: Vec<f64>,
+}
+
+impl Cpu {
+    fn numel(shape: &[usize]) -> usize {
+        shape.iter().product()
+    }
+
+    fn map(&self, f: impl Fn(f64) -> f64) -> Cpu {
+        Cpu {
+            shape: self.shape.clone(),
+            data: self.data.iter().map(|&x| f(x)).collect(),
+        }
+    }
+
+    /// Element `index` of `self` broadcast to `shape` (NumPy rules).
+    fn at_broadcast(&self, index: &[usize]) -> f64 {
+        let lead = index.len() - self.shape.len();
+        let mut flat = 0;
+        for (d, &n) in self.shape.iter().enumerate() {
+            let i = if n == 1 { 0 } else { index[lead + d] };
+            flat = flat * n + i;
+        }
+        self.data[flat]
+    }
+
+    fn binary(&self, other: &Cpu, f: impl Fn(f64, f64) -> f64) -> Cpu {
+        let rank = self.shape.len().max(other.shape.len());
+        let dim = |s: &[usize], d: usize| {
+            let lead = rank - s.len();
+            if d < lead {
+                1
+            } else {
+                s[d - lead]
+            }
+        };
+        let shape: Vec<usize> = (0..rank)
+            .map(|d| {
+                let (a, b) = (dim(&self.shape, d), dim(&other.shape, d));
+                if a == 1 {
+                    b
+                } else {
+                    a
+                }
+            })
+            .collect();
+        let data = (0..Cpu::numel(&shape))
+            .map(|i| {
+                let index = unravel(i, &shape);
+                f(self.at_broadcast(&index), other.at_broadcast(&index))
+            })
+            .collect();
+        Cpu { shape, data }
+    }
+
+    /// Folds `dims` with `f` from `init`; `keepdim` keeps them as size 1.
+    fn reduce(&self, dims: &[usize], keepdim: bool, init: f64, f: impl Fn(f64, f64) -> f64) -> Cpu {
+        let kept: Vec<usize> = self
+            .shape
+            .iter()
+            .enumerate()
+            .map(|(d, &n)| if dims.contains(&d) { 1 } else { n })
+            .collect();
+        let mut data = vec![init; Cpu::numel(&kept)];
+        for i in 0..self.data.len() {
+            let mut index = unravel(i, &self.shape);
+            for &d in dims {
+                index[d] = 0;
+            }
+            let flat = index
+                .iter()
+                .zip(strides(&kept))
+                .map(|(a, b)| a * b)
+                .sum::<usize>();
+            data[flat] = f(data[flat], self.data[i]);
+        }
+        let shape = if keepdim {
+            kept
+        } else {
+            self.shape
+                .iter()
+                .enumerate()
+                .filter(|(d, _)| !dims.contains(d))
+                .map(|(_, &n)| n)
+                .collect()
+        };
+        Cpu { shape, data }
+    }
+
+    fn permute(&self, order: &[usize]) -> Cpu {
+        let shape: Vec<usize> = order.iter().map(|&d| self.shape[d]).collect();
+        let src = strides(&self.shape);
+        let data = (0..self.data.len())
+            .map(|i| {
+                let index = unravel(i, &shape);
+                let flat: usize = order
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &d)| index[k] * src[d])
+                    .sum();
+                self.data[flat]
+            })
+            .collect();
+        Cpu { shape, data }
+    }
+
+    fn narrow(&self, dim: usize, start: usize, len: usize) -> Cpu {
+        let mut shape = self.shape.clone();
+        shape[dim] = len;
+        let src = strides(&self.shape);
+        let data = (0..Cpu::numel(&shape))
+            .map(|i| {
+                let mut index = unravel(i, &shape);
+                index[dim] += start;
+                index.iter().zip(&src).map(|(a, b)| a * b).sum::<usize>()
+            })
+            .map(|flat| self.data[flat])
+            .collect();
+        Cpu { shape, data }
+    }
+
+    /// `self [.., m, k] @ other [k, n]`.
+    fn matmul(&self, other: &Cpu) -> Cpu {
+        let r = self.shape.len();
+        let (m, k, n) = (self.shape[r - 2], self.shape[r - 1], other.shape[1]);
+        let batches = Cpu::numel(&self.shape[..r - 2]);
+        let mut data = vec![0.0; batches * m * n];
+        for b in 0..batches {
+            for i in 0..m {
+                for j in 0..n {
+                    data[(b * m + i) * n + j] = (0..k)
+                        .map(|l| self.data[(b * m + i) * k + l] * other.data[l * n + j])
+                        .sum();
+                }
+            }
+        }
+        let mut shape = self.shape.clone();
+        shape[r - 1] = n;
+        Cpu { shape, data }
+    }
+
+    /// Softmax (or log-softmax) along `dim`.
+    fn softmax(&self, dim: usize, log: bool) -> Cpu {
+        let max = self.reduce(&[dim], true, f64::NEG_INFINITY, f64::max);
+        let shifted = self.binary(&max, |x, m| x - m);
+        let sum = shifted
+            .map(f64::exp)
+            .reduce(&[dim], true, 0.0, |a, b| a + b);
+        if log {
+            shifted.binary(&sum, |x, s| x - s.ln())
+        } else {
+            shifted.binary(&sum, |x, s| x.exp() / s)
+        }
+    }
+}
+
+/// A deterministic random stream for one case.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn shape(&mut self, max_rank: usize) -> Vec<usize> {
+        let rank = self.below(max_rank + 1);
+        (0..rank)
+            .map(|_| [1, 2, 3, 5, 1, 2, 0][self.below(7)])
+            .collect()
+    }
+}
+
+/// A pair: the wgrad tensor and its CPU twin.
+struct Pair {
+    gpu: Tensor,
+    cpu: Cpu,
+}
+
+fn fresh(shape: &[usize], seed: u64) -> Pair {
+    let (gpu, values) = random_tensor(shape, seed);
+    let cpu = Cpu {
+        shape: shape.to_vec(),
+        data: values.iter().map(|&x| x as f64).collect(),
+    };
+    Pair { gpu, cpu }
+}
+
+/// A shape that broadcasts with `shape`: some trailing dims, some set to 1.
+fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
+    let keep = shape.len() - rng.below(shape.len() + 1);
+    shape[shape.len() - keep..]
+        .iter()
+        .map(|&n| if rng.below(3) == 0 { 1 } else { n })
+        .collect()
+}
+
+/// One random op applied to `x` (on both sides); `smooth` turns false on kinks.
+fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
+    let r = x.cpu.shape.len();
+    let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
+    match rng.below(14) {
+        0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
+        1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
+        2 => pair(
+            x.gpu.mul_scalar(1.5)?.add_scalar(-0.25)?,
+            x.cpu.map(|v| v * 1.5 - 0.25),
+        ),
+        3 => {
+            *smooth = false;
+            pair(x.gpu.relu()?, x.cpu.map(|v| v.max(0.0)))
+        }
+        4 | 5 | 6 => {
+            let other = fresh(&broadcastable(rng, &x.cpu.shape), seed);
+            match rng.below(3) {
+                0 => pair(
+                    x.gpu.add(&other.gpu)?,
+                    x.cpu.binary(&other.cpu, |a, b| a + b),
+                ),
+                1 => pair(
+                    x.gpu.sub(&other.gpu)?,
+                    x.cpu.binary(&other.cpu, |a, b| a - b),
+                ),
+                _ => pair(
+                    x.gpu.mul(&other.gpu)?,
+                    x.cpu.binary(&other.cpu, |a, b| a * b),
+                ),
+            }
+        }
+        7 if r > 0 => {
+            let dims: Vec<usize> = (0..r).filter(|_| rng.below(2) == 0).collect();
+            let keepdim = rng.below(2) == 0;
+            match rng.below(3) {
+                0 => pair(
+                    x.gpu.sum_dims(&dims, keepdim)?,
+                    x.cpu.reduce(&dims, keepdim, 0.0, |a, b| a + b),
+                ),
+                1 if dims.iter().all(|&d| x.cpu.shape[d] > 0) => {
+                    let count: usize = dims.iter().map(|&d| x.cpu.shape[d]).product();
+                    let sum = x.cpu.reduce(&dims, keepdim, 0.0, |a, b| a + b);
+                    pair(
+                        x.gpu.mean_dims(&dims, keepdim)?,
+                        sum.map(|v| v / count as f64),
+                    )
+                }
+                _ if dims.iter().all(|&d| x.cpu.shape[d] > 0) => {
+                    *smooth = false;
+                    pair(
+                        x.gpu.max_dims(&dims, keepdim)?,
+                        x.cpu.reduce(&dims, keepdim, f64::NEG_INFINITY, f64::max),
+                    )
+                }
+                _ => pair(x.gpu.clone(), x.cpu.clone()),
+            }
+        }
+        8 if r >= 2 => {
+            let (a, b) = (rng.below(r), rng.below(r));
+            let mut order: Vec<usize> = (0..r).collect();
+            order.swap(a, b);
+            pair(x.gpu.transpose(a, b)?, x.cpu.permute(&order))
+        }
+        9 if r > 0 => {
+            let dim = rng.below(r);
+            let n = x.cpu.shape[dim];
+            let start = rng.below(n + 1);
+            let len = rng.below(n - start + 1);
+            pair(
+                x.gpu.narrow(dim, start, len)?,
+                x.cpu.narrow(dim, start, len),
+            )
+        }
+        10 if r < 6 => {
+            let dim = rng.below(r + 1);
+            let mut shape = x.cpu.shape.clone();
+            shape.insert(dim, 1);
+            pair(
+                x.gpu.unsqueeze(dim)?,
+                Cpu {
+                    shape,
+                    data: x.cpu.data.clone(),
+                },
+            )
+        }
+        11 if r >= 2 => {
+            let k = x.cpu.shape[r - 1];
+            let n = [1, 2, 3, 5][rng.below(4)];
+            let other = fresh(&[k, n], seed);
+            pair(x.gpu.matmul(&other.gpu)?, x.cpu.matmul(&other.cpu))
+        }
+        12 if r > 0 && x.cpu.shape.iter().all(|&n| n > 0) => {
+            let dim = rng.below(r);
+            let log = rng.below(2) == 0;
+            let gpu = if log {
+                x.gpu.log_softmax(dim)?
+            } else {
+                x.gpu.softmax(dim)?
+            };
+            pair(gpu, x.cpu.softmax(dim, log))
+        }
+        13 => {
+            let n = x.cpu.data.len();
+            pair(
+                x.gpu.reshape(&[n])?,
+                Cpu {
+                    shape: vec![n],
+                    data: x.cpu.data.clone(),
+                },
+            )
+        }
+        _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
+    }
+}
+
+/// What one case found, if anything.
+fn run_case(case: u64) -> Option<String> {
+    let mut rng = Rng(case);
+    let shape = rng.shape(4);
+    let input = fresh(&shape, case);
+    let x = Pair {
+        gpu: input.gpu.requires_grad_(true),
+        cpu: input.cpu,
+    };
+    let steps = 1 + rng.below(4);
+    let mut smooth = true;
+    let mut program = Vec::new();
+    let mut y = Pair {
+        gpu: x.gpu.clone(),
+        cpu: x.cpu.clone(),
+    };
+    for s in 0..steps {
+        let before = y.cpu.shape.clone();
+        y = match step(&mut rng, &y, case * 31 + s as u64 + 1, &mut smooth) {
+            Ok(next) => next,
+            Err(e) => {
+                return Some(format!(
+                    "case {case}: a valid op failed after {program:?}: {e}"
+                ))
+            }
+        };
+        program.push(format!("{before:?}->{:?}", y.cpu.shape));
+    }
+    if y.gpu.shape() != y.cpu.shape.as_slice() {
+        return Some(format!(
+            "case {case}: shape {:?}, want {:?} ({program:?})",
+            y.gpu.shape(),
+            y.cpu.shape
+        ));
+    }
+    let got = y.gpu.to_vec().unwrap();
+    for (i, (&g, &w)) in got.iter().zip(&y.cpu.data).enumerate() {
+        if (g as f64 - w).abs() > 1e-4 * w.abs().max(1.0) {
+            return Some(format!(
+                "case {case}: element {i}: {g} vs {w} ({program:?})"
+            ));
+        }
+    }
+    // Rank 7 is one past what kernels take: an error, never a panic.
+    if rng.below(10) == 0 && Tensor::zeros(&[1; 7], device()).is_ok() {
+        return Some(format!("case {case}: a rank-7 tensor was accepted"));
+    }
+    if !smooth || x.cpu.data.len() > 40 || y.cpu.data.is_empty() {
+        return None;
+    }
+    // The grad of sum(y * probe) for the first input, against central differences.
+    let probe = fresh(&y.cpu.shape, case + 7);
+    if let Err(e) = y
+        .gpu
+        .mul(&probe.gpu)
+        .and_then(|l| l.sum())
+        .and_then(|l| l.backward())
+    {
+        return Some(format!("case {case}: backward failed: {e} ({program:?})"));
+    }
+    let grad = match x.gpu.grad() {
+        Some(g) => g.to_vec().unwrap(),
+        None => vec![0.0; x.cpu.data.len()],
+    };
+    let loss_at = |values: &[f64]| -> f64 {
+        let mut rng = Rng(case);
+        let _ = rng.shape(4);
+        let _ = rng.below(4);
+        let mut y = Cpu {
+            shape: shape.clone(),
+            data: values.to_vec(),
+        };
+        let mut unused = true;
+        for s in 0..steps {
+            let gpu = Tensor::zeros(&y.shape, device()).unwrap();
+            y = step(
+                &mut rng,
+                &Pair { gpu, cpu: y },
+                case * 31 + s as u64 + 1,
+                &mut unused,
+            )
+            .unwrap()
+            .cpu;
+        }
+        y.data.iter().zip(&probe.cpu.data).map(|(a, b)| a * b).sum()
+    };
+    let eps = 1e-4;
+    for j in 0..x.cpu.data.len() {
+        let mut plus = x.cpu.data.clone();
+        plus[j] += eps;
+        let mut minus = x.cpu.data.clone();
+        minus[j] -= eps;
+        let numeric = (loss_at(&plus) - loss_at(&minus)) / (2.0 * eps);
+        if (grad[j] as f64 - numeric).abs() > 1e-2 * numeric.abs() + 1e-3 {
+            return Some(format!(
+                "case {case}: grad element {j}: {} vs {numeric} ({program:?})",
+                grad[j]
+            ));
+        }
+    }
+    None
+}
+
+#[test]
+fn random_programs_agree_with_an_f64_reference() {
+    let cases: u64 = std::env::var("WGRAD_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(150);
+    let first: u64 = std::env::var("WGRAD_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut failures = Vec::new();
+    for case in first..first + cases {
+        match catch_unwind(AssertUnwindSafe(|| run_case(case))) {
+            Ok(None) => {}
+            Ok(Some(failure)) => failures.push(failure),
+            Err(_) => failures.push(format!("case {case}: panicked")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {cases} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
