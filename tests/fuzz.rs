@@ -234,7 +234,7 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
             *smooth = false;
             pair(x.gpu.relu()?, x.cpu.map(|v| v.max(0.0)))
         }
-        4 | 5 | 6 => {
+        4..=6 => {
             let other = fresh(&broadcastable(rng, &x.cpu.shape), seed);
             match rng.below(3) {
                 0 => pair(
