@@ -115,17 +115,31 @@ fn lanes(c: u32, len: u32) -> u32 {
     return min(4u, len - 4u * c);
 }
 
+// The row (of `rows`) and the split of its loop that invocation `lid` of workgroup `wid`
+// owns; not valid past the last.
+struct Owned {
+    row: u32,
+    split: u32,
+    valid: bool,
+}
+
+fn owned_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> Owned {
+    let t = workgroup_index(wid, nwg) * 64u + lid;
+    let rows = pu(ATTENTION_ROWS);
+    return Owned(t % rows, t / rows, t < rows * pu(ATTENTION_SPLITS));
+}
+
 @compute @workgroup_size(64)
 fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
-    let t = workgroup_index(wid, nwg) * 64u + lid;
-    let rows = pu(ATTENTION_ROWS);
-    let splits = pu(ATTENTION_SPLITS);
-    if (t >= rows * splits) {
+    let owned = owned_row(wid, nwg, lid);
+    if (!owned.valid) {
         return;
     }
-    let row = t % rows;
-    let s = t / rows;
+    let rows = pu(ATTENTION_ROWS);
+    let splits = pu(ATTENTION_SPLITS);
+    let row = owned.row;
+    let s = owned.split;
     let t_q = pu(ATTENTION_T_Q);
     let h = row / t_q;
     let d = pu(ATTENTION_D);
@@ -224,14 +238,14 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 @compute @workgroup_size(64)
 fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
-    let t = workgroup_index(wid, nwg) * 64u + lid;
-    let rows = pu(ATTENTION_ROWS);
-    let splits = pu(ATTENTION_SPLITS);
-    if (t >= rows * splits) {
+    let owned = owned_row(wid, nwg, lid);
+    if (!owned.valid) {
         return;
     }
-    let row = t % rows;
-    let s = t / rows;
+    let rows = pu(ATTENTION_ROWS);
+    let splits = pu(ATTENTION_SPLITS);
+    let row = owned.row;
+    let s = owned.split;
     let t_q = pu(ATTENTION_T_Q);
     let h = row / t_q;
     let d = pu(ATTENTION_D);
@@ -284,14 +298,14 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 @compute @workgroup_size(64)
 fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let t = workgroup_index(wid, nwg) * 64u + lid;
-    let rows = pu(ATTENTION_ROWS);
-    let splits = pu(ATTENTION_SPLITS);
-    if (t >= rows * splits) {
+    let owned = owned_row(wid, nwg, lid);
+    if (!owned.valid) {
         return;
     }
-    let row = t % rows;
-    let s = t / rows;
+    let rows = pu(ATTENTION_ROWS);
+    let splits = pu(ATTENTION_SPLITS);
+    let row = owned.row;
+    let s = owned.split;
     let t_q = pu(ATTENTION_T_Q);
     let t_k = pu(ATTENTION_T_K);
     let h = row / t_k;
