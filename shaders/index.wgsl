@@ -4,6 +4,8 @@
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<u32>;
 @group(0) @binding(3) var<storage, read> indices: array<u32>;
+// index_select_scatter: the input grad as f32 bits, zeroed first, summed into atomically.
+@group(0) @binding(4) var<storage, read_write> sums: array<atomic<u32>>;
 
 // The index of the first maximum of each row of an [M, K] strided view (the first NaN, if
 // any: NaN counts as the maximum, as in PyTorch), over chunks of at most `chunk_len` elements
@@ -180,4 +182,33 @@ fn gather_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         }
     }
     dst[i] = bitcast<u32>(acc);
+}
+
+// The grad of index_select by scattering: one invocation per element of src (the incoming
+// grad, contiguous [outer, selected, inner]) adds it into sums[o, indices[j], i] with a
+// compare-and-swap loop on the f32 bits. Work grows with the lookups, not with the table (the
+// gather form above costs table size x lookups); the order of the additions, and so the last
+// bits of a sum, may differ from run to run.
+@compute @workgroup_size(256)
+fn index_select_scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(INDEX_SELECT_N)) {
+        return;
+    }
+    let inner = pu(INDEX_SELECT_INNER);
+    let selected = pu(INDEX_SELECT_SELECTED);
+    let o = i / (selected * inner);
+    let j = (i / inner) % selected;
+    let row = indices[pu(INDEX_SELECT_INDICES_OFFSET) + j];
+    let at = (o * pu(INDEX_SELECT_DIM_SIZE) + row) * inner + i % inner;
+    let value = bitcast<f32>(src[pu(INDEX_SELECT_SRC_OFFSET) + i]);
+    var old = atomicLoad(&sums[at]);
+    loop {
+        let swapped = atomicCompareExchangeWeak(&sums[at], old, bitcast<u32>(bitcast<f32>(old) + value));
+        if (swapped.exchanged) {
+            break;
+        }
+        old = swapped.old_value;
+    }
 }
