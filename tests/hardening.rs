@@ -374,3 +374,22 @@ fn embedding_backward_over_a_large_table_scatters_and_sums_repeats() {
     let got = emb.weight.grad().unwrap().to_vec().unwrap();
     assert_close(&got, &want, 1e-4, "embedding grad");
 }
+
+/// Index ops trust the bound a u32 tensor was made with; copy_ may not bring values past it.
+#[test]
+fn copy_into_an_index_tensor_cannot_pass_its_bound() {
+    let dev = device();
+    let idx = Tensor::from_vec_u32(vec![0, 1, 2], &[3], dev).unwrap();
+    let big = Tensor::from_vec_u32(vec![0, 9, 1], &[3], dev).unwrap();
+    let err = idx.copy_(&big).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { op: "copy_", .. }),
+        "{err}"
+    );
+    assert_eq!(idx.to_vec_u32().unwrap(), vec![0, 1, 2], "unchanged");
+    let small = Tensor::from_vec_u32(vec![2, 2, 0], &[3], dev).unwrap();
+    idx.copy_(&small).unwrap();
+    assert_eq!(idx.to_vec_u32().unwrap(), vec![2, 2, 0]);
+    let table = Tensor::ones(&[3, 2], dev).unwrap();
+    assert!(table.index_select(0, &idx).is_ok());
+}

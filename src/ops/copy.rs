@@ -228,6 +228,26 @@ impl Tensor {
                 ),
             });
         }
+        // Index ops trust a u32 tensor's bound instead of reading its values back: a copy
+        // may not bring in values past it.
+        if self.dtype() == DType::U32 {
+            let fits = matches!(
+                (src.index_bound(), self.index_bound()),
+                (Some(incoming), Some(bound)) if incoming <= bound
+            );
+            if !fits && src.numel() > 0 {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    msg: format!(
+                        "u32 values below {:?} cannot go into a u32 tensor of shape {:?} whose \
+                         values index ops take to be below {:?}; make a new tensor instead",
+                        src.index_bound(),
+                        self.shape(),
+                        self.index_bound()
+                    ),
+                });
+            }
+        }
         // One dispatch may not read and write the same buffer through two bindings.
         let src = if src.storage_id() == self.storage_id() {
             src.deep_clone()?
