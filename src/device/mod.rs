@@ -33,6 +33,8 @@ const POLL_SLICE: Duration = Duration::from_millis(50);
 /// specialisation applied) and the entry point to call. `key` names the pair for the cache.
 pub(crate) struct PipelineSource<'a> {
     pub key: &'a str,
+    /// Names the module alone: entries of one module share its compilation.
+    pub module_key: &'a str,
     pub entry: &'static str,
     pub source: &'a dyn Fn() -> String,
 }
@@ -498,6 +500,7 @@ impl DeviceInner {
         let cached = lock(&self.pipelines).get_or_compile(
             &self.device,
             kernel.key,
+            kernel.module_key,
             kernel.entry,
             kernel.source,
         );

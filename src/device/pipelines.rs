@@ -10,32 +10,42 @@ pub(crate) struct CachedPipeline {
     pub layout: wgpu::BindGroupLayout,
 }
 
-/// Compiled pipelines by key (`"family/specialisation:entry"`).
+/// Compiled pipelines by key (`"family/specialisation:entry"`), and the shader modules they
+/// come from by module key (`"family/specialisation"`): the entry points of one module share
+/// one parse and validation.
 #[derive(Default)]
 pub(crate) struct PipelineCache {
     pipelines: HashMap<String, Arc<CachedPipeline>>,
+    modules: HashMap<String, wgpu::ShaderModule>,
 }
 
 impl PipelineCache {
-    /// The cached pipeline for `key`, compiling `source()`'s entry point on first use.
+    /// The cached pipeline for `key`, compiling `source()`'s entry point on first use (and
+    /// the module, the first time any entry of `module_key` is used).
     pub fn get_or_compile(
         &mut self,
         device: &wgpu::Device,
         key: &str,
+        module_key: &str,
         entry: &str,
         source: impl FnOnce() -> String,
     ) -> Arc<CachedPipeline> {
         if let Some(cached) = self.pipelines.get(key) {
             return cached.clone();
         }
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(key),
-            source: wgpu::ShaderSource::Wgsl(source().into()),
-        });
+        let module = self
+            .modules
+            .entry(module_key.to_string())
+            .or_insert_with(|| {
+                device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(module_key),
+                    source: wgpu::ShaderSource::Wgsl(source().into()),
+                })
+            });
         let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(key),
             layout: None,
-            module: &module,
+            module,
             entry_point: Some(entry),
             compilation_options: Default::default(),
             cache: None,

@@ -100,8 +100,9 @@ impl<'a> Kernel<'a> {
         }
     }
 
-    fn key(&self) -> String {
-        format!("{}/{}:{}", self.family.name, self.variant, self.entry)
+    /// Names the module: the family in this specialisation.
+    fn module_key(&self) -> String {
+        format!("{}/{}", self.family.name, self.variant)
     }
 }
 
@@ -130,12 +131,14 @@ pub(crate) fn launch_at<P: KernelParams>(
         tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
     let buffers: Vec<(u32, &wgpu::Buffer)> =
         storages.iter().map(|(b, s)| (*b, s.buffer())).collect();
-    let key = kernel.key();
+    let module_key = kernel.module_key();
+    let key = format!("{module_key}:{}", kernel.entry);
     let family = kernel.family;
     let plain_source = || family.source(&[]);
     let source = kernel.specialise.unwrap_or(&plain_source);
     let pipeline = PipelineSource {
         key: &key,
+        module_key: &module_key,
         entry: kernel.entry,
         source,
     };
