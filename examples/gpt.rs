@@ -282,8 +282,10 @@ fn sample(model: &Gpt, corpus: &Corpus, args: &Args, dev: &Device) -> Result<Str
         let context = &ids[ids.len().saturating_sub(args.block as usize)..];
         let x = Tensor::from_vec_u32(context.to_vec(), &[1, context.len()], dev)?;
         let logits = model.forward(&x)?.narrow(1, context.len() - 1, 1)?;
+        let vocab = logits.numel();
         let probs = logits
-            .reshape(&[corpus.chars.len()])?
+            .reshape(&[vocab])?
+            .narrow(0, 0, corpus.chars.len())?
             .softmax(0)?
             .to_vec()?;
         let mut u: f32 = rng.random();
@@ -346,14 +348,19 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         .as_ref()
         .map_or("generated corpus".to_string(), |p| p.display().to_string());
     println!(
-        "data: {source}: {} train / {} validation characters, vocabulary {}",
+        "data: {source}: {} train / {} validation characters, vocabulary {} (model rows {})",
         train.len(),
         val.len(),
-        corpus.chars.len()
+        corpus.chars.len(),
+        corpus.chars.len().next_multiple_of(4)
     );
 
     wgrad::manual_seed(args.seed);
-    let model = Gpt::new(corpus.chars.len(), args, &dev).map_err(|e| e.to_string())?;
+    // The table and the head are rounded up to a multiple of 4 rows (never a target), as
+    // nanoGPT rounds GPT-2's 50,257 to 50,304: the logits' matmuls then take the aligned
+    // kernels, and no kernel is compiled only for an odd width.
+    let vocab = corpus.chars.len().next_multiple_of(4);
+    let model = Gpt::new(vocab, args, &dev).map_err(|e| e.to_string())?;
     if let Some(path) = &args.load {
         io::load(path, &model).map_err(|e| e.to_string())?;
         println!("loaded: {}", path.display());

@@ -28,8 +28,10 @@
 @group(0) @binding(7) var<storage, read_write> grad_b: array<f32>;
 
 // Four-feature groups per q/k row and per v row: spliced in per head size, so the row arrays
-// below are exactly that long and their loops have constant bounds (small, unrolled code;
-// a fixed maximum of 64 made LLVM compile for seconds).
+// below are exactly that long (a fixed maximum of 64 made LLVM compile for seconds). Their
+// loops are bounded by the same counts read at run time (`d4`, `dv4`), which keeps them
+// rolled: with constant bounds LLVM unrolled them and the three kernels of a head of 32
+// took 2 s to compile instead of 0.8 s, and ran no faster.
 const D4: u32 = HEAD_VEC4Su;
 const DV4: u32 = VALUE_VEC4Su;
 
@@ -143,7 +145,9 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let t_q = pu(ATTENTION_T_Q);
     let h = row / t_q;
     let d = pu(ATTENTION_D);
+    let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
     let q_at = head_start(h, ATTENTION_Q_LAYOUT) + (row % t_q) * pu(ATTENTION_Q_LAYOUT + 4u);
     let k_head = head_start(h, ATTENTION_K_LAYOUT);
@@ -151,11 +155,11 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let v_head = head_start(h, ATTENTION_V_LAYOUT);
     let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, D4>;
-    for (var c = 0u; c < D4; c = c + 1u) {
+    for (var c = 0u; c < d4; c = c + 1u) {
         query[c] = q4(q_at, c, d) * scale;
     }
     var acc: array<vec4<f32>, DV4>;
-    for (var c = 0u; c < DV4; c = c + 1u) {
+    for (var c = 0u; c < dv4; c = c + 1u) {
         acc[c] = vec4<f32>(0.0);
     }
     var m = bitcast<f32>(0xff800000u);
@@ -163,14 +167,14 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let keys = key_range(row % t_q, s);
     for (var j = keys.x; j < keys.y; j = j + 1u) {
         var score = 0.0;
-        for (var c = 0u; c < D4; c = c + 1u) {
+        for (var c = 0u; c < d4; c = c + 1u) {
             score = score + dot(query[c], k4(k_head + j * k_rs, c, d));
         }
         let m_new = max(m, score);
         let correction = exp(m - m_new);
         let p = exp(score - m_new);
         l = l * correction + p;
-        for (var c = 0u; c < DV4; c = c + 1u) {
+        for (var c = 0u; c < dv4; c = c + 1u) {
             acc[c] = acc[c] * correction + p * v4(v_head + j * v_rs, c, dv);
         }
         m = m_new;
@@ -181,7 +185,7 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     if (splits == 1u) {
         inv = select(0.0, 1.0 / l, l > 0.0);
     }
-    for (var c = 0u; c < DV4; c = c + 1u) {
+    for (var c = 0u; c < dv4; c = c + 1u) {
         let value = acc[c] * inv;
         for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
             let at = out_base + 4u * c + e;
@@ -210,6 +214,7 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
     let splits = pu(ATTENTION_SPLITS);
     let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
     var m = bitcast<f32>(0xff800000u);
     for (var s = 0u; s < splits; s = s + 1u) {
         m = max(m, k_at(2u * (s * rows + row)));
@@ -249,7 +254,9 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let t_q = pu(ATTENTION_T_Q);
     let h = row / t_q;
     let d = pu(ATTENTION_D);
+    let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
     let q_at = head_start(h, ATTENTION_Q_LAYOUT) + (row % t_q) * pu(ATTENTION_Q_LAYOUT + 4u);
     let o_at = head_start(h, ATTENTION_O_LAYOUT) + (row % t_q) * pu(ATTENTION_O_LAYOUT + 4u);
@@ -259,12 +266,12 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, D4>;
     var grad: array<vec4<f32>, D4>;
-    for (var c = 0u; c < D4; c = c + 1u) {
+    for (var c = 0u; c < d4; c = c + 1u) {
         query[c] = q4(q_at, c, d) * scale;
         grad[c] = vec4<f32>(0.0);
     }
     var dout: array<vec4<f32>, DV4>;
-    for (var c = 0u; c < DV4; c = c + 1u) {
+    for (var c = 0u; c < dv4; c = c + 1u) {
         dout[c] = dout4(o_at, c, dv);
     }
     let lse = stats[2u * row];
@@ -273,20 +280,20 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     for (var j = keys.x; j < keys.y; j = j + 1u) {
         let k_row = k_head + j * k_rs;
         var score = 0.0;
-        for (var c = 0u; c < D4; c = c + 1u) {
+        for (var c = 0u; c < d4; c = c + 1u) {
             score = score + dot(query[c], k4(k_row, c, d));
         }
         var dp = 0.0;
-        for (var c = 0u; c < DV4; c = c + 1u) {
+        for (var c = 0u; c < dv4; c = c + 1u) {
             dp = dp + dot(dout[c], v4(v_head + j * v_rs, c, dv));
         }
         let ds = exp(score - lse) * (dp - delta) * scale;
-        for (var c = 0u; c < D4; c = c + 1u) {
+        for (var c = 0u; c < d4; c = c + 1u) {
             grad[c] = grad[c] + ds * k4(k_row, c, d);
         }
     }
     let base = (s * rows + row) * d;
-    for (var c = 0u; c < D4; c = c + 1u) {
+    for (var c = 0u; c < d4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, d); e = e + 1u) {
             grad_a[base + 4u * c + e] = (grad[c])[e];
         }
@@ -310,7 +317,9 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let t_k = pu(ATTENTION_T_K);
     let h = row / t_k;
     let d = pu(ATTENTION_D);
+    let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
     let k_at_row = head_start(h, ATTENTION_K_LAYOUT) + (row % t_k) * pu(ATTENTION_K_LAYOUT + 4u);
     let v_at_row = head_start(h, ATTENTION_V_LAYOUT) + (row % t_k) * pu(ATTENTION_V_LAYOUT + 4u);
@@ -320,13 +329,13 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
     var key: array<vec4<f32>, D4>;
     var grad_key: array<vec4<f32>, D4>;
-    for (var c = 0u; c < D4; c = c + 1u) {
+    for (var c = 0u; c < d4; c = c + 1u) {
         key[c] = k4(k_at_row, c, d) * scale;
         grad_key[c] = vec4<f32>(0.0);
     }
     var value: array<vec4<f32>, DV4>;
     var grad_value: array<vec4<f32>, DV4>;
-    for (var c = 0u; c < DV4; c = c + 1u) {
+    for (var c = 0u; c < dv4; c = c + 1u) {
         value[c] = v4(v_at_row, c, dv);
         grad_value[c] = vec4<f32>(0.0);
     }
@@ -336,27 +345,27 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         let o_row = o_head + i * o_rs;
         let stat = 2u * (h * t_q + i);
         var score = 0.0;
-        for (var c = 0u; c < D4; c = c + 1u) {
+        for (var c = 0u; c < d4; c = c + 1u) {
             score = score + dot(key[c], q4(q_row, c, d));
         }
         let p = exp(score - stats[stat]);
         var dp = 0.0;
-        for (var c = 0u; c < DV4; c = c + 1u) {
+        for (var c = 0u; c < dv4; c = c + 1u) {
             let g = dout4(o_row, c, dv);
             dp = dp + dot(g, value[c]);
             grad_value[c] = grad_value[c] + p * g;
         }
         let ds = p * (dp - stats[stat + 1u]) * scale;
-        for (var c = 0u; c < D4; c = c + 1u) {
+        for (var c = 0u; c < d4; c = c + 1u) {
             grad_key[c] = grad_key[c] + ds * q4(q_row, c, d);
         }
     }
-    for (var c = 0u; c < D4; c = c + 1u) {
+    for (var c = 0u; c < d4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, d); e = e + 1u) {
             grad_a[(s * rows + row) * d + 4u * c + e] = (grad_key[c])[e];
         }
     }
-    for (var c = 0u; c < DV4; c = c + 1u) {
+    for (var c = 0u; c < dv4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
             grad_b[(s * rows + row) * dv + 4u * c + e] = (grad_value[c])[e];
         }
