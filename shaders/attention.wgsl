@@ -47,6 +47,11 @@ fn head_start(h: u32, at: u32) -> u32 {
     return pu(at) + (h / inner_len) * pu(at + 1u) + (h % inner_len) * pu(at + 2u);
 }
 
+// Where row `r` of head `h` starts, for a tensor whose layout params start at `at`.
+fn row_start(h: u32, r: u32, at: u32) -> u32 {
+    return head_start(h, at) + r * pu(at + 4u);
+}
+
 // Features 4c..4c+4 of the row starting at element `at`, zero past `len`.
 fn q4(at: u32, c: u32, len: u32) -> vec4<f32> {
     let i = at + 4u * c;
@@ -149,7 +154,7 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let dv = pu(ATTENTION_DV);
     let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
-    let q_at = head_start(h, ATTENTION_Q_LAYOUT) + (row % t_q) * pu(ATTENTION_Q_LAYOUT + 4u);
+    let q_at = row_start(h, row % t_q, ATTENTION_Q_LAYOUT);
     let k_head = head_start(h, ATTENTION_K_LAYOUT);
     let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
     let v_head = head_start(h, ATTENTION_V_LAYOUT);
@@ -248,7 +253,6 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         return;
     }
     let rows = pu(ATTENTION_ROWS);
-    let splits = pu(ATTENTION_SPLITS);
     let row = owned.row;
     let s = owned.split;
     let t_q = pu(ATTENTION_T_Q);
@@ -258,8 +262,8 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let dv = pu(ATTENTION_DV);
     let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
-    let q_at = head_start(h, ATTENTION_Q_LAYOUT) + (row % t_q) * pu(ATTENTION_Q_LAYOUT + 4u);
-    let o_at = head_start(h, ATTENTION_O_LAYOUT) + (row % t_q) * pu(ATTENTION_O_LAYOUT + 4u);
+    let q_at = row_start(h, row % t_q, ATTENTION_Q_LAYOUT);
+    let o_at = row_start(h, row % t_q, ATTENTION_O_LAYOUT);
     let k_head = head_start(h, ATTENTION_K_LAYOUT);
     let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
     let v_head = head_start(h, ATTENTION_V_LAYOUT);
@@ -310,7 +314,6 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         return;
     }
     let rows = pu(ATTENTION_ROWS);
-    let splits = pu(ATTENTION_SPLITS);
     let row = owned.row;
     let s = owned.split;
     let t_q = pu(ATTENTION_T_Q);
@@ -321,8 +324,8 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let dv = pu(ATTENTION_DV);
     let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
-    let k_at_row = head_start(h, ATTENTION_K_LAYOUT) + (row % t_k) * pu(ATTENTION_K_LAYOUT + 4u);
-    let v_at_row = head_start(h, ATTENTION_V_LAYOUT) + (row % t_k) * pu(ATTENTION_V_LAYOUT + 4u);
+    let k_at_row = row_start(h, row % t_k, ATTENTION_K_LAYOUT);
+    let v_at_row = row_start(h, row % t_k, ATTENTION_V_LAYOUT);
     let q_head = head_start(h, ATTENTION_Q_LAYOUT);
     let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
     let o_head = head_start(h, ATTENTION_O_LAYOUT);
