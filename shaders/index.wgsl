@@ -16,16 +16,16 @@
 fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
     let t = workgroup_index(wid, nwg) * 256u + lid;
-    let chunks = pu(ARGMAX_CHUNKS);
-    if (t >= pu(ARGMAX_ROWS) * chunks) {
+    let chunks = pu(REDUCE_CHUNKS);
+    if (t >= pu(REDUCE_ROWS) * chunks) {
         return;
     }
     let row = t / chunks;
     let chunk = t % chunks;
-    let base = pu(ARGMAX_OFFSET) + row * pu(ARGMAX_ROW_STRIDE);
-    let ks = pu(ARGMAX_K_STRIDE);
-    let start = chunk * pu(ARGMAX_CHUNK_LEN);
-    let end = min(start + pu(ARGMAX_CHUNK_LEN), pu(ARGMAX_LEN));
+    let base = pu(REDUCE_OFFSET) + row * pu(REDUCE_ROW_STRIDE);
+    let ks = pu(REDUCE_K_STRIDE);
+    let start = chunk * pu(REDUCE_CHUNK_LEN);
+    let end = min(start + pu(REDUCE_CHUNK_LEN), pu(REDUCE_LEN));
     var best = bitcast<f32>(src[base + start * ks]);
     var best_k = start;
     for (var k = start + 1u; k < end; k = k + 1u) {
@@ -49,10 +49,10 @@ fn argmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 fn argmax_join(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
     let row = workgroup_index(wid, nwg) * 256u + lid;
-    if (row >= pu(ARGMAX_ROWS)) {
+    if (row >= pu(REDUCE_ROWS)) {
         return;
     }
-    let chunks = pu(ARGMAX_CHUNKS);
+    let chunks = pu(REDUCE_CHUNKS);
     let first = 2u * row * chunks;
     var best = bitcast<f32>(src[first]);
     var best_k = src[first + 1u];

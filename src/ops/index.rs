@@ -3,19 +3,11 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, launch_at, Kernel, KernelParams, ShaderFamily, WORKGROUP};
-use crate::ops::reduce::{as_matrix, reduced_shape};
+use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::KERNEL_RANK;
 use crate::tensor::{DType, Tensor};
-
-crate::kernel_params! {
-    /// `argmax` over each row of an `[rows, len]` strided view, in `chunks` chunks of
-    /// `chunk_len`; `argmax_join` joins the chunks of each row.
-    pub(crate) struct ArgmaxParams {
-        rows: u32, len: u32, offset: u32, row_stride: u32, k_stride: u32, chunks: u32, chunk_len: u32,
-    }
-}
 
 crate::kernel_params! {
     /// `index_select` and its backward over contiguous `[outer, dim_size, inner]` data, of
@@ -58,7 +50,8 @@ static INDEX: ShaderFamily = ShaderFamily {
     name: "index",
     wgsl: include_str!("../../shaders/index.wgsl"),
     params: &[
-        &ArgmaxParams::LAYOUT,
+        // argmax and argmax_join: an `[rows, len]` view in chunks, as the reductions read it.
+        &ReduceParams::LAYOUT,
         &IndexSelectParams::LAYOUT,
         &GatherParams::LAYOUT,
         &GatherBackwardParams::LAYOUT,
@@ -184,15 +177,7 @@ impl Tensor {
         let out = Tensor::empty(OP, &[mat.m], DType::U32, self.device())?
             .with_index_bound(Some(k as u32));
         let chunks = mat.k.div_ceil(ARGMAX_CHUNK).max(1);
-        let params = ArgmaxParams {
-            rows: mat.m as u32,
-            len: mat.k as u32,
-            offset: mat.tensor.layout().offset as u32,
-            row_stride: mat.row_stride as u32,
-            k_stride: mat.k_stride as u32,
-            chunks: chunks as u32,
-            chunk_len: ARGMAX_CHUNK as u32,
-        };
+        let params = mat.params(chunks, ARGMAX_CHUNK, 1.0, false);
         let pass = |entry, src: &Tensor, dst: &Tensor, invocations: usize| {
             let kernel = Kernel::plain(&INDEX, entry);
             launch(

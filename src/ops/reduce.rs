@@ -89,6 +89,30 @@ pub(crate) struct Matrix {
     pub k_stride: usize,
 }
 
+impl Matrix {
+    /// The kernel params of a pass over this view in `chunks` chunks of `chunk_len` per row
+    /// (reductions; argmax reads the same block).
+    pub(crate) fn params(
+        &self,
+        chunks: usize,
+        chunk_len: usize,
+        scale: f32,
+        vec4: bool,
+    ) -> ReduceParams {
+        ReduceParams {
+            rows: self.m as u32,
+            len: self.k as u32,
+            offset: self.tensor.layout().offset as u32,
+            row_stride: self.row_stride as u32,
+            k_stride: self.k_stride as u32,
+            chunks: chunks as u32,
+            chunk_len: chunk_len as u32,
+            scale,
+            vec4: vec4 as u32,
+        }
+    }
+}
+
 /// Collapses dims of one operand into one `(size, stride)`, if its strides allow.
 fn collapse(shape: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
     let (rank, _, merged) = merge_dims(shape, &[strides])?;
@@ -199,17 +223,7 @@ fn reduce_pass(
         && [mat.tensor.layout().offset, mat.row_stride]
             .iter()
             .all(|x| x.is_multiple_of(4));
-    let params = ReduceParams {
-        rows: mat.m as u32,
-        len: mat.k as u32,
-        offset: mat.tensor.layout().offset as u32,
-        row_stride: mat.row_stride as u32,
-        k_stride: mat.k_stride as u32,
-        chunks: chunks as u32,
-        chunk_len: chunk_len as u32,
-        scale,
-        vec4: vec4 as u32,
-    };
+    let params = mat.params(chunks, chunk_len, scale, vec4);
     let source = || op.source();
     let kernel = Kernel::specialised(&REDUCE, entry, op.name(), &source);
     let workgroups = match entry {
