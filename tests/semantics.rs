@@ -1,4 +1,4 @@
-//! The gradient semantics of SEMANTICS.md, case by case (C-1 to C-16, C-18). Each test is
+//! The gradient semantics of docs/semantics.md, case by case (C-1 to C-16, C-18). Each test is
 //! named after its case and asserts values, handle identity (`Tensor::same`) and storage
 //! identity (`storage_id`) exactly as the case says.
 
