@@ -8,9 +8,10 @@
 // ALIGNED (offsets and strides multiples of 4, D and Dv too) reads four features per load.
 //
 // One invocation owns one query row (forward, query grad) or one key row (key and value
-// grads) and loops over the other side in spans of `span` rows, split `splits` ways across
-// invocations, so that no invocation runs more loop iterations than llvmpipe allows (65,535);
-// each split writes its own partial result and the host (or `combine`) adds them up. Rows are
+// grads) and loops over the other side in spans of `span` rows, so that no invocation runs
+// more loop iterations than llvmpipe allows (65,535). The forward runs its `splits` spans in
+// parallel invocations and `combine` joins them; the backward runs one span per launch, each
+// adding to what the earlier ones wrote, so its grads need no per-split copies. Rows are
 // read four features at a time, zero-padded past the row's end.
 
 @group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
@@ -22,9 +23,9 @@
 // forward: [splits, rows, 2] running (max, sum), or [rows, 2] (log-sum-exp, 0) when
 // splits == 1. backward: [rows, 2] (log-sum-exp, rowsum(out grad * out)).
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
-// query grad [splits, Tq rows, d]; key grad [splits, Tk rows, d].
+// query grad [Tq rows, d]; key grad [Tk rows, d].
 @group(0) @binding(6) var<storage, read_write> grad_a: array<f32>;
-// value grad [splits, Tk rows, dv].
+// value grad [Tk rows, dv].
 @group(0) @binding(7) var<storage, read_write> grad_b: array<f32>;
 
 // Four-feature groups per q/k row and per v row: spliced in per head size, so the row arrays
@@ -254,7 +255,9 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
     let rows = pu(ATTENTION_ROWS);
     let row = owned.row;
-    let s = owned.split;
+    // One split per launch: `split` names it, and each launch after the first adds to the
+    // grads the earlier ones wrote (a row is one invocation's alone, so no race).
+    let s = pu(ATTENTION_SPLIT);
     let t_q = pu(ATTENTION_T_Q);
     let h = row / t_q;
     let d = pu(ATTENTION_D);
@@ -296,10 +299,11 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             grad[c] = grad[c] + ds * k4(k_row, c, d);
         }
     }
-    let base = (s * rows + row) * d;
+    let base = row * d;
     for (var c = 0u; c < d4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, d); e = e + 1u) {
-            grad_a[base + 4u * c + e] = (grad[c])[e];
+            let at = base + 4u * c + e;
+            grad_a[at] = select((grad[c])[e], grad_a[at] + (grad[c])[e], s > 0u);
         }
     }
 }
@@ -315,7 +319,9 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     let rows = pu(ATTENTION_ROWS);
     let row = owned.row;
-    let s = owned.split;
+    // One split per launch: `split` names it, and each launch after the first adds to the
+    // grads the earlier ones wrote (a row is one invocation's alone, so no race).
+    let s = pu(ATTENTION_SPLIT);
     let t_q = pu(ATTENTION_T_Q);
     let t_k = pu(ATTENTION_T_K);
     let h = row / t_k;
@@ -365,12 +371,14 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     for (var c = 0u; c < d4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, d); e = e + 1u) {
-            grad_a[(s * rows + row) * d + 4u * c + e] = (grad_key[c])[e];
+            let at = row * d + 4u * c + e;
+            grad_a[at] = select((grad_key[c])[e], grad_a[at] + (grad_key[c])[e], s > 0u);
         }
     }
     for (var c = 0u; c < dv4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
-            grad_b[(s * rows + row) * dv + 4u * c + e] = (grad_value[c])[e];
+            let at = row * dv + 4u * c + e;
+            grad_b[at] = select((grad_value[c])[e], grad_b[at] + (grad_value[c])[e], s > 0u);
         }
     }
 }

@@ -13,8 +13,9 @@ use crate::tensor::{DType, Tensor};
 crate::kernel_params! {
     /// Heads of `t_q` query rows and `t_k` key rows; q and k rows have `d` features, v rows
     /// `dv`. `rows` counts the rows the entry owns (query rows, or key rows for
-    /// `backward_key`), each looping over the other side in `splits` spans of `span` rows.
-    /// Each `*_layout` is a [`HeadLayout`] of q, k, v and the out grad.
+    /// `backward_key`), each looping over the other side in `splits` spans of `span` rows
+    /// (the backward runs one launch per span: `split` names it). Each `*_layout` is a
+    /// [`HeadLayout`] of q, k, v and the out grad.
     pub(crate) struct AttentionParams {
         rows: u32,
         t_q: u32,
@@ -25,6 +26,7 @@ crate::kernel_params! {
         scale: f32,
         span: u32,
         splits: u32,
+        split: u32,
         q_layout: [u32; 5],
         k_layout: [u32; 5],
         v_layout: [u32; 5],
@@ -213,6 +215,7 @@ impl Shape {
             scale: 1.0 / (self.d as f32).sqrt(),
             span: span as u32,
             splits: splits as u32,
+            split: 0,
             q_layout: l[0].slots(),
             k_layout: l[1].slots(),
             v_layout: l[2].slots(),
@@ -269,14 +272,6 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Shape> {
     })
 }
 
-/// Sums a `[splits, rest..]` partial result over its splits.
-fn sum_splits(partial: Tensor, splits: usize) -> Result<Tensor> {
-    match splits {
-        1 => partial.squeeze(0),
-        _ => partial.sum_dims(&[0], false),
-    }
-}
-
 /// The forward: `(out [heads Tq, Dv], stats [heads Tq, 2])` with the log-sum-exp of each row
 /// in `stats[.., 0]`. `ops.tensors[3]` is unused (any tensor).
 fn forward(s: &Shape, ops: &Operands) -> Result<(Tensor, Tensor)> {
@@ -328,31 +323,43 @@ fn backward(
     let all: Vec<&HeadLayout> = ops.layouts.iter().collect();
     let (d4, dv4) = (s.d.div_ceil(4), s.dv.div_ceil(4));
     let mut grads = [None, None, None];
+    // One launch per span of the other side, each adding to the grads the earlier wrote.
+    let spans = |len: usize, params: AttentionParams| {
+        let (span, splits) = s.split(len, 2 * d4 + dv4 + 1);
+        (0..splits).map(move |split| AttentionParams {
+            span: span as u32,
+            splits: 1,
+            split: split as u32,
+            ..params
+        })
+    };
     if need[0] {
-        let (span, splits) = s.split(s.t_k, 2 * d4 + dv4 + 1);
-        let partial = Tensor::empty(OP, &[splits, rows_q, s.d], DType::F32, dev)?;
-        let params = s.params(rows_q, span, splits, &ops.layouts);
-        let bound = [(1, q), (2, k), (3, v), (4, g), (5, &stats), (6, &partial)];
-        run("backward_query", &all, s, &bound, &params, rows_q * splits)?;
-        grads[0] = Some(sum_splits(partial, splits)?);
+        let grad_q = Tensor::empty(OP, &[rows_q, s.d], DType::F32, dev)?;
+        let base = s.params(rows_q, 0, 1, &ops.layouts);
+        let bound = [(1, q), (2, k), (3, v), (4, g), (5, &stats), (6, &grad_q)];
+        for params in spans(s.t_k, base) {
+            run("backward_query", &all, s, &bound, &params, rows_q)?;
+        }
+        grads[0] = Some(grad_q);
     }
     if need[1] || need[2] {
-        let (span, splits) = s.split(s.t_q, 2 * d4 + dv4 + 1);
-        let partial_k = Tensor::empty(OP, &[splits, rows_k, s.d], DType::F32, dev)?;
-        let partial_v = Tensor::empty(OP, &[splits, rows_k, s.dv], DType::F32, dev)?;
-        let params = s.params(rows_k, span, splits, &ops.layouts);
+        let grad_k = Tensor::empty(OP, &[rows_k, s.d], DType::F32, dev)?;
+        let grad_v = Tensor::empty(OP, &[rows_k, s.dv], DType::F32, dev)?;
+        let base = s.params(rows_k, 0, 1, &ops.layouts);
         let bound = [
             (1, q),
             (2, k),
             (3, v),
             (4, g),
             (5, &stats),
-            (6, &partial_k),
-            (7, &partial_v),
+            (6, &grad_k),
+            (7, &grad_v),
         ];
-        run("backward_key", &all, s, &bound, &params, rows_k * splits)?;
-        grads[1] = need[1].then(|| sum_splits(partial_k, splits)).transpose()?;
-        grads[2] = need[2].then(|| sum_splits(partial_v, splits)).transpose()?;
+        for params in spans(s.t_q, base) {
+            run("backward_key", &all, s, &bound, &params, rows_k)?;
+        }
+        grads[1] = need[1].then_some(grad_k);
+        grads[2] = need[2].then_some(grad_v);
     }
     Ok(grads)
 }
