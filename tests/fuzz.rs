@@ -1,5 +1,6 @@
-//! A seeded fuzzer: random programs of ops over random shapes (0- and 1-sized dims,
-//! broadcasting, views, ranks 0 to 6; rank 7 must be an error) run on wgrad and on an f64 CPU
+//! A seeded fuzzer: random programs of ops (unary, broadcasting binary, reductions, views,
+//! matmul, softmax, index_select with repeats, cat) over random shapes (0- and 1-sized dims,
+//! broadcasting, ranks 0 to 6; rank 7 must be an error) run on wgrad and on an f64 CPU
 //! interpreter. Values must agree; for programs of smooth ops, finite differences must agree
 //! with the grad of the first input; nothing may panic.
 //!
@@ -136,6 +137,25 @@ impl Cpu {
         Cpu { shape, data }
     }
 
+    /// `parts` joined along `dim` (all alike elsewhere); `like` gives the shape when there are
+    /// none or all are empty.
+    fn cat(like: &Cpu, parts: &[Cpu], dim: usize) -> Cpu {
+        let mut shape = like.shape.clone();
+        shape[dim] = parts.iter().map(|p| p.shape[dim]).sum();
+        let mut data = vec![0.0; Cpu::numel(&shape)];
+        let mut start = 0;
+        for part in parts {
+            for (i, &v) in part.data.iter().enumerate() {
+                let mut index = unravel(i, &part.shape);
+                index[dim] += start;
+                let flat: usize = index.iter().zip(strides(&shape)).map(|(a, b)| a * b).sum();
+                data[flat] = v;
+            }
+            start += part.shape[dim];
+        }
+        Cpu { shape, data }
+    }
+
     /// `self [.., m, k] @ other [k, n]`.
     fn matmul(&self, other: &Cpu) -> Cpu {
         let r = self.shape.len();
@@ -223,7 +243,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(14) {
+    match rng.below(16) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -330,6 +350,29 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
                     data: x.cpu.data.clone(),
                 },
             )
+        }
+        14 if r > 0 => {
+            let dim = rng.below(r);
+            let size = x.cpu.shape[dim];
+            let count = if size == 0 { 0 } else { rng.below(5) };
+            let picks: Vec<u32> = (0..count).map(|_| rng.below(size) as u32).collect();
+            let indices = Tensor::from_vec_u32(picks.clone(), &[count], device())?;
+            let parts: Vec<Cpu> = picks
+                .iter()
+                .map(|&p| x.cpu.narrow(dim, p as usize, 1))
+                .collect();
+            pair(
+                x.gpu.index_select(dim, &indices)?,
+                Cpu::cat(&x.cpu, &parts, dim),
+            )
+        }
+        15 if r > 0 => {
+            let dim = rng.below(r);
+            let mut shape = x.cpu.shape.clone();
+            shape[dim] = rng.below(3);
+            let other = fresh(&shape, seed);
+            let gpu = Tensor::cat(&[x.gpu.clone(), other.gpu.clone()], dim)?;
+            pair(gpu, Cpu::cat(&x.cpu, &[x.cpu.clone(), other.cpu], dim))
         }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
