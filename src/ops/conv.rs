@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -286,20 +287,13 @@ fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
             };
             let grad_w = match need_w {
                 true => {
-                    let step = geo.images_per_chunk();
-                    let mut sum: Option<Tensor> = None;
-                    for start in (0..geo.batch).step_by(step) {
-                        let count = step.min(geo.batch - start);
+                    let part = |start, count| {
                         let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, &geo)?;
-                        let part = g_chunk(start, count)?
+                        g_chunk(start, count)?
                             .matmul(&cols.transpose(1, 2)?)?
-                            .sum_dims(&[0], false)?;
-                        sum = Some(match sum {
-                            Some(s) => s.add(&part)?,
-                            None => part,
-                        });
-                    }
-                    let sum = match sum {
+                            .sum_dims(&[0], false)
+                    };
+                    let sum = match sum_over_chunks(geo.batch, geo.images_per_chunk(), part)? {
                         Some(s) => s,
                         None => Tensor::zeros(&[geo.c_out, geo.taps()], w.device())?,
                     };

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, launch_at, Kernel, KernelParams, ShaderFamily, WORKGROUP};
 use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
+use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::KERNEL_RANK;
@@ -68,25 +69,6 @@ const ARGMAX_CHUNK: usize = 16_384;
 
 /// Lookups one backward invocation sums over at most: each dst element loops over them.
 const SCATTER_CHUNK: usize = 16_384;
-
-/// `backward(grad part, indices part)` summed over chunks of at most [`SCATTER_CHUNK`]
-/// lookups out of `len`, each part cut by `parts(start, len)`.
-fn sum_over_chunks(
-    len: usize,
-    parts: impl Fn(usize, usize) -> Result<(Tensor, Tensor)>,
-    backward: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    let mut sum: Option<Tensor> = None;
-    for start in (0..len).step_by(SCATTER_CHUNK) {
-        let (g, idx) = parts(start, SCATTER_CHUNK.min(len - start))?;
-        let part = backward(&g, &idx)?;
-        sum = Some(match sum {
-            Some(s) => s.add(&part)?,
-            None => part,
-        });
-    }
-    Ok(sum.expect("len > SCATTER_CHUNK gives at least one chunk"))
-}
 
 /// Past this many (table rows x lookups), index_select's grad is scattered with atomic adds
 /// (work in the lookups) rather than gathered per table element (work in rows x lookups:
@@ -328,15 +310,15 @@ fn index_select_backward(
         return index_select_scatter(grad, dim, indices, shape);
     }
     if selected > SCATTER_CHUNK {
-        let parts = |start, len| -> Result<(Tensor, Tensor)> {
-            Ok((
+        let part = |start, len| {
+            let (g, i) = (
                 grad.narrow(dim, start, len)?,
                 indices.narrow(0, start, len)?,
-            ))
+            );
+            index_select_backward(&g, dim, &i, shape)
         };
-        return sum_over_chunks(selected, parts, |g, i| {
-            index_select_backward(g, dim, i, shape)
-        });
+        let sum = sum_over_chunks(selected, SCATTER_CHUNK, part)?;
+        return Ok(sum.expect("more than one chunk of lookups"));
     }
     const OP: &str = "index_select";
     let out = Tensor::empty(OP, shape, DType::F32, grad.device())?;
@@ -368,13 +350,15 @@ fn index_select_backward(
 fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let extent = indices.shape()[dim];
     if extent > SCATTER_CHUNK {
-        let parts = |start, len| -> Result<(Tensor, Tensor)> {
-            Ok((
+        let part = |start, len| {
+            let (g, i) = (
                 grad.narrow(dim, start, len)?,
                 indices.narrow(dim, start, len)?,
-            ))
+            );
+            gather_backward(&g, dim, &i, shape)
         };
-        return sum_over_chunks(extent, parts, |g, i| gather_backward(g, dim, i, shape));
+        let sum = sum_over_chunks(extent, SCATTER_CHUNK, part)?;
+        return Ok(sum.expect("more than one chunk of lookups"));
     }
     const OP: &str = "gather";
     let out = Tensor::empty(OP, shape, DType::F32, grad.device())?;

@@ -5,6 +5,7 @@ use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{launch, Kernel, KernelParams, ShaderFamily};
 use crate::ops::binary::sum_to_shape;
+use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
@@ -403,18 +404,12 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     if k > K_CHUNK {
         // Long products are summed over chunks of k: no kernel loops past llvmpipe's 65,535
         // iterations per invocation.
-        let mut sum: Option<Tensor> = None;
-        for start in (0..k).step_by(K_CHUNK) {
-            let len = K_CHUNK.min(k - start);
+        let part = |start, len| {
             let a_part = a.narrow(a.rank() - 1, start, len)?;
             let b_part = b.narrow(b.rank() - 2, start, len)?;
-            let part = matmul_forward(&a_part, &b_part)?;
-            sum = Some(match sum {
-                Some(s) => s.add(&part)?,
-                None => part,
-            });
-        }
-        let sum = sum.expect("k > K_CHUNK gives at least one chunk");
+            matmul_forward(&a_part, &b_part)
+        };
+        let sum = sum_over_chunks(k, K_CHUNK, part)?.expect("k > K_CHUNK gives chunks");
         return finish(sum, this, other, &mut out_shape);
     }
     let out = Tensor::empty(OP, &out_shape, DType::F32, this.device())?;

@@ -14,3 +14,25 @@ pub(crate) mod reduce;
 pub(crate) mod softmax;
 pub(crate) mod unary;
 pub(crate) mod view;
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// `part(start, len)` for the chunks of at most `chunk` items that cover `0..total`, added
+/// up (`None` when `total` is 0): how ops split work whose loops would otherwise run past
+/// llvmpipe's iteration limit, or whose buffers would grow with the batch.
+pub(crate) fn sum_over_chunks(
+    total: usize,
+    chunk: usize,
+    part: impl Fn(usize, usize) -> Result<Tensor>,
+) -> Result<Option<Tensor>> {
+    let mut sum: Option<Tensor> = None;
+    for start in (0..total).step_by(chunk) {
+        let next = part(start, chunk.min(total - start))?;
+        sum = Some(match sum {
+            Some(s) => s.add(&next)?,
+            None => next,
+        });
+    }
+    Ok(sum)
+}
