@@ -100,9 +100,14 @@ impl<'a> Kernel<'a> {
         }
     }
 
-    /// Names the module: the family in this specialisation.
-    fn module_key(&self) -> String {
-        format!("{}/{}", self.family.name, self.variant)
+    /// The pipeline key `family/variant:entry`, and the length of its module part
+    /// (`family/variant`), which names the module the family's entries share.
+    fn key(&self) -> (String, usize) {
+        let module_len = self.family.name.len() + 1 + self.variant.len();
+        (
+            format!("{}/{}:{}", self.family.name, self.variant, self.entry),
+            module_len,
+        )
     }
 }
 
@@ -131,14 +136,14 @@ pub(crate) fn launch_at<P: KernelParams>(
         tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
     let buffers: Vec<(u32, &wgpu::Buffer)> =
         storages.iter().map(|(b, s)| (*b, s.buffer())).collect();
-    let module_key = kernel.module_key();
-    let key = format!("{module_key}:{}", kernel.entry);
+    let (key, module_len) = kernel.key();
+    let module_key = &key[..module_len];
     let family = kernel.family;
     let plain_source = || family.source(&[]);
     let source = kernel.specialise.unwrap_or(&plain_source);
     let pipeline = PipelineSource {
         key: &key,
-        module_key: &module_key,
+        module_key,
         entry: kernel.entry,
         source,
     };
