@@ -24,6 +24,12 @@ pub(crate) const WORKGROUP: usize = 256;
 /// in `shaders/common.wgsl`).
 pub(crate) const CONTIGUOUS_PER_GROUP: usize = 16384;
 
+/// The longest loop one invocation may run over data (a row, a span of k, a run of lookups).
+/// llvmpipe ends an invocation's loops after 65,535 iterations, all loops counted, and
+/// returns whatever was computed by then; a quarter of that leaves room for a kernel's few
+/// passes and its other loops. Ops split longer work across invocations or launches.
+pub(crate) const MAX_LOOP_LEN: usize = 16_384;
+
 /// Prepended to every family's WGSL: the params uniform, `pu`/`pf`, index helpers.
 pub(crate) const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
 

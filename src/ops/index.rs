@@ -2,7 +2,9 @@
 //! checked against the bound each u32 tensor carries, so no data is read back to validate.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch, launch_at, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::kernel::{
+    groups, launch, launch_at, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP,
+};
 use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -64,11 +66,11 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("index".into(), INDEX.source(&[]))]
 }
 
-/// Elements one argmax invocation scans at most: well under llvmpipe's 65,535 iterations.
-const ARGMAX_CHUNK: usize = 16_384;
+/// Elements one argmax invocation scans at most.
+const ARGMAX_CHUNK: usize = MAX_LOOP_LEN;
 
 /// Lookups one backward invocation sums over at most: each dst element loops over them.
-const SCATTER_CHUNK: usize = 16_384;
+const SCATTER_CHUNK: usize = MAX_LOOP_LEN;
 
 /// Past this many (table rows x lookups), index_select's grad is scattered with atomic adds
 /// (work in the lookups) rather than gathered per table element (work in rows x lookups:

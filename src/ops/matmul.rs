@@ -3,7 +3,7 @@
 
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
-use crate::kernel::{launch, Kernel, KernelParams, ShaderFamily};
+use crate::kernel::{launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -345,9 +345,8 @@ impl Tensor {
     }
 }
 
-/// Most steps of k one product runs in one kernel: well under llvmpipe's 65,535 loop
-/// iterations per invocation, on every kernel.
-const K_CHUNK: usize = 16_384;
+/// Most steps of k one product runs in one kernel, on every kernel.
+const K_CHUNK: usize = MAX_LOOP_LEN;
 
 /// The product itself: shape rules, the batch layout, and one kernel dispatch.
 fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {

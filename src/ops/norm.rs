@@ -4,7 +4,7 @@
 //! the composed ops instead.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily};
+use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -33,9 +33,8 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("norm".into(), NORM.source(&[]))]
 }
 
-/// Longest row the fused kernels take: their loops stay well under llvmpipe's 65,535
-/// iterations per invocation.
-const FUSED_MAX_LEN: usize = 16_384;
+/// Longest row the fused kernels take (each walks a row in three passes at most).
+const FUSED_MAX_LEN: usize = MAX_LOOP_LEN;
 
 const NORM_WORKGROUP: usize = 64;
 

@@ -3,7 +3,7 @@
 
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily};
+use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -74,9 +74,8 @@ struct RowPass<'a> {
     scale: f32,
 }
 
-/// Longest row one invocation walks (several passes each): well under llvmpipe's 65,535
-/// loop iterations per invocation.
-const SERIAL_MAX_LEN: usize = 16_384;
+/// Longest row one invocation walks (several passes each).
+const SERIAL_MAX_LEN: usize = MAX_LOOP_LEN;
 
 /// Longest row a workgroup of 64 walks, each invocation taking one element in 64.
 const ROWS_MAX_LEN: usize = 64 * SERIAL_MAX_LEN;
