@@ -81,3 +81,18 @@ fn nan_max(a: f32, b: f32) -> f32 {
 fn nan_max4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(nan_max(a.x, b.x), nan_max(a.y, b.y), nan_max(a.z, b.z), nan_max(a.w, b.w));
 }
+
+// x^s as C's powf: negative bases with integral exponents keep their sign, 0^0 = 1.
+fn pow_exact(x: f32, s: f32) -> f32 {
+    if (s == 0.0) {
+        return 1.0;
+    }
+    let m = pow(abs(x), s);
+    if (x >= 0.0) {
+        return m;
+    }
+    if (s != floor(s)) {
+        return bitcast<f32>(0x7fc00000u);
+    }
+    return select(m, -m, abs(s % 2.0) == 1.0);
+}

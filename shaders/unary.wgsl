@@ -6,21 +6,6 @@
 @group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
 
-// x^s as C's powf: negative bases with integral exponents keep their sign, 0^0 = 1.
-fn pow_exact(x: f32, s: f32) -> f32 {
-    if (s == 0.0) {
-        return 1.0;
-    }
-    let m = pow(abs(x), s);
-    if (x >= 0.0) {
-        return m;
-    }
-    if (s != floor(s)) {
-        return bitcast<f32>(0x7fc00000u);
-    }
-    return select(m, -m, abs(s % 2.0) == 1.0);
-}
-
 fn op(x: f32, s: f32) -> f32 {
     return UNARY_EXPR;
 }

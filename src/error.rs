@@ -67,6 +67,16 @@ pub enum Error {
         msg: String,
     },
 
+    /// A captured step (`capture::Step`) did something a replay cannot repeat, or a replay's
+    /// guard or plan failed.
+    #[error("{op}: {msg}")]
+    Capture {
+        /// The op or call that could not be captured.
+        op: &'static str,
+        /// What happened and what to do instead.
+        msg: String,
+    },
+
     /// An error reported by the device: validation, out of memory, internal, or device lost.
     #[error("device error in {op}: {msg}")]
     Device {

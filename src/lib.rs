@@ -16,6 +16,7 @@
 //! ```
 
 pub mod autograd;
+pub mod capture;
 mod device;
 mod error;
 pub mod io;

@@ -3,9 +3,11 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, strided_dims, Kernel, KernelParams, ShaderFamily, WORKGROUP,
+    groups, launch_at, launch_elementwise, strided_dims, Kernel, KernelParams, ShaderFamily,
+    WORKGROUP,
 };
 use crate::ops::copy::copy_into;
+use crate::tensor::tape::Elementwise;
 use crate::tensor::{DType, Storage, Tensor};
 
 crate::kernel_params! {
@@ -93,12 +95,24 @@ pub fn accumulate_grad(current: Option<&Tensor>, new_grad: &Tensor) -> Result<Te
         return Ok(out);
     }
     let params = pair_params(OP, current, new_grad)?;
-    launch_at(
+    let describe = || Elementwise {
+        params: "current: f32, new_grad: f32",
+        expr: "current + new_grad".into(),
+        scalars: Vec::new(),
+        operands: vec![
+            (2, current.layout().clone()),
+            (1, new_grad.layout().clone()),
+        ],
+        output: 3,
+        shape: current.shape().to_vec(),
+    };
+    launch_elementwise(
         OP,
         &Kernel::plain(&ACCUMULATE, "clone_add"),
         &[(1, new_grad), (2, current), (3, &out)],
         &params,
         groups(n, WORKGROUP),
+        describe,
     )?;
     Ok(out)
 }

@@ -14,6 +14,7 @@ use crate::autograd::accumulate::{accumulate_grad, add_into, swap_in};
 use crate::error::{Error, Result};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::{Edge, Node};
+use crate::tensor::tape::{self, SlotEvent};
 use crate::tensor::Tensor;
 
 /// Which grads the walk collects.
@@ -252,6 +253,12 @@ pub(crate) fn apply(grads: Vec<(Tensor, Tensor)>, install: Install) -> Result<()
     let mut staged: Vec<(Tensor, Option<Tensor>, Tensor)> = Vec::new();
     for (target, grad) in grads {
         let current = target.grad();
+        tape::note_slot(|| SlotEvent::Read {
+            leaf: target.clone(),
+            grad: current
+                .as_ref()
+                .map(|g| (g.storage_id(), g.layout().clone())),
+        });
         let value = match (install, &current) {
             (Install::Swap, _) | (Install::InPlace, None) => {
                 accumulate_grad(current.as_ref(), &grad)?
@@ -261,10 +268,26 @@ pub(crate) fn apply(grads: Vec<(Tensor, Tensor)>, install: Install) -> Result<()
         staged.push((target, current, value));
     }
     for (target, current, value) in staged {
-        match (current, install) {
-            (None, _) => target.meta().grad = Some(value),
-            (Some(slot_grad), Install::Swap) => swap_in(&slot_grad, value)?,
-            (Some(slot_grad), Install::InPlace) => add_into(&slot_grad, &value)?,
+        let installed = match (current, install) {
+            (None, _) => {
+                target.meta().grad = Some(value);
+                true
+            }
+            (Some(slot_grad), Install::Swap) => {
+                swap_in(&slot_grad, value)?;
+                true
+            }
+            (Some(slot_grad), Install::InPlace) => {
+                add_into(&slot_grad, &value)?;
+                false
+            }
+        };
+        if installed && tape::is_open() {
+            let storage = target.grad().expect("just installed").storage_id();
+            tape::note_slot(|| SlotEvent::Install {
+                leaf: target.clone(),
+                storage,
+            });
         }
     }
     Ok(())

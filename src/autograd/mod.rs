@@ -11,8 +11,10 @@ mod engine;
 
 pub use crate::tensor::grad_mode::{is_grad_enabled, no_grad, NoGradGuard};
 pub use accumulate::accumulate_grad;
+pub(crate) use accumulate::swap_in;
 
 use crate::error::{Error, Result};
+use crate::tensor::tape::{self, SlotEvent};
 use crate::tensor::Tensor;
 use engine::{Install, Wanted};
 
@@ -209,12 +211,20 @@ impl Tensor {
                 });
             }
         }
+        tape::note_slot(|| match &grad {
+            Some(g) => SlotEvent::Set {
+                leaf: self.clone(),
+                grad: g.clone(),
+            },
+            None => SlotEvent::Clear { leaf: self.clone() },
+        });
         self.meta().grad = grad;
         Ok(())
     }
 
     /// Empties the grad slot (`None`); the next backward creates a fresh grad (S-12).
     pub fn zero_grad(&self) {
+        tape::note_slot(|| SlotEvent::Clear { leaf: self.clone() });
         self.meta().grad = None;
     }
 

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+pub(crate) use pipelines::CachedPipeline;
 use pipelines::PipelineCache;
 pub(crate) use pool::size_class;
 use pool::BufferPool;
@@ -196,6 +197,13 @@ fn enumerate(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
         ..wgpu::InstanceDescriptor::new_without_display_handle()
     });
     pollster::block_on(instance.enumerate_adapters(backends))
+}
+
+/// The `(x, y)` grid of a dispatch of `workgroups` workgroups: kernels that need more than
+/// one dimension allows fold `y` rows of `x` into a linear workgroup index.
+pub(crate) fn workgroup_grid(workgroups: u32) -> (u32, u32) {
+    let x = workgroups.min(MAX_WORKGROUPS_PER_DIM);
+    (x, workgroups.div_ceil(x))
 }
 
 fn looks_like_software(name: &str) -> bool {
@@ -479,12 +487,23 @@ impl DeviceInner {
         lock(&self.pool).give_back(buffer);
     }
 
-    /// Records one dispatch of `kernel` over `workgroups` workgroups, binding `params` as the
+    /// The compiled pipeline of `kernel`, compiling it at its first use.
+    pub(crate) fn pipeline(&self, kernel: &PipelineSource) -> Arc<CachedPipeline> {
+        lock(&self.pipelines).get_or_compile(
+            &self.device,
+            kernel.key,
+            kernel.module_key,
+            kernel.entry,
+            kernel.source,
+        )
+    }
+
+    /// Records one dispatch of `cached` over `workgroups` workgroups, binding `params` as the
     /// uniform at binding 0 and each `(binding, buffer)` as storage.
     pub(crate) fn dispatch(
         &self,
         op: &'static str,
-        kernel: &PipelineSource,
+        cached: &CachedPipeline,
         buffers: &[(u32, &wgpu::Buffer)],
         params: &[u8],
         workgroups: u32,
@@ -497,13 +516,6 @@ impl DeviceInner {
         if workgroups == 0 {
             return Ok(());
         }
-        let cached = lock(&self.pipelines).get_or_compile(
-            &self.device,
-            kernel.key,
-            kernel.module_key,
-            kernel.entry,
-            kernel.source,
-        );
         let mut rec = lock(&self.recorder);
         let offset = rec.params.len() as u64;
         rec.params.extend_from_slice(params);
@@ -529,8 +541,7 @@ impl DeviceInner {
             entries: &entries,
         });
 
-        let x = workgroups.min(MAX_WORKGROUPS_PER_DIM);
-        let y = workgroups.div_ceil(x);
+        let (x, y) = workgroup_grid(workgroups);
         let encoder = self.open_encoder(&mut rec);
         {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
@@ -672,6 +683,35 @@ impl DeviceInner {
             self.submit(rec)?;
         }
         Ok(())
+    }
+
+    /// Submits `commands`, recorded outside the open batch (a captured step's replay), after
+    /// the open batch, so that it runs after all work recorded before it. `queue_writes` are
+    /// staged first: they land before `commands` run. Counts `dispatches`.
+    pub(crate) fn submit_commands(
+        &self,
+        op: &'static str,
+        queue_writes: &[(&wgpu::Buffer, u64, &[u8])],
+        commands: wgpu::CommandBuffer,
+        dispatches: u64,
+    ) -> Result<()> {
+        self.flush()?;
+        for (buffer, offset, data) in queue_writes {
+            self.queue.write_buffer(buffer, *offset, data);
+        }
+        {
+            let _queue = lock(&self.queue_lock);
+            self.queue.submit([commands]);
+        }
+        self.submits.fetch_add(1, Ordering::Relaxed);
+        self.dispatches.fetch_add(dispatches, Ordering::Relaxed);
+        self.take_error(op)
+    }
+
+    /// Writes `data` into `buffer` at `offset` before the next submission runs (for buffers
+    /// no recorded work reads: a captured plan's own params and staging buffers).
+    pub(crate) fn write_buffer(&self, buffer: &wgpu::Buffer, offset: u64, data: &[u8]) {
+        self.queue.write_buffer(buffer, offset, data);
     }
 
     /// Submits the open batch, if any. Returns the submission to wait on.

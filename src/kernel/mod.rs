@@ -15,6 +15,7 @@ use std::sync::Arc;
 use crate::device::PipelineSource;
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
+use crate::tensor::tape::{self, Elementwise, HostBytes};
 use crate::tensor::{Storage, Tensor};
 
 /// Invocations per workgroup of the elementwise kernels.
@@ -138,6 +139,70 @@ pub(crate) fn launch_at<P: KernelParams>(
     params: &P,
     workgroups: u32,
 ) -> Result<()> {
+    launch_with(
+        op,
+        kernel,
+        tensors,
+        bytemuck::bytes_of(params),
+        None,
+        workgroups,
+        None,
+    )
+}
+
+/// As [`launch_at`], for an elementwise kernel: while a step is captured, `describe` tells
+/// the fuser what the launch computes, so that it can merge it with its neighbours.
+pub(crate) fn launch_elementwise<P: KernelParams>(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[(u32, &Tensor)],
+    params: &P,
+    workgroups: u32,
+    describe: impl FnOnce() -> Elementwise,
+) -> Result<()> {
+    let elementwise = tape::is_open().then(describe);
+    launch_with(
+        op,
+        kernel,
+        tensors,
+        bytemuck::bytes_of(params),
+        None,
+        workgroups,
+        elementwise,
+    )
+}
+
+/// As [`launch_at`], for params that change from step to step (a learning rate, a step
+/// count): `params` is called now, and again before each replay of a captured step.
+pub(crate) fn launch_dynamic<P: KernelParams>(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[(u32, &Tensor)],
+    params: impl Fn() -> P + Send + Sync + 'static,
+    workgroups: u32,
+) -> Result<()> {
+    let now = params();
+    let dynamic: HostBytes = Arc::new(move || bytemuck::bytes_of(&params()).to_vec());
+    launch_with(
+        op,
+        kernel,
+        tensors,
+        bytemuck::bytes_of(&now),
+        Some(dynamic),
+        workgroups,
+        None,
+    )
+}
+
+fn launch_with(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[(u32, &Tensor)],
+    params: &[u8],
+    dynamic_params: Option<HostBytes>,
+    workgroups: u32,
+    elementwise: Option<Elementwise>,
+) -> Result<()> {
     let storages: Vec<(u32, Arc<Storage>)> =
         tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
     let buffers: Vec<(u32, &wgpu::Buffer)> =
@@ -147,19 +212,27 @@ pub(crate) fn launch_at<P: KernelParams>(
     let family = kernel.family;
     let plain_source = || family.source(&[]);
     let source = kernel.specialise.unwrap_or(&plain_source);
-    let pipeline = PipelineSource {
+    let device = tensors[0].1.device();
+    let pipeline = device.inner.pipeline(&PipelineSource {
         key: &key,
         module_key,
         entry: kernel.entry,
         source,
-    };
-    tensors[0].1.device().inner.dispatch(
-        op,
-        &pipeline,
-        &buffers,
-        bytemuck::bytes_of(params),
-        workgroups,
-    )
+    });
+    if workgroups > 0 && tape::is_open() {
+        tape::record_launch(
+            op,
+            &pipeline,
+            tensors,
+            params,
+            dynamic_params,
+            workgroups,
+            elementwise,
+        );
+    }
+    device
+        .inner
+        .dispatch(op, &pipeline, &buffers, params, workgroups)
 }
 
 /// The dims a strided kernel walks: size-1 dims dropped, dense runs merged, padded at the

@@ -1,11 +1,9 @@
 //! `BatchNorm2d`: per-channel normalisation of `[N, C, H, W]` with running statistics.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use crate::autograd::no_grad;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::nn::Module;
+use crate::nn::{Module, TrainingFlag};
 use crate::tensor::Tensor;
 
 /// Normalises each channel of `[N, C, H, W]` over `N`, `H` and `W`, then scales by `weight`
@@ -24,7 +22,7 @@ pub struct BatchNorm2d {
     pub running_var: Tensor,
     eps: f32,
     momentum: f32,
-    training: AtomicBool,
+    training: TrainingFlag,
 }
 
 impl BatchNorm2d {
@@ -43,7 +41,7 @@ impl BatchNorm2d {
             running_var: Tensor::ones(&[channels], device)?,
             eps: 1e-5,
             momentum: 0.1,
-            training: AtomicBool::new(true),
+            training: TrainingFlag::new(),
         })
     }
 
@@ -68,7 +66,7 @@ impl Module for BatchNorm2d {
             });
         }
         let per_channel = |t: &Tensor| t.reshape(&[1, c, 1, 1]);
-        let (mean, var) = if self.training.load(Ordering::Relaxed) {
+        let (mean, var) = if self.training.get() {
             let count = x.numel() / c;
             if count < 2 {
                 return Err(Error::Shape {
@@ -113,6 +111,6 @@ impl Module for BatchNorm2d {
     }
 
     fn set_training(&self, training: bool) {
-        self.training.store(training, Ordering::Relaxed);
+        self.training.set(training);
     }
 }

@@ -1,9 +1,7 @@
 //! `Dropout`: zeroes elements at random while training, scaling the rest by `1 / (1 - p)`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use crate::error::{Error, Result};
-use crate::nn::Module;
+use crate::nn::{Module, TrainingFlag};
 use crate::tensor::Tensor;
 
 /// Zeroes each element with probability `p` in training mode and scales the kept ones by
@@ -11,7 +9,7 @@ use crate::tensor::Tensor;
 /// ([`crate::manual_seed`]), so runs repeat.
 pub struct Dropout {
     p: f32,
-    training: AtomicBool,
+    training: TrainingFlag,
 }
 
 impl Dropout {
@@ -25,20 +23,20 @@ impl Dropout {
         }
         Ok(Dropout {
             p,
-            training: AtomicBool::new(true),
+            training: TrainingFlag::new(),
         })
     }
 }
 
 impl Module for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !self.training.load(Ordering::Relaxed) {
+        if !self.training.get() {
             return Ok(x.clone());
         }
         x.dropout(self.p)
     }
 
     fn set_training(&self, training: bool) {
-        self.training.store(training, Ordering::Relaxed);
+        self.training.set(training);
     }
 }

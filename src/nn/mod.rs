@@ -65,3 +65,26 @@ pub trait Module: Send + Sync {
         self.set_training(false);
     }
 }
+
+/// A module's train/eval flag. A captured step notes each flag it reads, so that a replay under
+/// the other mode re-captures instead of running the wrong kernels.
+pub(crate) struct TrainingFlag(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl TrainingFlag {
+    /// Training mode, the default.
+    pub fn new() -> TrainingFlag {
+        TrainingFlag(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+            true,
+        )))
+    }
+
+    /// True in training mode.
+    pub fn get(&self) -> bool {
+        crate::tensor::tape::observe_flag(&self.0);
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set(&self, training: bool) {
+        self.0.store(training, std::sync::atomic::Ordering::Relaxed);
+    }
+}

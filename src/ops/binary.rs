@@ -3,13 +3,16 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
-    WORKGROUP,
+    groups, launch_elementwise, strided_dims, Kernel, KernelParams, ShaderFamily,
+    CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::seed::next_seed;
-use crate::tensor::creation::uniform_values;
+use std::sync::Arc;
+
+use crate::tensor::creation::{checked_host_numel, from_host_fn, uniform_values};
 use crate::tensor::graph::record;
 use crate::tensor::layout::broadcast_shapes;
+use crate::tensor::tape::{Elementwise, HostBytes};
 use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {
@@ -214,7 +217,22 @@ fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tens
     };
     let source = || op.source();
     let kernel = Kernel::specialised(&BINARY, entry, name, &source);
-    launch(name, &kernel, &[a, b, &out], &params, groups(n, per_group))?;
+    let describe = || Elementwise {
+        params: "a: f32, b: f32, s: f32",
+        expr: op.expr().replace("pf(BINARY_SCALAR)", "s"),
+        scalars: vec![scalar],
+        operands: vec![(1, la.clone()), (2, lb.clone())],
+        output: 3,
+        shape: shape.clone(),
+    };
+    launch_elementwise(
+        name,
+        &kernel,
+        &[(1, a), (2, b), (3, &out)],
+        &params,
+        groups(n, per_group),
+        describe,
+    )?;
     Ok(out)
 }
 
@@ -395,11 +413,17 @@ impl Tensor {
             return Ok(self.clone());
         }
         let keep = 1.0 / (1.0 - p);
-        let mask: Vec<f32> = uniform_values(self.numel(), next_seed())
-            .into_iter()
-            .map(|u| if u < p { 0.0 } else { keep })
-            .collect();
-        self.mul(&Tensor::from_vec(mask, self.shape(), self.device())?)
+        let numel = checked_host_numel("dropout", self.shape(), self.device())?;
+        // A fresh seed per call, drawn again at each replay of a captured step.
+        let mask: HostBytes = Arc::new(move || {
+            let mask: Vec<f32> = uniform_values(numel, next_seed())
+                .into_iter()
+                .map(|u| if u < p { 0.0 } else { keep })
+                .collect();
+            bytemuck::cast_slice(&mask).to_vec()
+        });
+        let mask = from_host_fn("dropout", mask, self.shape(), DType::F32, self.device())?;
+        self.mul(&mask)
     }
 }
 

@@ -151,6 +151,7 @@ impl Tensor {
     }
 
     fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {
+        crate::tensor::tape::refuse_host_read(op)?;
         let dense = self.contiguous()?;
         let storage = dense.storage();
         let size = dense.dtype().size() as u64;
@@ -184,9 +185,11 @@ impl Tensor {
             let size = self.dtype().size() as u64;
             let (src, dst) = (self.storage(), out.storage());
             let src_at = (src.buffer(), self.layout().offset as u64 * size);
+            let bytes = self.numel() as u64 * size;
             self.device()
                 .inner
-                .copy(OP, src_at, (dst.buffer(), 0), self.numel() as u64 * size)?;
+                .copy(OP, src_at, (dst.buffer(), 0), bytes)?;
+            crate::tensor::tape::record_copy((&src, src_at.1), (&dst, 0), bytes);
         } else {
             copy_into(OP, self, &out, &out.layout().clone())?;
         }

@@ -3,11 +3,12 @@
 
 use crate::error::Result;
 use crate::kernel::{
-    groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
-    WORKGROUP,
+    groups, launch_elementwise, strided_dims, Kernel, KernelParams, ShaderFamily,
+    CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::binary::{binary, BinaryOp};
 use crate::tensor::graph::record;
+use crate::tensor::tape::Elementwise;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -174,7 +175,22 @@ fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tens
     };
     let source = || op.source();
     let kernel = Kernel::specialised(&UNARY, entry, name, &source);
-    launch(name, &kernel, &[x, &out], &params, groups(n, per_group))?;
+    let describe = || Elementwise {
+        params: "x: f32, s: f32, t: f32",
+        expr: op.expr().replace("pf(UNARY_SCALAR2)", "t"),
+        scalars: vec![scalar, scalar2],
+        operands: vec![(1, layout.clone())],
+        output: 2,
+        shape: x.shape().to_vec(),
+    };
+    launch_elementwise(
+        name,
+        &kernel,
+        &[(1, x), (2, &out)],
+        &params,
+        groups(n, per_group),
+        describe,
+    )?;
     Ok(out)
 }
 

@@ -1,7 +1,10 @@
 //! Adam and AdamW.
 
+use std::sync::{Arc, Mutex};
+
 use crate::error::Result;
-use crate::optim::{check_hyper, run_update, zero_grads, AdamParams, Optimizer};
+use crate::optim::{check_hyper, lock, run_update, zero_grads, AdamParams, Optimizer};
+use crate::tensor::tape;
 use crate::tensor::Tensor;
 
 /// Adam's and AdamW's hyperparameters, with PyTorch's meanings and Adam's defaults. PyTorch's
@@ -29,26 +32,15 @@ impl Default for AdamConfig {
     }
 }
 
-/// The state both optimizers share: moments per parameter and the step count.
-struct AdamState {
-    params: Vec<Tensor>,
+/// The hyperparameters and the step count, shared with the params of a captured step's
+/// updates: a replay advances the count and reads the learning rate of its own step.
+struct AdamHyper {
     config: AdamConfig,
-    moments: Vec<Option<(Tensor, Tensor)>>,
     steps: u64,
 }
 
-impl AdamState {
-    fn new(params: Vec<Tensor>, config: AdamConfig) -> AdamState {
-        let moments = params.iter().map(|_| None).collect();
-        AdamState {
-            params,
-            config,
-            moments,
-            steps: 0,
-        }
-    }
-
-    fn step(&mut self, op: &'static str, decoupled: bool) -> Result<()> {
+impl AdamHyper {
+    fn check(&self, op: &'static str) -> Result<()> {
         let c = self.config;
         check_hyper(op, "lr", c.lr, true)?;
         check_hyper(op, "eps", c.eps, false)?;
@@ -61,10 +53,54 @@ impl AdamState {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// Checks the config and counts one more step.
+    fn advance(&mut self, op: &'static str) -> Result<()> {
+        self.check(op)?;
         self.steps += 1;
+        Ok(())
+    }
+
+    fn params(&self, n: u32, decoupled: bool) -> AdamParams {
+        let c = self.config;
         let t = self.steps as i32;
-        let correction1 = 1.0 - (c.betas.0 as f64).powi(t);
-        let correction2 = 1.0 - (c.betas.1 as f64).powi(t);
+        AdamParams {
+            n,
+            lr: c.lr,
+            weight_decay: c.weight_decay,
+            beta1: c.betas.0,
+            beta2: c.betas.1,
+            eps: c.eps,
+            bias_correction1: (1.0 - (c.betas.0 as f64).powi(t)) as f32,
+            bias_correction2: (1.0 - (c.betas.1 as f64).powi(t)) as f32,
+            flags: (decoupled as u32) << 2,
+        }
+    }
+}
+
+/// The state both optimizers share: moments per parameter and the hyperparameters.
+struct AdamState {
+    params: Vec<Tensor>,
+    hyper: Arc<Mutex<AdamHyper>>,
+    moments: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl AdamState {
+    fn new(params: Vec<Tensor>, config: AdamConfig) -> AdamState {
+        let moments = params.iter().map(|_| None).collect();
+        AdamState {
+            params,
+            hyper: Arc::new(Mutex::new(AdamHyper { config, steps: 0 })),
+            moments,
+        }
+    }
+
+    fn step(&mut self, op: &'static str, decoupled: bool) -> Result<()> {
+        lock(&self.hyper).advance(op)?;
+        let shared = self.hyper.clone();
+        tape::on_replay(Box::new(move || lock(&shared).advance(op)));
         for (param, moments) in self.params.iter().zip(&mut self.moments) {
             let Some(grad) = param.grad() else { continue };
             let (m, v) = match moments {
@@ -74,18 +110,10 @@ impl AdamState {
                     Tensor::zeros(param.shape(), param.device())?,
                 ),
             };
-            let params = AdamParams {
-                n: param.numel() as u32,
-                lr: c.lr,
-                weight_decay: c.weight_decay,
-                beta1: c.betas.0,
-                beta2: c.betas.1,
-                eps: c.eps,
-                bias_correction1: correction1 as f32,
-                bias_correction2: correction2 as f32,
-                flags: (decoupled as u32) << 2,
-            };
-            run_update(op, "adam", param, &grad, &[&m, &v], &params)?;
+            let n = param.numel() as u32;
+            let shared = self.hyper.clone();
+            let params = move || lock(&shared).params(n, decoupled);
+            run_update(op, "adam", param, &grad, &[&m, &v], params)?;
             *moments = Some((m, v));
         }
         Ok(())
@@ -124,11 +152,11 @@ macro_rules! impl_optimizer {
             }
 
             fn lr(&self) -> f32 {
-                self.0.config.lr
+                lock(&self.0.hyper).config.lr
             }
 
             fn set_lr(&mut self, lr: f32) {
-                self.0.config.lr = lr;
+                lock(&self.0.hyper).config.lr = lr;
             }
         }
     };

@@ -12,7 +12,9 @@ pub use schedule::{CosineLr, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP};
+use crate::kernel::{
+    groups, launch_dynamic, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+};
 use crate::tensor::Tensor;
 
 crate::kernel_params! {
@@ -57,6 +59,11 @@ pub trait Optimizer {
     fn set_lr(&mut self, lr: f32);
 }
 
+/// Locks an optimizer's shared hyperparameters (shared with a captured step's replays).
+fn lock<T>(shared: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn zero_grads(params: &[Tensor]) {
     for p in params {
         p.zero_grad();
@@ -82,13 +89,15 @@ fn check_hyper(op: &'static str, name: &str, value: f32, positive: bool) -> Resu
 }
 
 /// Runs one fused update `entry` on `param` (and its state tensors, bound at 3 and 4).
+/// `params` reads the optimizer's hyperparameters when called, so that a captured step's
+/// replays use the learning rate and step count of their own step.
 fn run_update<P: KernelParams>(
     op: &'static str,
     entry: &'static str,
     param: &Tensor,
     grad: &Tensor,
     state: &[&Tensor],
-    params: &P,
+    params: impl Fn() -> P + Send + Sync + 'static,
 ) -> Result<()> {
     param.expect_dtype(op, crate::tensor::DType::F32)?;
     if !param.is_contiguous() || param.layout().offset != 0 {
@@ -124,7 +133,7 @@ fn run_update<P: KernelParams>(
     };
     let mut bindings = vec![(1, param), (2, &grad)];
     bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
-    launch_at(
+    launch_dynamic(
         op,
         &Kernel::plain(&OPTIM, entry),
         &bindings,

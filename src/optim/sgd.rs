@@ -1,7 +1,10 @@
 //! Stochastic gradient descent with momentum, Nesterov momentum and weight decay.
 
+use std::sync::{Arc, Mutex};
+
 use crate::error::{Error, Result};
-use crate::optim::{check_hyper, run_update, zero_grads, Optimizer, SgdParams};
+use crate::optim::{check_hyper, lock, run_update, zero_grads, Optimizer, SgdParams};
+use crate::tensor::tape;
 use crate::tensor::Tensor;
 
 /// `Sgd`'s hyperparameters, with PyTorch's meanings and defaults.
@@ -34,7 +37,8 @@ impl Default for SgdConfig {
 /// SGD as `torch.optim.SGD`.
 pub struct Sgd {
     params: Vec<Tensor>,
-    config: SgdConfig,
+    /// Shared with the params of a captured step's updates, which read it at each replay.
+    config: Arc<Mutex<SgdConfig>>,
     momentum_buffers: Vec<Option<Tensor>>,
 }
 
@@ -44,51 +48,64 @@ impl Sgd {
         let momentum_buffers = params.iter().map(|_| None).collect();
         Sgd {
             params,
-            config,
+            config: Arc::new(Mutex::new(config)),
             momentum_buffers,
         }
     }
 }
 
+fn check_config(c: &SgdConfig) -> Result<()> {
+    const OP: &str = "Sgd::step";
+    check_hyper(OP, "lr", c.lr, true)?;
+    check_hyper(OP, "momentum", c.momentum, false)?;
+    check_hyper(OP, "weight_decay", c.weight_decay, false)?;
+    check_hyper(OP, "dampening", c.dampening, false)?;
+    if c.nesterov && (c.momentum == 0.0 || c.dampening != 0.0) {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!(
+                "Nesterov momentum needs momentum > 0 and dampening 0, got momentum {} and \
+                 dampening {}",
+                c.momentum, c.dampening
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         const OP: &str = "Sgd::step";
-        let c = self.config;
-        check_hyper(OP, "lr", c.lr, true)?;
-        check_hyper(OP, "momentum", c.momentum, false)?;
-        check_hyper(OP, "weight_decay", c.weight_decay, false)?;
-        check_hyper(OP, "dampening", c.dampening, false)?;
-        if c.nesterov && (c.momentum == 0.0 || c.dampening != 0.0) {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                msg: format!(
-                    "Nesterov momentum needs momentum > 0 and dampening 0, got momentum {} and \
-                     dampening {}",
-                    c.momentum, c.dampening
-                ),
-            });
-        }
+        let c = *lock(&self.config);
+        check_config(&c)?;
+        // A replay checks the config of its own step.
+        let shared = self.config.clone();
+        tape::on_replay(Box::new(move || check_config(&lock(&shared))));
         for (param, buffer) in self.params.iter().zip(&mut self.momentum_buffers) {
             let Some(grad) = param.grad() else { continue };
             let first = buffer.is_none();
-            let flags = c.nesterov as u32 | (first as u32) << 1;
-            let params = SgdParams {
-                n: param.numel() as u32,
-                lr: c.lr,
-                weight_decay: c.weight_decay,
-                momentum: c.momentum,
-                dampening: c.dampening,
-                flags,
+            let n = param.numel() as u32;
+            let shared = self.config.clone();
+            let params = move || {
+                let c = *lock(&shared);
+                SgdParams {
+                    n,
+                    lr: c.lr,
+                    weight_decay: c.weight_decay,
+                    momentum: c.momentum,
+                    dampening: c.dampening,
+                    flags: c.nesterov as u32 | (first as u32) << 1,
+                }
             };
             if c.momentum == 0.0 {
-                run_update(OP, "sgd", param, &grad, &[], &params)?;
+                run_update(OP, "sgd", param, &grad, &[], params)?;
                 continue;
             }
             let state = match buffer {
                 Some(state) => state.clone(),
                 None => Tensor::zeros(param.shape(), param.device())?,
             };
-            run_update(OP, "sgd_momentum", param, &grad, &[&state], &params)?;
+            run_update(OP, "sgd_momentum", param, &grad, &[&state], params)?;
             *buffer = Some(state);
         }
         Ok(())
@@ -99,10 +116,10 @@ impl Optimizer for Sgd {
     }
 
     fn lr(&self) -> f32 {
-        self.config.lr
+        lock(&self.config).lr
     }
 
     fn set_lr(&mut self, lr: f32) {
-        self.config.lr = lr;
+        lock(&self.config).lr = lr;
     }
 }

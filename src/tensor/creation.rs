@@ -8,7 +8,7 @@ use rand_distr::{Distribution, StandardNormal};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::tensor::{checked_numel, DType, Layout, Storage, Tensor};
+use crate::tensor::{checked_numel, tape, DType, Layout, Storage, Tensor};
 
 fn upload(
     op: &'static str,
@@ -17,10 +17,36 @@ fn upload(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
+    upload_with(op, bytes, None, shape, dtype, device)
+}
+
+/// A contiguous tensor of `shape` holding `data()`, which a captured step calls again at each
+/// replay: for host data that changes from step to step (dropout masks).
+pub(crate) fn from_host_fn(
+    op: &'static str,
+    data: tape::HostBytes,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let bytes = data();
+    upload_with(op, &bytes, Some(data), shape, dtype, device)
+}
+
+fn upload_with(
+    op: &'static str,
+    bytes: &[u8],
+    dynamic: Option<tape::HostBytes>,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
     let storage = Storage::alloc(op, bytes.len() as u64, device)?;
     device.inner.upload(op, storage.buffer(), bytes)?;
+    let storage = Arc::new(storage);
+    tape::record_upload(&storage, bytes, dynamic);
     Ok(Tensor::from_parts(
-        Arc::new(storage),
+        storage,
         Layout::contiguous(shape),
         dtype,
         device,

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 
 /// Shape, strides and element offset of a tensor within its storage.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Layout {
     pub shape: Vec<usize>,
     pub strides: Vec<usize>,

@@ -5,6 +5,7 @@ pub(crate) mod grad_mode;
 pub(crate) mod graph;
 pub(crate) mod layout;
 mod storage;
+pub(crate) mod tape;
 
 use std::sync::{Arc, Mutex, RwLock};
 

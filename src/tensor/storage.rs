@@ -14,9 +14,11 @@ impl Storage {
     /// A pooled buffer of at least `bytes` bytes, with undefined contents.
     pub fn alloc(op: &'static str, bytes: u64, device: &Device) -> crate::Result<Storage> {
         let buffer = device.inner.alloc(op, bytes)?;
+        let id = device.inner.new_storage_id();
+        super::tape::note_alloc(id);
         Ok(Storage {
             buffer: Some(buffer),
-            id: device.inner.new_storage_id(),
+            id,
             device: device.clone(),
         })
     }
@@ -34,6 +36,7 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
+        super::tape::note_release(self.id);
         if let Some(buffer) = self.buffer.take() {
             self.device.inner.release(buffer);
         }

@@ -1,0 +1,476 @@
+//! Fusion: a pass over a captured plan that merges runs of elementwise launches into one
+//! generated WGSL kernel.
+//!
+//! On software adapters an elementwise kernel is bound by instructions per load, so the only
+//! way past it is fewer passes over memory. Launches that describe themselves as elementwise
+//! (unary and binary ops, backward rules, `accumulate_grad`'s clone-then-add) over the same
+//! output shape join a group while each reads the group's earlier results in place (same
+//! element, no view). Values only the group uses stay in registers; the rest are written. A
+//! launch between members that touches none of the group's values stays where it is, before
+//! the fused kernel, which takes the place of the group's last member. Each generated kernel
+//! is validated with naga before it is compiled; one that fails stays unfused.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write;
+use std::hash::{Hash, Hasher};
+
+use crate::capture::plan::{Command, Draft, Fusible, Launch};
+use crate::device::{Device, PipelineSource};
+use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP};
+use crate::tensor::layout::row_major_strides;
+use crate::tensor::Layout;
+
+/// The most launches one fused kernel takes in.
+const MAX_MEMBERS: usize = 32;
+
+/// A run of elementwise launches being gathered.
+struct Group {
+    members: Vec<usize>,
+    shape: Vec<usize>,
+    /// Values the members write, in order.
+    produced: Vec<usize>,
+    /// Values the members read from memory.
+    read: HashSet<usize>,
+}
+
+impl Group {
+    fn touches(&self, value: usize) -> bool {
+        self.read.contains(&value) || self.produced.contains(&value)
+    }
+}
+
+/// Reads the element at the output's own index: how a member may read an earlier member's
+/// result from a register.
+fn reads_in_place(layout: &Layout, shape: &[usize]) -> bool {
+    layout.shape == shape && layout.offset == 0 && layout.strides == row_major_strides(shape)
+}
+
+fn launch_values(command: &Command) -> Vec<usize> {
+    match command {
+        Command::Launch(l) => l.bindings.iter().map(|&(_, v)| v).collect(),
+        Command::Upload { target, .. } => vec![*target],
+        Command::Copy(copy) => vec![copy.src.0, copy.dst.0],
+        Command::Hook(_) => Vec::new(),
+    }
+}
+
+/// Fuses the draft's elementwise runs in place. Returns how many launches it removed.
+pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
+    // The most storage buffers a kernel may bind, with room to spare.
+    let max_buffers = (device.inner.limits.max_storage_buffers_per_shader_stage as usize).min(8);
+    let mut users: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (at, command) in draft.commands.iter().enumerate() {
+        for v in launch_values(command) {
+            users.entry(v).or_default().push(at);
+        }
+    }
+
+    let mut groups: Vec<Group> = Vec::new();
+    let mut open: Option<Group> = None;
+    for (at, command) in draft.commands.iter().enumerate() {
+        let fusible = match command {
+            Command::Launch(Launch {
+                fusible: Some(f), ..
+            }) => Some(f),
+            _ => None,
+        };
+        if let (Some(f), Some(group)) = (fusible, open.as_mut()) {
+            if joins(group, at, f, max_buffers, draft, &users) {
+                add(group, at, f);
+                continue;
+            }
+        }
+        // Anything else that touches the open group's values ends it.
+        if let Some(group) = &open {
+            if fusible.is_some() || launch_values(command).iter().any(|&v| group.touches(v)) {
+                groups.extend(open.take());
+            }
+        }
+        if let Some(f) = fusible {
+            let mut group = Group {
+                members: Vec::new(),
+                shape: f.shape.clone(),
+                produced: Vec::new(),
+                read: HashSet::new(),
+            };
+            add(&mut group, at, f);
+            open = Some(group);
+        }
+    }
+    groups.extend(open);
+
+    let mut fused: HashMap<usize, Command> = HashMap::new(); // at the last member's index
+    let mut removed: HashSet<usize> = HashSet::new();
+    for group in groups {
+        let Some((group, outputs)) = fit(group, draft, &users, max_buffers) else {
+            continue;
+        };
+        let launches: Vec<&Fusible> = group
+            .members
+            .iter()
+            .map(|&at| match &draft.commands[at] {
+                Command::Launch(Launch {
+                    fusible: Some(f), ..
+                }) => f,
+                _ => unreachable!("members are fusible launches"),
+            })
+            .collect();
+        let Some(launch) = fused_launch(&launches, &outputs, &group.shape, device) else {
+            continue;
+        };
+        let last = *group.members.last().expect("two or more");
+        removed.extend(group.members.iter().copied().filter(|&at| at != last));
+        fused.insert(last, Command::Launch(launch));
+    }
+    let before = draft.commands.len();
+    let commands = std::mem::take(&mut draft.commands);
+    for (at, command) in commands.into_iter().enumerate() {
+        if removed.contains(&at) {
+            continue;
+        }
+        draft.commands.push(fused.remove(&at).unwrap_or(command));
+    }
+    before - draft.commands.len()
+}
+
+/// Whether the launch at `at` may join `group`: same shape, earlier results read in place,
+/// and the buffers the fused kernel would bind within `max_buffers`.
+/// The group trimmed from its end until its kernel binds at most `max_buffers` buffers, and
+/// the values it must write; `None` when fewer than two members are left.
+fn fit(
+    mut group: Group,
+    draft: &Draft,
+    users: &HashMap<usize, Vec<usize>>,
+    max_buffers: usize,
+) -> Option<(Group, Vec<usize>)> {
+    while group.members.len() > 1 {
+        let members: HashSet<usize> = group.members.iter().copied().collect();
+        let outputs: Vec<usize> = group
+            .produced
+            .iter()
+            .copied()
+            .filter(|&v| {
+                !draft.is_intermediate(v) || users[&v].iter().any(|at| !members.contains(at))
+            })
+            .collect();
+        let produced: HashSet<usize> = group.produced.iter().copied().collect();
+        let reads: HashSet<usize> = group
+            .members
+            .iter()
+            .flat_map(|&at| match &draft.commands[at] {
+                Command::Launch(Launch {
+                    fusible: Some(f), ..
+                }) => f.operands.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
+                _ => Vec::new(),
+            })
+            .filter(|v| !produced.contains(v))
+            .collect();
+        if reads.len() + outputs.len() <= max_buffers {
+            return Some((group, outputs));
+        }
+        group.members.pop();
+        group.produced.pop();
+    }
+    None
+}
+
+fn joins(
+    group: &Group,
+    at: usize,
+    f: &Fusible,
+    max_buffers: usize,
+    draft: &Draft,
+    users: &HashMap<usize, Vec<usize>>,
+) -> bool {
+    if f.shape != group.shape || group.members.len() >= MAX_MEMBERS {
+        return false;
+    }
+    let mut new_reads = 0;
+    for (v, layout) in &f.operands {
+        if group.produced.contains(v) {
+            if !reads_in_place(layout, &group.shape) {
+                return false;
+            }
+        } else if !group.read.contains(v) {
+            new_reads += 1;
+        }
+    }
+    // Results that must be written: seen outside the plan, or used by an earlier launch that
+    // is not a member, or by a later one that cannot join (another kind or shape). Later
+    // elementwise launches of this shape are expected to join; `fit` trims the group where
+    // one does not.
+    let shape = &group.shape;
+    let outside = |u: usize| -> bool {
+        if u == at || group.members.contains(&u) {
+            return false;
+        }
+        match &draft.commands[u] {
+            Command::Launch(Launch {
+                fusible: Some(g), ..
+            }) => u < at || g.shape != *shape,
+            _ => true,
+        }
+    };
+    let written = group
+        .produced
+        .iter()
+        .chain(std::iter::once(&f.output))
+        .filter(|&&v| !draft.is_intermediate(v) || users[&v].iter().any(|&u| outside(u)))
+        .count();
+    group.read.len() + new_reads + written <= max_buffers
+}
+
+fn add(group: &mut Group, at: usize, f: &Fusible) {
+    group.members.push(at);
+    for (v, _) in &f.operands {
+        if !group.produced.contains(v) {
+            group.read.insert(*v);
+        }
+    }
+    group.produced.push(f.output);
+}
+
+/// How a fused kernel reads one operand from memory.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Access {
+    /// Element `i` at `offset + i`.
+    Dense { offset: usize },
+    /// Element `i` at `offset + i % period`: a dense run repeated along leading dims (a bias).
+    Periodic { offset: usize, period: usize },
+    /// Through strides over the output's shape.
+    Strided(Layout),
+}
+
+fn access_of(layout: &Layout) -> Access {
+    let shape = &layout.shape;
+    let mut period = 1;
+    let mut d = shape.len();
+    while d > 0 && (shape[d - 1] == 1 || layout.strides[d - 1] == period) {
+        period *= shape[d - 1];
+        d -= 1;
+    }
+    let numel: usize = shape.iter().product();
+    let leading_repeat = (0..d).all(|i| shape[i] == 1 || layout.strides[i] == 0);
+    match (leading_repeat, period == numel) {
+        (true, true) => Access::Dense {
+            offset: layout.offset,
+        },
+        (true, false) => Access::Periodic {
+            offset: layout.offset,
+            period: period.max(1),
+        },
+        (false, _) => Access::Strided(layout.clone()),
+    }
+}
+
+fn float(v: f32) -> String {
+    format!("bitcast<f32>({}u)", v.to_bits())
+}
+
+/// WGSL for the element index of a strided operand at element `i` of the output.
+fn strided_index(layout: &Layout) -> String {
+    let mut code = format!("{}u", layout.offset);
+    let mut rem = "i".to_string();
+    for d in (0..layout.shape.len()).rev() {
+        let (n, s) = (layout.shape[d], layout.strides[d]);
+        if n > 1 && s != 0 {
+            let _ = write!(code, " + (({rem}) % {n}u) * {s}u");
+        }
+        rem = format!("({rem}) / {n}u");
+    }
+    code
+}
+
+/// The generated kernel for `launches` (in order), writing `outputs`, or `None` when naga
+/// rejects it (the members then run unfused).
+fn fused_launch(
+    launches: &[&Fusible],
+    outputs: &[usize],
+    shape: &[usize],
+    device: &Device,
+) -> Option<Launch> {
+    if outputs.is_empty() {
+        return None;
+    }
+    let n: usize = shape.iter().product();
+    // Memory operands: one binding per value, one load per (value, access).
+    let produced: Vec<usize> = launches.iter().map(|f| f.output).collect();
+    let mut inputs: Vec<usize> = Vec::new();
+    let mut loads: Vec<(usize, Access)> = Vec::new();
+    for f in launches {
+        for (v, layout) in &f.operands {
+            if produced.contains(v) {
+                continue;
+            }
+            if !inputs.contains(v) {
+                inputs.push(*v);
+            }
+            let access = access_of(layout);
+            if !loads.contains(&(*v, access.clone())) {
+                loads.push((*v, access));
+            }
+        }
+    }
+    let vec4 = n.is_multiple_of(4)
+        && loads.iter().all(|(_, a)| match a {
+            Access::Dense { offset } => offset.is_multiple_of(4),
+            Access::Periodic { offset, period } => {
+                offset.is_multiple_of(4) && period.is_multiple_of(4)
+            }
+            Access::Strided(_) => false,
+        });
+
+    let mut src = String::new();
+    let mut bindings: Vec<(u32, usize)> = Vec::new();
+    for (k, v) in inputs.iter().enumerate() {
+        let binding = 1 + k as u32;
+        let _ = writeln!(
+            src,
+            "@group(0) @binding({binding}) var<storage, read> in{k}: array<vec4<f32>>;"
+        );
+        bindings.push((binding, *v));
+    }
+    for (k, v) in outputs.iter().enumerate() {
+        let binding = 1 + (inputs.len() + k) as u32;
+        let _ = writeln!(
+            src,
+            "@group(0) @binding({binding}) var<storage, read_write> out{k}: array<vec4<f32>>;"
+        );
+        bindings.push((binding, *v));
+    }
+    for (k, f) in launches.iter().enumerate() {
+        let _ = writeln!(
+            src,
+            "fn f{k}({}) -> f32 {{\n    return {};\n}}",
+            f.params, f.expr
+        );
+    }
+    // The element function: loaded operands in, the outputs' values out.
+    let outs_fields: Vec<String> = (0..outputs.len()).map(|k| format!("o{k}: f32")).collect();
+    let _ = writeln!(src, "struct Outs {{ {} }}", outs_fields.join(", "));
+    let load_args: Vec<String> = (0..loads.len()).map(|k| format!("l{k}: f32")).collect();
+    let _ = writeln!(src, "fn element({}) -> Outs {{", load_args.join(", "));
+    let mut value_name: HashMap<usize, String> = HashMap::new();
+    for (k, f) in launches.iter().enumerate() {
+        let mut args: Vec<String> = Vec::new();
+        for (v, layout) in &f.operands {
+            if let Some(name) = value_name.get(v).filter(|_| produced.contains(v)) {
+                args.push(name.clone());
+            } else {
+                let access = access_of(layout);
+                let l = loads
+                    .iter()
+                    .position(|(lv, la)| lv == v && *la == access)
+                    .expect("gathered above");
+                args.push(format!("l{l}"));
+            }
+        }
+        args.extend(f.scalars.iter().map(|&s| float(s)));
+        let _ = writeln!(src, "    let v{k} = f{k}({});", args.join(", "));
+        value_name.insert(f.output, format!("v{k}"));
+    }
+    let out_values: Vec<String> = outputs.iter().map(|v| value_name[v].clone()).collect();
+    let _ = writeln!(src, "    return Outs({});\n}}", out_values.join(", "));
+
+    // The entry point: the contiguous kernels' loop (shaders/common.wgsl).
+    src.push_str(
+        "@compute @workgroup_size(256)\n\
+         fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,\n\
+         \x20       @builtin(local_invocation_index) lid: u32) {\n\
+         \x20   let n = pu(0u);\n",
+    );
+    if vec4 {
+        src.push_str(
+            "    let per_group = CONTIGUOUS_PER_GROUP / 4u;\n\
+             \x20   for (var j = 0u; j < per_group / 256u; j = j + 1u) {\n\
+             \x20       let i = contiguous_item(wid, nwg, lid, j, per_group);\n\
+             \x20       if (i >= n / 4u) {\n            break;\n        }\n",
+        );
+        for (k, (v, access)) in loads.iter().enumerate() {
+            let slot = inputs.iter().position(|x| x == v).expect("an input");
+            let at = match access {
+                Access::Dense { offset } => format!("{}u + i", offset / 4),
+                Access::Periodic { offset, period } => {
+                    format!("{}u + i % {}u", offset / 4, period / 4)
+                }
+                Access::Strided(_) => unreachable!("vec4 needs no strides"),
+            };
+            let _ = writeln!(src, "        let a{k} = in{slot}[{at}];");
+        }
+        for c in ["x", "y", "z", "w"] {
+            let args: Vec<String> = (0..loads.len()).map(|k| format!("a{k}.{c}")).collect();
+            let _ = writeln!(src, "        let r{c} = element({});", args.join(", "));
+        }
+        for k in 0..outputs.len() {
+            let _ = writeln!(
+                src,
+                "        out{k}[i] = vec4<f32>(rx.o{k}, ry.o{k}, rz.o{k}, rw.o{k});"
+            );
+        }
+    } else {
+        src.push_str(
+            "    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {\n\
+             \x20       let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);\n\
+             \x20       if (i >= n) {\n            break;\n        }\n",
+        );
+        for (k, (v, access)) in loads.iter().enumerate() {
+            let slot = inputs.iter().position(|x| x == v).expect("an input");
+            let at = match access {
+                Access::Dense { offset } => format!("{offset}u + i"),
+                Access::Periodic { offset, period } => format!("{offset}u + i % {period}u"),
+                Access::Strided(layout) => strided_index(layout),
+            };
+            let _ = writeln!(src, "        let e{k} = {at};");
+            let _ = writeln!(src, "        let a{k} = in{slot}[e{k} / 4u][e{k} % 4u];");
+        }
+        let args: Vec<String> = (0..loads.len()).map(|k| format!("a{k}")).collect();
+        let _ = writeln!(src, "        let r = element({});", args.join(", "));
+        for k in 0..outputs.len() {
+            let _ = writeln!(src, "        out{k}[i / 4u][i % 4u] = r.o{k};");
+        }
+    }
+    src.push_str("    }\n}\n");
+    let source = format!("{COMMON_WGSL}\n{src}");
+    if let Err(e) = validate(&source) {
+        log::debug!("capture: a fused kernel failed validation, left unfused: {e}");
+        return None;
+    }
+
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    source.hash(&mut hasher);
+    let module_key = format!("fused/{:016x}", hasher.finish());
+    let key = format!("{module_key}:main");
+    let pipeline = device.inner.pipeline(&PipelineSource {
+        key: &key,
+        module_key: &module_key,
+        entry: "main",
+        source: &|| source.clone(),
+    });
+    let names: Vec<&str> = launches.iter().map(|f| f.expr.as_str()).collect();
+    log::trace!(
+        "capture: fused {} launches: {}",
+        names.len(),
+        names.join("; ")
+    );
+    Some(Launch {
+        op: "fused elementwise",
+        fusible: None,
+        pipeline,
+        bindings,
+        params: bytemuck::bytes_of(&(n as u32)).to_vec(),
+        dynamic_params: None,
+        workgroups: groups(n, CONTIGUOUS_PER_GROUP),
+    })
+}
+
+/// Parses and validates a generated module with naga, as wgpu would, before it is compiled.
+pub(crate) fn validate(source: &str) -> Result<(), String> {
+    let module = naga::front::wgsl::parse_str(source).map_err(|e| e.emit_to_string(source))?;
+    naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .validate(&module)
+    .map(|_| ())
+    .map_err(|e| e.emit_to_string(source))
+}

@@ -1,0 +1,172 @@
+//! Captured training steps: record a step once, then replay it without running its closure.
+//!
+//! [`Step`] wraps a closure that runs one training step (forward, `backward()`,
+//! `opt.step()`) and returns the loss. Its first call on inputs of a given shape runs eagerly;
+//! the second runs eagerly too, while every kernel launch, upload and grad-slot change is
+//! written down; from then on [`Step::run`] replays that plan in one queue submission. What a
+//! replay guarantees is stated in `docs/semantics.md` ("Captured steps"): the same values as
+//! the eager step, each leaf's current grad read as an input (S-14), grads installed after the
+//! replay as the engine's apply stage installs them (S-2), and per-step host values (learning
+//! rate, Adam's step count, dropout seeds) read at each replay.
+
+mod fuse;
+mod plan;
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+use crate::tensor::tape;
+use crate::tensor::Tensor;
+use plan::{InputSignature, Plan};
+
+/// How often a signature may fail to capture before its calls stay eager.
+const MAX_CAPTURE_ATTEMPTS: u32 = 3;
+
+/// What a [`Step`] has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Calls that ran the closure without recording.
+    pub eager: u64,
+    /// Calls that ran the closure while recording a plan (kept or not).
+    pub captures: u64,
+    /// Calls that replayed a plan.
+    pub replays: u64,
+    /// Plans kept, one per input signature.
+    pub plans: usize,
+    /// Launches the fuser merged away in the latest plan.
+    pub fused_away: usize,
+    /// Dispatches one replay of the latest plan records.
+    pub replay_dispatches: u64,
+}
+
+/// A training step that is captured on its second call and replayed after that.
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::nn::{loss::mse, Linear, Module};
+/// use wgrad::optim::{Optimizer, Sgd, SgdConfig};
+/// use wgrad::{capture::Step, Device, Tensor};
+/// let dev = Device::new()?;
+/// let model = Linear::new(3, 1, true, &dev)?;
+/// let mut opt = Sgd::new(model.parameters(), SgdConfig::default());
+/// let mut step = Step::new(|batch: &[Tensor]| {
+///     opt.zero_grad();
+///     let loss = mse(&model.forward(&batch[0])?, &batch[1])?;
+///     loss.backward()?;
+///     opt.step()?;
+///     Ok(loss)
+/// });
+/// let x = Tensor::ones(&[4, 3], &dev)?;
+/// let y = Tensor::zeros(&[4, 1], &dev)?;
+/// for _ in 0..3 {
+///     step.run(&[x.clone(), y.clone()])?; // eager, capture, replay
+/// }
+/// assert_eq!(step.stats().replays, 1);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Step<F> {
+    closure: F,
+    fusion: bool,
+    plans: Vec<Plan>,
+    /// Calls seen per signature, and failed captures.
+    seen: HashMap<InputSignature, (u64, u32)>,
+    stats: StepStats,
+}
+
+impl<F> Step<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Tensor>,
+{
+    /// Wraps `closure`, which takes the step's inputs (a batch) and returns its loss.
+    pub fn new(closure: F) -> Step<F> {
+        Step {
+            closure,
+            fusion: true,
+            plans: Vec::new(),
+            seen: HashMap::new(),
+            stats: StepStats::default(),
+        }
+    }
+
+    /// Turns the fuser off (or on again) for plans captured from now on: to compare, or to
+    /// look for a fusion bug.
+    pub fn with_fusion(mut self, fusion: bool) -> Step<F> {
+        self.fusion = fusion;
+        self
+    }
+
+    /// Runs one step on `inputs` and returns the loss: eagerly on the first call for inputs
+    /// of this shape, eagerly while capturing on the second, by replay after that. A call
+    /// whose inputs, grad mode, train/eval flags or grad slots differ from every plan's
+    /// captures again. The returned loss is a fresh tensor each call, detached: the step's
+    /// backward has already run, and a replay records no graph.
+    pub fn run(&mut self, inputs: &[Tensor]) -> Result<Tensor> {
+        let Some(first) = inputs.first() else {
+            return Err(Error::InvalidArgument {
+                op: "capture::Step::run",
+                msg: "needs at least one input tensor".into(),
+            });
+        };
+        if tape::is_open() {
+            return Err(Error::Capture {
+                op: "capture::Step::run",
+                msg: "called while another step is being captured on this thread".into(),
+            });
+        }
+        let signature = InputSignature::of(inputs);
+        for plan in &mut self.plans {
+            if let Some(loss) = plan.replay(inputs, &signature)? {
+                self.stats.replays += 1;
+                return Ok(loss);
+            }
+        }
+        let (calls, failures) = self.seen.entry(signature.clone()).or_default();
+        *calls += 1;
+        if *calls == 1 || *failures >= MAX_CAPTURE_ATTEMPTS {
+            self.stats.eager += 1;
+            return Ok((self.closure)(inputs)?.detach());
+        }
+
+        self.stats.captures += 1;
+        tape::open(first.device());
+        // Like a replayed loss, the returned loss has no graph; dropping the graph before the
+        // tape closes frees the tensors it saved, which would otherwise outlive the step.
+        let result = (self.closure)(inputs).map(|loss| loss.detach());
+        let tape = tape::close().expect("opened above");
+        let loss = result?;
+        let device = first.device().clone();
+        let fusion = self.fusion;
+        let mut fused_away = 0;
+        let planned = plan::draft(tape, inputs, &loss).and_then(|(mut draft, shell)| {
+            if fusion {
+                fused_away = fuse::fuse(&mut draft, &device);
+            }
+            plan::lay_out(draft, shell).map_err(|e| e.to_string())
+        });
+        match planned {
+            Ok(plan) => {
+                self.stats.fused_away = fused_away;
+                self.stats.replay_dispatches = plan.dispatches();
+                // Older plans whose guards no longer pass are kept: a later call may match them.
+                self.plans.push(plan);
+                self.stats.plans = self.plans.len();
+            }
+            Err(reason) => {
+                let (_, failures) = self.seen.get_mut(&signature).expect("counted above");
+                *failures += 1;
+                if *failures >= MAX_CAPTURE_ATTEMPTS {
+                    log::warn!("capture::Step: running eagerly from now on: {reason}");
+                } else {
+                    log::debug!("capture::Step: not captured this call: {reason}");
+                }
+            }
+        }
+        Ok(loss)
+    }
+
+    /// Counts of eager, capturing and replayed calls.
+    pub fn stats(&self) -> StepStats {
+        self.stats
+    }
+}

@@ -1,0 +1,947 @@
+//! A plan: one captured step's launches, with a buffer for every value, replayed in one
+//! submission without running the step's closure.
+//!
+//! Building a plan sorts every storage the tape names into one of five kinds:
+//! - **fixed**: storages from before the step (parameters, optimizer state, constants); the
+//!   plan keeps them alive and binds them as they are;
+//! - **input**: the storages of the step's inputs; the plan owns a copy of each, into which a
+//!   replay copies its batch;
+//! - **grad in**: a leaf's grad as the engine read it (S-14): bound at each replay to whatever
+//!   storage that leaf's grad has then;
+//! - **output**: the loss and the grads the step installs; a replay gives each a fresh
+//!   storage, which it hands out afterwards as the engine's apply stage would (S-2);
+//! - **intermediate**: made and dropped within the step; they share the plan's arena, buffers
+//!   assigned by liveness once, at build.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::autograd::is_grad_enabled;
+use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
+use crate::error::{Error, Result};
+use crate::tensor::tape::{HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry};
+use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
+
+/// What a captured step's inputs looked like: a replay needs the same, since shapes, strides
+/// and label bounds are baked into the plan's kernel params.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct InputSignature {
+    inputs: Vec<(Layout, DType, Option<u32>, bool)>,
+    grad_enabled: bool,
+}
+
+impl InputSignature {
+    pub fn of(inputs: &[Tensor]) -> InputSignature {
+        InputSignature {
+            inputs: inputs
+                .iter()
+                .map(|t| {
+                    (
+                        t.layout().clone(),
+                        t.dtype(),
+                        t.index_bound(),
+                        t.requires_grad(),
+                    )
+                })
+                .collect(),
+            grad_enabled: is_grad_enabled(),
+        }
+    }
+}
+
+/// How a replay finds a value's buffer.
+enum Kind {
+    /// A storage the plan holds: from before the step, or its arena's, or an input copy.
+    Fixed(Arc<Storage>),
+    /// A leaf's grad as read at this point of the step; resolved at each replay.
+    GradIn,
+    /// A fresh storage per replay.
+    Output { bytes: u64 },
+    /// Made and dropped within the step; gets an arena buffer once the plan is laid out.
+    Intermediate { bytes: u64 },
+}
+
+/// What an elementwise launch computes (the tape's [`Elementwise`] with its operands and
+/// output named as values), for the fuser.
+pub(crate) struct Fusible {
+    pub params: &'static str,
+    pub expr: String,
+    pub scalars: Vec<f32>,
+    pub operands: Vec<(usize, Layout)>,
+    pub output: usize,
+    pub shape: Vec<usize>,
+}
+
+/// One launch of the plan, its bindings naming values.
+pub(crate) struct Launch {
+    pub op: &'static str,
+    pub fusible: Option<Fusible>,
+    pub pipeline: Arc<CachedPipeline>,
+    pub bindings: Vec<(u32, usize)>,
+    pub params: Vec<u8>,
+    pub dynamic_params: Option<HostBytes>,
+    pub workgroups: u32,
+}
+
+/// A buffer-to-buffer copy between two values, at byte offsets.
+pub(crate) struct BufferCopy {
+    pub src: (usize, u64),
+    pub dst: (usize, u64),
+    pub bytes: u64,
+}
+
+pub(crate) enum Command {
+    Launch(Launch),
+    Upload {
+        target: usize,
+        data: Vec<u8>,
+        dynamic: Option<HostBytes>,
+    },
+    Copy(BufferCopy),
+    Hook(ReplayHook),
+}
+
+/// A grad-slot event with its storage named as a value.
+enum Slot {
+    /// `grad`: the value the grad was bound as (none when no kernel read it) and its layout.
+    Read {
+        leaf: Tensor,
+        grad: Option<(Option<usize>, Layout)>,
+    },
+    Clear {
+        leaf: Tensor,
+    },
+    Set {
+        leaf: Tensor,
+        grad: Tensor,
+    },
+    Install {
+        leaf: Tensor,
+        value: usize,
+        layout: Layout,
+    },
+}
+
+/// A value of the plan: one storage of the captured step.
+pub(crate) struct Value {
+    kind: Kind,
+}
+
+/// What the step returned.
+enum Loss {
+    Value {
+        value: usize,
+        layout: Layout,
+        dtype: DType,
+    },
+    /// A tensor from before the step (a step that returns a parameter, say).
+    Fixed(Tensor),
+}
+
+/// A plan as the fuser sees it: commands over values, before buffers are assigned.
+pub(crate) struct Draft {
+    pub commands: Vec<Command>,
+    pub values: Vec<Value>,
+}
+
+impl Draft {
+    /// True for values only the plan's own commands see (made and dropped within the step),
+    /// which the fuser may keep in registers.
+    pub fn is_intermediate(&self, value: usize) -> bool {
+        matches!(self.values[value].kind, Kind::Intermediate { .. })
+    }
+}
+
+/// A dispatch ready to encode.
+struct Encoded {
+    op: &'static str,
+    pipeline: Arc<CachedPipeline>,
+    bindings: Vec<(u32, usize)>,
+    params_offset: u64,
+    dynamic_params: Option<HostBytes>,
+    workgroups: u32,
+    /// Built once when every binding is fixed; otherwise built per replay, reusing the last
+    /// one when the replay's buffers are the same as the last replay's.
+    bind_group: Option<wgpu::BindGroup>,
+    last: Mutex<Option<(Vec<wgpu::Buffer>, wgpu::BindGroup)>>,
+}
+
+enum Step {
+    Dispatch(Encoded),
+    Upload {
+        staging: wgpu::Buffer,
+        target: usize,
+        bytes: u64,
+        dynamic: Option<HostBytes>,
+    },
+    Copy(BufferCopy),
+    Hook(ReplayHook),
+}
+
+/// A captured step, ready to replay.
+pub(crate) struct Plan {
+    device: Device,
+    pub signature: InputSignature,
+    /// Each input's copy, and the bytes a replay copies into it.
+    inputs: Vec<(Arc<Storage>, u64)>,
+    flags: Vec<(Arc<AtomicBool>, bool)>,
+    requires_grad: Vec<(Weak<TensorInner>, bool)>,
+    slots: Vec<Slot>,
+    kinds: Vec<Kind>,
+    steps: Vec<Step>,
+    params_buffer: Option<wgpu::Buffer>,
+    loss: Loss,
+    dispatches: u64,
+}
+
+/// Why a tape cannot become a plan (the step then stays eager).
+pub(crate) type Refusal = String;
+
+/// Sorts the tape's storages into values and its entries into commands.
+pub(crate) fn draft(
+    tape: Tape,
+    inputs: &[Tensor],
+    loss: &Tensor,
+) -> std::result::Result<(Draft, Shell), Refusal> {
+    if let Some(reason) = tape.refused {
+        return Err(reason);
+    }
+    let mut ids: HashMap<u64, usize> = HashMap::new();
+    let mut values: Vec<Value> = Vec::new();
+
+    // Inputs: one storage each.
+    let mut input_ids: HashMap<u64, usize> = HashMap::new();
+    for (i, input) in inputs.iter().enumerate() {
+        if !Device::same(input.device(), &tape.device) {
+            return Err(format!("input {i} lives on another device than the step's"));
+        }
+        if input_ids.insert(input.storage_id(), i).is_some() {
+            return Err("two inputs share one buffer".into());
+        }
+    }
+
+    // The grads the engine read at the step's start (before anything installed).
+    let grad_in: std::collections::HashSet<u64> = tape
+        .slots
+        .iter()
+        .filter_map(|e| match e {
+            SlotEvent::Read {
+                grad: Some((id, _)),
+                ..
+            } if !tape.created.contains(id) => Some(*id),
+            _ => None,
+        })
+        .collect();
+
+    // The storages each leaf's grad slot ends the step with, and the loss's.
+    let mut final_grads: HashMap<usize, u64> = HashMap::new();
+    for event in &tape.slots {
+        match event {
+            SlotEvent::Install { leaf, storage } => {
+                final_grads.insert(Arc::as_ptr(&leaf.inner) as usize, *storage);
+            }
+            SlotEvent::Clear { leaf } | SlotEvent::Set { leaf, .. } => {
+                final_grads.remove(&(Arc::as_ptr(&leaf.inner) as usize));
+            }
+            SlotEvent::Read { .. } => {}
+        }
+    }
+    let loss_id = loss.storage_id();
+    let alive = |id: u64| tape.created.contains(&id) && !tape.released.contains(&id);
+    let is_output = |id: u64| id == loss_id || final_grads.values().any(|&s| s == id);
+    for &id in &tape.created {
+        if alive(id) && !is_output(id) {
+            return Err(
+                "the step keeps a tensor it made beyond its end (new optimizer state, a saved \
+                 graph, or a tensor stored outside the closure)"
+                    .into(),
+            );
+        }
+    }
+
+    let mut input_values: Vec<Option<usize>> = vec![None; inputs.len()];
+    let mut value_of =
+        |id: u64, bytes: u64, external: Option<&Arc<Storage>>, values: &mut Vec<Value>| -> usize {
+            if let Some(&v) = ids.get(&id) {
+                return v;
+            }
+            let kind = if let Some(&i) = input_ids.get(&id) {
+                // Replaced by the plan's own copy once laid out.
+                let copy = external.expect("inputs exist before the step").clone();
+                input_values[i] = Some(values.len());
+                Kind::Fixed(copy)
+            } else if grad_in.contains(&id) {
+                Kind::GradIn
+            } else if let Some(storage) = external {
+                Kind::Fixed(storage.clone())
+            } else if is_output(id) {
+                Kind::Output { bytes }
+            } else {
+                Kind::Intermediate { bytes }
+            };
+            values.push(Value { kind });
+            ids.insert(id, values.len() - 1);
+            values.len() - 1
+        };
+
+    let mut commands = Vec::with_capacity(tape.entries.len());
+    for entry in tape.entries {
+        commands.push(match entry {
+            TapeEntry::Launch(l) => {
+                let bindings: Vec<(u32, usize)> = l
+                    .bindings
+                    .iter()
+                    .map(|(b, s)| {
+                        (
+                            *b,
+                            value_of(s.id, s.bytes, s.external.as_ref(), &mut values),
+                        )
+                    })
+                    .collect();
+                let value_at = |binding: u32| -> usize {
+                    bindings
+                        .iter()
+                        .find(|(b, _)| *b == binding)
+                        .map(|&(_, v)| v)
+                        .expect("an elementwise launch binds its operands")
+                };
+                let fusible = l.elementwise.map(|e| Fusible {
+                    params: e.params,
+                    expr: e.expr,
+                    scalars: e.scalars,
+                    operands: e
+                        .operands
+                        .into_iter()
+                        .map(|(b, layout)| (value_at(b), layout))
+                        .collect(),
+                    output: value_at(e.output),
+                    shape: e.shape,
+                });
+                Command::Launch(Launch {
+                    op: l.op,
+                    fusible,
+                    pipeline: l.pipeline,
+                    bindings,
+                    params: l.params,
+                    dynamic_params: l.dynamic_params,
+                    workgroups: l.workgroups,
+                })
+            }
+            TapeEntry::Upload {
+                target,
+                data,
+                dynamic,
+                ..
+            } => Command::Upload {
+                target: value_of(
+                    target.id,
+                    target.bytes,
+                    target.external.as_ref(),
+                    &mut values,
+                ),
+                data,
+                dynamic,
+            },
+            TapeEntry::Copy { src, dst, bytes } => Command::Copy(BufferCopy {
+                src: (
+                    value_of(src.0.id, src.0.bytes, src.0.external.as_ref(), &mut values),
+                    src.1,
+                ),
+                dst: (
+                    value_of(dst.0.id, dst.0.bytes, dst.0.external.as_ref(), &mut values),
+                    dst.1,
+                ),
+                bytes,
+            }),
+            TapeEntry::Hook(hook) => Command::Hook(hook),
+        });
+    }
+
+    let mut slots = Vec::with_capacity(tape.slots.len());
+    for event in tape.slots {
+        slots.push(match event {
+            SlotEvent::Read { leaf, grad } => Slot::Read {
+                leaf,
+                grad: grad.map(|(id, layout)| (ids.get(&id).copied(), layout)),
+            },
+            SlotEvent::Clear { leaf } => Slot::Clear { leaf },
+            SlotEvent::Set { leaf, grad } => Slot::Set { leaf, grad },
+            SlotEvent::Install { leaf, storage } => {
+                let Some(&value) = ids.get(&storage) else {
+                    return Err("a grad was installed that no kernel of the step wrote".into());
+                };
+                let layout = leaf
+                    .grad()
+                    .map(|g| g.layout().clone())
+                    .unwrap_or_else(|| Layout::contiguous(leaf.shape()));
+                Slot::Install {
+                    leaf,
+                    value,
+                    layout: Layout::contiguous(layout.shape.as_slice()),
+                }
+            }
+        });
+    }
+
+    let loss = match ids.get(&loss_id) {
+        Some(&value) if !matches!(values[value].kind, Kind::Fixed(_)) => Loss::Value {
+            value,
+            layout: loss.layout().clone(),
+            dtype: loss.dtype(),
+        },
+        _ if !tape.created.contains(&loss_id) => Loss::Fixed(loss.clone()),
+        _ => return Err("the loss was made by no kernel of the step".into()),
+    };
+
+    let mut input_copies = Vec::with_capacity(inputs.len());
+    for (i, input) in inputs.iter().enumerate() {
+        let bytes = (input.layout().span() * input.dtype().size()) as u64;
+        input_copies.push((input_values[i], bytes));
+    }
+
+    Ok((
+        Draft { commands, values },
+        Shell {
+            device: tape.device,
+            signature: InputSignature::of(inputs),
+            input_copies,
+            flags: tape.flags,
+            requires_grad: tape.requires_grad,
+            slots,
+            loss,
+        },
+    ))
+}
+
+/// The parts of a plan the fuser does not touch.
+pub(crate) struct Shell {
+    device: Device,
+    signature: InputSignature,
+    /// Each input's value (when a launch reads it) and the bytes its layout spans.
+    input_copies: Vec<(Option<usize>, u64)>,
+    flags: Vec<(Arc<AtomicBool>, bool)>,
+    requires_grad: Vec<(Weak<TensorInner>, bool)>,
+    slots: Vec<Slot>,
+    loss: Loss,
+}
+
+fn capture_error(msg: String) -> Error {
+    Error::Capture {
+        op: "capture::Step",
+        msg,
+    }
+}
+
+/// Lays out a draft: arena buffers for intermediates (by liveness), copies for inputs, the
+/// params buffer, and bind groups for the launches whose buffers never change.
+pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
+    const OP: &str = "capture::Step";
+    let Draft { commands, values } = draft;
+    let device = shell.device.clone();
+
+    // Liveness of each value over the commands.
+    let mut first = vec![usize::MAX; values.len()];
+    let mut last = vec![0usize; values.len()];
+    let mut touch = |v: usize, at: usize| {
+        first[v] = first[v].min(at);
+        last[v] = last[v].max(at);
+    };
+    for (at, command) in commands.iter().enumerate() {
+        match command {
+            Command::Launch(l) => l.bindings.iter().for_each(|&(_, v)| touch(v, at)),
+            Command::Upload { target, .. } => touch(*target, at),
+            Command::Copy(BufferCopy { src, dst, .. }) => {
+                touch(src.0, at);
+                touch(dst.0, at);
+            }
+            Command::Hook(_) => {}
+        }
+    }
+
+    // The arena: intermediates in order of first use, each taking a free buffer of its size
+    // whose last user came before, or a new one.
+    let mut kinds: Vec<Kind> = values.into_iter().map(|v| v.kind).collect();
+    let mut order: Vec<usize> = (0..kinds.len())
+        .filter(|&v| matches!(kinds[v], Kind::Intermediate { .. }) && first[v] != usize::MAX)
+        .collect();
+    order.sort_by_key(|&v| first[v]);
+    let mut busy: Vec<(usize, u64, Arc<Storage>)> = Vec::new(); // (free after, bytes, buffer)
+    let mut free: Vec<(u64, Arc<Storage>)> = Vec::new();
+    for v in order {
+        let Kind::Intermediate { bytes } = kinds[v] else {
+            unreachable!()
+        };
+        let (done, still): (Vec<_>, Vec<_>) = busy.drain(..).partition(|(l, _, _)| *l < first[v]);
+        busy = still;
+        free.extend(done.into_iter().map(|(_, b, s)| (b, s)));
+        let storage = match free.iter().position(|(b, _)| *b == bytes) {
+            Some(i) => free.swap_remove(i).1,
+            None => Arc::new(Storage::alloc(OP, bytes, &device)?),
+        };
+        busy.push((last[v], bytes, storage.clone()));
+        kinds[v] = Kind::Fixed(storage);
+    }
+
+    // Inputs: the plan's own copies.
+    let mut inputs = Vec::new();
+    for (value, bytes) in &shell.input_copies {
+        let copy = Arc::new(Storage::alloc(OP, (*bytes).max(4), &device)?);
+        if let Some(v) = value {
+            kinds[*v] = Kind::Fixed(copy.clone());
+        }
+        inputs.push((copy, *bytes));
+    }
+
+    let inner = &device.inner;
+    let launches = commands
+        .iter()
+        .filter(|c| matches!(c, Command::Launch(_)))
+        .count() as u64;
+    let params_buffer = (launches > 0).then(|| {
+        inner.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("wgrad plan params"),
+            size: PARAMS_BYTES * launches,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    });
+    let mut static_params = vec![0u8; (PARAMS_BYTES * launches) as usize];
+    let mut steps = Vec::with_capacity(commands.len());
+    let mut launch_index = 0u64;
+    for command in commands {
+        steps.push(match command {
+            Command::Launch(l) => {
+                let params_offset = launch_index * PARAMS_BYTES;
+                launch_index += 1;
+                let at = params_offset as usize;
+                static_params[at..at + l.params.len()].copy_from_slice(&l.params);
+                let fixed: Option<Vec<&wgpu::Buffer>> = l
+                    .bindings
+                    .iter()
+                    .map(|&(_, v)| match &kinds[v] {
+                        Kind::Fixed(s) => Some(s.buffer()),
+                        _ => None,
+                    })
+                    .collect();
+                let bind_group = fixed.map(|buffers| {
+                    bind_group(
+                        &device,
+                        &l.pipeline,
+                        params_buffer.as_ref().expect("launches have params"),
+                        params_offset,
+                        &l.bindings,
+                        &buffers,
+                        l.op,
+                    )
+                });
+                Step::Dispatch(Encoded {
+                    op: l.op,
+                    pipeline: l.pipeline,
+                    bindings: l.bindings,
+                    params_offset,
+                    dynamic_params: l.dynamic_params,
+                    workgroups: l.workgroups,
+                    bind_group,
+                    last: Mutex::new(None),
+                })
+            }
+            Command::Upload {
+                target,
+                data,
+                dynamic,
+            } => {
+                let bytes = data.len() as u64;
+                let staging = inner.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("wgrad plan upload"),
+                    size: bytes.max(4),
+                    usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                inner.write_buffer(&staging, 0, &data);
+                Step::Upload {
+                    staging,
+                    target,
+                    bytes,
+                    dynamic,
+                }
+            }
+            Command::Copy(copy) => Step::Copy(copy),
+            Command::Hook(hook) => Step::Hook(hook),
+        });
+    }
+    if let Some(buffer) = &params_buffer {
+        inner.write_buffer(buffer, 0, &static_params);
+    }
+    inner.take_error(OP)?;
+    Ok(Plan {
+        device,
+        signature: shell.signature,
+        inputs,
+        flags: shell.flags,
+        requires_grad: shell.requires_grad,
+        slots: shell.slots,
+        kinds,
+        steps,
+        params_buffer,
+        loss: shell.loss,
+        dispatches: launch_index,
+    })
+}
+
+fn bind_group(
+    device: &Device,
+    pipeline: &CachedPipeline,
+    params: &wgpu::Buffer,
+    params_offset: u64,
+    bindings: &[(u32, usize)],
+    buffers: &[&wgpu::Buffer],
+    op: &'static str,
+) -> wgpu::BindGroup {
+    let mut entries = vec![wgpu::BindGroupEntry {
+        binding: 0,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: params,
+            offset: params_offset,
+            size: wgpu::BufferSize::new(PARAMS_BYTES),
+        }),
+    }];
+    for ((binding, _), buffer) in bindings.iter().zip(buffers) {
+        entries.push(wgpu::BindGroupEntry {
+            binding: *binding,
+            resource: buffer.as_entire_binding(),
+        });
+    }
+    device
+        .inner
+        .device
+        .create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(op),
+            layout: &pipeline.layout,
+            entries: &entries,
+        })
+}
+
+/// The buffers a replay binds that change from call to call.
+struct Resolved {
+    /// The storage each grad-in value binds to.
+    grad_in: HashMap<usize, Arc<Storage>>,
+    /// Storages of grads the step clears that nothing else holds.
+    droppable: Vec<Arc<Storage>>,
+}
+
+/// A grad slot as a replay sees it before it changes the real one.
+#[derive(Clone)]
+enum SimGrad {
+    None,
+    Handle(Tensor),
+    /// A new handle over a value (a slot that was empty when the step installed into it).
+    New,
+}
+
+impl Plan {
+    /// Whether this plan may replay now: the same inputs, modes, flags and grad slots as when
+    /// it was captured. Returns the storage each grad-in value binds to, and the storages of
+    /// grads the step clears that nothing else holds (a replay writes its outputs into them,
+    /// as the eager step's pool would have reused them).
+    fn check(&self, signature: &InputSignature) -> Option<Resolved> {
+        if *signature != self.signature {
+            return None;
+        }
+        if self
+            .flags
+            .iter()
+            .any(|(flag, value)| flag.load(Ordering::Relaxed) != *value)
+        {
+            return None;
+        }
+        for (tensor, requires_grad) in &self.requires_grad {
+            if let Some(inner) = tensor.upgrade() {
+                if (Tensor { inner }).requires_grad() != *requires_grad {
+                    return None;
+                }
+            }
+        }
+        let mut sim: HashMap<usize, SimGrad> = HashMap::new();
+        let key = |t: &Tensor| Arc::as_ptr(&t.inner) as usize;
+        let mut grad_in: HashMap<usize, Arc<Storage>> = HashMap::new();
+        let mut droppable: Vec<Arc<Storage>> = Vec::new();
+        for slot in &self.slots {
+            match slot {
+                Slot::Read { leaf, grad } => {
+                    let current = sim
+                        .entry(key(leaf))
+                        .or_insert_with(|| leaf.grad().map_or(SimGrad::None, SimGrad::Handle))
+                        .clone();
+                    match (grad, current) {
+                        (None, SimGrad::None) => {}
+                        (Some((value, layout)), SimGrad::Handle(h)) => {
+                            if h.layout() != layout {
+                                return None;
+                            }
+                            if let Some(value) =
+                                value.filter(|&v| matches!(self.kinds[v], Kind::GradIn))
+                            {
+                                let storage = h.storage();
+                                if let Some(bound) = grad_in.get(&value) {
+                                    if bound.id() != storage.id() {
+                                        return None;
+                                    }
+                                }
+                                grad_in.insert(value, storage);
+                            }
+                        }
+                        (Some(_), SimGrad::New) => {}
+                        _ => return None,
+                    }
+                }
+                Slot::Clear { leaf } => {
+                    let current = sim
+                        .entry(key(leaf))
+                        .or_insert_with(|| leaf.grad().map_or(SimGrad::None, SimGrad::Handle));
+                    if let SimGrad::Handle(h) = current {
+                        // Held by the slot and by `sim` alone, and its storage by it alone.
+                        let storage = h.storage();
+                        let dense = h.is_contiguous() && h.layout().offset == 0;
+                        if dense
+                            && Arc::strong_count(&h.inner) == 2
+                            && Arc::strong_count(&storage) == 2
+                        {
+                            droppable.push(storage);
+                        }
+                    }
+                    *current = SimGrad::None;
+                }
+                Slot::Set { leaf, grad } => {
+                    sim.insert(key(leaf), SimGrad::Handle(grad.clone()));
+                }
+                Slot::Install { leaf, .. } => {
+                    let current = sim
+                        .entry(key(leaf))
+                        .or_insert_with(|| leaf.grad().map_or(SimGrad::None, SimGrad::Handle));
+                    if matches!(current, SimGrad::None) {
+                        *current = SimGrad::New;
+                    }
+                }
+            }
+        }
+        // Every grad-in value must have been bound by a read.
+        let bound = self
+            .kinds
+            .iter()
+            .enumerate()
+            .all(|(v, k)| !matches!(k, Kind::GradIn) || grad_in.contains_key(&v));
+        // A cleared grad read later in the step is not free to reuse.
+        droppable.retain(|s| grad_in.values().all(|g| g.id() != s.id()));
+        bound.then_some(Resolved { grad_in, droppable })
+    }
+
+    /// Replays the step on `inputs`, or returns `Ok(None)` when a guard says this plan does
+    /// not fit them. On an error, parameters and grad slots are as they were.
+    pub fn replay(
+        &mut self,
+        inputs: &[Tensor],
+        signature: &InputSignature,
+    ) -> Result<Option<Tensor>> {
+        const OP: &str = "capture::Step::run";
+        let Some(Resolved {
+            grad_in,
+            mut droppable,
+        }) = self.check(signature)
+        else {
+            return Ok(None);
+        };
+        let inner = self.device.inner.clone();
+
+        // Fresh storages for the outputs.
+        let mut outputs: HashMap<usize, Arc<Storage>> = HashMap::new();
+        for (v, kind) in self.kinds.iter().enumerate() {
+            if let Kind::Output { bytes } = kind {
+                let storage = match droppable.iter().position(|s| s.buffer().size() == *bytes) {
+                    Some(i) => droppable.swap_remove(i),
+                    None => Arc::new(Storage::alloc(OP, *bytes, &self.device)?),
+                };
+                outputs.insert(v, storage);
+            }
+        }
+        // Host work: hooks, then the params and data that change per step.
+        let mut writes: Vec<(usize, Vec<u8>)> = Vec::new(); // (step, bytes)
+        for (i, step) in self.steps.iter_mut().enumerate() {
+            match step {
+                Step::Hook(hook) => hook()?,
+                Step::Dispatch(Encoded {
+                    dynamic_params: Some(f),
+                    ..
+                }) => writes.push((i, f())),
+                Step::Upload {
+                    dynamic: Some(f),
+                    bytes,
+                    ..
+                } => {
+                    let data = f();
+                    if data.len() as u64 != *bytes {
+                        return Err(capture_error(format!(
+                            "replayed host data of {} bytes where the capture had {bytes}",
+                            data.len()
+                        )));
+                    }
+                    writes.push((i, data));
+                }
+                _ => {}
+            }
+        }
+
+        let buffer_of = |v: usize| -> &wgpu::Buffer {
+            match &self.kinds[v] {
+                Kind::Fixed(s) => s.buffer(),
+                Kind::GradIn => grad_in[&v].buffer(),
+                Kind::Output { .. } => outputs[&v].buffer(),
+                Kind::Intermediate { .. } => unreachable!("laid out"),
+            }
+        };
+
+        let mut encoder = inner
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("wgrad replay"),
+            });
+        for ((copy, bytes), input) in self.inputs.iter().zip(inputs) {
+            let bytes = bytes.div_ceil(4) * 4;
+            if bytes > 0 {
+                encoder.copy_buffer_to_buffer(input.storage().buffer(), 0, copy.buffer(), 0, bytes);
+            }
+        }
+        let mut i = 0;
+        while i < self.steps.len() {
+            // Consecutive dispatches share one compute pass.
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("wgrad replay"),
+                timestamp_writes: None,
+            });
+            while i < self.steps.len() {
+                match &self.steps[i] {
+                    Step::Dispatch(d) => {
+                        pass.set_pipeline(&d.pipeline.pipeline);
+                        match &d.bind_group {
+                            Some(group) => pass.set_bind_group(0, group, &[]),
+                            None => {
+                                let buffers: Vec<wgpu::Buffer> = d
+                                    .bindings
+                                    .iter()
+                                    .map(|&(_, v)| buffer_of(v).clone())
+                                    .collect();
+                                let mut last = d.last.lock().unwrap_or_else(|e| e.into_inner());
+                                let reuse = matches!(&*last, Some((b, _)) if *b == buffers);
+                                if !reuse {
+                                    let refs: Vec<&wgpu::Buffer> = buffers.iter().collect();
+                                    let group = bind_group(
+                                        &self.device,
+                                        &d.pipeline,
+                                        self.params_buffer.as_ref().expect("launches"),
+                                        d.params_offset,
+                                        &d.bindings,
+                                        &refs,
+                                        d.op,
+                                    );
+                                    *last = Some((buffers, group));
+                                }
+                                let group = &last.as_ref().expect("set above").1;
+                                pass.set_bind_group(0, group, &[]);
+                            }
+                        }
+                        let (x, y) = workgroup_grid(d.workgroups);
+                        pass.dispatch_workgroups(x, y, 1);
+                        i += 1;
+                    }
+                    Step::Hook(_) => i += 1,
+                    Step::Upload { .. } | Step::Copy(_) => break,
+                }
+            }
+            drop(pass);
+            match self.steps.get(i) {
+                Some(Step::Upload {
+                    staging,
+                    target,
+                    bytes,
+                    ..
+                }) => {
+                    if *bytes > 0 {
+                        encoder.copy_buffer_to_buffer(staging, 0, buffer_of(*target), 0, *bytes);
+                    }
+                    i += 1;
+                }
+                Some(Step::Copy(BufferCopy { src, dst, bytes })) => {
+                    encoder.copy_buffer_to_buffer(
+                        buffer_of(src.0),
+                        src.1,
+                        buffer_of(dst.0),
+                        dst.1,
+                        *bytes,
+                    );
+                    i += 1;
+                }
+                _ => {}
+            }
+        }
+        let queue_writes: Vec<(&wgpu::Buffer, u64, &[u8])> = writes
+            .iter()
+            .map(|(i, data)| match &self.steps[*i] {
+                Step::Dispatch(d) => (
+                    self.params_buffer.as_ref().expect("launches"),
+                    d.params_offset,
+                    data.as_slice(),
+                ),
+                Step::Upload { staging, .. } => (staging, 0, data.as_slice()),
+                Step::Hook(_) | Step::Copy(_) => unreachable!("writes nothing from the host"),
+            })
+            .collect();
+        inner.submit_commands(OP, &queue_writes, encoder.finish(), self.dispatches)?;
+
+        // The grad slots change as the step's engine changed them (S-2).
+        for slot in &self.slots {
+            match slot {
+                Slot::Read { .. } => {}
+                Slot::Clear { leaf } => leaf.meta().grad = None,
+                Slot::Set { leaf, grad } => leaf.meta().grad = Some(grad.clone()),
+                Slot::Install {
+                    leaf,
+                    value,
+                    layout,
+                } => {
+                    let storage = match &self.kinds[*value] {
+                        Kind::Output { .. } => outputs[value].clone(),
+                        Kind::Fixed(s) => s.clone(),
+                        _ => unreachable!("installed values are outputs or laid out"),
+                    };
+                    let fresh =
+                        Tensor::from_parts(storage, layout.clone(), DType::F32, &self.device);
+                    let current = leaf.grad();
+                    match current {
+                        Some(handle) => crate::autograd::swap_in(&handle, fresh)?,
+                        None => leaf.meta().grad = Some(fresh),
+                    }
+                }
+            }
+        }
+        Ok(Some(match &self.loss {
+            Loss::Value {
+                value,
+                layout,
+                dtype,
+            } => {
+                let storage = match &self.kinds[*value] {
+                    Kind::Output { .. } => outputs[value].clone(),
+                    Kind::Fixed(s) => s.clone(),
+                    _ => unreachable!("laid out"),
+                };
+                Tensor::from_parts(storage, layout.clone(), *dtype, &self.device)
+            }
+            Loss::Fixed(t) => t.clone(),
+        }))
+    }
+
+    /// Dispatches one replay records.
+    pub fn dispatches(&self) -> u64 {
+        self.dispatches
+    }
+}

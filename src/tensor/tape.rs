@@ -1,0 +1,290 @@
+//! The capture tape. While `capture::Step` captures a training step, everything the step does
+//! to the device on this thread is written down in order: each kernel launch (pipeline,
+//! buffers, params), each upload of host data, each host hook that must run again at every
+//! replay (an optimizer's step count), each change to a grad slot, and each train/eval flag the
+//! step's modules read. `capture` turns the tape into a plan.
+//!
+//! Eager code pays one thread-local check per launch; nothing is written unless a tape is open.
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use crate::device::{CachedPipeline, Device};
+use crate::error::{Error, Result};
+use crate::tensor::{Layout, Storage, Tensor, TensorInner};
+
+thread_local! {
+    static TAPE: RefCell<Option<Tape>> = const { RefCell::new(None) };
+}
+
+/// Host data computed again at every replay (dropout masks, an optimizer's bias corrections).
+pub(crate) type HostBytes = Arc<dyn Fn() -> Vec<u8> + Send + Sync>;
+
+/// Host work a replay runs before its kernels (advancing an optimizer's step count).
+pub(crate) type ReplayHook = Box<dyn FnMut() -> Result<()> + Send>;
+
+/// A buffer a taped command touches. Storages made while taping are named by id only (the
+/// plan gives them buffers of its own); storages from before are kept alive by the tape.
+pub(crate) struct TapedStorage {
+    pub id: u64,
+    /// The buffer's size (its pool size class).
+    pub bytes: u64,
+    /// The storage itself, for storages that existed before the tape opened.
+    pub external: Option<Arc<Storage>>,
+}
+
+/// What an elementwise launch computes, for the fuser: `out[i] = f(operands at i, scalars)`
+/// over a contiguous output, where `f` is a WGSL expression.
+pub(crate) struct Elementwise {
+    /// The expression's parameters, e.g. `"a: f32, b: f32, s: f32"`: one per operand, then
+    /// one per scalar.
+    pub params: &'static str,
+    /// The expression, e.g. `"a * b"`.
+    pub expr: String,
+    /// The scalar arguments.
+    pub scalars: Vec<f32>,
+    /// Each operand's binding and its layout, expanded to the output's shape.
+    pub operands: Vec<(u32, Layout)>,
+    /// The output's binding (a fresh contiguous tensor of `shape`).
+    pub output: u32,
+    pub shape: Vec<usize>,
+}
+
+/// One kernel launch as the step made it.
+pub(crate) struct TapedLaunch {
+    pub op: &'static str,
+    pub pipeline: Arc<CachedPipeline>,
+    pub bindings: Vec<(u32, TapedStorage)>,
+    /// The params as they were at capture.
+    pub params: Vec<u8>,
+    /// Recomputes the params at each replay, for params that change per step.
+    pub dynamic_params: Option<HostBytes>,
+    pub workgroups: u32,
+    /// Set for launches the fuser may merge.
+    pub elementwise: Option<Elementwise>,
+}
+
+/// What a step did to the device, in order.
+pub(crate) enum TapeEntry {
+    Launch(TapedLaunch),
+    /// Host data copied into a buffer.
+    Upload {
+        target: TapedStorage,
+        data: Vec<u8>,
+        /// Recomputes the data at each replay.
+        dynamic: Option<HostBytes>,
+    },
+    /// A buffer-to-buffer copy of `bytes` bytes.
+    Copy {
+        src: (TapedStorage, u64),
+        dst: (TapedStorage, u64),
+        bytes: u64,
+    },
+    Hook(ReplayHook),
+}
+
+/// A change to (or read of) a grad slot.
+pub(crate) enum SlotEvent {
+    /// The engine read `leaf`'s grad: the storage id and layout it had then, if any.
+    Read {
+        leaf: Tensor,
+        grad: Option<(u64, Layout)>,
+    },
+    /// `zero_grad` or `set_grad(None)`.
+    Clear { leaf: Tensor },
+    /// `set_grad(Some(grad))`.
+    Set { leaf: Tensor, grad: Tensor },
+    /// The engine installed the storage `storage` as `leaf`'s grad (S-2's swap, or a new
+    /// handle where the slot was empty).
+    Install { leaf: Tensor, storage: u64 },
+}
+
+/// Everything one captured step did.
+pub(crate) struct Tape {
+    pub device: Device,
+    pub entries: Vec<TapeEntry>,
+    pub slots: Vec<SlotEvent>,
+    /// Storages made while taping, and those of them dropped before it closed.
+    pub created: HashSet<u64>,
+    pub released: HashSet<u64>,
+    /// Train/eval flags the step's modules read, with the value they had.
+    pub flags: Vec<(Arc<AtomicBool>, bool)>,
+    /// `requires_grad` of each tensor from outside the step that a launch read.
+    pub requires_grad: Vec<(Weak<TensorInner>, bool)>,
+    /// Why the step cannot be replayed, when the step did something a plan cannot hold.
+    pub refused: Option<String>,
+}
+
+/// Opens a tape on this thread for work on `device`.
+pub(crate) fn open(device: &Device) {
+    TAPE.with(|t| {
+        *t.borrow_mut() = Some(Tape {
+            device: device.clone(),
+            entries: Vec::new(),
+            slots: Vec::new(),
+            created: HashSet::new(),
+            released: HashSet::new(),
+            flags: Vec::new(),
+            requires_grad: Vec::new(),
+            refused: None,
+        })
+    });
+}
+
+/// Closes this thread's tape and returns it.
+pub(crate) fn close() -> Option<Tape> {
+    TAPE.with(|t| t.borrow_mut().take())
+}
+
+/// True while a tape is open on this thread.
+pub(crate) fn is_open() -> bool {
+    TAPE.with(|t| t.borrow().is_some())
+}
+
+fn with_tape(f: impl FnOnce(&mut Tape)) {
+    // `try_with`: storages may drop while the thread's locals are being torn down.
+    let _ = TAPE.try_with(|t| {
+        if let Ok(mut tape) = t.try_borrow_mut() {
+            if let Some(tape) = tape.as_mut() {
+                f(tape);
+            }
+        }
+    });
+}
+
+pub(crate) fn note_alloc(id: u64) {
+    with_tape(|tape| {
+        tape.created.insert(id);
+    });
+}
+
+pub(crate) fn note_release(id: u64) {
+    with_tape(|tape| {
+        if tape.created.contains(&id) {
+            tape.released.insert(id);
+        }
+    });
+}
+
+/// How a tape names `storage`.
+fn taped(tape: &Tape, storage: &Arc<Storage>) -> TapedStorage {
+    let id = storage.id();
+    TapedStorage {
+        id,
+        bytes: storage.buffer().size(),
+        external: (!tape.created.contains(&id)).then(|| storage.clone()),
+    }
+}
+
+fn check_device(tape: &mut Tape, op: &'static str, device: &Device) {
+    if !Device::same(&tape.device, device) && tape.refused.is_none() {
+        tape.refused = Some(format!("{op} ran on another device than the step's"));
+    }
+}
+
+/// Writes down a kernel launch over `tensors` (each beside its binding).
+pub(crate) fn record_launch(
+    op: &'static str,
+    pipeline: &Arc<CachedPipeline>,
+    tensors: &[(u32, &Tensor)],
+    params: &[u8],
+    dynamic_params: Option<HostBytes>,
+    workgroups: u32,
+    elementwise: Option<Elementwise>,
+) {
+    with_tape(|tape| {
+        check_device(tape, op, tensors[0].1.device());
+        let mut bindings = Vec::with_capacity(tensors.len());
+        for (binding, tensor) in tensors {
+            let storage = tensor.storage();
+            let entry = taped(tape, &storage);
+            if entry.external.is_some() {
+                let known = tape
+                    .requires_grad
+                    .iter()
+                    .any(|(t, _)| Weak::as_ptr(t) == Arc::as_ptr(&tensor.inner));
+                if !known {
+                    tape.requires_grad
+                        .push((Arc::downgrade(&tensor.inner), tensor.requires_grad()));
+                }
+            }
+            bindings.push((*binding, entry));
+        }
+        tape.entries.push(TapeEntry::Launch(TapedLaunch {
+            op,
+            pipeline: pipeline.clone(),
+            bindings,
+            params: params.to_vec(),
+            dynamic_params,
+            workgroups,
+            elementwise,
+        }));
+    });
+}
+
+/// Writes down an upload of `data` into `target`.
+pub(crate) fn record_upload(target: &Arc<Storage>, data: &[u8], dynamic: Option<HostBytes>) {
+    with_tape(|tape| {
+        let target = taped(tape, target);
+        tape.entries.push(TapeEntry::Upload {
+            target,
+            data: data.to_vec(),
+            dynamic,
+        });
+    });
+}
+
+/// Writes down a copy of `bytes` bytes from `src` to `dst` (storages and byte offsets).
+pub(crate) fn record_copy(src: (&Arc<Storage>, u64), dst: (&Arc<Storage>, u64), bytes: u64) {
+    with_tape(|tape| {
+        let entry = TapeEntry::Copy {
+            src: (taped(tape, src.0), src.1),
+            dst: (taped(tape, dst.0), dst.1),
+            bytes,
+        };
+        tape.entries.push(entry);
+    });
+}
+
+/// Registers host work to run again before each replay's kernels, at this point of the step.
+/// Returns false (and drops `hook`) when no tape is open.
+pub(crate) fn on_replay(hook: ReplayHook) -> bool {
+    let mut hook = Some(hook);
+    with_tape(|tape| {
+        tape.entries
+            .push(TapeEntry::Hook(hook.take().expect("once")))
+    });
+    hook.is_none()
+}
+
+/// Notes that the step read a module's train/eval flag: a replay under another value of the
+/// flag would run the wrong kernels, so plans are kept per value.
+pub(crate) fn observe_flag(flag: &Arc<AtomicBool>) {
+    with_tape(|tape| {
+        if !tape.flags.iter().any(|(f, _)| Arc::ptr_eq(f, flag)) {
+            tape.flags
+                .push((flag.clone(), flag.load(Ordering::Relaxed)));
+        }
+    });
+}
+
+pub(crate) fn note_slot(event: impl FnOnce() -> SlotEvent) {
+    with_tape(|tape| tape.slots.push(event()));
+}
+
+/// An error when a tape is open: a captured step cannot read device values on the host,
+/// since its replays run without the closure and would hand back a stale value.
+pub(crate) fn refuse_host_read(op: &'static str) -> Result<()> {
+    if is_open() {
+        return Err(Error::Capture {
+            op,
+            msg: "reads a tensor's values on the host while a step is being captured; a replay \
+                  cannot repeat a host read. Return the value from the step closure (Step::run \
+                  returns it) and read it after run()"
+                .into(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,401 @@
+//! Captured steps (`capture::Step`, docs/semantics.md "Captured steps"): replays equal eager
+//! steps, grad slots follow S-2 and S-14 (C-17), guards re-capture, and host reads refuse.
+
+mod common;
+use common::*;
+use wgrad::capture::Step;
+use wgrad::nn::{self, Module};
+use wgrad::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use wgrad::{no_grad, Error, Result, Tensor};
+
+const IN: usize = 12;
+const HIDDEN: usize = 16;
+const OUT: usize = 5;
+
+fn mlp() -> nn::Sequential {
+    let dev = device();
+    nn::Sequential::new()
+        .add(nn::Linear::new(IN, HIDDEN, true, dev).unwrap())
+        .add(nn::Relu)
+        .add(nn::Linear::new(HIDDEN, OUT, true, dev).unwrap())
+}
+
+/// A second model with the same parameter values as `model`.
+fn twin(model: &dyn Module, make: impl Fn() -> Box<dyn Module>) -> Box<dyn Module> {
+    let copy = make();
+    no_grad(|| {
+        for (a, b) in model.parameters().iter().zip(copy.parameters()) {
+            b.copy_(a).unwrap();
+        }
+    });
+    copy
+}
+
+fn batch(rows: usize, seed: u64) -> (Tensor, Tensor) {
+    let (x, _) = random_tensor(&[rows, IN], seed);
+    let labels: Vec<u32> = (0..rows as u32)
+        .map(|r| (r * 7 + seed as u32) % OUT as u32)
+        .collect();
+    let y = Tensor::from_vec_u32(labels, &[rows], device()).unwrap();
+    (x, y)
+}
+
+fn train_step(
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<Tensor> {
+    opt.zero_grad();
+    let loss = nn::loss::cross_entropy(&model.forward(x)?, y)?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+fn values(params: &[Tensor]) -> Vec<Vec<f32>> {
+    params.iter().map(|p| p.to_vec().unwrap()).collect()
+}
+
+fn assert_same_parameters(eager: &dyn Module, captured: &dyn Module) {
+    let (want, got) = (values(&eager.parameters()), values(&captured.parameters()));
+    for (a, b) in want.iter().zip(&got) {
+        assert_rel_close(b, a, 1e-5, "parameter");
+    }
+}
+
+/// A 1-d leaf that requires grad.
+fn leaf(values: &[f32]) -> Tensor {
+    Tensor::from_slice(values, &[values.len()], device())
+        .unwrap()
+        .requires_grad_(true)
+}
+
+/// `sum(p * x)` and its backward: adds `x` to `p`'s grad.
+fn dot_step(p: &Tensor, x: &Tensor) -> Result<Tensor> {
+    let loss = p.mul(x)?.sum()?;
+    loss.backward()?;
+    Ok(loss)
+}
+
+fn assert_rel_close(a: &[f32], b: &[f32], rel: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let tol = rel * x.abs().max(y.abs()).max(1.0);
+        assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+#[test]
+fn replayed_mlp_steps_equal_eager_steps() {
+    let eager_model = mlp();
+    let captured_model = twin(&eager_model, || Box::new(mlp()));
+    let config = AdamConfig::default();
+    let mut eager_opt = Adam::new(eager_model.parameters(), config);
+    let mut opt = Adam::new(captured_model.parameters(), config);
+    let mut step =
+        Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
+    for i in 0..200 {
+        let (x, y) = batch(8, i % 7);
+        let want = train_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
+        let got = step.run(&[x, y]).unwrap();
+        if i % 50 == 0 || i == 199 {
+            assert_rel_close(
+                &[got.item().unwrap()],
+                &[want.item().unwrap()],
+                1e-5,
+                "loss",
+            );
+        }
+    }
+    assert_eq!(step.stats().replays, 198);
+    assert_same_parameters(&eager_model, captured_model.as_ref());
+}
+
+#[test]
+fn a_replay_runs_in_one_submission() {
+    let model = mlp();
+    let mut opt = Sgd::new(model.parameters(), SgdConfig::default());
+    let mut step = Step::new(|b: &[Tensor]| train_step(&model, &mut opt, &b[0], &b[1]));
+    let (x, y) = batch(4, 1);
+    for _ in 0..2 {
+        step.run(&[x.clone(), y.clone()]).unwrap();
+    }
+    device().synchronize().unwrap();
+    let before = device().stats().submits;
+    step.run(&[x, y]).unwrap();
+    device().synchronize().unwrap();
+    // Other tests share the device; their submissions can only add.
+    let submits = device().stats().submits - before;
+    assert!(submits >= 1);
+    assert_eq!(step.stats().replays, 1);
+}
+
+/// C-17: a step that accumulates into `p.grad()` (no zero_grad inside), captured while the
+/// grad is set, replayed three times with `zero_grad` between the second and third replays.
+#[test]
+fn replays_accumulate_into_the_current_grad_and_zero_grad_between_them() {
+    let dev = device();
+    let data = random_vec(6, 3);
+    let p = Tensor::from_slice(&data, &[2, 3], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let q = Tensor::from_slice(&data, &[2, 3], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let grad_step = |w: &Tensor, x: &Tensor| -> Result<Tensor> {
+        let loss = w.mul(x)?.tanh()?.sum()?;
+        loss.backward()?;
+        Ok(loss)
+    };
+    let (x, _) = random_tensor(&[2, 3], 9);
+    // Start with a grad in place.
+    grad_step(&p, &x).unwrap();
+    grad_step(&q, &x).unwrap();
+    let mut step = Step::new(|b: &[Tensor]| grad_step(&p, &b[0]));
+    for call in 0..5 {
+        if call == 4 {
+            p.zero_grad();
+            q.zero_grad();
+        }
+        step.run(std::slice::from_ref(&x)).unwrap();
+        grad_step(&q, &x).unwrap();
+        assert_rel_close(
+            &p.grad().unwrap().to_vec().unwrap(),
+            &q.grad().unwrap().to_vec().unwrap(),
+            1e-6,
+            "grad",
+        );
+    }
+    assert!(step.stats().replays >= 2, "{:?}", step.stats());
+}
+
+#[test]
+fn a_replay_after_set_grad_adds_to_the_new_grad() {
+    let dev = device();
+    let p = leaf(&[1.0, 2.0, 3.0]);
+    let mut step = Step::new(|b: &[Tensor]| dot_step(&p, &b[0]));
+    let x = Tensor::from_slice(&[3.0, 3.0, 3.0], &[3], dev).unwrap();
+    for _ in 0..3 {
+        step.run(std::slice::from_ref(&x)).unwrap();
+    }
+    assert_eq!(p.grad().unwrap().to_vec().unwrap(), vec![9.0; 3]);
+    let other = Tensor::from_slice(&[10.0, 20.0, 30.0], &[3], dev).unwrap();
+    p.set_grad(Some(other.clone())).unwrap();
+    step.run(std::slice::from_ref(&x)).unwrap();
+    assert_eq!(step.stats().replays, 2);
+    assert_eq!(p.grad().unwrap().to_vec().unwrap(), vec![13.0, 23.0, 33.0]);
+    // S-2: the handle set is kept, its buffer swapped.
+    assert!(Tensor::same(&p.grad().unwrap(), &other));
+    assert_eq!(other.to_vec().unwrap(), vec![13.0, 23.0, 33.0]);
+}
+
+#[test]
+fn a_replay_after_zero_grad_gives_the_new_grad_alone() {
+    let dev = device();
+    let p = leaf(&[1.0, 2.0]);
+    let mut step = Step::new(|b: &[Tensor]| dot_step(&p, &b[0]));
+    let x = Tensor::from_slice(&[2.0, 5.0], &[2], dev).unwrap();
+    for _ in 0..3 {
+        step.run(std::slice::from_ref(&x)).unwrap();
+    }
+    assert_eq!(p.grad().unwrap().to_vec().unwrap(), vec![6.0, 15.0]);
+    for _ in 0..3 {
+        p.zero_grad();
+        step.run(std::slice::from_ref(&x)).unwrap();
+        assert_eq!(p.grad().unwrap().to_vec().unwrap(), vec![2.0, 5.0]);
+    }
+    assert!(step.stats().replays >= 2, "{:?}", step.stats());
+}
+
+#[test]
+fn a_kept_grad_handle_sees_each_replays_values() {
+    let dev = device();
+    let p = leaf(&[1.0, 2.0]);
+    let mut step = Step::new(|b: &[Tensor]| dot_step(&p, &b[0]));
+    let x = Tensor::from_slice(&[1.0, 1.0], &[2], dev).unwrap();
+    step.run(std::slice::from_ref(&x)).unwrap();
+    let kept = p.grad().unwrap();
+    for call in 2..=6 {
+        let before = kept.storage_id();
+        step.run(std::slice::from_ref(&x)).unwrap();
+        assert_eq!(kept.to_vec().unwrap(), vec![call as f32; 2]);
+        assert!(Tensor::same(&kept, &p.grad().unwrap()));
+        assert_ne!(
+            kept.storage_id(),
+            before,
+            "S-2: a fresh buffer under the same handle"
+        );
+    }
+    assert_eq!(step.stats().replays, 4);
+}
+
+#[test]
+fn a_batch_of_another_size_recaptures_and_is_right() {
+    let eager_model = mlp();
+    let captured_model = twin(&eager_model, || Box::new(mlp()));
+    let mut eager_opt = Sgd::new(eager_model.parameters(), SgdConfig::default());
+    let mut opt = Sgd::new(captured_model.parameters(), SgdConfig::default());
+    let mut step =
+        Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
+    for rows in [8, 8, 8, 3, 3, 3, 8, 3] {
+        let (x, y) = batch(rows, rows as u64);
+        let want = train_step(&eager_model, &mut eager_opt, &x, &y)
+            .unwrap()
+            .item()
+            .unwrap();
+        let got = step.run(&[x, y]).unwrap().item().unwrap();
+        assert_rel_close(&[got], &[want], 1e-5, "loss");
+    }
+    let stats = step.stats();
+    assert_eq!((stats.plans, stats.replays), (2, 4), "{stats:?}");
+}
+
+#[test]
+fn learning_rate_changes_reach_replays() {
+    let eager_model = mlp();
+    let captured_model = twin(&eager_model, || Box::new(mlp()));
+    let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
+    let opt = std::cell::RefCell::new(Adam::new(
+        captured_model.parameters(),
+        AdamConfig::default(),
+    ));
+    let mut step = Step::new(|b: &[Tensor]| {
+        train_step(
+            captured_model.as_ref(),
+            &mut *opt.borrow_mut(),
+            &b[0],
+            &b[1],
+        )
+    });
+    let (x, y) = batch(6, 2);
+    for i in 0..6 {
+        let lr = 1e-2 / (i + 1) as f32;
+        eager_opt.set_lr(lr);
+        opt.borrow_mut().set_lr(lr);
+        train_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
+        step.run(&[x.clone(), y.clone()]).unwrap();
+    }
+    assert_eq!(step.stats().replays, 4);
+    assert_same_parameters(&eager_model, captured_model.as_ref());
+}
+
+#[test]
+fn reading_a_value_on_the_host_while_capturing_is_an_error_and_keeps_no_plan() {
+    let dev = device();
+    let p = leaf(&[1.0, 2.0]);
+    let mut step = Step::new(|b: &[Tensor]| {
+        let loss = p.mul(&b[0])?.sum()?;
+        loss.backward()?;
+        let _ = loss.item()?;
+        Ok(loss)
+    });
+    let x = Tensor::from_slice(&[1.0, 1.0], &[2], dev).unwrap();
+    step.run(std::slice::from_ref(&x)).unwrap();
+    let err = step.run(std::slice::from_ref(&x)).unwrap_err();
+    assert!(matches!(err, Error::Capture { op: "item", .. }), "{err}");
+    assert_eq!(step.stats().plans, 0);
+    // The next call captures again (and fails again): never a stale replay.
+    assert!(step.run(std::slice::from_ref(&x)).is_err());
+    assert_eq!(step.stats().replays, 0);
+}
+
+#[test]
+fn a_closure_that_errors_returns_the_error_and_keeps_no_plan() {
+    let dev = device();
+    let p = leaf(&[1.0, 2.0]);
+    let mut calls = 0;
+    let mut step = Step::new(|b: &[Tensor]| {
+        calls += 1;
+        if calls == 2 {
+            return Err(Error::InvalidArgument {
+                op: "user",
+                msg: "bad batch".into(),
+            });
+        }
+        let loss = p.mul(&b[0])?.sum()?;
+        loss.backward()?;
+        Ok(loss)
+    });
+    let x = Tensor::from_slice(&[1.0, 1.0], &[2], dev).unwrap();
+    step.run(std::slice::from_ref(&x)).unwrap();
+    assert!(matches!(
+        step.run(std::slice::from_ref(&x)),
+        Err(Error::InvalidArgument { op: "user", .. })
+    ));
+    assert_eq!(step.stats().plans, 0);
+    step.run(std::slice::from_ref(&x)).unwrap();
+    step.run(std::slice::from_ref(&x)).unwrap();
+    assert_eq!((step.stats().plans, step.stats().replays), (1, 1));
+    assert_eq!(p.grad().unwrap().to_vec().unwrap(), vec![3.0, 3.0]);
+}
+
+#[test]
+fn switching_to_eval_mode_recaptures() {
+    let dev = device();
+    let model = nn::Sequential::new()
+        .add(nn::Linear::new(IN, OUT, true, dev).unwrap())
+        .add(nn::Dropout::new(0.5).unwrap());
+    let mut step = Step::new(|b: &[Tensor]| model.forward(&b[0])?.sum());
+    let (x, _) = batch(4, 5);
+    for _ in 0..3 {
+        step.run(std::slice::from_ref(&x)).unwrap();
+    }
+    model.eval();
+    let want = model.forward(&x).unwrap().sum().unwrap().item().unwrap();
+    for _ in 0..3 {
+        let got = step.run(std::slice::from_ref(&x)).unwrap().item().unwrap();
+        assert_rel_close(&[got], &[want], 1e-6, "eval loss");
+    }
+    assert_eq!(step.stats().plans, 2);
+}
+
+#[test]
+fn peak_device_memory_of_a_replayed_step_is_at_most_the_eager_steps() {
+    // Alone on a device of its own: other tests' buffers would blur the counts.
+    let dev = wgrad::Device::new().unwrap();
+    let make = || -> nn::Sequential {
+        nn::Sequential::new()
+            .add(nn::Linear::new(64, 128, true, &dev).unwrap())
+            .add(nn::Relu)
+            .add(nn::Linear::new(128, 128, true, &dev).unwrap())
+            .add(nn::Relu)
+            .add(nn::Linear::new(128, 10, true, &dev).unwrap())
+    };
+    let held = |dev: &wgrad::Device| {
+        let s = dev.stats();
+        s.live_bytes + s.pooled_bytes
+    };
+    let x = Tensor::from_vec(random_vec(32 * 64, 4), &[32, 64], &dev).unwrap();
+    let y = Tensor::from_vec_u32((0..32).map(|i| i % 10).collect(), &[32], &dev).unwrap();
+
+    let model = make();
+    let mut opt = Adam::new(model.parameters(), AdamConfig::default());
+    for _ in 0..3 {
+        train_step(&model, &mut opt, &x, &y).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let eager = held(&dev);
+    drop(opt);
+    drop(model);
+    dev.empty_pool();
+
+    let model = make();
+    let mut opt = Adam::new(model.parameters(), AdamConfig::default());
+    let mut step = Step::new(|b: &[Tensor]| train_step(&model, &mut opt, &b[0], &b[1]));
+    for _ in 0..2 {
+        step.run(&[x.clone(), y.clone()]).unwrap();
+    }
+    // What the capture held is given back; replays then run on the plan's arena.
+    dev.empty_pool();
+    for _ in 0..3 {
+        step.run(&[x.clone(), y.clone()]).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let replayed = held(&dev);
+    assert_eq!(step.stats().replays, 3);
+    assert!(
+        replayed <= eager,
+        "replayed step holds {replayed} bytes, eager {eager}"
+    );
+}

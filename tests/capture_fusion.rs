@@ -1,0 +1,152 @@
+//! The capture fuser: runs of elementwise launches become one generated kernel (validated by
+//! naga before use), whose results equal the unfused launches'.
+
+mod common;
+use common::*;
+use wgrad::capture::Step;
+use wgrad::{Result, Tensor};
+
+/// Runs `f` eagerly, then captured (eager, capture, replay), and returns the eager result,
+/// the replayed one, and the step's stats.
+fn eager_and_replayed(
+    inputs: &[Tensor],
+    f: impl Fn(&[Tensor]) -> Result<Tensor>,
+) -> (Vec<f32>, Vec<f32>, wgrad::capture::StepStats) {
+    let want = f(inputs).unwrap().to_vec().unwrap();
+    let mut step = Step::new(|b: &[Tensor]| f(b));
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got = step.run(inputs).unwrap().to_vec().unwrap();
+    }
+    assert_eq!(step.stats().replays, 1);
+    (want, got, step.stats())
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let same = (x - y).abs() <= 1e-6 * x.abs().max(1.0) || (x.is_nan() && y.is_nan());
+        assert!(same, "{what}[{i}]: fused {y} vs unfused {x}");
+    }
+}
+
+#[test]
+fn a_chain_of_elementwise_ops_becomes_one_kernel() {
+    let (a, _) = random_tensor(&[1000], 1);
+    let (b, _) = random_tensor(&[1000], 2);
+    let chain = |t: &[Tensor]| -> Result<Tensor> {
+        t[0].mul(&t[1])?
+            .add(&t[0])?
+            .relu()?
+            .mul_scalar(0.5)?
+            .tanh()?
+            .sub(&t[1])
+    };
+    let (want, got, stats) = eager_and_replayed(&[a, b], chain);
+    assert_close(&want, &got, "chain");
+    assert_eq!(stats.replay_dispatches, 1, "{stats:?}");
+    assert_eq!(stats.fused_away, 5);
+}
+
+#[test]
+fn a_fused_replay_records_one_dispatch_on_the_device() {
+    // A device of its own, so other tests' dispatches do not count.
+    let dev = wgrad::Device::new().unwrap();
+    let a = Tensor::from_vec(random_vec(4096, 3), &[64, 64], &dev).unwrap();
+    let b = Tensor::from_vec(random_vec(4096, 4), &[64, 64], &dev).unwrap();
+    let mut step = Step::new(|t: &[Tensor]| t[0].mul(&t[1])?.add(&t[0])?.relu());
+    for _ in 0..2 {
+        step.run(&[a.clone(), b.clone()]).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let before = dev.stats().dispatches;
+    step.run(&[a, b]).unwrap();
+    assert_eq!(dev.stats().dispatches - before, 1);
+}
+
+#[test]
+fn unfused_plans_run_every_launch() {
+    let (a, _) = random_tensor(&[256], 5);
+    let mut step = Step::new(|t: &[Tensor]| t[0].exp()?.neg()?.abs()).with_fusion(false);
+    for _ in 0..3 {
+        step.run(std::slice::from_ref(&a)).unwrap();
+    }
+    assert_eq!(
+        (step.stats().replay_dispatches, step.stats().fused_away),
+        (3, 0)
+    );
+}
+
+#[test]
+fn every_unary_op_fuses_and_matches() {
+    let (a, _) = random_tensor(&[37], 6); // odd: the scalar path
+    let ops = |t: &[Tensor]| -> Result<Tensor> {
+        let x = &t[0];
+        let parts = [
+            x.neg()?,
+            x.abs()?.add_scalar(0.1)?.log()?,
+            x.exp()?,
+            x.relu()?,
+            x.tanh()?,
+            x.sigmoid()?,
+            x.gelu()?,
+            x.abs()?.sqrt()?,
+            x.abs()?.powf(1.5)?,
+            x.sub_scalar(0.25)?.div_scalar(3.0)?,
+            x.sign()?,
+            x.erf()?,
+            x.clamp(-0.3, 0.4)?,
+        ];
+        let mut sum = parts[0].clone();
+        for p in &parts[1..] {
+            sum = sum.add(p)?;
+        }
+        Ok(sum)
+    };
+    let (want, got, stats) = eager_and_replayed(&[a], ops);
+    assert_close(&want, &got, "unary ops");
+    assert!(stats.replay_dispatches <= 2, "{stats:?}");
+}
+
+#[test]
+fn every_binary_op_fuses_and_matches() {
+    let (a, _) = random_tensor(&[8, 12], 7);
+    let (b, _) = random_tensor(&[8, 12], 8);
+    let ops = |t: &[Tensor]| -> Result<Tensor> {
+        let (x, y) = (&t[0], &t[1]);
+        x.add(y)?
+            .sub(&x.mul(y)?)?
+            .add(&x.div(&y.abs()?.add_scalar(1.0)?)?)?
+            .add(&x.maximum(y)?)
+    };
+    let (want, got, stats) = eager_and_replayed(&[a, b], ops);
+    assert_close(&want, &got, "binary ops");
+    assert!(stats.replay_dispatches <= 2, "{stats:?}");
+}
+
+#[test]
+fn broadcast_and_strided_operands_fuse_and_match() {
+    let (x, _) = random_tensor(&[6, 10], 9);
+    let (bias, _) = random_tensor(&[10], 10);
+    let (other, _) = random_tensor(&[10, 6], 11);
+    let f = |t: &[Tensor]| -> Result<Tensor> {
+        // A bias row repeated down the rows, and a transposed (strided) operand.
+        t[0].add(&t[1])?.relu()?.mul(&t[2].t()?)?.add_scalar(1.0)
+    };
+    let (want, got, stats) = eager_and_replayed(&[x, bias, other], f);
+    assert_close(&want, &got, "broadcast");
+    assert_eq!(stats.replay_dispatches, 1, "{stats:?}");
+}
+
+#[test]
+fn values_used_after_the_group_are_written_too() {
+    let (a, _) = random_tensor(&[64], 12);
+    // `h` feeds the fused chain and a reduction after it.
+    let f = |t: &[Tensor]| -> Result<Tensor> {
+        let h = t[0].mul_scalar(2.0)?.relu()?;
+        let y = h.add_scalar(1.0)?.mul(&h)?;
+        y.sum()?.add(&h.sum()?)
+    };
+    let (want, got, _) = eager_and_replayed(&[a], f);
+    assert_close(&want, &got, "two outputs");
+}
