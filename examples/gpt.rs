@@ -15,12 +15,14 @@
 #[path = "support/plot.rs"]
 mod plot;
 
+use std::cell::RefCell;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
+use wgrad::capture::Step;
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, LrSchedule, Optimizer};
 use wgrad::{io, Device, Result, Tensor};
@@ -80,6 +82,9 @@ struct Args {
     /// Write a PNG of the train and validation loss per estimate here.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Run every step eagerly instead of capturing it once and replaying it (to compare).
+    #[arg(long)]
+    eager: bool,
 }
 
 /// The GPT: embeddings, blocks, final LayerNorm, head.
@@ -379,10 +384,26 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         weight_decay,
         ..Default::default()
     };
-    let mut optimizers = [
+    // In a RefCell: the training step uses them, and the loop sets their learning rate.
+    let optimizers = RefCell::new([
         optim::AdamW::new(matrices, config(0.1)),
         optim::AdamW::new(vectors, config(0.0)),
-    ];
+    ]);
+    // One training step; captured on its second call and replayed after (`--eager`: never).
+    // Its loss is never read: the loop estimates losses every --eval-interval steps.
+    let train_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
+        let mut optimizers = optimizers.borrow_mut();
+        for opt in optimizers.iter_mut() {
+            opt.zero_grad();
+        }
+        let loss = loss_of(&model, &batch[0], &batch[1])?;
+        loss.backward()?;
+        for opt in optimizers.iter_mut() {
+            opt.step()?;
+        }
+        Ok(loss)
+    };
+    let mut captured = Step::new(train_step);
     let schedule = optim::CosineLr {
         base_lr: args.lr,
         min_lr: args.lr / 10.0,
@@ -401,16 +422,16 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     for step in 1..=args.iters as usize {
         let (x, y) =
             sample_batch(train, args.batch_size as usize, block, &mut rng, &dev).map_err(fail)?;
-        for opt in &mut optimizers {
+        for opt in optimizers.borrow_mut().iter_mut() {
             opt.set_lr(schedule.lr(step - 1));
-            opt.zero_grad();
         }
-        let loss = loss_of(&model, &x, &y).map_err(fail)?;
-        loss.backward().map_err(fail)?;
-        for opt in &mut optimizers {
-            opt.step().map_err(fail)?;
+        if args.eager {
+            train_step(&[x, y]).map_err(fail)?;
+        } else {
+            captured.run(&[x, y]).map_err(fail)?;
         }
         if step == 1 {
+            dev.synchronize().map_err(fail)?;
             let elapsed = process_start.elapsed().as_secs_f64();
             bar.suspend(|| println!("first step done {elapsed:.3} s after start"));
         }
@@ -449,6 +470,14 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         plot::plot(path, "estimate", train_series, val_series)
             .map_err(|e| format!("writing the plot {}: {e}", path.display()))?;
         println!("plot: {}", path.display());
+    }
+    if !args.eager {
+        let stats = captured.stats();
+        println!(
+            "captured: {} eager, {} capturing, {} replayed steps; {} dispatches per replay ({} \
+             launches fused away)",
+            stats.eager, stats.captures, stats.replays, stats.replay_dispatches, stats.fused_away
+        );
     }
     println!(
         "sample:\n{}\n",

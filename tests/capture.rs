@@ -131,45 +131,6 @@ fn a_replay_runs_in_one_submission() {
     assert_eq!(step.stats().replays, 1);
 }
 
-/// C-17: a step that accumulates into `p.grad()` (no zero_grad inside), captured while the
-/// grad is set, replayed three times with `zero_grad` between the second and third replays.
-#[test]
-fn replays_accumulate_into_the_current_grad_and_zero_grad_between_them() {
-    let dev = device();
-    let data = random_vec(6, 3);
-    let p = Tensor::from_slice(&data, &[2, 3], dev)
-        .unwrap()
-        .requires_grad_(true);
-    let q = Tensor::from_slice(&data, &[2, 3], dev)
-        .unwrap()
-        .requires_grad_(true);
-    let grad_step = |w: &Tensor, x: &Tensor| -> Result<Tensor> {
-        let loss = w.mul(x)?.tanh()?.sum()?;
-        loss.backward()?;
-        Ok(loss)
-    };
-    let (x, _) = random_tensor(&[2, 3], 9);
-    // Start with a grad in place.
-    grad_step(&p, &x).unwrap();
-    grad_step(&q, &x).unwrap();
-    let mut step = Step::new(|b: &[Tensor]| grad_step(&p, &b[0]));
-    for call in 0..5 {
-        if call == 4 {
-            p.zero_grad();
-            q.zero_grad();
-        }
-        step.run(std::slice::from_ref(&x)).unwrap();
-        grad_step(&q, &x).unwrap();
-        assert_rel_close(
-            &p.grad().unwrap().to_vec().unwrap(),
-            &q.grad().unwrap().to_vec().unwrap(),
-            1e-6,
-            "grad",
-        );
-    }
-    assert!(step.stats().replays >= 2, "{:?}", step.stats());
-}
-
 #[test]
 fn a_replay_after_set_grad_adds_to_the_new_grad() {
     let dev = device();

@@ -1,10 +1,11 @@
-//! The gradient semantics of docs/semantics.md, case by case (C-1 to C-16, C-18). Each test is
+//! The gradient semantics of docs/semantics.md, case by case (C-1 to C-18). Each test is
 //! named after its case and asserts values, handle identity (`Tensor::same`) and storage
 //! identity (`storage_id`) exactly as the case says.
 
 mod common;
 use common::*;
-use wgrad::{autograd, no_grad, BackwardOptions, Error, Tensor};
+use wgrad::capture::Step;
+use wgrad::{autograd, no_grad, BackwardOptions, Error, Result, Tensor};
 
 fn leaf(values: &[f32]) -> Tensor {
     Tensor::from_slice(values, &[values.len()], device())
@@ -544,6 +545,42 @@ fn c16_non_leaf_slots_stay_empty_unless_retained() {
     assert!(h.grad().is_none());
     assert_eq!(values(&kept.grad().unwrap()), vec![1.0, 1.0]);
     assert_eq!(values(&x.grad().unwrap()), vec![5.0, 5.0]);
+}
+
+/// `sum(tanh(w * x))` and its backward, which adds into `w`'s grad (no zero_grad inside).
+fn tanh_step(w: &Tensor, x: &Tensor) -> Result<Tensor> {
+    let loss = w.mul(x)?.tanh()?.sum()?;
+    loss.backward()?;
+    Ok(loss)
+}
+
+#[test]
+fn c17_replays_add_into_the_current_grad_before_and_after_zero_grad() {
+    let data = random_vec(6, 3);
+    let (p, q) = (leaf(&data), leaf(&data));
+    let (x, _) = random_tensor(&[6], 9);
+    // Captured while p's grad is set.
+    tanh_step(&p, &x).unwrap();
+    tanh_step(&q, &x).unwrap();
+    let mut step = Step::new(|b: &[Tensor]| tanh_step(&p, &b[0]));
+    for call in 0..8 {
+        if call >= 4 {
+            p.zero_grad();
+            q.zero_grad();
+        }
+        step.run(std::slice::from_ref(&x)).unwrap();
+        tanh_step(&q, &x).unwrap();
+        let (got, want) = (values(&p.grad().unwrap()), values(&q.grad().unwrap()));
+        for (a, b) in got.iter().zip(&want) {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "call {call}: {a} vs {b}"
+            );
+        }
+    }
+    // Calls 2 and 3 replay the plan with a grad in the slot; call 4 captures again (the slot
+    // is empty now, a guard); calls 5 to 7 replay that plan.
+    assert_eq!(step.stats().replays, 5, "{:?}", step.stats());
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! run itself (Adam/AdamW/SGD with cosine decay, a progress bar, per-epoch test accuracy,
 //! checkpoints, a plot, and one `final:` line).
 
+use std::cell::RefCell;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -9,6 +10,7 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use wgrad::capture::Step;
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, LrSchedule, Optimizer};
 use wgrad::{io, Device, Tensor};
@@ -55,6 +57,12 @@ pub struct TrainArgs {
     /// Write a PNG of the loss and test accuracy per epoch here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Run every step eagerly instead of capturing it once and replaying it (to compare).
+    #[arg(long)]
+    pub eager: bool,
+    /// Read the loss back to the host every this many steps (each read waits for the device).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub log_every: u64,
 }
 
 impl TrainArgs {
@@ -123,7 +131,7 @@ pub fn fit(
         println!("loaded: {}", path.display());
     }
     let params = model.parameters();
-    let mut opt: Box<dyn Optimizer> = match args.optimizer {
+    let opt: Box<dyn Optimizer> = match args.optimizer {
         OptimizerKind::Sgd => Box::new(optim::Sgd::new(
             params,
             optim::SgdConfig {
@@ -163,6 +171,25 @@ pub fn fit(
         train_loss: Vec::new(),
         test_acc: Vec::new(),
     };
+    // One training step; captured on its second call and replayed after (`--eager`: never).
+    // The optimizer sits in a RefCell: the step uses it, and the loop sets its learning rate.
+    let opt = RefCell::new(opt);
+    let train_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
+        let mut opt = opt.borrow_mut();
+        opt.zero_grad();
+        let loss = nn::loss::cross_entropy(&model.forward(&batch[0])?, &batch[1])?;
+        loss.backward()?;
+        opt.step()?;
+        Ok(loss)
+    };
+    let mut captured = Step::new(train_step);
+    let mut run_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
+        if args.eager {
+            train_step(batch)
+        } else {
+            captured.run(batch)
+        }
+    };
     let (mut step, mut seen) = (0usize, 0usize);
     let started = Instant::now();
     let style = ProgressStyle::with_template("epoch {prefix} {bar:30} {pos}/{len} {msg}")
@@ -174,35 +201,47 @@ pub fn fit(
             .with_style(style.clone())
             .with_prefix(format!("{epoch}/{}", args.epochs));
         let mut epoch_loss = 0.0f64;
-        for chunk in order.chunks(batch) {
+        // Losses not yet read back, with their batch sizes: read every --log-every steps.
+        let mut pending: Vec<(Tensor, usize)> = Vec::new();
+        let chunks = order.chunks(batch).collect::<Vec<_>>();
+        for (i, chunk) in chunks.iter().enumerate() {
             let (inputs, labels) = train.batch(chunk);
             let x = Tensor::from_vec(inputs, &[chunk.len(), train.features], dev)
                 .map_err(|e| e.to_string())?;
             let y = Tensor::from_labels(labels, dev).map_err(|e| e.to_string())?;
-            opt.set_lr(schedule.lr(step));
-            opt.zero_grad();
-            let loss = nn::loss::cross_entropy(&model.forward(&x).map_err(|e| e.to_string())?, &y)
-                .map_err(|e| e.to_string())?;
-            loss.backward().map_err(|e| e.to_string())?;
-            opt.step().map_err(|e| e.to_string())?;
-            let value = loss.item().map_err(|e| e.to_string())?;
+            opt.borrow_mut().set_lr(schedule.lr(step));
+            let loss = run_step(&[x, y]).map_err(|e| e.to_string())?;
+            pending.push((loss, chunk.len()));
             step += 1;
             seen += chunk.len();
             if step == 1 {
+                dev.synchronize().map_err(|e| e.to_string())?;
                 let elapsed = process_start.elapsed().as_secs_f64();
                 bar.suspend(|| println!("first step done {elapsed:.3} s after start"));
             }
-            if !value.is_finite() {
-                bar.abandon();
-                return Err(format!(
-                    "the loss became {value} at step {step} (epoch {epoch}); try a smaller --lr"
+            let epoch_end = i + 1 == chunks.len();
+            if pending.len() as u64 >= args.log_every || epoch_end {
+                let losses: Vec<Tensor> = pending.iter().map(|(l, _)| l.clone()).collect();
+                let values = Tensor::stack(&losses, 0)
+                    .and_then(|t| t.to_vec())
+                    .map_err(|e| e.to_string())?;
+                for (value, (_, rows)) in values.iter().zip(&pending) {
+                    if !value.is_finite() {
+                        bar.abandon();
+                        return Err(format!(
+                            "the loss became {value} by step {step} (epoch {epoch}); try a \
+                             smaller --lr"
+                        ));
+                    }
+                    epoch_loss += *value as f64 * *rows as f64;
+                }
+                pending.clear();
+                bar.set_message(format!(
+                    "loss {:.4}  {:.0} samples/s",
+                    values.last().expect("one loss or more"),
+                    seen as f64 / started.elapsed().as_secs_f64()
                 ));
             }
-            epoch_loss += value as f64 * chunk.len() as f64;
-            bar.set_message(format!(
-                "loss {value:.4}  {:.0} samples/s",
-                seen as f64 / started.elapsed().as_secs_f64()
-            ));
             bar.inc(1);
         }
         let train_loss = (epoch_loss / train.len() as f64) as f32;
@@ -224,6 +263,19 @@ pub fn fit(
         plot::plot(path, "epoch", loss, acc)
             .map_err(|e| format!("writing the plot {}: {e}", path.display()))?;
         println!("plot: {}", path.display());
+    }
+    if !args.eager {
+        let stats = captured.stats();
+        println!(
+            "captured: {} eager, {} capturing, {} replayed steps; {} plans, {} dispatches per \
+             replay ({} launches fused away)",
+            stats.eager,
+            stats.captures,
+            stats.replays,
+            stats.plans,
+            stats.replay_dispatches,
+            stats.fused_away
+        );
     }
     println!(
         "final: test_acc={:.4} train_loss={:.4} steps={step} samples_per_s={samples_per_s:.1}",

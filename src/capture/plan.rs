@@ -4,8 +4,8 @@
 //! Building a plan sorts every storage the tape names into one of five kinds:
 //! - **fixed**: storages from before the step (parameters, optimizer state, constants); the
 //!   plan keeps them alive and binds them as they are;
-//! - **input**: the storages of the step's inputs; the plan owns a copy of each, into which a
-//!   replay copies its batch;
+//! - **input**: the storages of the step's inputs; a replay binds the storages of the inputs
+//!   it is given (same layouts, by the guard), so a batch is never copied;
 //! - **grad in**: a leaf's grad as the engine read it (S-14): bound at each replay to whatever
 //!   storage that leaf's grad has then;
 //! - **output**: the loss and the grads the step installs; a replay gives each a fresh
@@ -52,6 +52,8 @@ impl InputSignature {
 
 /// How a replay finds a value's buffer.
 enum Kind {
+    /// The storage of the replay's input `i`.
+    Input(usize),
     /// A storage the plan holds: from before the step, or its arena's, or an input copy.
     Fixed(Arc<Storage>),
     /// A leaf's grad as read at this point of the step; resolved at each replay.
@@ -183,8 +185,6 @@ enum Step {
 pub(crate) struct Plan {
     device: Device,
     pub signature: InputSignature,
-    /// Each input's copy, and the bytes a replay copies into it.
-    inputs: Vec<(Arc<Storage>, u64)>,
     flags: Vec<(Arc<AtomicBool>, bool)>,
     requires_grad: Vec<(Weak<TensorInner>, bool)>,
     slots: Vec<Slot>,
@@ -260,17 +260,13 @@ pub(crate) fn draft(
         }
     }
 
-    let mut input_values: Vec<Option<usize>> = vec![None; inputs.len()];
     let mut value_of =
         |id: u64, bytes: u64, external: Option<&Arc<Storage>>, values: &mut Vec<Value>| -> usize {
             if let Some(&v) = ids.get(&id) {
                 return v;
             }
             let kind = if let Some(&i) = input_ids.get(&id) {
-                // Replaced by the plan's own copy once laid out.
-                let copy = external.expect("inputs exist before the step").clone();
-                input_values[i] = Some(values.len());
-                Kind::Fixed(copy)
+                Kind::Input(i)
             } else if grad_in.contains(&id) {
                 Kind::GradIn
             } else if let Some(storage) = external {
@@ -394,18 +390,11 @@ pub(crate) fn draft(
         _ => return Err("the loss was made by no kernel of the step".into()),
     };
 
-    let mut input_copies = Vec::with_capacity(inputs.len());
-    for (i, input) in inputs.iter().enumerate() {
-        let bytes = (input.layout().span() * input.dtype().size()) as u64;
-        input_copies.push((input_values[i], bytes));
-    }
-
     Ok((
         Draft { commands, values },
         Shell {
             device: tape.device,
             signature: InputSignature::of(inputs),
-            input_copies,
             flags: tape.flags,
             requires_grad: tape.requires_grad,
             slots,
@@ -418,8 +407,6 @@ pub(crate) fn draft(
 pub(crate) struct Shell {
     device: Device,
     signature: InputSignature,
-    /// Each input's value (when a launch reads it) and the bytes its layout spans.
-    input_copies: Vec<(Option<usize>, u64)>,
     flags: Vec<(Arc<AtomicBool>, bool)>,
     requires_grad: Vec<(Weak<TensorInner>, bool)>,
     slots: Vec<Slot>,
@@ -481,16 +468,6 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
         };
         busy.push((last[v], bytes, storage.clone()));
         kinds[v] = Kind::Fixed(storage);
-    }
-
-    // Inputs: the plan's own copies.
-    let mut inputs = Vec::new();
-    for (value, bytes) in &shell.input_copies {
-        let copy = Arc::new(Storage::alloc(OP, (*bytes).max(4), &device)?);
-        if let Some(v) = value {
-            kinds[*v] = Kind::Fixed(copy.clone());
-        }
-        inputs.push((copy, *bytes));
     }
 
     let inner = &device.inner;
@@ -577,7 +554,6 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     Ok(Plan {
         device,
         signature: shell.signature,
-        inputs,
         flags: shell.flags,
         requires_grad: shell.requires_grad,
         slots: shell.slots,
@@ -644,8 +620,13 @@ impl Plan {
     /// it was captured. Returns the storage each grad-in value binds to, and the storages of
     /// grads the step clears that nothing else holds (a replay writes its outputs into them,
     /// as the eager step's pool would have reused them).
-    fn check(&self, signature: &InputSignature) -> Option<Resolved> {
+    fn check(&self, inputs: &[Tensor], signature: &InputSignature) -> Option<Resolved> {
         if *signature != self.signature {
+            return None;
+        }
+        // Inputs that share a buffer were refused at capture; at replay they would alias.
+        let ids: std::collections::HashSet<u64> = inputs.iter().map(|t| t.storage_id()).collect();
+        if ids.len() != inputs.len() {
             return None;
         }
         if self
@@ -747,7 +728,7 @@ impl Plan {
         let Some(Resolved {
             grad_in,
             mut droppable,
-        }) = self.check(signature)
+        }) = self.check(inputs, signature)
         else {
             return Ok(None);
         };
@@ -791,26 +772,24 @@ impl Plan {
             }
         }
 
-        let buffer_of = |v: usize| -> &wgpu::Buffer {
+        let input_storages: Vec<Arc<Storage>> = inputs.iter().map(|t| t.storage()).collect();
+        let storage_of = |v: usize| -> &Arc<Storage> {
             match &self.kinds[v] {
-                Kind::Fixed(s) => s.buffer(),
-                Kind::GradIn => grad_in[&v].buffer(),
-                Kind::Output { .. } => outputs[&v].buffer(),
-                Kind::Intermediate { .. } => unreachable!("laid out"),
+                Kind::Fixed(s) => s,
+                Kind::Input(i) => &input_storages[*i],
+                Kind::GradIn => &grad_in[&v],
+                Kind::Output { .. } => &outputs[&v],
+                // `lay_out` gave every intermediate a command touches an arena buffer.
+                Kind::Intermediate { .. } => unreachable!("no command touches this value"),
             }
         };
+        let buffer_of = |v: usize| storage_of(v).buffer();
 
         let mut encoder = inner
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("wgrad replay"),
             });
-        for ((copy, bytes), input) in self.inputs.iter().zip(inputs) {
-            let bytes = bytes.div_ceil(4) * 4;
-            if bytes > 0 {
-                encoder.copy_buffer_to_buffer(input.storage().buffer(), 0, copy.buffer(), 0, bytes);
-            }
-        }
         let mut i = 0;
         while i < self.steps.len() {
             // Consecutive dispatches share one compute pass.
@@ -908,11 +887,7 @@ impl Plan {
                     value,
                     layout,
                 } => {
-                    let storage = match &self.kinds[*value] {
-                        Kind::Output { .. } => outputs[value].clone(),
-                        Kind::Fixed(s) => s.clone(),
-                        _ => unreachable!("installed values are outputs or laid out"),
-                    };
+                    let storage = storage_of(*value).clone();
                     let fresh =
                         Tensor::from_parts(storage, layout.clone(), DType::F32, &self.device);
                     let current = leaf.grad();
@@ -929,11 +904,7 @@ impl Plan {
                 layout,
                 dtype,
             } => {
-                let storage = match &self.kinds[*value] {
-                    Kind::Output { .. } => outputs[value].clone(),
-                    Kind::Fixed(s) => s.clone(),
-                    _ => unreachable!("laid out"),
-                };
+                let storage = storage_of(*value).clone();
                 Tensor::from_parts(storage, layout.clone(), *dtype, &self.device)
             }
             Loss::Fixed(t) => t.clone(),
