@@ -54,6 +54,69 @@ fn launch_values(command: &Command) -> Vec<usize> {
     }
 }
 
+/// Removes copies of a whole intermediate into a value the step makes and nothing used
+/// before (`accumulate_grad` of an empty slot copies the engine's new grad into the grad it
+/// installs): the launches that wrote and read the intermediate use the copy's target
+/// instead. Returns how many copies it removed.
+pub(crate) fn forward_copies(draft: &mut Draft) -> usize {
+    let mut removed = 0;
+    let mut at = 0;
+    while at < draft.commands.len() {
+        let Command::Copy(copy) = &draft.commands[at] else {
+            at += 1;
+            continue;
+        };
+        let (src, dst) = (copy.src.0, copy.dst.0);
+        let whole = copy.src.1 == 0 && copy.dst.1 == 0;
+        let same_size =
+            draft.made_bytes(dst).is_some() && draft.made_bytes(src) == draft.made_bytes(dst);
+        let uses = |v: usize, range: std::ops::Range<usize>| {
+            range
+                .into_iter()
+                .any(|i| launch_values(&draft.commands[i]).contains(&v))
+        };
+        let forwardable = whole
+            && same_size
+            && draft.is_intermediate(src)
+            && !uses(src, at + 1..draft.commands.len())
+            && !uses(dst, 0..at);
+        if !forwardable {
+            at += 1;
+            continue;
+        }
+        for command in &mut draft.commands[..at] {
+            rename(command, src, dst);
+        }
+        draft.commands.remove(at);
+        removed += 1;
+    }
+    removed
+}
+
+/// Makes `command` use value `to` wherever it used `from`.
+fn rename(command: &mut Command, from: usize, to: usize) {
+    let swap = |v: &mut usize| {
+        if *v == from {
+            *v = to;
+        }
+    };
+    match command {
+        Command::Launch(l) => {
+            l.bindings.iter_mut().for_each(|(_, v)| swap(v));
+            if let Some(f) = &mut l.fusible {
+                f.operands.iter_mut().for_each(|(v, _)| swap(v));
+                swap(&mut f.output);
+            }
+        }
+        Command::Upload { target, .. } => swap(target),
+        Command::Copy(copy) => {
+            swap(&mut copy.src.0);
+            swap(&mut copy.dst.0);
+        }
+        Command::Hook(_) => {}
+    }
+}
+
 /// Fuses the draft's elementwise runs in place. Returns how many launches it removed.
 pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
     // The most storage buffers a kernel may bind, with room to spare.
@@ -289,6 +352,46 @@ fn fused_launch(
     shape: &[usize],
     device: &Device,
 ) -> Option<Launch> {
+    let (source, bindings) = fused_source(launches, outputs, shape)?;
+    if let Err(e) = validate(&source) {
+        log::debug!("capture: a fused kernel failed validation, left unfused: {e}");
+        return None;
+    }
+    let n: usize = shape.iter().product();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    source.hash(&mut hasher);
+    let module_key = format!("fused/{:016x}", hasher.finish());
+    let key = format!("{module_key}:main");
+    let pipeline = device.inner.pipeline(&PipelineSource {
+        key: &key,
+        module_key: &module_key,
+        entry: "main",
+        source: &|| source.clone(),
+    });
+    let names: Vec<&str> = launches.iter().map(|f| f.expr.as_str()).collect();
+    log::trace!(
+        "capture: fused {} launches: {}",
+        names.len(),
+        names.join("; ")
+    );
+    Some(Launch {
+        op: "fused elementwise",
+        fusible: None,
+        pipeline,
+        bindings,
+        params: bytemuck::bytes_of(&(n as u32)).to_vec(),
+        dynamic_params: None,
+        workgroups: groups(n, CONTIGUOUS_PER_GROUP),
+    })
+}
+
+/// The WGSL module of the kernel that runs `launches` (in order) and writes `outputs`, and
+/// the value each of its bindings takes; `None` when it would write nothing.
+fn fused_source(
+    launches: &[&Fusible],
+    outputs: &[usize],
+    shape: &[usize],
+) -> Option<(String, Vec<(u32, usize)>)> {
     if outputs.is_empty() {
         return None;
     }
@@ -430,37 +533,7 @@ fn fused_launch(
         }
     }
     src.push_str("    }\n}\n");
-    let source = format!("{COMMON_WGSL}\n{src}");
-    if let Err(e) = validate(&source) {
-        log::debug!("capture: a fused kernel failed validation, left unfused: {e}");
-        return None;
-    }
-
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    source.hash(&mut hasher);
-    let module_key = format!("fused/{:016x}", hasher.finish());
-    let key = format!("{module_key}:main");
-    let pipeline = device.inner.pipeline(&PipelineSource {
-        key: &key,
-        module_key: &module_key,
-        entry: "main",
-        source: &|| source.clone(),
-    });
-    let names: Vec<&str> = launches.iter().map(|f| f.expr.as_str()).collect();
-    log::trace!(
-        "capture: fused {} launches: {}",
-        names.len(),
-        names.join("; ")
-    );
-    Some(Launch {
-        op: "fused elementwise",
-        fusible: None,
-        pipeline,
-        bindings,
-        params: bytemuck::bytes_of(&(n as u32)).to_vec(),
-        dynamic_params: None,
-        workgroups: groups(n, CONTIGUOUS_PER_GROUP),
-    })
+    Some((format!("{COMMON_WGSL}\n{src}"), bindings))
 }
 
 /// Parses and validates a generated module with naga, as wgpu would, before it is compiled.
@@ -473,4 +546,95 @@ pub(crate) fn validate(source: &str) -> Result<(), String> {
     .validate(&module)
     .map(|_| ())
     .map_err(|e| e.emit_to_string(source))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fused_source, validate};
+    use crate::capture::plan::Fusible;
+    use crate::tensor::Layout;
+
+    fn op(
+        params: &'static str,
+        expr: &str,
+        scalars: &[f32],
+        operands: &[(usize, Layout)],
+        output: usize,
+        shape: &[usize],
+    ) -> Fusible {
+        Fusible {
+            params,
+            expr: expr.into(),
+            scalars: scalars.to_vec(),
+            operands: operands.to_vec(),
+            output,
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// `relu(a * b + bias)` over [6, 8] with a bias row, as the vec4 path and, over [5, 7]
+    /// with a transposed operand, as the strided path: both modules pass naga.
+    #[test]
+    fn generated_kernels_pass_naga() {
+        for (shape, b_layout) in [
+            (
+                vec![6, 8],
+                Layout {
+                    shape: vec![6, 8],
+                    strides: vec![0, 1],
+                    offset: 0,
+                },
+            ),
+            (
+                vec![5, 7],
+                Layout {
+                    shape: vec![5, 7],
+                    strides: vec![1, 5],
+                    offset: 3,
+                },
+            ),
+        ] {
+            let dense = Layout::contiguous(&shape);
+            let ops = [
+                op(
+                    "a: f32, b: f32, s: f32",
+                    "a * b",
+                    &[0.0],
+                    &[(0, dense.clone()), (1, b_layout.clone())],
+                    2,
+                    &shape,
+                ),
+                op(
+                    "a: f32, b: f32, s: f32",
+                    "a + b",
+                    &[0.0],
+                    &[(2, dense.clone()), (0, dense.clone())],
+                    3,
+                    &shape,
+                ),
+                op(
+                    "x: f32, s: f32, t: f32",
+                    "select(max(x, 0.0), x, is_nan(x))",
+                    &[0.0, 0.0],
+                    &[(3, dense.clone())],
+                    4,
+                    &shape,
+                ),
+            ];
+            let refs: Vec<&Fusible> = ops.iter().collect();
+            let (source, bindings) = fused_source(&refs, &[2, 4], &shape).unwrap();
+            validate(&source).unwrap_or_else(|e| panic!("{e}\n{source}"));
+            // Two inputs, two outputs (the product is kept, the sum stays in registers).
+            assert_eq!(bindings, vec![(1, 0), (2, 1), (3, 2), (4, 4)]);
+        }
+    }
+
+    #[test]
+    fn naga_rejects_a_kernel_with_an_unknown_function() {
+        let shape = [4];
+        let dense = Layout::contiguous(&shape);
+        let bad = op("x: f32", "no_such_fn(x)", &[], &[(0, dense)], 1, &shape);
+        let (source, _) = fused_source(&[&bad], &[1], &shape).unwrap();
+        assert!(validate(&source).unwrap_err().contains("no_such_fn"));
+    }
 }

@@ -140,6 +140,7 @@ where
         let mut fused_away = 0;
         let planned = plan::draft(tape, inputs, &loss).and_then(|(mut draft, shell)| {
             if fusion {
+                fuse::forward_copies(&mut draft);
                 fused_away = fuse::fuse(&mut draft, &device);
             }
             plan::lay_out(draft, shell).map_err(|e| e.to_string())

@@ -153,6 +153,14 @@ impl Draft {
     pub fn is_intermediate(&self, value: usize) -> bool {
         matches!(self.values[value].kind, Kind::Intermediate { .. })
     }
+
+    /// The buffer size of a value the step makes (an intermediate or an output).
+    pub fn made_bytes(&self, value: usize) -> Option<u64> {
+        match self.values[value].kind {
+            Kind::Intermediate { bytes } | Kind::Output { bytes } => Some(bytes),
+            _ => None,
+        }
+    }
 }
 
 /// A dispatch ready to encode.
@@ -163,10 +171,11 @@ struct Encoded {
     params_offset: u64,
     dynamic_params: Option<HostBytes>,
     workgroups: u32,
-    /// Built once when every binding is fixed; otherwise built per replay, reusing the last
-    /// one when the replay's buffers are the same as the last replay's.
+    /// Built once when every binding is fixed; otherwise built per replay, reusing one of the
+    /// last two when the replay's buffers are the same (grads alternate between two buffers
+    /// when a step accumulates into them).
     bind_group: Option<wgpu::BindGroup>,
-    last: Mutex<Option<(Vec<wgpu::Buffer>, wgpu::BindGroup)>>,
+    recent: Mutex<Vec<(Vec<wgpu::Buffer>, wgpu::BindGroup)>>,
 }
 
 enum Step {
@@ -520,7 +529,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
                     dynamic_params: l.dynamic_params,
                     workgroups: l.workgroups,
                     bind_group,
-                    last: Mutex::new(None),
+                    recent: Mutex::new(Vec::new()),
                 })
             }
             Command::Upload {
@@ -809,9 +818,9 @@ impl Plan {
                                     .iter()
                                     .map(|&(_, v)| buffer_of(v).clone())
                                     .collect();
-                                let mut last = d.last.lock().unwrap_or_else(|e| e.into_inner());
-                                let reuse = matches!(&*last, Some((b, _)) if *b == buffers);
-                                if !reuse {
+                                let mut recent = d.recent.lock().unwrap_or_else(|e| e.into_inner());
+                                let hit = recent.iter().position(|(b, _)| *b == buffers);
+                                if hit.is_none() {
                                     let refs: Vec<&wgpu::Buffer> = buffers.iter().collect();
                                     let group = bind_group(
                                         &self.device,
@@ -822,10 +831,13 @@ impl Plan {
                                         &refs,
                                         d.op,
                                     );
-                                    *last = Some((buffers, group));
+                                    if recent.len() == 2 {
+                                        recent.remove(0);
+                                    }
+                                    recent.push((buffers, group));
                                 }
-                                let group = &last.as_ref().expect("set above").1;
-                                pass.set_bind_group(0, group, &[]);
+                                let at = hit.unwrap_or(recent.len() - 1);
+                                pass.set_bind_group(0, &recent[at].1, &[]);
                             }
                         }
                         let (x, y) = workgroup_grid(d.workgroups);
