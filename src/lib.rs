@@ -18,6 +18,7 @@
 pub mod autograd;
 pub mod capture;
 mod device;
+pub mod dist;
 mod error;
 pub mod io;
 mod kernel;
