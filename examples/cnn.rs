@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use support::TrainArgs;
+use wgrad::dist::Dist;
 use wgrad::nn::{self, Module};
 use wgrad::{io, Device, Result, Tensor};
 
@@ -74,9 +75,14 @@ fn main() {
 
 fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     args.train.lr()?;
+    let dist = Dist::init().map_err(|e| e.to_string())?;
     let dev = Device::new().map_err(|e| e.to_string())?;
-    println!("adapter: {}", dev.info());
+    support::say(&dist, format!("adapter: {}", dev.info()));
+    if dist.size() > 1 {
+        support::say(&dist, format!("data-parallel: {} ranks", dist.size()));
+    }
     let (train, test) = args.train.dataset(
+        &dist,
         |seed| io::synthetic_shapes(2000, 1000, seed),
         "synthetic shapes",
     )?;
@@ -89,5 +95,13 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     }
     wgrad::manual_seed(args.train.seed);
     let model = Cnn::new(side, train.classes, &dev).map_err(|e| e.to_string())?;
-    support::fit(&model, &train, &test, &dev, &args.train, process_start)
+    support::fit(
+        &model,
+        &train,
+        &test,
+        &dev,
+        &args.train,
+        &dist,
+        process_start,
+    )
 }

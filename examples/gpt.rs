@@ -23,6 +23,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use wgrad::capture::Step;
+use wgrad::dist::{DataParallel, Dist};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, LrSchedule, Optimizer};
 use wgrad::{io, Device, Result, Tensor};
@@ -308,6 +309,15 @@ fn sample(model: &Gpt, corpus: &Corpus, args: &Args, dev: &Device) -> Result<Str
     Ok(out)
 }
 
+/// `println!` on rank 0 only.
+macro_rules! say {
+    ($dist:expr, $($arg:tt)*) => {
+        if $dist.is_root() {
+            println!($($arg)*);
+        }
+    };
+}
+
 fn main() {
     let process_start = Instant::now();
     let args = Args::parse();
@@ -346,13 +356,22 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
             corpus.ids.len()
         ));
     }
+    let dist = &Dist::init().map_err(|e| e.to_string())?;
+    // --batch-size is the global batch; each rank draws its share from its own stream.
+    let local_batch = dist
+        .local_batch(args.batch_size as usize)
+        .map_err(|e| e.to_string())?;
     let dev = Device::new().map_err(|e| e.to_string())?;
-    println!("adapter: {}", dev.info());
+    say!(dist, "adapter: {}", dev.info());
+    if dist.size() > 1 {
+        say!(dist, "data-parallel: {} ranks", dist.size());
+    }
     let source = args
         .data
         .as_ref()
         .map_or("generated corpus".to_string(), |p| p.display().to_string());
-    println!(
+    say!(
+        dist,
         "data: {source}: {} train / {} validation characters, vocabulary {} (model rows {})",
         train.len(),
         val.len(),
@@ -368,12 +387,18 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     let model = Gpt::new(vocab, args, &dev).map_err(|e| e.to_string())?;
     if let Some(path) = &args.load {
         io::load(path, &model).map_err(|e| e.to_string())?;
-        println!("loaded: {}", path.display());
+        say!(dist, "loaded: {}", path.display());
     }
+    let data_parallel = DataParallel::new(dist, &model).map_err(|e| e.to_string())?;
+    // Grads are averaged across ranks on the host, which a captured step cannot hold.
+    let eager = args.eager || dist.size() > 1;
     let count: usize = model.parameters().iter().map(|p| p.numel()).sum();
-    println!(
+    say!(
+        dist,
         "model: {} layers, {} heads, width {}, {count} parameters",
-        args.layers, args.heads, args.width
+        args.layers,
+        args.heads,
+        args.width
     );
     // Weight decay on matrices only, as nanoGPT.
     let (matrices, vectors): (Vec<Tensor>, Vec<Tensor>) =
@@ -398,6 +423,7 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         }
         let loss = loss_of(&model, &batch[0], &batch[1])?;
         loss.backward()?;
+        data_parallel.sync_grads()?;
         for opt in optimizers.iter_mut() {
             opt.step()?;
         }
@@ -410,22 +436,26 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         total_steps: args.iters as usize,
     };
 
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed + 7919 * dist.rank() as u64);
     let mut eval_rng = rand::rngs::StdRng::seed_from_u64(args.seed + 2);
     let (mut train_losses, mut val_losses) = (Vec::new(), Vec::new());
-    let bar = ProgressBar::new(args.iters).with_style(
+    let bar = if dist.is_root() {
+        ProgressBar::new(args.iters)
+    } else {
+        ProgressBar::hidden()
+    }
+    .with_style(
         ProgressStyle::with_template("step {bar:30} {pos}/{len} {msg}").expect("valid template"),
     );
     let started = Instant::now();
     let tokens_per_step = (args.batch_size * args.block) as f64;
     let fail = |e: wgrad::Error| e.to_string();
     for step in 1..=args.iters as usize {
-        let (x, y) =
-            sample_batch(train, args.batch_size as usize, block, &mut rng, &dev).map_err(fail)?;
+        let (x, y) = sample_batch(train, local_batch, block, &mut rng, &dev).map_err(fail)?;
         for opt in optimizers.borrow_mut().iter_mut() {
             opt.set_lr(schedule.lr(step - 1));
         }
-        if args.eager {
+        if eager {
             train_step(&[x, y]).map_err(fail)?;
         } else {
             captured.run(&[x, y]).map_err(fail)?;
@@ -433,7 +463,7 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         if step == 1 {
             dev.synchronize().map_err(fail)?;
             let elapsed = process_start.elapsed().as_secs_f64();
-            bar.suspend(|| println!("first step done {elapsed:.3} s after start"));
+            bar.suspend(|| say!(dist, "first step done {elapsed:.3} s after start"));
         }
         if step % args.eval_interval as usize == 0 || step == args.iters as usize {
             let train_loss =
@@ -446,7 +476,10 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
                 ));
             }
             bar.suspend(|| {
-                println!("step {step}: train_loss={train_loss:.4} val_loss={val_loss:.4}")
+                say!(
+                    dist,
+                    "step {step}: train_loss={train_loss:.4} val_loss={val_loss:.4}"
+                )
             });
             train_losses.push(train_loss);
             val_losses.push(val_loss);
@@ -461,29 +494,36 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     let tokens_per_s = args.iters as f64 * tokens_per_step / started.elapsed().as_secs_f64();
 
     if let Some(path) = &args.save {
-        io::save(path, &model).map_err(fail)?;
-        println!("saved: {}", path.display());
+        dist.save(path, &model).map_err(fail)?;
+        say!(dist, "saved: {}", path.display());
     }
-    if let Some(path) = &args.plot {
+    if let Some(path) = args.plot.as_ref().filter(|_| dist.is_root()) {
         let train_series = ("train loss", train_losses.as_slice());
         let val_series = ("validation loss", val_losses.as_slice());
         plot::plot(path, "estimate", train_series, val_series)
             .map_err(|e| format!("writing the plot {}: {e}", path.display()))?;
-        println!("plot: {}", path.display());
+        say!(dist, "plot: {}", path.display());
     }
-    if !args.eager {
+    if !eager {
         let stats = captured.stats();
-        println!(
+        say!(
+            dist,
             "captured: {} eager, {} capturing, {} replayed steps; {} dispatches per replay ({} \
              launches fused away)",
-            stats.eager, stats.captures, stats.replays, stats.replay_dispatches, stats.fused_away
+            stats.eager,
+            stats.captures,
+            stats.replays,
+            stats.replay_dispatches,
+            stats.fused_away
         );
     }
-    println!(
+    say!(
+        dist,
         "sample:\n{}\n",
         sample(&model, &corpus, args, &dev).map_err(fail)?
     );
-    println!(
+    say!(
+        dist,
         "final: val_loss={:.4} train_loss={:.4} steps={} tokens_per_s={tokens_per_s:.1}",
         val_losses.last().expect("at least one estimate"),
         train_losses.last().expect("at least one estimate"),

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use support::TrainArgs;
+use wgrad::dist::Dist;
 use wgrad::{io, nn, Device};
 
 /// Train an MLP classifier with wgrad.
@@ -38,9 +39,14 @@ fn run(args: &Args, process_start: Instant) -> Result<(), String> {
     if args.hidden == 0 {
         return Err("--hidden must be at least 1".into());
     }
+    let dist = Dist::init().map_err(|e| e.to_string())?;
     let dev = Device::new().map_err(|e| e.to_string())?;
-    println!("adapter: {}", dev.info());
+    support::say(&dist, format!("adapter: {}", dev.info()));
+    if dist.size() > 1 {
+        support::say(&dist, format!("data-parallel: {} ranks", dist.size()));
+    }
     let (train, test) = args.train.dataset(
+        &dist,
         |seed| io::synthetic_spirals(4, 8000, 2000, seed),
         "synthetic spirals",
     )?;
@@ -52,5 +58,13 @@ fn run(args: &Args, process_start: Instant) -> Result<(), String> {
         .add(linear(args.hidden, args.hidden)?)
         .add(nn::Relu)
         .add(linear(args.hidden, train.classes)?);
-    support::fit(&model, &train, &test, &dev, &args.train, process_start)
+    support::fit(
+        &model,
+        &train,
+        &test,
+        &dev,
+        &args.train,
+        &dist,
+        process_start,
+    )
 }

@@ -1,6 +1,7 @@
 //! What the examples share: the command-line options of a classifier's training run, and the
 //! run itself (Adam/AdamW/SGD with cosine decay, a progress bar, per-epoch test accuracy,
-//! checkpoints, a plot, and one `final:` line).
+//! checkpoints, a plot, and one `final:` line), in one process or data-parallel under
+//! `mpirun` (built with `--features mpi`; rank 0 prints and saves).
 
 use std::cell::RefCell;
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use wgrad::capture::Step;
+use wgrad::dist::{DataParallel, Dist};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, LrSchedule, Optimizer};
 use wgrad::{io, Device, Tensor};
@@ -84,6 +86,7 @@ impl TrainArgs {
     /// The data set the run trains on: `--data`'s IDX files, or `synthetic()`.
     pub fn dataset(
         &self,
+        dist: &Dist,
         synthetic: impl FnOnce(u64) -> (io::Dataset, io::Dataset),
         synthetic_name: &str,
     ) -> Result<(io::Dataset, io::Dataset), String> {
@@ -98,14 +101,24 @@ impl TrainArgs {
             .data
             .as_ref()
             .map_or(synthetic_name.to_string(), |d| d.display().to_string());
-        println!(
-            "data: {source}: {} train / {} test examples, {} features, {} classes",
-            train.len(),
-            test.len(),
-            train.features,
-            train.classes
+        say(
+            dist,
+            format!(
+                "data: {source}: {} train / {} test examples, {} features, {} classes",
+                train.len(),
+                test.len(),
+                train.features,
+                train.classes
+            ),
         );
         Ok((train, test))
+    }
+}
+
+/// Prints `line` on rank 0 only.
+pub fn say(dist: &Dist, line: impl std::fmt::Display) {
+    if dist.is_root() {
+        println!("{line}");
     }
 }
 
@@ -123,13 +136,21 @@ pub fn fit(
     test: &io::Dataset,
     dev: &Device,
     args: &TrainArgs,
+    dist: &Dist,
     process_start: Instant,
 ) -> Result<(), String> {
     let lr = args.lr()?;
+    let batch = args.batch_size as usize;
+    // Data-parallel: --batch-size is the global batch; each rank takes its share.
+    dist.local_batch(batch).map_err(|e| e.to_string())?;
     if let Some(path) = &args.load {
         io::load(path, model).map_err(|e| e.to_string())?;
-        println!("loaded: {}", path.display());
+        say(dist, format!("loaded: {}", path.display()));
     }
+    let data_parallel = DataParallel::new(dist, model).map_err(|e| e.to_string())?;
+    // The grads are averaged across ranks on the host between backward and the optimizer,
+    // which a captured step cannot hold: data-parallel runs are eager.
+    let eager = args.eager || dist.size() > 1;
     let params = model.parameters();
     let opt: Box<dyn Optimizer> = match args.optimizer {
         OptimizerKind::Sgd => Box::new(optim::Sgd::new(
@@ -157,8 +178,11 @@ pub fn fit(
         )),
     };
 
-    let batch = args.batch_size as usize;
-    let steps_per_epoch = train.len().div_ceil(batch);
+    let steps_per_epoch = if dist.size() > 1 {
+        train.len() / batch
+    } else {
+        train.len().div_ceil(batch)
+    };
     // Cosine decay to zero over the run: large steps early, a settled model at the end.
     let schedule = optim::CosineLr {
         base_lr: lr,
@@ -179,12 +203,13 @@ pub fn fit(
         opt.zero_grad();
         let loss = nn::loss::cross_entropy(&model.forward(&batch[0])?, &batch[1])?;
         loss.backward()?;
+        data_parallel.sync_grads()?;
         opt.step()?;
         Ok(loss)
     };
     let mut captured = Step::new(train_step);
     let mut run_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
-        if args.eager {
+        if eager {
             train_step(batch)
         } else {
             captured.run(batch)
@@ -197,13 +222,24 @@ pub fn fit(
     for epoch in 1..=args.epochs {
         model.train();
         order.shuffle(&mut rng);
-        let bar = ProgressBar::new(steps_per_epoch as u64)
-            .with_style(style.clone())
-            .with_prefix(format!("{epoch}/{}", args.epochs));
-        let mut epoch_loss = 0.0f64;
+        let bar = if dist.is_root() {
+            ProgressBar::new(steps_per_epoch as u64)
+        } else {
+            ProgressBar::hidden()
+        }
+        .with_style(style.clone())
+        .with_prefix(format!("{epoch}/{}", args.epochs));
+        let (mut epoch_loss, mut epoch_rows) = (0.0f64, 0usize);
         // Losses not yet read back, with their batch sizes: read every --log-every steps.
         let mut pending: Vec<(Tensor, usize)> = Vec::new();
-        let chunks = order.chunks(batch).collect::<Vec<_>>();
+        let chunks: Vec<Vec<usize>> = if dist.size() > 1 {
+            // Every rank shuffles alike and takes its own slice of each global batch.
+            let seed = args.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            dist.shard_batches(train.len(), batch, seed)
+                .map_err(|e| e.to_string())?
+        } else {
+            order.chunks(batch).map(|c| c.to_vec()).collect()
+        };
         for (i, chunk) in chunks.iter().enumerate() {
             let (inputs, labels) = train.batch(chunk);
             let x = Tensor::from_vec(inputs, &[chunk.len(), train.features], dev)
@@ -213,11 +249,11 @@ pub fn fit(
             let loss = run_step(&[x, y]).map_err(|e| e.to_string())?;
             pending.push((loss, chunk.len()));
             step += 1;
-            seen += chunk.len();
+            seen += chunk.len() * dist.size();
             if step == 1 {
                 dev.synchronize().map_err(|e| e.to_string())?;
                 let elapsed = process_start.elapsed().as_secs_f64();
-                bar.suspend(|| println!("first step done {elapsed:.3} s after start"));
+                bar.suspend(|| say(dist, format!("first step done {elapsed:.3} s after start")));
             }
             let epoch_end = i + 1 == chunks.len();
             if pending.len() as u64 >= args.log_every || epoch_end {
@@ -234,6 +270,7 @@ pub fn fit(
                         ));
                     }
                     epoch_loss += *value as f64 * *rows as f64;
+                    epoch_rows += *rows;
                 }
                 pending.clear();
                 bar.set_message(format!(
@@ -244,43 +281,53 @@ pub fn fit(
             }
             bar.inc(1);
         }
-        let train_loss = (epoch_loss / train.len() as f64) as f32;
+        // This rank's examples (all of them in one process).
+        let train_loss = (epoch_loss / epoch_rows.max(1) as f64) as f32;
         let test_acc = accuracy(model, test, dev).map_err(|e| e.to_string())?;
         bar.finish_and_clear();
-        println!("epoch {epoch}: train_loss={train_loss:.4} test_acc={test_acc:.4}");
+        say(
+            dist,
+            format!("epoch {epoch}: train_loss={train_loss:.4} test_acc={test_acc:.4}"),
+        );
         history.train_loss.push(train_loss);
         history.test_acc.push(test_acc);
     }
     let samples_per_s = seen as f64 / started.elapsed().as_secs_f64();
 
     if let Some(path) = &args.save {
-        io::save(path, model).map_err(|e| e.to_string())?;
-        println!("saved: {}", path.display());
+        dist.save(path, model).map_err(|e| e.to_string())?;
+        say(dist, format!("saved: {}", path.display()));
     }
-    if let Some(path) = &args.plot {
+    if let Some(path) = args.plot.as_ref().filter(|_| dist.is_root()) {
         let loss = ("train loss", history.train_loss.as_slice());
         let acc = ("test accuracy", history.test_acc.as_slice());
         plot::plot(path, "epoch", loss, acc)
             .map_err(|e| format!("writing the plot {}: {e}", path.display()))?;
-        println!("plot: {}", path.display());
+        say(dist, format!("plot: {}", path.display()));
     }
-    if !args.eager {
+    if !eager {
         let stats = captured.stats();
-        println!(
-            "captured: {} eager, {} capturing, {} replayed steps; {} plans, {} dispatches per \
+        say(
+            dist,
+            format!(
+                "captured: {} eager, {} capturing, {} replayed steps; {} plans, {} dispatches per \
              replay ({} launches fused away)",
-            stats.eager,
-            stats.captures,
-            stats.replays,
-            stats.plans,
-            stats.replay_dispatches,
-            stats.fused_away
+                stats.eager,
+                stats.captures,
+                stats.replays,
+                stats.plans,
+                stats.replay_dispatches,
+                stats.fused_away
+            ),
         );
     }
-    println!(
-        "final: test_acc={:.4} train_loss={:.4} steps={step} samples_per_s={samples_per_s:.1}",
-        history.test_acc.last().expect("at least one epoch"),
-        history.train_loss.last().expect("at least one epoch"),
+    say(
+        dist,
+        format!(
+            "final: test_acc={:.4} train_loss={:.4} steps={step} samples_per_s={samples_per_s:.1}",
+            history.test_acc.last().expect("at least one epoch"),
+            history.train_loss.last().expect("at least one epoch"),
+        ),
     );
     Ok(())
 }
