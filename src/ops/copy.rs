@@ -57,6 +57,10 @@ pub(crate) fn copy_into(
     if n == 0 {
         return Ok(());
     }
+    // Dense into dense, between two buffers: one buffer copy, no kernel.
+    if src.is_contiguous() && dst_layout.is_contiguous() && src.storage_id() != dst.storage_id() {
+        return copy_dense(op, src, dst, dst_layout.offset);
+    }
     let dims = strided_dims(
         op,
         src.shape(),
@@ -73,6 +77,21 @@ pub(crate) fn copy_into(
     };
     let kernel = Kernel::plain(&COPY, "strided_copy");
     launch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP))
+}
+
+/// Copies contiguous `src` into `dst`'s buffer from element `dst_offset` on, by one
+/// buffer-to-buffer copy (which a captured step records too).
+fn copy_dense(op: &'static str, src: &Tensor, dst: &Tensor, dst_offset: usize) -> Result<()> {
+    let size = src.dtype().size() as u64;
+    let bytes = src.numel() as u64 * size;
+    let (from, to) = (src.storage(), dst.storage());
+    let src_at = src.layout().offset as u64 * size;
+    let dst_at = dst_offset as u64 * size;
+    src.device()
+        .inner
+        .copy(op, (from.buffer(), src_at), (to.buffer(), dst_at), bytes)?;
+    crate::tensor::tape::record_copy((&from, src_at), (&to, dst_at), bytes);
+    Ok(())
 }
 
 /// A contiguous f32 tensor holding `start + step * i`.
@@ -181,18 +200,7 @@ impl Tensor {
         const OP: &str = "deep_clone";
         let out = Tensor::empty(OP, self.shape(), self.dtype(), self.device())?
             .with_index_bound(self.index_bound());
-        if self.is_contiguous() {
-            let size = self.dtype().size() as u64;
-            let (src, dst) = (self.storage(), out.storage());
-            let src_at = (src.buffer(), self.layout().offset as u64 * size);
-            let bytes = self.numel() as u64 * size;
-            self.device()
-                .inner
-                .copy(OP, src_at, (dst.buffer(), 0), bytes)?;
-            crate::tensor::tape::record_copy((&src, src_at.1), (&dst, 0), bytes);
-        } else {
-            copy_into(OP, self, &out, &out.layout().clone())?;
-        }
+        copy_into(OP, self, &out, &out.layout().clone())?;
         Ok(record_identity(OP, out, self))
     }
 
