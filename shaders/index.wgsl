@@ -80,7 +80,13 @@ fn index_select(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let o = i / (selected * inner);
     let j = (i / inner) % selected;
     let idx = min(indices[pu(INDEX_SELECT_INDICES_OFFSET) + j], pu(INDEX_SELECT_DIM_SIZE) - 1u);
-    dst[i] = src[pu(INDEX_SELECT_SRC_OFFSET) + (o * pu(INDEX_SELECT_DIM_SIZE) + idx) * inner + i % inner];
+    // Only the rows of the bound window of the table (all of them unless it is windowed).
+    let row_start = pu(INDEX_SELECT_ROW_START);
+    let row_count = pu(INDEX_SELECT_ROW_COUNT);
+    if (idx < row_start || idx - row_start >= row_count) {
+        return;
+    }
+    dst[i] = src[pu(INDEX_SELECT_TABLE_OFFSET) + (o * row_count + idx - row_start) * inner + i % inner];
 }
 
 // gather along `dim`: dst[..., j, ...] = src[..., indices[..., j, ...], ...], with dst shaped
@@ -201,7 +207,13 @@ fn index_select_scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let o = i / (selected * inner);
     let j = (i / inner) % selected;
     let row = indices[pu(INDEX_SELECT_INDICES_OFFSET) + j];
-    let at = (o * pu(INDEX_SELECT_DIM_SIZE) + row) * inner + i % inner;
+    // Only the rows of the bound window of the table (all of them unless it is windowed).
+    let row_start = pu(INDEX_SELECT_ROW_START);
+    let row_count = pu(INDEX_SELECT_ROW_COUNT);
+    if (row < row_start || row - row_start >= row_count) {
+        return;
+    }
+    let at = pu(INDEX_SELECT_TABLE_OFFSET) + (o * row_count + row - row_start) * inner + i % inner;
     let value = bitcast<f32>(src[pu(INDEX_SELECT_SRC_OFFSET) + i]);
     var old = atomicLoad(&sums[at]);
     loop {

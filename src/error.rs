@@ -44,8 +44,9 @@ pub enum Error {
         msg: String,
     },
 
-    /// A tensor larger than the adapter can bind to one kernel.
-    #[error("{op}: a tensor of {bytes} bytes exceeds the adapter's limit of {limit} bytes per buffer binding")]
+    /// A tensor larger than the adapter's largest buffer, or larger than one kernel binding
+    /// for an op that cannot split it into windows.
+    #[error("{op}: a tensor of {bytes} bytes exceeds the adapter's limit of {limit} bytes (per buffer, or per kernel binding where the op cannot bind windows of it)")]
     TooLarge {
         /// The op that needed the buffer.
         op: &'static str,

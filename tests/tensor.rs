@@ -203,7 +203,7 @@ fn views_with_bad_dims_or_ranges_are_shape_errors() {
 }
 
 #[test]
-fn tensor_larger_than_one_binding_is_a_too_large_error() {
+fn tensor_larger_than_the_largest_buffer_is_a_too_large_error() {
     let dev = device();
     let limit = dev.max_tensor_bytes();
     let elements = (limit / 4 + 1) as usize;

@@ -3,10 +3,11 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_elementwise, strided_dims, Kernel, KernelParams, ShaderFamily,
-    WORKGROUP,
+    groups, launch_at, launch_elementwise, strided_dims, windows, Kernel, KernelParams,
+    ShaderFamily, WORKGROUP,
 };
 use crate::ops::copy::copy_into;
+use crate::ops::too_large_view;
 use crate::tensor::tape::Elementwise;
 use crate::tensor::{DType, Storage, Tensor};
 
@@ -90,10 +91,30 @@ pub fn accumulate_grad(current: Option<&Tensor>, new_grad: &Tensor) -> Result<Te
     };
     check_pair(OP, current, new_grad)?;
     let out = Tensor::empty(OP, current.shape(), DType::F32, current.device())?;
-    let n = out.numel();
-    if n == 0 {
+    if out.numel() == 0 {
         return Ok(out);
     }
+    if out.exceeds_binding() || current.exceeds_binding() || new_grad.exceeds_binding() {
+        // Past one binding: a launch per window of dense grads.
+        for t in [current, new_grad] {
+            if !t.is_contiguous() {
+                return Err(too_large_view(OP, t));
+            }
+        }
+        for (start, len) in windows(out.device(), out.numel()) {
+            let (c, g) = (current.window(start, len), new_grad.window(start, len));
+            clone_add(&c, &g, &out.window(start, len))?;
+        }
+        return Ok(out);
+    }
+    clone_add(current, new_grad, &out)?;
+    Ok(out)
+}
+
+/// `out = current + new_grad` by the clone-then-add kernel (same shapes; `out` contiguous).
+fn clone_add(current: &Tensor, new_grad: &Tensor, out: &Tensor) -> Result<()> {
+    const OP: &str = "accumulate_grad";
+    let n = out.numel();
     let params = pair_params(OP, current, new_grad)?;
     let describe = || Elementwise {
         params: "current: f32, new_grad: f32",
@@ -109,12 +130,11 @@ pub fn accumulate_grad(current: Option<&Tensor>, new_grad: &Tensor) -> Result<Te
     launch_elementwise(
         OP,
         &Kernel::plain(&ACCUMULATE, "clone_add"),
-        &[(1, new_grad), (2, current), (3, &out)],
+        &[(1, new_grad), (2, current), (3, out)],
         &params,
         groups(n, WORKGROUP),
         describe,
-    )?;
-    Ok(out)
+    )
 }
 
 /// `current += new_grad` in place: same handle, same storage (S-3).

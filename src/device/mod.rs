@@ -30,6 +30,18 @@ const MAX_WORKGROUPS_PER_DIM: u32 = 65535;
 /// threads give up on after 6 s, so waits are sliced well below that.
 const POLL_SLICE: Duration = Duration::from_millis(50);
 
+/// The byte range of a buffer that a kernel binds.
+#[derive(Clone, Copy)]
+pub(crate) struct BufferSlice<'a> {
+    pub buffer: &'a wgpu::Buffer,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// The largest tensor wgrad makes, whatever the adapter allows: 4 GiB (a u32 element index
+/// times 4 bytes would pass it anyway).
+const MAX_TENSOR_BYTES: u64 = 1 << 32;
+
 /// What the device compiles a pipeline from: one WGSL module (a family's shader with its
 /// specialisation applied) and the entry point to call. `key` names the pair for the cache.
 pub(crate) struct PipelineSource<'a> {
@@ -428,9 +440,17 @@ impl Device {
         self.inner.gpu_flavor.store(gpu, Ordering::Relaxed);
     }
 
-    /// The largest tensor, in bytes, that one kernel can bind on this adapter (128 MiB on
-    /// lavapipe). Larger tensors are an `Error::TooLarge`.
+    /// The largest tensor, in bytes, this adapter holds (its largest buffer, at most 4 GiB).
+    /// Larger tensors are an `Error::TooLarge`.
     pub fn max_tensor_bytes(&self) -> u64 {
+        self.inner.max_buffer_bytes()
+    }
+
+    /// The most bytes one kernel binds of a buffer (128 MiB on lavapipe and in browsers). Ops
+    /// on larger tensors bind windows of them where the op allows (elementwise ops, copies,
+    /// fills, optimizer updates, `accumulate_grad`, `index_select` / `Embedding` along their
+    /// rows); the others are an `Error::TooLarge` naming the op.
+    pub fn max_binding_bytes(&self) -> u64 {
         self.inner.max_binding_bytes()
     }
 
@@ -450,7 +470,17 @@ impl DeviceInner {
         self.next_storage_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// The largest buffer one kernel may bind, in bytes.
+    /// The largest buffer the device makes, in bytes.
+    pub(crate) fn max_buffer_bytes(&self) -> u64 {
+        self.limits.max_buffer_size.min(MAX_TENSOR_BYTES)
+    }
+
+    /// The offset alignment of a bound window, in bytes.
+    pub(crate) fn binding_alignment(&self) -> u64 {
+        self.limits.min_storage_buffer_offset_alignment as u64
+    }
+
+    /// The largest range one kernel may bind, in bytes.
     pub(crate) fn max_binding_bytes(&self) -> u64 {
         self.limits
             .max_storage_buffer_binding_size
@@ -460,7 +490,7 @@ impl DeviceInner {
     /// A storage buffer of at least `bytes` bytes, from the pool when it has one of that size
     /// class. Its contents are undefined.
     pub(crate) fn alloc(&self, op: &'static str, bytes: u64) -> Result<wgpu::Buffer> {
-        let limit = self.max_binding_bytes();
+        let limit = self.max_buffer_bytes();
         if bytes > limit {
             return Err(Error::TooLarge { op, bytes, limit });
         }
@@ -504,10 +534,18 @@ impl DeviceInner {
         &self,
         op: &'static str,
         cached: &CachedPipeline,
-        buffers: &[(u32, &wgpu::Buffer)],
+        buffers: &[(u32, BufferSlice)],
         params: &[u8],
         workgroups: u32,
     ) -> Result<()> {
+        let limit = self.max_binding_bytes();
+        if let Some((_, big)) = buffers.iter().find(|(_, b)| b.size > limit) {
+            return Err(Error::TooLarge {
+                op,
+                bytes: big.size,
+                limit,
+            });
+        }
         // The last slot stays 0: `pu` in shaders/common.wgsl indexes through it.
         assert!(
             params.len() < PARAMS_BYTES as usize,
@@ -529,10 +567,14 @@ impl DeviceInner {
                 size: wgpu::BufferSize::new(PARAMS_BYTES),
             }),
         }];
-        for (binding, buffer) in buffers {
+        for (binding, slice) in buffers {
             entries.push(wgpu::BindGroupEntry {
                 binding: *binding,
-                resource: buffer.as_entire_binding(),
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: slice.buffer,
+                    offset: slice.offset,
+                    size: wgpu::BufferSize::new(slice.size),
+                }),
             });
         }
         let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {

@@ -12,7 +12,7 @@ pub(crate) use params::{KernelParams, ParamsLayout, MAX_SLOTS};
 
 use std::sync::Arc;
 
-use crate::device::PipelineSource;
+use crate::device::{BufferSlice, Device, PipelineSource};
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
 use crate::tensor::tape::{self, Elementwise, HostBytes};
@@ -33,6 +33,17 @@ pub(crate) const MAX_LOOP_LEN: usize = 16_384;
 
 /// Prepended to every family's WGSL: the params uniform, `pu`/`pf`, index helpers.
 pub(crate) const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
+
+/// The runs `(start, len)` of `n` elements (4 bytes each) that kernels process one window at
+/// a time when a tensor is larger than one binding: each run's window fits a binding even
+/// with a skip of less than one alignment at its front, and starts a multiple of 64 elements
+/// from the tensor's first element (so windows of offset-0 tensors start aligned).
+pub(crate) fn windows(device: &Device, n: usize) -> Vec<(usize, usize)> {
+    let limit = device.inner.max_binding_bytes();
+    let align = device.inner.binding_alignment();
+    let per = (((limit - align) / 4) as usize / 64 * 64).max(64);
+    (0..n).step_by(per).map(|s| (s, per.min(n - s))).collect()
+}
 
 /// Workgroups needed to cover `n` items, `per_group` per workgroup.
 pub(crate) fn groups(n: usize, per_group: usize) -> u32 {
@@ -205,8 +216,7 @@ fn launch_with(
 ) -> Result<()> {
     let storages: Vec<(u32, Arc<Storage>)> =
         tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
-    let buffers: Vec<(u32, &wgpu::Buffer)> =
-        storages.iter().map(|(b, s)| (*b, s.buffer())).collect();
+    let buffers: Vec<(u32, BufferSlice)> = storages.iter().map(|(b, s)| (*b, s.slice())).collect();
     let (key, module_len) = kernel.key();
     let module_key = &key[..module_len];
     let family = kernel.family;

@@ -3,9 +3,10 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_elementwise, strided_dims, Kernel, KernelParams, ShaderFamily,
+    groups, launch_elementwise, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
+use crate::ops::too_large_view;
 use crate::seed::next_seed;
 use std::sync::Arc;
 
@@ -178,10 +179,31 @@ fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tens
         ),
     })?;
     let out = Tensor::empty(name, &shape, DType::F32, a.device())?;
-    let n = out.numel();
-    if n == 0 {
+    if out.numel() == 0 {
         return Ok(out);
     }
+    if out.exceeds_binding() || a.exceeds_binding() || b.exceeds_binding() {
+        // Past one binding: a launch per window of two dense operands of the output's shape.
+        for t in [a, b] {
+            if t.shape() != shape.as_slice() || !t.is_contiguous() {
+                return Err(too_large_view(name, t));
+            }
+        }
+        for (start, len) in windows(a.device(), out.numel()) {
+            let (aw, bw) = (a.window(start, len), b.window(start, len));
+            launch_binary(op, &aw, &bw, &out.window(start, len), scalar)?;
+        }
+        return Ok(out);
+    }
+    launch_binary(op, a, b, &out, scalar)?;
+    Ok(out)
+}
+
+/// Runs `op` over `a` and `b` (broadcast to `out`'s shape) into the contiguous `out`.
+fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32) -> Result<()> {
+    let name = op.name();
+    let shape = out.shape().to_vec();
+    let n = out.numel();
     let la = a.layout().expand(name, &shape)?;
     let lb = b.layout().expand(name, &shape)?;
     let dims = strided_dims(name, &shape, &[&la.strides, &lb.strides])?;
@@ -228,12 +250,11 @@ fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tens
     launch_elementwise(
         name,
         &kernel,
-        &[(1, a), (2, b), (3, &out)],
+        &[(1, a), (2, b), (3, out)],
         &params,
         groups(n, per_group),
         describe,
-    )?;
-    Ok(out)
+    )
 }
 
 /// `grad` summed over the dims along which an input of `shape` was broadcast, so that it has

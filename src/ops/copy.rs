@@ -3,7 +3,9 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch, strided_dims, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::kernel::{
+    groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily, WORKGROUP,
+};
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
 
@@ -85,8 +87,8 @@ fn copy_dense(op: &'static str, src: &Tensor, dst: &Tensor, dst_offset: usize) -
     let size = src.dtype().size() as u64;
     let bytes = src.numel() as u64 * size;
     let (from, to) = (src.storage(), dst.storage());
-    let src_at = src.layout().offset as u64 * size;
-    let dst_at = dst_offset as u64 * size;
+    let src_at = from.base() + src.layout().offset as u64 * size;
+    let dst_at = to.base() + dst_offset as u64 * size;
     src.device()
         .inner
         .copy(op, (from.buffer(), src_at), (to.buffer(), dst_at), bytes)?;
@@ -103,14 +105,26 @@ pub(crate) fn fill(
     device: &Device,
 ) -> Result<Tensor> {
     let out = Tensor::empty(op, shape, DType::F32, device)?;
-    let n = out.numel();
-    let params = FillParams {
-        n: n as u32,
-        start,
-        step,
-    };
     let kernel = Kernel::plain(&FILL, "fill");
-    launch(op, &kernel, &[&out], &params, groups(n, WORKGROUP))?;
+    // Past one binding, one launch per window (each starts on an alignment boundary).
+    let runs = if out.exceeds_binding() {
+        windows(device, out.numel())
+    } else {
+        vec![(0, out.numel())]
+    };
+    for (first, n) in runs {
+        let target = if first == 0 && n == out.numel() {
+            out.clone()
+        } else {
+            out.window(first, n)
+        };
+        let params = FillParams {
+            n: n as u32,
+            start: start + step * first as f32,
+            step,
+        };
+        launch(op, &kernel, &[&target], &params, groups(n, WORKGROUP))?;
+    }
     Ok(out)
 }
 
@@ -177,7 +191,7 @@ impl Tensor {
         dense.device().inner.read(
             op,
             storage.buffer(),
-            dense.layout().offset as u64 * size,
+            storage.base() + dense.layout().offset as u64 * size,
             dense.numel() as u64 * size,
         )
     }

@@ -15,9 +15,12 @@ use crate::tensor::{DType, Tensor};
 crate::kernel_params! {
     /// `index_select` and its backward over contiguous `[outer, dim_size, inner]` data, of
     /// which `selected` slices are picked; `n` counts the elements written (read, for
-    /// `index_select_scatter`).
+    /// `index_select_scatter`). The table's bound rows are `row_start .. row_start +
+    /// row_count` (all of them, unless a table past one binding is bound a window of rows at
+    /// a time; then `outer` is 1), from element `table_offset` of its binding.
     pub(crate) struct IndexSelectParams {
         n: u32, selected: u32, inner: u32, dim_size: u32, src_offset: u32, indices_offset: u32,
+        row_start: u32, row_count: u32, table_offset: u32,
     }
 }
 
@@ -91,18 +94,54 @@ fn index_select_scatter(
         return Ok(out);
     }
     let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
-    let params = IndexSelectParams {
-        n: n as u32,
-        selected: indices.numel() as u32,
-        inner: shape[dim + 1..].iter().product::<usize>() as u32,
-        dim_size: shape[dim] as u32,
-        src_offset: g.layout().offset as u32,
-        indices_offset: idx.layout().offset as u32,
-    };
+    let inner: usize = shape[dim + 1..].iter().product();
     let kernel = Kernel::plain(&INDEX, "index_select_scatter");
-    let bound = [(1, &g), (3, &idx), (4, &out)];
-    launch_at(OP, &kernel, &bound, &params, groups(n, WORKGROUP))?;
+    for (rows, table) in row_windows(OP, &out, dim, shape[dim], inner)? {
+        // Each launch adds the lookups whose rows its window of the table holds.
+        let params = IndexSelectParams {
+            n: n as u32,
+            selected: indices.numel() as u32,
+            inner: inner as u32,
+            dim_size: shape[dim] as u32,
+            src_offset: g.layout().offset as u32,
+            indices_offset: idx.layout().offset as u32,
+            row_start: rows.start as u32,
+            row_count: rows.len() as u32,
+            table_offset: table.layout().offset as u32,
+        };
+        let bound = [(1, &g), (3, &idx), (4, &table)];
+        launch_at(OP, &kernel, &bound, &params, groups(n, WORKGROUP))?;
+    }
     Ok(out)
+}
+
+/// The table `x` (contiguous, `[outer, rows, inner]` around `dim`) as the windows kernels
+/// bind: all of it, or, past one binding, runs of whole rows (when `outer` is 1), each with
+/// its range of rows. An error when one row is past a binding, or `outer` is not 1.
+fn row_windows(
+    op: &'static str,
+    x: &Tensor,
+    dim: usize,
+    rows: usize,
+    inner: usize,
+) -> Result<Vec<(std::ops::Range<usize>, Tensor)>> {
+    if !x.exceeds_binding() {
+        return Ok(vec![(0..rows, x.clone())]);
+    }
+    let limit = x.device().inner.max_binding_bytes();
+    let align = x.device().inner.binding_alignment();
+    let outer: usize = x.shape()[..dim].iter().product();
+    let per = ((limit - align) / 4) as usize / inner.max(1);
+    if outer != 1 || per == 0 || !x.is_contiguous() {
+        return Err(crate::ops::too_large_view(op, x));
+    }
+    Ok((0..rows)
+        .step_by(per)
+        .map(|r| {
+            let count = per.min(rows - r);
+            (r..r + count, x.window(r * inner, count * inner))
+        })
+        .collect())
 }
 
 /// `shape` padded at the front with `fill` to six dims.
@@ -232,21 +271,29 @@ fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<T
     let x = this.contiguous()?;
     let idx = indices.contiguous()?;
     let inner: usize = this.shape()[dim + 1..].iter().product();
-    let params = IndexSelectParams {
-        n: n as u32,
-        selected: indices.numel() as u32,
-        inner: inner as u32,
-        dim_size: this.shape()[dim] as u32,
-        src_offset: x.layout().offset as u32,
-        indices_offset: idx.layout().offset as u32,
-    };
-    launch(
-        OP,
-        &Kernel::plain(&INDEX, "index_select"),
-        &[&x, &out, &idx],
-        &params,
-        groups(n, WORKGROUP),
-    )?;
+    let dim_size = this.shape()[dim];
+    let kernel = Kernel::plain(&INDEX, "index_select");
+    for (rows, table) in row_windows(OP, &x, dim, dim_size, inner)? {
+        // Each launch writes the picked slices whose rows its window holds.
+        let params = IndexSelectParams {
+            n: n as u32,
+            selected: indices.numel() as u32,
+            inner: inner as u32,
+            dim_size: dim_size as u32,
+            src_offset: 0,
+            indices_offset: idx.layout().offset as u32,
+            row_start: rows.start as u32,
+            row_count: rows.len() as u32,
+            table_offset: table.layout().offset as u32,
+        };
+        launch(
+            OP,
+            &kernel,
+            &[&table, &out, &idx],
+            &params,
+            groups(n, WORKGROUP),
+        )?;
+    }
     Ok(out)
 }
 
@@ -308,7 +355,9 @@ fn index_select_backward(
     shape: &[usize],
 ) -> Result<Tensor> {
     let selected = indices.numel();
-    if shape[dim] * selected > GATHER_MAX_WORK {
+    let table_bytes = shape.iter().product::<usize>() as u64 * 4;
+    let past_binding = table_bytes > grad.device().inner.max_binding_bytes();
+    if shape[dim] * selected > GATHER_MAX_WORK || past_binding {
         return index_select_scatter(grad, dim, indices, shape);
     }
     if selected > SCATTER_CHUNK {
@@ -337,6 +386,9 @@ fn index_select_backward(
         dim_size: shape[dim] as u32,
         src_offset: g.layout().offset as u32,
         indices_offset: idx.layout().offset as u32,
+        row_start: 0,
+        row_count: shape[dim] as u32,
+        table_offset: 0,
     };
     launch(
         OP,

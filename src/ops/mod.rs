@@ -36,3 +36,13 @@ pub(crate) fn sum_over_chunks(
     }
     Ok(sum)
 }
+
+/// The error for a strided or broadcast view of a tensor larger than one binding: ops bind
+/// windows of dense tensors only.
+pub(crate) fn too_large_view(op: &'static str, t: &crate::tensor::Tensor) -> crate::Error {
+    crate::Error::TooLarge {
+        op,
+        bytes: t.storage().bytes(),
+        limit: t.device().inner.max_binding_bytes(),
+    }
+}

@@ -3,10 +3,11 @@
 
 use crate::error::Result;
 use crate::kernel::{
-    groups, launch_elementwise, strided_dims, Kernel, KernelParams, ShaderFamily,
+    groups, launch_elementwise, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::binary::{binary, BinaryOp};
+use crate::ops::too_large_view;
 use crate::tensor::graph::record;
 use crate::tensor::tape::Elementwise;
 use crate::tensor::{DType, Tensor};
@@ -148,10 +149,33 @@ fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tens
     let name = op.name();
     x.expect_dtype(name, DType::F32)?;
     let out = Tensor::empty(name, x.shape(), DType::F32, x.device())?;
-    let n = x.numel();
-    if n == 0 {
+    if x.numel() == 0 {
         return Ok(out);
     }
+    if out.exceeds_binding() || x.exceeds_binding() {
+        // Past one binding: a launch per window of a dense input and of the output.
+        if !x.is_contiguous() {
+            return Err(too_large_view(name, x));
+        }
+        for (start, len) in windows(x.device(), x.numel()) {
+            launch_unary(
+                op,
+                &x.window(start, len),
+                &out.window(start, len),
+                scalar,
+                scalar2,
+            )?;
+        }
+        return Ok(out);
+    }
+    launch_unary(op, x, &out, scalar, scalar2)?;
+    Ok(out)
+}
+
+/// Runs `op` over `x` into the contiguous `out` (offset 0, as many elements).
+fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32) -> Result<()> {
+    let name = op.name();
+    let n = x.numel();
     let layout = x.layout();
     let dims = strided_dims(name, &layout.shape, &[&layout.strides])?;
     let contiguous = x.is_contiguous();
@@ -186,12 +210,11 @@ fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tens
     launch_elementwise(
         name,
         &kernel,
-        &[(1, x), (2, &out)],
+        &[(1, x), (2, out)],
         &params,
         groups(n, per_group),
         describe,
-    )?;
-    Ok(out)
+    )
 }
 
 /// Records a unary op whose input grad is `rule(g, saved)`, where `saved` is the op's input

@@ -110,9 +110,8 @@ impl AdamState {
                     Tensor::zeros(param.shape(), param.device())?,
                 ),
             };
-            let n = param.numel() as u32;
             let shared = self.hyper.clone();
-            let params = move || lock(&shared).params(n, decoupled);
+            let params = move |n| lock(&shared).params(n, decoupled);
             run_update(op, "adam", param, &grad, &[&m, &v], params)?;
             *moments = Some((m, v));
         }

@@ -13,7 +13,7 @@ pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_dynamic, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+    groups, launch_dynamic, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
 use crate::tensor::Tensor;
 
@@ -89,15 +89,17 @@ fn check_hyper(op: &'static str, name: &str, value: f32, positive: bool) -> Resu
 }
 
 /// Runs one fused update `entry` on `param` (and its state tensors, bound at 3 and 4).
-/// `params` reads the optimizer's hyperparameters when called, so that a captured step's
-/// replays use the learning rate and step count of their own step.
+/// `params(n)` gives the kernel's params for `n` elements, reading the optimizer's
+/// hyperparameters when called, so that a captured step's replays use the learning rate and
+/// step count of their own step. A parameter larger than one binding is updated one window at
+/// a time.
 fn run_update<P: KernelParams>(
     op: &'static str,
     entry: &'static str,
     param: &Tensor,
     grad: &Tensor,
     state: &[&Tensor],
-    params: impl Fn() -> P + Send + Sync + 'static,
+    params: impl Fn(u32) -> P + Send + Sync + Clone + 'static,
 ) -> Result<()> {
     param.expect_dtype(op, crate::tensor::DType::F32)?;
     if !param.is_contiguous() || param.layout().offset != 0 {
@@ -131,13 +133,30 @@ fn run_update<P: KernelParams>(
     } else {
         grad.deep_clone()?
     };
-    let mut bindings = vec![(1, param), (2, &grad)];
-    bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
-    launch_dynamic(
-        op,
-        &Kernel::plain(&OPTIM, entry),
-        &bindings,
-        params,
-        groups(n, CONTIGUOUS_PER_GROUP),
-    )
+    let kernel = Kernel::plain(&OPTIM, entry);
+    if !param.exceeds_binding() && !grad.exceeds_binding() {
+        let mut bindings = vec![(1, param), (2, &grad)];
+        bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
+        let all = n as u32;
+        let workgroups = groups(n, CONTIGUOUS_PER_GROUP);
+        return launch_dynamic(op, &kernel, &bindings, move || params(all), workgroups);
+    }
+    // Past one binding: windows of the parameter, its grad and its state (all offset 0, so
+    // every window starts on an alignment boundary, as the kernel's dense reads need).
+    for (start, len) in windows(param.device(), n) {
+        let (p, g) = (param.window(start, len), grad.window(start, len));
+        let states: Vec<Tensor> = state.iter().map(|t| t.window(start, len)).collect();
+        let mut bindings = vec![(1, &p), (2, &g)];
+        bindings.extend(states.iter().enumerate().map(|(i, t)| (3 + i as u32, t)));
+        let params = params.clone();
+        let workgroups = groups(len, CONTIGUOUS_PER_GROUP);
+        launch_dynamic(
+            op,
+            &kernel,
+            &bindings,
+            move || params(len as u32),
+            workgroups,
+        )?;
+    }
+    Ok(())
 }

@@ -84,9 +84,8 @@ impl Optimizer for Sgd {
         for (param, buffer) in self.params.iter().zip(&mut self.momentum_buffers) {
             let Some(grad) = param.grad() else { continue };
             let first = buffer.is_none();
-            let n = param.numel() as u32;
             let shared = self.config.clone();
-            let params = move || {
+            let params = move |n| {
                 let c = *lock(&shared);
                 SgdParams {
                     n,

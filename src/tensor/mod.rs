@@ -120,6 +120,34 @@ impl Tensor {
         t
     }
 
+    /// Elements `start .. start + len` of this contiguous tensor, as a flat tensor over a
+    /// window of its buffer: what kernels bind of a tensor larger than one binding. The
+    /// window starts at the alignment boundary at or before the first element, so the
+    /// result's offset is that element's distance from it.
+    pub(crate) fn window(&self, start: usize, len: usize) -> Tensor {
+        debug_assert!(self.is_contiguous(), "windows are of contiguous tensors");
+        let size = self.dtype().size() as u64;
+        let storage = self.storage();
+        let align = self.device().inner.binding_alignment();
+        let first = storage.base() + (self.layout().offset + start) as u64 * size;
+        let aligned = first / align * align;
+        let skip = ((first - aligned) / size) as usize;
+        let bytes = ((skip + len) as u64 * size).max(size);
+        let window = Storage::window(&storage, aligned - storage.base(), bytes);
+        let layout = Layout {
+            shape: vec![len],
+            strides: vec![1],
+            offset: skip,
+        };
+        Tensor::from_parts(Arc::new(window), layout, self.dtype(), self.device())
+            .with_index_bound(self.index_bound())
+    }
+
+    /// True when this tensor's buffer is larger than one kernel may bind.
+    pub(crate) fn exceeds_binding(&self) -> bool {
+        self.storage().bytes() > self.device().inner.max_binding_bytes()
+    }
+
     pub(crate) fn index_bound(&self) -> Option<u32> {
         self.inner.index_bound
     }

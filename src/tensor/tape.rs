@@ -169,7 +169,10 @@ pub(crate) fn note_release(id: u64) {
 }
 
 /// How a tape names `storage`.
-fn taped(tape: &Tape, storage: &Arc<Storage>) -> TapedStorage {
+fn taped(tape: &mut Tape, storage: &Arc<Storage>) -> TapedStorage {
+    if storage.is_window() && tape.refused.is_none() {
+        tape.refused = Some("the step binds windows of a tensor larger than one binding".into());
+    }
     let id = storage.id();
     TapedStorage {
         id,
@@ -199,7 +202,7 @@ pub(crate) fn record_launch(
         let mut bindings = Vec::with_capacity(tensors.len());
         for (binding, tensor) in tensors {
             let storage = tensor.storage();
-            let entry = taped(tape, &storage);
+            let entry = taped(&mut *tape, &storage);
             if entry.external.is_some() {
                 let known = tape
                     .requires_grad

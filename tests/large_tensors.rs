@@ -1,0 +1,133 @@
+//! Tensors larger than one kernel binding (`Device::max_binding_bytes`, 128 MiB on lavapipe):
+//! ops that bind windows of them give the values they give on small tensors, and the others
+//! are a `TooLarge` error naming the op. Its own binary: each test holds several hundred MB.
+
+mod common;
+use common::*;
+use wgrad::nn::{self, Module};
+use wgrad::optim::{Adam, AdamConfig, Optimizer};
+use wgrad::{Error, Tensor};
+
+/// Elements of an f32 tensor a little larger than one binding.
+fn past_binding() -> usize {
+    (device().max_binding_bytes() / 4) as usize + 1000
+}
+
+/// Values of `t` at `positions` (read back through `index_select` on a flat view).
+fn at(t: &Tensor, positions: &[usize]) -> Vec<f32> {
+    let flat = t.reshape(&[t.numel()]).unwrap();
+    let idx = Tensor::from_vec_u32(
+        positions.iter().map(|&p| p as u32).collect(),
+        &[positions.len()],
+        device(),
+    )
+    .unwrap();
+    flat.unsqueeze(1)
+        .unwrap()
+        .index_select(0, &idx)
+        .unwrap()
+        .to_vec()
+        .unwrap()
+}
+
+#[test]
+fn elementwise_ops_and_fills_past_one_binding_are_right_at_both_ends() {
+    let n = past_binding();
+    let dev = device();
+    let a = Tensor::arange(n, dev).unwrap();
+    let b = Tensor::full(&[n], 2.0, dev).unwrap();
+    let y = a.mul(&b).unwrap().sub_scalar(3.0).unwrap().relu().unwrap();
+    let probes = [0, 1, 2, 1 << 20, n / 2, n - 2, n - 1];
+    let want: Vec<f32> = probes
+        .iter()
+        .map(|&i| (2.0 * i as f32 - 3.0).max(0.0))
+        .collect();
+    assert_eq!(at(&y, &probes), want);
+    // accumulate_grad's clone-then-add over windows.
+    let sum = wgrad::autograd::accumulate_grad(Some(&y), &b).unwrap();
+    let want: Vec<f32> = want.iter().map(|v| v + 2.0).collect();
+    assert_eq!(at(&sum, &probes), want);
+}
+
+#[test]
+fn a_gpt2_sized_embedding_trains_with_adam() {
+    let dev = device();
+    let emb = nn::Embedding::new(50_257, 768, dev).unwrap();
+    assert!(emb.weight.numel() * 4 > dev.max_binding_bytes() as usize);
+    let rows = [0u32, 7, 25_000, 50_256, 7];
+    let before = emb
+        .weight
+        .index_select(0, &Tensor::from_vec_u32(rows.to_vec(), &[5], dev).unwrap())
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let mut opt = Adam::new(
+        emb.parameters(),
+        AdamConfig {
+            lr: 0.01,
+            ..AdamConfig::default()
+        },
+    );
+    let idx = Tensor::from_vec_u32(rows.to_vec(), &[5], dev).unwrap();
+    // loss = sum(rows * c), so each picked row's grad is c (twice for row 7).
+    let c = Tensor::full(&[5, 768], 0.5, dev).unwrap();
+    opt.zero_grad();
+    emb.forward(&idx)
+        .unwrap()
+        .mul(&c)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let grad = emb.weight.grad().unwrap();
+    let g = grad
+        .index_select(
+            0,
+            &Tensor::from_vec_u32(vec![7, 8, 50_256], &[3], dev).unwrap(),
+        )
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert!(g[..768].iter().all(|&v| v == 1.0), "row 7 is picked twice");
+    assert!(
+        g[768..1536].iter().all(|&v| v == 0.0),
+        "row 8 is not picked"
+    );
+    assert!(g[1536..].iter().all(|&v| v == 0.5));
+    opt.step().unwrap();
+    // Adam's first step moves every element with a grad by lr (m / sqrt(v) = sign(g)).
+    let after = emb.weight.index_select(0, &idx).unwrap().to_vec().unwrap();
+    for (i, (a, b)) in after.iter().zip(&before).enumerate() {
+        assert!((b - a - 0.01).abs() < 1e-5, "element {i}: {b} -> {a}");
+    }
+    // Rows without a grad do not move.
+    let untouched = Tensor::from_vec_u32(vec![1, 49_000], &[2], dev).unwrap();
+    let moved = emb.weight.index_select(0, &untouched).unwrap();
+    opt.step().unwrap();
+    assert_eq!(
+        moved.to_vec().unwrap(),
+        emb.weight
+            .index_select(0, &untouched)
+            .unwrap()
+            .to_vec()
+            .unwrap()
+    );
+}
+
+#[test]
+fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
+    let dev = device();
+    let big = Tensor::zeros(&[past_binding()], dev).unwrap();
+    let err = big.sum().unwrap_err();
+    assert!(matches!(err, Error::TooLarge { .. }), "{err}");
+    // A broadcast operand of a big output is not windowed.
+    let row = Tensor::ones(&[1000], dev).unwrap();
+    let wide = big
+        .narrow(0, 0, 1000 * (past_binding() / 1000))
+        .unwrap()
+        .reshape(&[past_binding() / 1000, 1000])
+        .unwrap();
+    let err = wide.add(&row).unwrap_err();
+    assert!(matches!(err, Error::TooLarge { op: "add", .. }), "{err}");
+}
