@@ -13,5 +13,6 @@ fn strided_copy(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         return;
     }
     let rank = pu(COPY_RANK);
-    dst[pu(COPY_DST_OFFSET) + strided_offset(i, rank, COPY_SHAPE, COPY_DST_STRIDES)] = src[pu(COPY_SRC_OFFSET) + strided_offset(i, rank, COPY_SHAPE, COPY_SRC_STRIDES)];
+    let e = pu(COPY_FIRST) + i;
+    dst[pu(COPY_DST_OFFSET) + strided_offset(e, rank, COPY_SHAPE, COPY_DST_STRIDES)] = src[pu(COPY_SRC_OFFSET) + strided_offset(e, rank, COPY_SHAPE, COPY_SRC_STRIDES)];
 }

@@ -116,11 +116,59 @@ fn a_gpt2_sized_embedding_trains_with_adam() {
 }
 
 #[test]
+fn reductions_past_one_binding_combine_their_windows() {
+    let n = past_binding();
+    let dev = device();
+    let ones = Tensor::ones(&[n], dev).unwrap().requires_grad_(true);
+    let total = ones.sum().unwrap();
+    assert_eq!(total.item().unwrap(), n as f32);
+    // Its backward broadcasts the grad over the whole tensor, a window at a time.
+    total.backward().unwrap();
+    assert_eq!(at(&ones.grad().unwrap(), &[0, n / 2, n - 1]), vec![1.0; 3]);
+    // Over the last dim of [rows, 1000]: each row's sum (rows laid end to end).
+    let rows = n / 1000 + 1;
+    let x = Tensor::ones(&[rows, 1000], dev).unwrap();
+    let row_sums = x.sum_dims(&[1], false).unwrap();
+    assert_eq!(row_sums.shape(), &[rows]);
+    assert_eq!(at(&row_sums, &[0, rows / 2, rows - 1]), vec![1000.0; 3]);
+    // The max over the first dim: partial maxima combined.
+    let x = Tensor::arange(rows * 1000, dev)
+        .unwrap()
+        .reshape(&[rows, 1000])
+        .unwrap();
+    let column_max = x.max_dims(&[0], false).unwrap();
+    let want: Vec<f32> = [0usize, 999]
+        .iter()
+        .map(|c| ((rows - 1) * 1000 + c) as f32)
+        .collect();
+    assert_eq!(at(&column_max, &[0, 999]), want);
+}
+
+#[test]
+fn matmul_past_one_binding_splits_the_outer_dimension() {
+    let dev = device();
+    // A tall A: [rows, 64] x [64, 3].
+    let rows = past_binding() / 64 + 1;
+    let a = Tensor::ones(&[rows, 64], dev).unwrap();
+    let b = Tensor::from_vec((0..192).map(|i| (i % 3) as f32).collect(), &[64, 3], dev).unwrap();
+    let out = a.matmul(&b).unwrap();
+    assert_eq!(out.shape(), &[rows, 3]);
+    let last = rows * 3 - 3;
+    assert_eq!(
+        at(&out, &[0, 1, 2, last, last + 1, last + 2]),
+        vec![0.0, 64.0, 128.0, 0.0, 64.0, 128.0]
+    );
+    // A tied output layer: h [2, 64] x W^T, with W [rows, 64] past one binding.
+    let h = Tensor::ones(&[2, 64], dev).unwrap();
+    let logits = h.matmul(&a.t().unwrap()).unwrap();
+    assert_eq!(logits.shape(), &[2, rows]);
+    assert_eq!(at(&logits, &[0, rows - 1, 2 * rows - 1]), vec![64.0; 3]);
+}
+
+#[test]
 fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
     let dev = device();
     let big = Tensor::zeros(&[past_binding()], dev).unwrap();
-    let err = big.sum().unwrap_err();
-    assert!(matches!(err, Error::TooLarge { .. }), "{err}");
     // A broadcast operand of a big output is not windowed.
     let row = Tensor::ones(&[1000], dev).unwrap();
     let wide = big
@@ -130,4 +178,16 @@ fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
         .unwrap();
     let err = wide.add(&row).unwrap_err();
     assert!(matches!(err, Error::TooLarge { op: "add", .. }), "{err}");
+    // Nor is a strided view of a big tensor read into a new one.
+    let err = wide.t().unwrap().contiguous().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::TooLarge {
+                op: "contiguous",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }

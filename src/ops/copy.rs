@@ -16,6 +16,9 @@ crate::kernel_params! {
         n: u32,
         src_offset: u32,
         dst_offset: u32,
+        /// The index of the first element copied (not 0 when the destination is bound a
+        /// window at a time); offsets wrap, so `dst_offset` may count back from the window.
+        first: u32,
         rank: u32,
         shape: [u32; 6],
         src_strides: [u32; 6],
@@ -68,17 +71,41 @@ pub(crate) fn copy_into(
         src.shape(),
         &[&src.layout().strides, &dst_layout.strides],
     )?;
-    let params = CopyParams {
-        n: n as u32,
+    let kernel = Kernel::plain(&COPY, "strided_copy");
+    let params = |first: usize, len: usize, dst_offset: usize| CopyParams {
+        n: len as u32,
         src_offset: src.layout().offset as u32,
-        dst_offset: dst_layout.offset as u32,
+        dst_offset: dst_offset as u32,
+        first: first as u32,
         rank: dims.rank,
         shape: dims.shape,
         src_strides: dims.strides[0],
         dst_strides: dims.strides[1],
     };
-    let kernel = Kernel::plain(&COPY, "strided_copy");
-    launch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP))
+    if !dst.exceeds_binding() {
+        let params = params(0, n, dst_layout.offset);
+        return launch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP));
+    }
+    // Past one binding: a dense destination region, a window of it per launch; the source
+    // (a broadcast or strided view) is bound whole.
+    if !dst_layout.is_contiguous() || src.exceeds_binding() {
+        return Err(crate::ops::too_large_view(op, dst));
+    }
+    let region = dst.view(dst_layout.clone());
+    for (start, len) in windows(dst.device(), n) {
+        let target = region.window(start, len);
+        // Element `first + j` lands at `skip + j` of the window: dst_offset counts back.
+        let back = target.layout().offset.wrapping_sub(start) as u32 as usize;
+        let params = params(start, len, back);
+        launch(
+            op,
+            &kernel,
+            &[src, &target],
+            &params,
+            groups(len, WORKGROUP),
+        )?;
+    }
+    Ok(())
 }
 
 /// Copies contiguous `src` into `dst`'s buffer from element `dst_offset` on, by one

@@ -365,6 +365,11 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         });
     }
     let (a, b) = promote(this, other)?;
+    if a.exceeds_binding() || b.exceeds_binding() {
+        let out = matmul_windows(&a, &b)?;
+        let mut out_shape = out.shape().to_vec();
+        return finish(out, this, other, &mut out_shape);
+    }
     let (m, k) = (a.shape()[a.rank() - 2], a.shape()[a.rank() - 1]);
     let (k2, n) = (b.shape()[b.rank() - 2], b.shape()[b.rank() - 1]);
     let batch = broadcast_shapes(&a.shape()[..a.rank() - 2], &b.shape()[..b.rank() - 2]);
@@ -451,6 +456,50 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         launch(OP, &kernel, &[&a, &b, &out], &params, workgroups as u32)?;
     }
     finish(out, this, other, &mut out_shape)
+}
+
+/// A 2-D product with an operand larger than one binding, along the outer dimension: a
+/// dense `a` `[M, K]` a window of rows at a time (the output's rows laid end to end), or `b`
+/// the transpose of a dense `[N, K]` (a tied output layer) a window of its rows at a time
+/// (the output's columns side by side). Anything else is a `TooLarge` error.
+fn matmul_windows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    let limit = a.device().inner.max_binding_bytes();
+    let align = a.device().inner.binding_alignment();
+    // Rows of `cols` elements that fit one window.
+    let rows_per = |cols: usize| ((limit - align) / 4) as usize / cols.max(1);
+    if a.rank() != 2 || b.rank() != 2 || a.shape()[1] != b.shape()[0] {
+        let big = if a.exceeds_binding() { a } else { b };
+        return Err(crate::ops::too_large_view(OP, big));
+    }
+    let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
+    if a.exceeds_binding() {
+        let per = rows_per(k);
+        if !a.is_contiguous() || per == 0 || b.exceeds_binding() {
+            return Err(crate::ops::too_large_view(OP, a));
+        }
+        let parts: Vec<Tensor> = (0..m)
+            .step_by(per)
+            .map(|r| {
+                let count = per.min(m - r);
+                a.window(r * k, count * k).reshape(&[count, k])?.matmul(b)
+            })
+            .collect::<Result<_>>()?;
+        return Tensor::cat(&parts, 0);
+    }
+    let w = transposed(b)?; // [N, K]
+    let per = rows_per(k);
+    if !w.is_contiguous() || per == 0 {
+        return Err(crate::ops::too_large_view(OP, b));
+    }
+    let parts: Vec<Tensor> = (0..n)
+        .step_by(per)
+        .map(|r| {
+            let count = per.min(n - r);
+            a.matmul(&w.window(r * k, count * k).reshape(&[count, k])?.t()?)
+        })
+        .collect::<Result<_>>()?;
+    Tensor::cat(&parts, 1)
 }
 
 /// Removes the dims that 1-D operands were promoted with.

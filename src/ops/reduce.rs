@@ -297,9 +297,63 @@ fn reduce(
             (ReduceOp::Sum, true) => fill(op_name, &out_shape, f32::NAN, 0.0, x.device()),
         };
     }
+    if x.exceeds_binding() {
+        return reduce_windows(op_name, op, x, dims, mean)?.reshape(&out_shape);
+    }
     let mat = as_matrix(x, dims)?;
     let scale = if mean { 1.0 / k as f32 } else { 1.0 };
     reduce_matrix(op_name, op, &mat, scale)?.reshape(&out_shape)
+}
+
+/// [`reduce`] of a dense tensor larger than one binding: windows of whole slices along its
+/// first dim, each reduced on its own, then the partial results combined (added, or their
+/// maximum, when the first dim is reduced; laid end to end when it is not). The result keeps
+/// the reduced dims as size 1.
+fn reduce_windows(
+    op_name: &'static str,
+    op: ReduceOp,
+    x: &Tensor,
+    dims: &[usize],
+    mean: bool,
+) -> Result<Tensor> {
+    let shape = if x.rank() == 0 {
+        vec![1]
+    } else {
+        x.shape().to_vec()
+    };
+    let rows = shape[0];
+    let inner: usize = shape[1..].iter().product();
+    let limit = x.device().inner.max_binding_bytes();
+    let align = x.device().inner.binding_alignment();
+    let per = ((limit - align) / 4) as usize / inner.max(1);
+    if !x.is_contiguous() || per == 0 {
+        return Err(crate::ops::too_large_view(op_name, x));
+    }
+    let mut parts = Vec::new();
+    for start in (0..rows).step_by(per) {
+        let count = per.min(rows - start);
+        let slices = x
+            .window(start * inner, count * inner)
+            .reshape(&[&[count], &shape[1..]].concat())?;
+        parts.push(reduce(op_name, op, &slices, dims, true, false)?);
+    }
+    let combined = if dims.contains(&0) {
+        let mut total = parts[0].clone();
+        for part in &parts[1..] {
+            total = match op {
+                ReduceOp::Sum => total.add(part)?,
+                ReduceOp::Max => binary(&total, part, BinaryOp::Maximum)?,
+            };
+        }
+        total
+    } else {
+        Tensor::cat(&parts, 0)?
+    };
+    if mean {
+        let k: usize = dims.iter().map(|&d| shape[d]).product();
+        return combined.mul_scalar(1.0 / k as f32);
+    }
+    Ok(combined)
 }
 
 /// `grad` of a reduction over `dims` (shaped like its output) broadcast back to the input's
