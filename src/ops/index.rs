@@ -98,21 +98,38 @@ fn index_select_scatter(
     let kernel = Kernel::plain(&INDEX, "index_select_scatter");
     for (rows, table) in row_windows(OP, &out, dim, shape[dim], inner)? {
         // Each launch adds the lookups whose rows its window of the table holds.
-        let params = IndexSelectParams {
-            n: n as u32,
-            selected: indices.numel() as u32,
-            inner: inner as u32,
-            dim_size: shape[dim] as u32,
-            src_offset: g.layout().offset as u32,
-            indices_offset: idx.layout().offset as u32,
-            row_start: rows.start as u32,
-            row_count: rows.len() as u32,
-            table_offset: table.layout().offset as u32,
-        };
+        let (src, at) = (g.layout().offset, table.layout().offset);
+        let params = IndexSelectParams::new(n, &idx, (inner, shape[dim]), src, rows, at);
         let bound = [(1, &g), (3, &idx), (4, &table)];
         launch_at(OP, &kernel, &bound, &params, groups(n, WORKGROUP))?;
     }
     Ok(out)
+}
+
+impl IndexSelectParams {
+    /// Params for `n` elements over a table of `dim_size` rows of `inner` elements, picking
+    /// the rows `idx` names, with the table's rows `rows` bound from element `table_offset`
+    /// and the incoming grad (backward only) from element `src_offset`.
+    fn new(
+        n: usize,
+        idx: &Tensor,
+        (inner, dim_size): (usize, usize),
+        src_offset: usize,
+        rows: std::ops::Range<usize>,
+        table_offset: usize,
+    ) -> IndexSelectParams {
+        IndexSelectParams {
+            n: n as u32,
+            selected: idx.numel() as u32,
+            inner: inner as u32,
+            dim_size: dim_size as u32,
+            src_offset: src_offset as u32,
+            indices_offset: idx.layout().offset as u32,
+            row_start: rows.start as u32,
+            row_count: rows.len() as u32,
+            table_offset: table_offset as u32,
+        }
+    }
 }
 
 /// The table `x` (contiguous, `[outer, rows, inner]` around `dim`) as the windows kernels
@@ -275,17 +292,8 @@ fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<T
     let kernel = Kernel::plain(&INDEX, "index_select");
     for (rows, table) in row_windows(OP, &x, dim, dim_size, inner)? {
         // Each launch writes the picked slices whose rows its window holds.
-        let params = IndexSelectParams {
-            n: n as u32,
-            selected: indices.numel() as u32,
-            inner: inner as u32,
-            dim_size: dim_size as u32,
-            src_offset: 0,
-            indices_offset: idx.layout().offset as u32,
-            row_start: rows.start as u32,
-            row_count: rows.len() as u32,
-            table_offset: table.layout().offset as u32,
-        };
+        let at = table.layout().offset;
+        let params = IndexSelectParams::new(n, &idx, (inner, dim_size), 0, rows, at);
         launch(
             OP,
             &kernel,
@@ -379,17 +387,9 @@ fn index_select_backward(
     }
     let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
     let inner: usize = shape[dim + 1..].iter().product();
-    let params = IndexSelectParams {
-        n: n as u32,
-        selected: indices.numel() as u32,
-        inner: inner as u32,
-        dim_size: shape[dim] as u32,
-        src_offset: g.layout().offset as u32,
-        indices_offset: idx.layout().offset as u32,
-        row_start: 0,
-        row_count: shape[dim] as u32,
-        table_offset: 0,
-    };
+    let all_rows = 0..shape[dim];
+    let src = g.layout().offset;
+    let params = IndexSelectParams::new(n, &idx, (inner, shape[dim]), src, all_rows, 0);
     launch(
         OP,
         &Kernel::plain(&INDEX, "index_select_backward"),
