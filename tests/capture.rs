@@ -242,6 +242,43 @@ fn learning_rate_changes_reach_replays() {
 }
 
 #[test]
+fn a_replay_that_fails_leaves_parameters_and_grads_as_they_were() {
+    let model = mlp();
+    let opt = std::cell::RefCell::new(Adam::new(model.parameters(), AdamConfig::default()));
+    let mut step =
+        Step::new(|b: &[Tensor]| train_step(&model, &mut *opt.borrow_mut(), &b[0], &b[1]));
+    let (x, y) = batch(6, 3);
+    for _ in 0..3 {
+        step.run(&[x.clone(), y.clone()]).unwrap();
+    }
+    let params = values(&model.parameters());
+    let grads: Vec<Tensor> = model
+        .parameters()
+        .iter()
+        .map(|p| p.grad().unwrap())
+        .collect();
+    let grad_values = values(&grads);
+    // The replay's Adam hook checks the learning rate before anything is submitted.
+    opt.borrow_mut().set_lr(f32::NAN);
+    let err = step.run(&[x.clone(), y.clone()]).unwrap_err();
+    assert!(err.to_string().contains("lr"), "{err}");
+    assert_eq!(values(&model.parameters()), params);
+    for (p, (g, v)) in model
+        .parameters()
+        .iter()
+        .zip(grads.iter().zip(&grad_values))
+    {
+        assert!(Tensor::same(&p.grad().unwrap(), g));
+        assert_eq!(&g.to_vec().unwrap(), v);
+    }
+    // With a good rate again, replays go on.
+    opt.borrow_mut().set_lr(1e-3);
+    step.run(&[x, y]).unwrap();
+    assert_eq!(step.stats().replays, 2);
+    assert_ne!(values(&model.parameters()), params);
+}
+
+#[test]
 fn reading_a_value_on_the_host_while_capturing_is_an_error_and_keeps_no_plan() {
     let dev = device();
     let p = leaf(&[1.0, 2.0]);
