@@ -4,7 +4,8 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily, WORKGROUP,
+    groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
+    CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
@@ -84,7 +85,7 @@ pub(crate) fn copy_into(
     };
     if !dst.exceeds_binding() {
         let params = params(0, n, dst_layout.offset);
-        return launch(op, &kernel, &[src, dst], &params, groups(n, WORKGROUP));
+        return launch(op, &kernel, &[src, dst], &params, groups(n, CONTIGUOUS_PER_GROUP));
     }
     // Past one binding: a dense destination region, a window of it per launch; the source
     // (a broadcast or strided view) is bound whole.
@@ -102,7 +103,7 @@ pub(crate) fn copy_into(
             &kernel,
             &[src, &target],
             &params,
-            groups(len, WORKGROUP),
+            groups(len, CONTIGUOUS_PER_GROUP),
         )?;
     }
     Ok(())
