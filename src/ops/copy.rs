@@ -85,7 +85,13 @@ pub(crate) fn copy_into(
     };
     if !dst.exceeds_binding() {
         let params = params(0, n, dst_layout.offset);
-        return launch(op, &kernel, &[src, dst], &params, groups(n, CONTIGUOUS_PER_GROUP));
+        return launch(
+            op,
+            &kernel,
+            &[src, dst],
+            &params,
+            groups(n, CONTIGUOUS_PER_GROUP),
+        );
     }
     // Past one binding: a dense destination region, a window of it per launch; the source
     // (a broadcast or strided view) is bound whole.
