@@ -468,6 +468,30 @@ fn shard(len: usize, global_batch: usize, rank: usize, size: usize, seed: u64) -
 
 /// A module's parameters and the job they are trained in: broadcasts rank 0's parameters at
 /// creation, and averages the grads at [`DataParallel::sync_grads`].
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::dist::{DataParallel, Dist};
+/// use wgrad::nn::{loss::cross_entropy, Linear, Module};
+/// use wgrad::optim::{Optimizer, Sgd, SgdConfig};
+/// use wgrad::{Device, Tensor};
+/// let dist = Dist::init()?; // rank 0 of 1 unless started by mpirun or srun
+/// let dev = Device::new()?;
+/// let model = Linear::new(4, 3, true, &dev)?;
+/// let dp = DataParallel::new(&dist, &model)?;
+/// let mut opt = Sgd::new(model.parameters(), SgdConfig::default());
+/// let global_batch = 8;
+/// for batch in dist.shard_batches(64, global_batch, 0)? {
+///     let x = Tensor::rand(&[batch.len(), 4], batch[0] as u64, &dev)?;
+///     let y = Tensor::from_labels(batch.iter().map(|&i| i as u32 % 3).collect(), &dev)?;
+///     opt.zero_grad();
+///     cross_entropy(&model.forward(&x)?, &y)?.backward()?;
+///     dp.sync_grads()?; // the mean of every rank's grads
+///     opt.step()?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
 pub struct DataParallel<'a> {
     dist: &'a Dist,
     params: Vec<Tensor>,
