@@ -66,6 +66,28 @@ fn argmax_join(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     dst[row] = best_k;
 }
 
+// The row of the table that element `i` of an index_select's result picks.
+fn picked_row(i: u32) -> u32 {
+    let j = (i / pu(INDEX_SELECT_INNER)) % pu(INDEX_SELECT_SELECTED);
+    return indices[pu(INDEX_SELECT_INDICES_OFFSET) + j];
+}
+
+const OUTSIDE_WINDOW: u32 = 0xffffffffu;
+
+// Where element `i` of an index_select's result, picking table row `row`, lies in the bound
+// window of the table (rows ROW_START .. ROW_START + ROW_COUNT: all of them unless the table
+// is bound a window at a time), or OUTSIDE_WINDOW.
+fn table_element(i: u32, row: u32) -> u32 {
+    let inner = pu(INDEX_SELECT_INNER);
+    let o = i / (pu(INDEX_SELECT_SELECTED) * inner);
+    let row_start = pu(INDEX_SELECT_ROW_START);
+    let row_count = pu(INDEX_SELECT_ROW_COUNT);
+    if (row < row_start || row - row_start >= row_count) {
+        return OUTSIDE_WINDOW;
+    }
+    return pu(INDEX_SELECT_TABLE_OFFSET) + (o * row_count + row - row_start) * inner + i % inner;
+}
+
 // index_select of a contiguous tensor seen as [outer, dim, inner]:
 // dst[o, j, i] = src[o, indices[j], i].
 @compute @workgroup_size(256)
@@ -75,18 +97,10 @@ fn index_select(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (i >= pu(INDEX_SELECT_N)) {
         return;
     }
-    let inner = pu(INDEX_SELECT_INNER);
-    let selected = pu(INDEX_SELECT_SELECTED);
-    let o = i / (selected * inner);
-    let j = (i / inner) % selected;
-    let idx = min(indices[pu(INDEX_SELECT_INDICES_OFFSET) + j], pu(INDEX_SELECT_DIM_SIZE) - 1u);
-    // Only the rows of the bound window of the table (all of them unless it is windowed).
-    let row_start = pu(INDEX_SELECT_ROW_START);
-    let row_count = pu(INDEX_SELECT_ROW_COUNT);
-    if (idx < row_start || idx - row_start >= row_count) {
-        return;
+    let at = table_element(i, min(picked_row(i), pu(INDEX_SELECT_DIM_SIZE) - 1u));
+    if (at != OUTSIDE_WINDOW) {
+        dst[i] = src[at];
     }
-    dst[i] = src[pu(INDEX_SELECT_TABLE_OFFSET) + (o * row_count + idx - row_start) * inner + i % inner];
 }
 
 // gather along `dim`: dst[..., j, ...] = src[..., indices[..., j, ...], ...], with dst shaped
@@ -202,18 +216,10 @@ fn index_select_scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     if (i >= pu(INDEX_SELECT_N)) {
         return;
     }
-    let inner = pu(INDEX_SELECT_INNER);
-    let selected = pu(INDEX_SELECT_SELECTED);
-    let o = i / (selected * inner);
-    let j = (i / inner) % selected;
-    let row = indices[pu(INDEX_SELECT_INDICES_OFFSET) + j];
-    // Only the rows of the bound window of the table (all of them unless it is windowed).
-    let row_start = pu(INDEX_SELECT_ROW_START);
-    let row_count = pu(INDEX_SELECT_ROW_COUNT);
-    if (row < row_start || row - row_start >= row_count) {
+    let at = table_element(i, picked_row(i));
+    if (at == OUTSIDE_WINDOW) {
         return;
     }
-    let at = pu(INDEX_SELECT_TABLE_OFFSET) + (o * row_count + row - row_start) * inner + i % inner;
     let value = bitcast<f32>(src[pu(INDEX_SELECT_SRC_OFFSET) + i]);
     var old = atomicLoad(&sums[at]);
     loop {

@@ -125,11 +125,6 @@ enum Slot {
     },
 }
 
-/// A value of the plan: one storage of the captured step.
-pub(crate) struct Value {
-    kind: Kind,
-}
-
 /// What the step returned.
 enum Loss {
     Value {
@@ -144,19 +139,20 @@ enum Loss {
 /// A plan as the fuser sees it: commands over values, before buffers are assigned.
 pub(crate) struct Draft {
     pub commands: Vec<Command>,
-    pub values: Vec<Value>,
+    /// One per storage of the captured step: how a replay finds its buffer.
+    values: Vec<Kind>,
 }
 
 impl Draft {
     /// True for values only the plan's own commands see (made and dropped within the step),
     /// which the fuser may keep in registers.
     pub fn is_intermediate(&self, value: usize) -> bool {
-        matches!(self.values[value].kind, Kind::Intermediate { .. })
+        matches!(self.values[value], Kind::Intermediate { .. })
     }
 
     /// The buffer size of a value the step makes (an intermediate or an output).
     pub fn made_bytes(&self, value: usize) -> Option<u64> {
-        match self.values[value].kind {
+        match self.values[value] {
             Kind::Intermediate { bytes } | Kind::Output { bytes } => Some(bytes),
             _ => None,
         }
@@ -217,7 +213,7 @@ pub(crate) fn draft(
         return Err(reason);
     }
     let mut ids: HashMap<u64, usize> = HashMap::new();
-    let mut values: Vec<Value> = Vec::new();
+    let mut values: Vec<Kind> = Vec::new();
 
     // Inputs: one storage each.
     let mut input_ids: HashMap<u64, usize> = HashMap::new();
@@ -270,7 +266,7 @@ pub(crate) fn draft(
     }
 
     let mut value_of =
-        |id: u64, bytes: u64, external: Option<&Arc<Storage>>, values: &mut Vec<Value>| -> usize {
+        |id: u64, bytes: u64, external: Option<&Arc<Storage>>, values: &mut Vec<Kind>| -> usize {
             if let Some(&v) = ids.get(&id) {
                 return v;
             }
@@ -285,7 +281,7 @@ pub(crate) fn draft(
             } else {
                 Kind::Intermediate { bytes }
             };
-            values.push(Value { kind });
+            values.push(kind);
             ids.insert(id, values.len() - 1);
             values.len() - 1
         };
@@ -390,7 +386,7 @@ pub(crate) fn draft(
     }
 
     let loss = match ids.get(&loss_id) {
-        Some(&value) if !matches!(values[value].kind, Kind::Fixed(_)) => Loss::Value {
+        Some(&value) if !matches!(values[value], Kind::Fixed(_)) => Loss::Value {
             value,
             layout: loss.layout().clone(),
             dtype: loss.dtype(),
@@ -457,7 +453,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
 
     // The arena: intermediates in order of first use, each taking a free buffer of its size
     // whose last user came before, or a new one.
-    let mut kinds: Vec<Kind> = values.into_iter().map(|v| v.kind).collect();
+    let mut kinds = values;
     let mut order: Vec<usize> = (0..kinds.len())
         .filter(|&v| matches!(kinds[v], Kind::Intermediate { .. }) && first[v] != usize::MAX)
         .collect();

@@ -39,10 +39,16 @@ pub(crate) const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
 /// with a skip of less than one alignment at its front, and starts a multiple of 64 elements
 /// from the tensor's first element (so windows of offset-0 tensors start aligned).
 pub(crate) fn windows(device: &Device, n: usize) -> Vec<(usize, usize)> {
+    let per = (rows_per_window(device, 1) / 64 * 64).max(64);
+    (0..n).step_by(per).map(|s| (s, per.min(n - s))).collect()
+}
+
+/// How many rows of `row_len` elements (4 bytes each) one window holds, leaving room for a
+/// skip of less than one alignment at its front: 0 when one row is past a binding.
+pub(crate) fn rows_per_window(device: &Device, row_len: usize) -> usize {
     let limit = device.inner.max_binding_bytes();
     let align = device.inner.binding_alignment();
-    let per = (((limit - align) / 4) as usize / 64 * 64).max(64);
-    (0..n).step_by(per).map(|s| (s, per.min(n - s))).collect()
+    ((limit - align) / 4) as usize / row_len.max(1)
 }
 
 /// Workgroups needed to cover `n` items, `per_group` per workgroup.
@@ -193,13 +199,15 @@ pub(crate) fn launch_dynamic<P: KernelParams>(
     workgroups: u32,
 ) -> Result<()> {
     let now = params();
-    let dynamic: HostBytes = Arc::new(move || bytemuck::bytes_of(&params()).to_vec());
+    // Kept for replays only while a step is captured.
+    let dynamic = tape::is_open()
+        .then(|| -> HostBytes { Arc::new(move || bytemuck::bytes_of(&params()).to_vec()) });
     launch_with(
         op,
         kernel,
         tensors,
         bytemuck::bytes_of(&now),
-        Some(dynamic),
+        dynamic,
         workgroups,
         None,
     )

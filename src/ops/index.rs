@@ -3,7 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, launch_at, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP,
+    groups, launch, launch_at, rows_per_window, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
+    WORKGROUP,
 };
 use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
 use crate::ops::sum_over_chunks;
@@ -145,10 +146,8 @@ fn row_windows(
     if !x.exceeds_binding() {
         return Ok(vec![(0..rows, x.clone())]);
     }
-    let limit = x.device().inner.max_binding_bytes();
-    let align = x.device().inner.binding_alignment();
     let outer: usize = x.shape()[..dim].iter().product();
-    let per = ((limit - align) / 4) as usize / inner.max(1);
+    let per = rows_per_window(x.device(), inner);
     if outer != 1 || per == 0 || !x.is_contiguous() {
         return Err(crate::ops::too_large_view(op, x));
     }

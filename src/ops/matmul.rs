@@ -3,7 +3,7 @@
 
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
-use crate::kernel::{launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
+use crate::kernel::{launch, rows_per_window, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -464,17 +464,13 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
 /// (the output's columns side by side). Anything else is a `TooLarge` error.
 fn matmul_windows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
-    let limit = a.device().inner.max_binding_bytes();
-    let align = a.device().inner.binding_alignment();
-    // Rows of `cols` elements that fit one window.
-    let rows_per = |cols: usize| ((limit - align) / 4) as usize / cols.max(1);
     if a.rank() != 2 || b.rank() != 2 || a.shape()[1] != b.shape()[0] {
         let big = if a.exceeds_binding() { a } else { b };
         return Err(crate::ops::too_large_view(OP, big));
     }
     let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
     if a.exceeds_binding() {
-        let per = rows_per(k);
+        let per = rows_per_window(a.device(), k);
         if !a.is_contiguous() || per == 0 || b.exceeds_binding() {
             return Err(crate::ops::too_large_view(OP, a));
         }
@@ -488,7 +484,7 @@ fn matmul_windows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return Tensor::cat(&parts, 0);
     }
     let w = transposed(b)?; // [N, K]
-    let per = rows_per(k);
+    let per = rows_per_window(a.device(), k);
     if !w.is_contiguous() || per == 0 {
         return Err(crate::ops::too_large_view(OP, b));
     }

@@ -4,7 +4,9 @@
 
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::kernel::{
+    groups, launch, rows_per_window, Kernel, KernelParams, ShaderFamily, WORKGROUP,
+};
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::copy::fill;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -323,9 +325,7 @@ fn reduce_windows(
     };
     let rows = shape[0];
     let inner: usize = shape[1..].iter().product();
-    let limit = x.device().inner.max_binding_bytes();
-    let align = x.device().inner.binding_alignment();
-    let per = ((limit - align) / 4) as usize / inner.max(1);
+    let per = rows_per_window(x.device(), inner);
     if !x.is_contiguous() || per == 0 {
         return Err(crate::ops::too_large_view(op_name, x));
     }

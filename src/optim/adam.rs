@@ -100,7 +100,7 @@ impl AdamState {
     fn step(&mut self, op: &'static str, decoupled: bool) -> Result<()> {
         lock(&self.hyper).advance(op)?;
         let shared = self.hyper.clone();
-        tape::on_replay(Box::new(move || lock(&shared).advance(op)));
+        tape::on_replay(move || lock(&shared).advance(op));
         for (param, moments) in self.params.iter().zip(&mut self.moments) {
             let Some(grad) = param.grad() else { continue };
             let (m, v) = match moments {

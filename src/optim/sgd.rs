@@ -80,7 +80,7 @@ impl Optimizer for Sgd {
         check_config(&c)?;
         // A replay checks the config of its own step.
         let shared = self.config.clone();
-        tape::on_replay(Box::new(move || check_config(&lock(&shared))));
+        tape::on_replay(move || check_config(&lock(&shared)));
         for (param, buffer) in self.params.iter().zip(&mut self.momentum_buffers) {
             let Some(grad) = param.grad() else { continue };
             let first = buffer.is_none();

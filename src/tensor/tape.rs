@@ -251,15 +251,10 @@ pub(crate) fn record_copy(src: (&Arc<Storage>, u64), dst: (&Arc<Storage>, u64), 
     });
 }
 
-/// Registers host work to run again before each replay's kernels, at this point of the step.
-/// Returns false (and drops `hook`) when no tape is open.
-pub(crate) fn on_replay(hook: ReplayHook) -> bool {
-    let mut hook = Some(hook);
-    with_tape(|tape| {
-        tape.entries
-            .push(TapeEntry::Hook(hook.take().expect("once")))
-    });
-    hook.is_none()
+/// Registers host work to run again before each replay's kernels, at this point of the step
+/// (kept only while a tape is open).
+pub(crate) fn on_replay(hook: impl FnMut() -> Result<()> + Send + 'static) {
+    with_tape(|tape| tape.entries.push(TapeEntry::Hook(Box::new(hook))));
 }
 
 /// Notes that the step read a module's train/eval flag: a replay under another value of the
