@@ -64,13 +64,27 @@ fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
     }
     let o = base + row * n + col;
     if (N_ALIGNED) {
-        out[o / 4u] = v;
+        store4(o, v);
         return;
     }
     for (var j = 0u; j < min(4u, n - col); j = j + 1u) {
-        out[(o + j) / 4u][(o + j) % 4u] = v[j];
+        store1(o + j, v[j]);
     }
 }
+
+// EPILOGUE SECTION BEGIN
+// How an output value is stored: out[o..o+4] (o a multiple of 4) and out[o]. A captured
+// step's fuser replaces this section with stores that first run the elementwise ops that
+// consume the product (a bias add, an activation, a residual add), so that they cost no
+// pass of their own (src/capture/fuse.rs).
+fn store4(o: u32, v: vec4<f32>) {
+    out[o / 4u] = v;
+}
+
+fn store1(o: u32, v: f32) {
+    out[o / 4u][o % 4u] = v;
+}
+// EPILOGUE SECTION END
 
 // A 4x4 block of A as a matrix whose column kk holds rows `rows` of A at k + kk.
 // `at` is the element offset of A[rows.x][k]; `rs`, `cs` are A's strides.

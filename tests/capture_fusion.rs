@@ -150,3 +150,72 @@ fn values_used_after_the_group_are_written_too() {
     let (want, got, _) = eager_and_replayed(&[a], f);
     assert_close(&want, &got, "two outputs");
 }
+
+#[test]
+fn a_bias_add_and_activation_run_in_the_matmuls_stores() {
+    // N a multiple of 4: each store is a vec4, the bias read a vec4 at a time.
+    let (x, _) = random_tensor(&[8, 12], 13);
+    let (w, _) = random_tensor(&[12, 16], 14);
+    let (bias, _) = random_tensor(&[16], 15);
+    let f = |t: &[Tensor]| t[0].matmul(&t[1])?.add(&t[2])?.relu();
+    let (want, got, stats) = eager_and_replayed(&[x, w, bias], f);
+    assert_close(&want, &got, "x w + bias, relu");
+    assert_eq!(stats.replay_dispatches, 1, "{stats:?}");
+    assert_eq!(stats.fused_away, 2);
+}
+
+#[test]
+fn an_epilogue_stores_element_by_element_where_n_is_not_a_multiple_of_4() {
+    let (x, _) = random_tensor(&[3, 5], 16);
+    let (w, _) = random_tensor(&[5, 10], 17);
+    let (bias, _) = random_tensor(&[10], 18);
+    let f = |t: &[Tensor]| t[0].matmul(&t[1])?.add(&t[2])?.gelu();
+    let (want, got, stats) = eager_and_replayed(&[x, w, bias], f);
+    assert_close(&want, &got, "x w + bias, gelu");
+    assert_eq!(stats.replay_dispatches, 1, "{stats:?}");
+}
+
+#[test]
+fn an_epilogue_reads_residual_and_strided_operands() {
+    let (x, _) = random_tensor(&[8, 8], 19);
+    let (w, _) = random_tensor(&[8, 8], 20);
+    let (other, _) = random_tensor(&[8, 8], 21);
+    // A residual (dense, same shape) and a transposed operand (read through strides).
+    let f = |t: &[Tensor]| t[0].add(&t[0].matmul(&t[1])?)?.mul(&t[2].t()?);
+    let (want, got, stats) = eager_and_replayed(&[x, w, other], f);
+    assert_close(&want, &got, "x + x w, times other^T");
+    assert_eq!(stats.replay_dispatches, 1, "{stats:?}");
+}
+
+#[test]
+fn an_epilogue_also_writes_a_product_read_after_it() {
+    let (a, _) = random_tensor(&[4, 8], 22);
+    let (b, _) = random_tensor(&[8, 8], 23);
+    // The reduction after the relu reads the product too: the epilogue writes both.
+    let f = |t: &[Tensor]| -> Result<Tensor> {
+        let p = t[0].matmul(&t[1])?;
+        let r = p.relu()?;
+        r.add(&p.sum()?)
+    };
+    let (want, got, stats) = eager_and_replayed(&[a, b], f);
+    assert_close(&want, &got, "relu(p) + sum(p)");
+    // matmul + relu, sum, add.
+    assert_eq!(stats.replay_dispatches, 3, "{stats:?}");
+}
+
+#[test]
+fn a_product_read_before_the_group_ends_keeps_its_own_launch() {
+    let (a, _) = random_tensor(&[4, 8], 24);
+    let (b, _) = random_tensor(&[8, 8], 25);
+    // The sum runs between the product and its relu: moving the product later would leave
+    // the sum reading nothing.
+    let f = |t: &[Tensor]| -> Result<Tensor> {
+        let p = t[0].matmul(&t[1])?;
+        let s = p.sum()?;
+        p.relu()?.add(&s)
+    };
+    let (want, got, stats) = eager_and_replayed(&[a, b], f);
+    assert_close(&want, &got, "relu(p) + sum(p)");
+    // matmul, sum, relu + add.
+    assert_eq!(stats.replay_dispatches, 3, "{stats:?}");
+}

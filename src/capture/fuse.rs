@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 use std::hash::{Hash, Hasher};
 
-use crate::capture::plan::{Command, Draft, Fusible, Launch};
+use crate::capture::plan::{Command, Draft, Epilogue, Fusible, Launch};
 use crate::device::{Device, PipelineSource};
 use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP};
 use crate::tensor::layout::row_major_strides;
@@ -24,6 +24,7 @@ use crate::tensor::Layout;
 const MAX_MEMBERS: usize = 32;
 
 /// A run of elementwise launches being gathered.
+#[derive(Clone)]
 struct Group {
     members: Vec<usize>,
     shape: Vec<usize>,
@@ -51,6 +52,20 @@ fn launch_values(command: &Command) -> Vec<usize> {
         Command::Upload { target, .. } => vec![*target],
         Command::Copy(copy) => vec![copy.src.0, copy.dst.0],
         Command::Hook(_) => Vec::new(),
+    }
+}
+
+/// Whether `command` may write `value` (a launch: bound where its module declares
+/// `read_write`).
+fn writes(command: &Command, value: usize) -> bool {
+    match command {
+        Command::Launch(l) => l
+            .bindings
+            .iter()
+            .any(|&(b, v)| v == value && l.pipeline.writable.contains(&b)),
+        Command::Upload { target, .. } => *target == value,
+        Command::Copy(copy) => copy.dst.0 == value,
+        Command::Hook(_) => false,
     }
 }
 
@@ -165,7 +180,14 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
     let mut fused: HashMap<usize, Command> = HashMap::new(); // at the last member's index
     let mut removed: HashSet<usize> = HashSet::new();
     for group in groups {
-        let Some((group, outputs)) = fit(group, draft, &users, max_buffers) else {
+        if let Some((at, members, launch)) = epilogue(&group, draft, &users, max_buffers, device) {
+            let last = *members.last().expect("one or more");
+            removed.insert(at);
+            removed.extend(members.iter().copied().filter(|&m| m != last));
+            fused.insert(last, Command::Launch(launch));
+            continue;
+        }
+        let Some((group, outputs)) = fit(group, draft, &users, max_buffers, None, 2) else {
             continue;
         };
         let launches: Vec<&Fusible> = group
@@ -199,14 +221,18 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
 /// Whether the launch at `at` may join `group`: same shape, earlier results read in place,
 /// and the buffers the fused kernel would bind within `max_buffers`.
 /// The group trimmed from its end until its kernel binds at most `max_buffers` buffers, and
-/// the values it must write; `None` when fewer than two members are left.
+/// the values it must write; `None` when fewer than `min_members` are left, or when it would
+/// write nothing. `in_register` is a value the kernel has in a register, not in memory (the
+/// product an epilogue consumes).
 fn fit(
     mut group: Group,
     draft: &Draft,
     users: &HashMap<usize, Vec<usize>>,
     max_buffers: usize,
+    in_register: Option<usize>,
+    min_members: usize,
 ) -> Option<(Group, Vec<usize>)> {
-    while group.members.len() > 1 {
+    while group.members.len() >= min_members.max(1) {
         let members: HashSet<usize> = group.members.iter().copied().collect();
         let outputs: Vec<usize> = group
             .produced
@@ -226,10 +252,10 @@ fn fit(
                 }) => f.operands.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
                 _ => Vec::new(),
             })
-            .filter(|v| !produced.contains(v))
+            .filter(|v| !produced.contains(v) && Some(*v) != in_register)
             .collect();
         if reads.len() + outputs.len() <= max_buffers {
-            return Some((group, outputs));
+            return (!outputs.is_empty()).then_some((group, outputs));
         }
         group.members.pop();
         group.produced.pop();
@@ -358,16 +384,7 @@ fn fused_launch(
         return None;
     }
     let n: usize = shape.iter().product();
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    source.hash(&mut hasher);
-    let module_key = format!("fused/{:016x}", hasher.finish());
-    let key = format!("{module_key}:main");
-    let pipeline = device.inner.pipeline(&PipelineSource {
-        key: &key,
-        module_key: &module_key,
-        entry: "main",
-        source: &|| source.clone(),
-    });
+    let pipeline = generated_pipeline(device, "fused", "main", &source);
     let names: Vec<&str> = launches.iter().map(|f| f.expr.as_str()).collect();
     log::trace!(
         "capture: fused {} launches: {}",
@@ -377,6 +394,7 @@ fn fused_launch(
     Some(Launch {
         op: "fused elementwise",
         fusible: None,
+        epilogue: None,
         pipeline,
         bindings,
         params: bytemuck::bytes_of(&(n as u32)).to_vec(),
@@ -385,24 +403,78 @@ fn fused_launch(
     })
 }
 
-/// The WGSL module of the kernel that runs `launches` (in order) and writes `outputs`, and
-/// the value each of its bindings takes; `None` when it would write nothing.
-fn fused_source(
-    launches: &[&Fusible],
-    outputs: &[usize],
-    shape: &[usize],
-) -> Option<(String, Vec<(u32, usize)>)> {
-    if outputs.is_empty() {
-        return None;
+/// The element function of a fused kernel: the members' functions, `struct Outs` and
+/// `fn element(m, l0, l1, ..) -> Outs`, which computes the outputs' values at one element from
+/// the loaded operands (and `m`, the value an epilogue has in a register).
+struct ElementFn {
+    /// The values read from memory, one binding each.
+    inputs: Vec<usize>,
+    /// One load per (value, access): `element`'s parameters `l0`, `l1`, ...
+    loads: Vec<(usize, Access)>,
+    code: String,
+}
+
+impl ElementFn {
+    /// Whether every load can read a whole aligned vec4 where the element index is a multiple
+    /// of 4.
+    fn loads_vec4(&self) -> bool {
+        self.loads.iter().all(|(_, a)| match a {
+            Access::Dense { offset } => offset.is_multiple_of(4),
+            Access::Periodic { offset, period } => {
+                offset.is_multiple_of(4) && period.is_multiple_of(4)
+            }
+            Access::Strided(_) => false,
+        })
     }
-    let n: usize = shape.iter().product();
-    // Memory operands: one binding per value, one load per (value, access).
+
+    /// `let a{k} = ..;` for each load: of vec4 `i` where `vec4`, else of element `i`.
+    fn load_lines(&self, vec4: bool, indent: &str) -> String {
+        let mut src = String::new();
+        for (k, (v, access)) in self.loads.iter().enumerate() {
+            let slot = self.inputs.iter().position(|x| x == v).expect("an input");
+            if vec4 {
+                let at = match access {
+                    Access::Dense { offset } => format!("{}u + i", offset / 4),
+                    Access::Periodic { offset, period } => {
+                        format!("{}u + i % {}u", offset / 4, period / 4)
+                    }
+                    Access::Strided(_) => unreachable!("vec4 needs no strides"),
+                };
+                let _ = writeln!(src, "{indent}let a{k} = in{slot}[{at}];");
+            } else {
+                let at = match access {
+                    Access::Dense { offset } => format!("{offset}u + i"),
+                    Access::Periodic { offset, period } => format!("{offset}u + i % {period}u"),
+                    Access::Strided(layout) => strided_index(layout),
+                };
+                let _ = writeln!(src, "{indent}let e{k} = {at};");
+                let _ = writeln!(src, "{indent}let a{k} = in{slot}[e{k} / 4u][e{k} % 4u];");
+            }
+        }
+        src
+    }
+
+    /// The arguments of `element` for component `c` of the loads (`""` for scalar loads),
+    /// after `first` (the register value, if any).
+    fn args(&self, first: Option<String>, c: &str) -> String {
+        let loaded = (0..self.loads.len()).map(|k| format!("a{k}{c}"));
+        first
+            .into_iter()
+            .chain(loaded)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// The element function for `launches` (in order) writing `outputs`, where `in_register`
+/// is the value `element` takes as `m` instead of loading it.
+fn element_fn(launches: &[&Fusible], outputs: &[usize], in_register: Option<usize>) -> ElementFn {
     let produced: Vec<usize> = launches.iter().map(|f| f.output).collect();
     let mut inputs: Vec<usize> = Vec::new();
     let mut loads: Vec<(usize, Access)> = Vec::new();
     for f in launches {
         for (v, layout) in &f.operands {
-            if produced.contains(v) {
+            if produced.contains(v) || Some(*v) == in_register {
                 continue;
             }
             if !inputs.contains(v) {
@@ -414,33 +486,7 @@ fn fused_source(
             }
         }
     }
-    let vec4 = n.is_multiple_of(4)
-        && loads.iter().all(|(_, a)| match a {
-            Access::Dense { offset } => offset.is_multiple_of(4),
-            Access::Periodic { offset, period } => {
-                offset.is_multiple_of(4) && period.is_multiple_of(4)
-            }
-            Access::Strided(_) => false,
-        });
-
     let mut src = String::new();
-    let mut bindings: Vec<(u32, usize)> = Vec::new();
-    for (k, v) in inputs.iter().enumerate() {
-        let binding = 1 + k as u32;
-        let _ = writeln!(
-            src,
-            "@group(0) @binding({binding}) var<storage, read> in{k}: array<vec4<f32>>;"
-        );
-        bindings.push((binding, *v));
-    }
-    for (k, v) in outputs.iter().enumerate() {
-        let binding = 1 + (inputs.len() + k) as u32;
-        let _ = writeln!(
-            src,
-            "@group(0) @binding({binding}) var<storage, read_write> out{k}: array<vec4<f32>>;"
-        );
-        bindings.push((binding, *v));
-    }
     for (k, f) in launches.iter().enumerate() {
         let _ = writeln!(
             src,
@@ -448,16 +494,22 @@ fn fused_source(
             f.params, f.expr
         );
     }
-    // The element function: loaded operands in, the outputs' values out.
     let outs_fields: Vec<String> = (0..outputs.len()).map(|k| format!("o{k}: f32")).collect();
     let _ = writeln!(src, "struct Outs {{ {} }}", outs_fields.join(", "));
-    let load_args: Vec<String> = (0..loads.len()).map(|k| format!("l{k}: f32")).collect();
-    let _ = writeln!(src, "fn element({}) -> Outs {{", load_args.join(", "));
+    let params: Vec<String> = in_register
+        .map(|_| "m: f32".to_string())
+        .into_iter()
+        .chain((0..loads.len()).map(|k| format!("l{k}: f32")))
+        .collect();
+    let _ = writeln!(src, "fn element({}) -> Outs {{", params.join(", "));
     let mut value_name: HashMap<usize, String> = HashMap::new();
+    if let Some(v) = in_register {
+        value_name.insert(v, "m".into());
+    }
     for (k, f) in launches.iter().enumerate() {
         let mut args: Vec<String> = Vec::new();
         for (v, layout) in &f.operands {
-            if let Some(name) = value_name.get(v).filter(|_| produced.contains(v)) {
+            if let Some(name) = value_name.get(v) {
                 args.push(name.clone());
             } else {
                 let access = access_of(layout);
@@ -474,6 +526,46 @@ fn fused_source(
     }
     let out_values: Vec<String> = outputs.iter().map(|v| value_name[v].clone()).collect();
     let _ = writeln!(src, "    return Outs({});\n}}", out_values.join(", "));
+    ElementFn {
+        inputs,
+        loads,
+        code: src,
+    }
+}
+
+/// The WGSL module of the kernel that runs `launches` (in order) and writes `outputs`, and
+/// the value each of its bindings takes; `None` when it would write nothing.
+fn fused_source(
+    launches: &[&Fusible],
+    outputs: &[usize],
+    shape: &[usize],
+) -> Option<(String, Vec<(u32, usize)>)> {
+    if outputs.is_empty() {
+        return None;
+    }
+    let n: usize = shape.iter().product();
+    let element = element_fn(launches, outputs, None);
+    let vec4 = n.is_multiple_of(4) && element.loads_vec4();
+
+    let mut src = String::new();
+    let mut bindings: Vec<(u32, usize)> = Vec::new();
+    for (k, v) in element.inputs.iter().enumerate() {
+        let binding = 1 + k as u32;
+        let _ = writeln!(
+            src,
+            "@group(0) @binding({binding}) var<storage, read> in{k}: array<vec4<f32>>;"
+        );
+        bindings.push((binding, *v));
+    }
+    for (k, v) in outputs.iter().enumerate() {
+        let binding = 1 + (element.inputs.len() + k) as u32;
+        let _ = writeln!(
+            src,
+            "@group(0) @binding({binding}) var<storage, read_write> out{k}: array<vec4<f32>>;"
+        );
+        bindings.push((binding, *v));
+    }
+    src.push_str(&element.code);
 
     // The entry point: the contiguous kernels' loop (shaders/common.wgsl).
     src.push_str(
@@ -489,20 +581,10 @@ fn fused_source(
              \x20       let i = contiguous_item(wid, nwg, lid, j, per_group);\n\
              \x20       if (i >= n / 4u) {\n            break;\n        }\n",
         );
-        for (k, (v, access)) in loads.iter().enumerate() {
-            let slot = inputs.iter().position(|x| x == v).expect("an input");
-            let at = match access {
-                Access::Dense { offset } => format!("{}u + i", offset / 4),
-                Access::Periodic { offset, period } => {
-                    format!("{}u + i % {}u", offset / 4, period / 4)
-                }
-                Access::Strided(_) => unreachable!("vec4 needs no strides"),
-            };
-            let _ = writeln!(src, "        let a{k} = in{slot}[{at}];");
-        }
+        src.push_str(&element.load_lines(true, "        "));
         for c in ["x", "y", "z", "w"] {
-            let args: Vec<String> = (0..loads.len()).map(|k| format!("a{k}.{c}")).collect();
-            let _ = writeln!(src, "        let r{c} = element({});", args.join(", "));
+            let args = element.args(None, &format!(".{c}"));
+            let _ = writeln!(src, "        let r{c} = element({args});");
         }
         for k in 0..outputs.len() {
             let _ = writeln!(
@@ -516,24 +598,238 @@ fn fused_source(
              \x20       let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);\n\
              \x20       if (i >= n) {\n            break;\n        }\n",
         );
-        for (k, (v, access)) in loads.iter().enumerate() {
-            let slot = inputs.iter().position(|x| x == v).expect("an input");
-            let at = match access {
-                Access::Dense { offset } => format!("{offset}u + i"),
-                Access::Periodic { offset, period } => format!("{offset}u + i % {period}u"),
-                Access::Strided(layout) => strided_index(layout),
-            };
-            let _ = writeln!(src, "        let e{k} = {at};");
-            let _ = writeln!(src, "        let a{k} = in{slot}[e{k} / 4u][e{k} % 4u];");
-        }
-        let args: Vec<String> = (0..loads.len()).map(|k| format!("a{k}")).collect();
-        let _ = writeln!(src, "        let r = element({});", args.join(", "));
+        src.push_str(&element.load_lines(false, "        "));
+        let _ = writeln!(src, "        let r = element({});", element.args(None, ""));
         for k in 0..outputs.len() {
             let _ = writeln!(src, "        out{k}[i / 4u][i % 4u] = r.o{k};");
         }
     }
     src.push_str("    }\n}\n");
     Some((format!("{COMMON_WGSL}\n{src}"), bindings))
+}
+
+const EPILOGUE_BEGIN: &str = "// EPILOGUE SECTION BEGIN";
+const EPILOGUE_END: &str = "// EPILOGUE SECTION END";
+
+/// The module of a launch whose stores run `launches` (in order) on its output `m` and
+/// write `outputs` (the first at the launch's own output binding), and the bindings it adds,
+/// numbered from `first_binding`; `None` when it would write nothing or the source has no
+/// epilogue section.
+fn epilogue_source(
+    site: &Epilogue,
+    launches: &[&Fusible],
+    outputs: &[usize],
+    first_binding: u32,
+) -> Option<(String, Vec<(u32, usize)>)> {
+    let begin = site.source.find(EPILOGUE_BEGIN)?;
+    let end = site.source.find(EPILOGUE_END)? + EPILOGUE_END.len();
+    if outputs.is_empty() {
+        return None;
+    }
+    let element = element_fn(launches, outputs, Some(site.output));
+    let out_name = |k: usize| {
+        if k == 0 {
+            "out".to_string()
+        } else {
+            format!("out{k}")
+        }
+    };
+    let mut src = String::new();
+    let mut bindings: Vec<(u32, usize)> = Vec::new();
+    let mut binding = first_binding;
+    for (k, v) in outputs.iter().enumerate().skip(1) {
+        let _ = writeln!(
+            src,
+            "@group(0) @binding({binding}) var<storage, read_write> out{k}: array<vec4<f32>>;"
+        );
+        bindings.push((binding, *v));
+        binding += 1;
+    }
+    for (k, v) in element.inputs.iter().enumerate() {
+        let _ = writeln!(
+            src,
+            "@group(0) @binding({binding}) var<storage, read> in{k}: array<vec4<f32>>;"
+        );
+        bindings.push((binding, *v));
+        binding += 1;
+    }
+    src.push_str(&element.code);
+    // One element, at index `i`.
+    src.push_str("fn store1(i: u32, v: f32) {\n");
+    src.push_str(&element.load_lines(false, "    "));
+    let _ = writeln!(
+        src,
+        "    let r = element({});",
+        element.args(Some("v".into()), "")
+    );
+    for k in 0..outputs.len() {
+        let _ = writeln!(src, "    {}[i / 4u][i % 4u] = r.o{k};", out_name(k));
+    }
+    src.push_str("}\n");
+    // Four elements from `o`, a multiple of 4.
+    src.push_str("fn store4(o: u32, v: vec4<f32>) {\n");
+    if element.loads_vec4() {
+        src.push_str("    let i = o / 4u;\n");
+        src.push_str(&element.load_lines(true, "    "));
+        for c in ["x", "y", "z", "w"] {
+            let args = element.args(Some(format!("v.{c}")), &format!(".{c}"));
+            let _ = writeln!(src, "    let r{c} = element({args});");
+        }
+        for k in 0..outputs.len() {
+            let _ = writeln!(
+                src,
+                "    {}[i] = vec4<f32>(rx.o{k}, ry.o{k}, rz.o{k}, rw.o{k});",
+                out_name(k)
+            );
+        }
+    } else {
+        src.push_str(
+            "    store1(o, v.x);\n    store1(o + 1u, v.y);\n    store1(o + 2u, v.z);\n    \
+             store1(o + 3u, v.w);\n",
+        );
+    }
+    src.push_str("}\n");
+    let source = format!(
+        "{}{EPILOGUE_BEGIN}\n{src}{}",
+        &site.source[..begin],
+        &site.source[end..]
+    );
+    Some((source, bindings))
+}
+
+/// Fuses `group` into the launch that makes the value its first member reads, when that
+/// launch has an epilogue site and only the group reads its output, in place: returns the
+/// launch's index, the members fused, and the launch that replaces them all at the last
+/// member's place.
+fn epilogue(
+    group: &Group,
+    draft: &Draft,
+    users: &HashMap<usize, Vec<usize>>,
+    max_buffers: usize,
+    device: &Device,
+) -> Option<(usize, Vec<usize>, Launch)> {
+    let member = |at: usize| match &draft.commands[at] {
+        Command::Launch(Launch {
+            fusible: Some(f), ..
+        }) => f,
+        _ => unreachable!("members are fusible launches"),
+    };
+    let first = group.members[0];
+    let (at, producer, site) = member(first).operands.iter().find_map(|(v, _)| {
+        (0..first).rev().find_map(|u| match &draft.commands[u] {
+            Command::Launch(l) => l
+                .epilogue
+                .as_ref()
+                .filter(|site| site.output == *v)
+                .map(|site| (u, l, site)),
+            _ => None,
+        })
+    })?;
+    let m = site.output;
+    let numel: usize = group.shape.iter().product();
+    if numel != site.numel {
+        return None;
+    }
+    // The group's launches read `m` at their own element only.
+    let in_place = group.members.iter().all(|&u| {
+        member(u)
+            .operands
+            .iter()
+            .all(|(v, layout)| *v != m || reads_in_place(layout, &group.shape))
+    });
+    if !in_place {
+        return None;
+    }
+    // The producer's own operands stay bound; its output becomes the first written value.
+    let operands: Vec<(u32, usize)> = producer
+        .bindings
+        .iter()
+        .copied()
+        .filter(|&(_, v)| v != m)
+        .collect();
+    // `m` itself is written too when the plan's output or a later launch reads it (one more
+    // buffer); then no launch between the producer and the group's end may read it.
+    let budget = max_buffers.checked_sub(operands.len())?;
+    let read_elsewhere = |members: &[usize]| {
+        !draft.is_intermediate(m) || users[&m].iter().any(|u| *u != at && !members.contains(u))
+    };
+    let reserve = usize::from(read_elsewhere(&group.members));
+    let (group, mut outputs) = fit(
+        group.clone(),
+        draft,
+        users,
+        budget.checked_sub(reserve)?,
+        Some(m),
+        1,
+    )?;
+    let last = *group.members.last().expect("one or more");
+    if read_elsewhere(&group.members) {
+        let read_early = users[&m]
+            .iter()
+            .any(|&u| u != at && u < last && !group.members.contains(&u));
+        if reserve == 0 || read_early {
+            return None;
+        }
+        outputs.insert(0, m);
+    }
+    let members: HashSet<usize> = group.members.iter().copied().collect();
+    // The producer moves to the last member's place: nothing in between may write what it
+    // reads.
+    let moved_past = (at + 1..last)
+        .filter(|u| !members.contains(u))
+        .any(|u| operands.iter().any(|&(_, v)| writes(&draft.commands[u], v)));
+    if moved_past {
+        return None;
+    }
+    let launches: Vec<&Fusible> = group.members.iter().map(|&u| member(u)).collect();
+    let output_binding = producer
+        .bindings
+        .iter()
+        .find(|&&(_, v)| v == m)
+        .map(|&(b, _)| b)?;
+    let first_binding = producer.bindings.iter().map(|&(b, _)| b).max()? + 1;
+    let (source, extra) = epilogue_source(site, &launches, &outputs, first_binding)?;
+    if let Err(e) = validate(&source) {
+        log::debug!("capture: an epilogue failed validation, left unfused: {e}");
+        return None;
+    }
+    let pipeline = generated_pipeline(device, "epilogue", site.entry, &source);
+    let mut bindings = operands;
+    bindings.push((output_binding, outputs[0]));
+    bindings.extend(extra);
+    Some((
+        at,
+        group.members,
+        Launch {
+            op: "matmul with epilogue",
+            fusible: None,
+            epilogue: None,
+            pipeline,
+            bindings,
+            params: producer.params.clone(),
+            dynamic_params: producer.dynamic_params.clone(),
+            workgroups: producer.workgroups,
+        },
+    ))
+}
+
+/// The pipeline of a generated module, keyed by a hash of its source.
+fn generated_pipeline(
+    device: &Device,
+    family: &str,
+    entry: &'static str,
+    source: &str,
+) -> std::sync::Arc<crate::device::CachedPipeline> {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    source.hash(&mut hasher);
+    let module_key = format!("{family}/{:016x}", hasher.finish());
+    let key = format!("{module_key}:{entry}");
+    device.inner.pipeline(&PipelineSource {
+        key: &key,
+        module_key: &module_key,
+        entry,
+        source: &|| source.to_string(),
+    })
 }
 
 /// Parses and validates a generated module with naga, as wgpu would, before it is compiled.

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::autograd::is_grad_enabled;
 use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
 use crate::error::{Error, Result};
-use crate::tensor::tape::{HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry};
+use crate::tensor::tape::{Fusion, HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry};
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
 /// What a captured step's inputs looked like: a replay needs the same, since shapes, strides
@@ -75,10 +75,20 @@ pub(crate) struct Fusible {
     pub shape: Vec<usize>,
 }
 
+/// Where a launch can run the elementwise ops that consume its output (the tape's
+/// [`EpilogueSite`](crate::tensor::tape::EpilogueSite) with its output named as a value).
+pub(crate) struct Epilogue {
+    pub source: String,
+    pub entry: &'static str,
+    pub output: usize,
+    pub numel: usize,
+}
+
 /// One launch of the plan, its bindings naming values.
 pub(crate) struct Launch {
     pub op: &'static str,
     pub fusible: Option<Fusible>,
+    pub epilogue: Option<Box<Epilogue>>,
     pub pipeline: Arc<CachedPipeline>,
     pub bindings: Vec<(u32, usize)>,
     pub params: Vec<u8>,
@@ -307,21 +317,36 @@ pub(crate) fn draft(
                         .map(|&(_, v)| v)
                         .expect("an elementwise launch binds its operands")
                 };
-                let fusible = l.elementwise.map(|e| Fusible {
-                    params: e.params,
-                    expr: e.expr,
-                    scalars: e.scalars,
-                    operands: e
-                        .operands
-                        .into_iter()
-                        .map(|(b, layout)| (value_at(b), layout))
-                        .collect(),
-                    output: value_at(e.output),
-                    shape: e.shape,
-                });
+                let (mut fusible, mut epilogue) = (None, None);
+                match l.fusion {
+                    Some(Fusion::Elementwise(e)) => {
+                        fusible = Some(Fusible {
+                            params: e.params,
+                            expr: e.expr,
+                            scalars: e.scalars,
+                            operands: e
+                                .operands
+                                .into_iter()
+                                .map(|(b, layout)| (value_at(b), layout))
+                                .collect(),
+                            output: value_at(e.output),
+                            shape: e.shape,
+                        })
+                    }
+                    Some(Fusion::Epilogue(site)) => {
+                        epilogue = Some(Box::new(Epilogue {
+                            source: site.source,
+                            entry: site.entry,
+                            output: value_at(site.output),
+                            numel: site.numel,
+                        }))
+                    }
+                    None => {}
+                }
                 Command::Launch(Launch {
                     op: l.op,
                     fusible,
+                    epilogue,
                     pipeline: l.pipeline,
                     bindings,
                     params: l.params,

@@ -8,6 +8,21 @@ use std::sync::Arc;
 pub(crate) struct CachedPipeline {
     pub pipeline: wgpu::ComputePipeline,
     pub layout: wgpu::BindGroupLayout,
+    /// The bindings its module declares `read_write`: the buffers a launch may write (what
+    /// the capture fuser needs to know before it moves a launch).
+    pub writable: Vec<u32>,
+}
+
+/// The bindings of group 0 that `source` declares as `var<storage, read_write>`.
+fn writable_bindings(source: &str) -> Vec<u32> {
+    source
+        .lines()
+        .filter(|line| line.contains("var<storage, read_write>"))
+        .filter_map(|line| {
+            let (_, rest) = line.split_once("@binding(")?;
+            rest.split_once(')')?.0.trim().parse().ok()
+        })
+        .collect()
 }
 
 /// Compiled pipelines by key (`"family/specialisation:entry"`), and the shader modules they
@@ -16,7 +31,7 @@ pub(crate) struct CachedPipeline {
 #[derive(Default)]
 pub(crate) struct PipelineCache {
     pipelines: HashMap<String, Arc<CachedPipeline>>,
-    modules: HashMap<String, wgpu::ShaderModule>,
+    modules: HashMap<String, (wgpu::ShaderModule, Vec<u32>)>,
 }
 
 impl PipelineCache {
@@ -33,14 +48,17 @@ impl PipelineCache {
         if let Some(cached) = self.pipelines.get(key) {
             return cached.clone();
         }
-        let module = self
+        let (module, writable) = self
             .modules
             .entry(module_key.to_string())
             .or_insert_with(|| {
-                device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                let source = source();
+                let writable = writable_bindings(&source);
+                let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                     label: Some(module_key),
-                    source: wgpu::ShaderSource::Wgsl(source().into()),
-                })
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                });
+                (module, writable)
             });
         let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(key),
@@ -51,7 +69,11 @@ impl PipelineCache {
             cache: None,
         });
         let layout = pipeline.get_bind_group_layout(0);
-        let cached = Arc::new(CachedPipeline { pipeline, layout });
+        let cached = Arc::new(CachedPipeline {
+            pipeline,
+            layout,
+            writable: writable.clone(),
+        });
         self.pipelines.insert(key.to_string(), cached.clone());
         cached
     }
@@ -59,5 +81,16 @@ impl PipelineCache {
     /// How many pipelines have been compiled.
     pub fn len(&self) -> usize {
         self.pipelines.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn read_write_bindings_are_found_in_the_source() {
+        let source = "@group(0) @binding(1) var<storage, read> a: array<f32>;\n\
+                      @group(0) @binding(3) var<storage, read_write> out: array<f32>;\n\
+                      @group(0) @binding(12) var<storage, read_write> out1: array<f32>;";
+        assert_eq!(super::writable_bindings(source), vec![3, 12]);
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::device::{BufferSlice, Device, PipelineSource};
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
-use crate::tensor::tape::{self, Elementwise, HostBytes};
+use crate::tensor::tape::{self, Elementwise, EpilogueSite, Fusion, HostBytes};
 use crate::tensor::{Storage, Tensor};
 
 /// Invocations per workgroup of the elementwise kernels.
@@ -177,7 +177,7 @@ pub(crate) fn launch_elementwise<P: KernelParams>(
     workgroups: u32,
     describe: impl FnOnce() -> Elementwise,
 ) -> Result<()> {
-    let elementwise = tape::is_open().then(describe);
+    let fusion = tape::is_open().then(|| Fusion::Elementwise(describe()));
     launch_with(
         op,
         kernel,
@@ -185,7 +185,31 @@ pub(crate) fn launch_elementwise<P: KernelParams>(
         bytemuck::bytes_of(params),
         None,
         workgroups,
-        elementwise,
+        fusion,
+    )
+}
+
+/// As [`launch`], for a kernel whose module has an `EPILOGUE SECTION` (matmul): while a step
+/// is captured, `describe` tells the fuser where the elementwise ops that consume the output
+/// can run instead of their own launches.
+pub(crate) fn launch_with_epilogue<P: KernelParams>(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[&Tensor],
+    params: &P,
+    workgroups: u32,
+    describe: impl FnOnce() -> EpilogueSite,
+) -> Result<()> {
+    let bound: Vec<(u32, &Tensor)> = (1..).zip(tensors.iter().copied()).collect();
+    let fusion = tape::is_open().then(|| Fusion::Epilogue(describe()));
+    launch_with(
+        op,
+        kernel,
+        &bound,
+        bytemuck::bytes_of(params),
+        None,
+        workgroups,
+        fusion,
     )
 }
 
@@ -220,7 +244,7 @@ fn launch_with(
     params: &[u8],
     dynamic_params: Option<HostBytes>,
     workgroups: u32,
-    elementwise: Option<Elementwise>,
+    fusion: Option<Fusion>,
 ) -> Result<()> {
     let storages: Vec<(u32, Arc<Storage>)> =
         tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
@@ -245,7 +269,7 @@ fn launch_with(
             params,
             dynamic_params,
             workgroups,
-            elementwise,
+            fusion,
         );
     }
     device

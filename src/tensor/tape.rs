@@ -52,6 +52,26 @@ pub(crate) struct Elementwise {
     pub shape: Vec<usize>,
 }
 
+/// A launch that can run the elementwise ops consuming its output inside its own stores
+/// (matmul): the fuser replaces the `EPILOGUE SECTION` of its module's source.
+pub(crate) struct EpilogueSite {
+    /// The launch's module source, with its default `store4` and `store1`.
+    pub source: String,
+    /// The entry point.
+    pub entry: &'static str,
+    /// The output's binding: a fresh dense tensor of `numel` elements, each stored once.
+    pub output: u32,
+    pub numel: usize,
+}
+
+/// What the fuser may do with a launch.
+pub(crate) enum Fusion {
+    /// Merge it with the elementwise launches around it.
+    Elementwise(Elementwise),
+    /// Run the elementwise launches that consume its output in its stores.
+    Epilogue(EpilogueSite),
+}
+
 /// One kernel launch as the step made it.
 pub(crate) struct TapedLaunch {
     pub op: &'static str,
@@ -63,7 +83,7 @@ pub(crate) struct TapedLaunch {
     pub dynamic_params: Option<HostBytes>,
     pub workgroups: u32,
     /// Set for launches the fuser may merge.
-    pub elementwise: Option<Elementwise>,
+    pub fusion: Option<Fusion>,
 }
 
 /// What a step did to the device, in order.
@@ -195,7 +215,7 @@ pub(crate) fn record_launch(
     params: &[u8],
     dynamic_params: Option<HostBytes>,
     workgroups: u32,
-    elementwise: Option<Elementwise>,
+    fusion: Option<Fusion>,
 ) {
     with_tape(|tape| {
         check_device(tape, op, tensors[0].1.device());
@@ -222,7 +242,7 @@ pub(crate) fn record_launch(
             params: params.to_vec(),
             dynamic_params,
             workgroups,
-            elementwise,
+            fusion,
         }));
     });
 }
