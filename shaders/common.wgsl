@@ -35,9 +35,14 @@ const CONTIGUOUS_PER_GROUP: u32 = 16384u;
 // before the next, and items a workgroup-width apart would alias in their caches (an add of
 // 16M elements took 88 ms that way, 18 ms this way, on llvmpipe).
 fn contiguous_item(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, j: u32, per_group: u32) -> u32 {
+    return contiguous_item_at(workgroup_index(wid, nwg), lid, j, per_group);
+}
+
+// As contiguous_item, in workgroup `w` of the launch's grid (or of a tensor's part of it).
+fn contiguous_item_at(w: u32, lid: u32, j: u32, per_group: u32) -> u32 {
     let per_invocation = per_group / 256u;
     let run_start = (lid / 8u) * 8u * per_invocation;
-    return workgroup_index(wid, nwg) * per_group + run_start + j * 8u + lid % 8u;
+    return w * per_group + run_start + j * 8u + lid % 8u;
 }
 
 // Index of this workgroup in the 2-D grid the host dispatches (x runs to at most 65535).

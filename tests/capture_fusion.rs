@@ -4,6 +4,7 @@
 mod common;
 use common::*;
 use wgrad::capture::Step;
+use wgrad::optim::{AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
 use wgrad::{Result, Tensor};
 
 /// Runs `f` eagerly, then captured (eager, capture, replay), and returns the eager result,
@@ -218,4 +219,74 @@ fn a_product_read_before_the_group_ends_keeps_its_own_launch() {
     assert_close(&want, &got, "relu(p) + sum(p)");
     // matmul, sum, relu + add.
     assert_eq!(stats.replay_dispatches, 3, "{stats:?}");
+}
+
+/// Runs `steps` optimizer steps over twin sets of parameters of odd sizes (grads set once),
+/// eagerly and captured; checks the parameters agree and returns the captured step's stats.
+fn optimizer_steps(
+    make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer>,
+    steps: usize,
+) -> wgrad::capture::StepStats {
+    let sizes = [3, 8, 5, 16, 1, 7];
+    let leaves = |seed: u64| -> Vec<Tensor> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let (t, _) = random_tensor(&[n], seed + i as u64);
+                let t = t.requires_grad_(true);
+                let (g, _) = random_tensor(&[n], 100 + i as u64);
+                t.set_grad(Some(g)).unwrap();
+                t
+            })
+            .collect()
+    };
+    let (eager, captured) = (leaves(30), leaves(30));
+    let mut eager_opt = make(eager.clone());
+    let mut opt = make(captured.clone());
+    let mut step = Step::new(|t: &[Tensor]| {
+        opt.step()?;
+        Ok(t[0].clone())
+    });
+    let (x, _) = random_tensor(&[1], 7);
+    for _ in 0..steps {
+        eager_opt.step().unwrap();
+        step.run(std::slice::from_ref(&x)).unwrap();
+    }
+    for (a, b) in eager.iter().zip(&captured) {
+        assert_close(&a.to_vec().unwrap(), &b.to_vec().unwrap(), "parameter");
+    }
+    step.stats()
+}
+
+#[test]
+fn an_adam_step_over_many_parameters_runs_as_one_or_two_launches() {
+    let config = AdamConfig {
+        weight_decay: 0.01,
+        ..AdamConfig::default()
+    };
+    let stats = optimizer_steps(|p| Box::new(AdamW::new(p, config)), 5);
+    // Six parameters, four buffers each: one launch where a kernel may bind 32 storage
+    // buffers (Vulkan), two where it may bind 16 (GL).
+    assert!(stats.replay_dispatches <= 2, "{stats:?}");
+    assert_eq!(
+        stats.replay_dispatches + stats.fused_away as u64,
+        6,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn merged_sgd_steps_equal_eager_steps() {
+    let momentum = SgdConfig {
+        lr: 0.05,
+        momentum: 0.9,
+        nesterov: true,
+        weight_decay: 1e-3,
+        ..SgdConfig::default()
+    };
+    for config in [momentum, SgdConfig::default()] {
+        let stats = optimizer_steps(|p| Box::new(Sgd::new(p, config)), 4);
+        assert!(stats.replay_dispatches <= 2, "{stats:?}");
+    }
 }

@@ -13,11 +13,13 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
-use crate::capture::plan::{Command, Draft, Epilogue, Fusible, Launch};
+use crate::capture::plan::{Command, Draft, Epilogue, FuseAs, Fusible, Launch};
 use crate::device::{Device, PipelineSource};
-use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP};
+use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP, MAX_SLOTS};
 use crate::tensor::layout::row_major_strides;
+use crate::tensor::tape::{HostBytes, UpdateSite};
 use crate::tensor::Layout;
 
 /// The most launches one fused kernel takes in.
@@ -118,7 +120,7 @@ fn rename(command: &mut Command, from: usize, to: usize) {
     match command {
         Command::Launch(l) => {
             l.bindings.iter_mut().for_each(|(_, v)| swap(v));
-            if let Some(f) = &mut l.fusible {
+            if let FuseAs::Elementwise(f) = &mut l.fuse_as {
                 f.operands.iter_mut().for_each(|(v, _)| swap(v));
                 swap(&mut f.output);
             }
@@ -148,7 +150,8 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
     for (at, command) in draft.commands.iter().enumerate() {
         let fusible = match command {
             Command::Launch(Launch {
-                fusible: Some(f), ..
+                fuse_as: FuseAs::Elementwise(f),
+                ..
             }) => Some(f),
             _ => None,
         };
@@ -195,7 +198,8 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
             .iter()
             .map(|&at| match &draft.commands[at] {
                 Command::Launch(Launch {
-                    fusible: Some(f), ..
+                    fuse_as: FuseAs::Elementwise(f),
+                    ..
                 }) => f,
                 _ => unreachable!("members are fusible launches"),
             })
@@ -248,7 +252,8 @@ fn fit(
             .iter()
             .flat_map(|&at| match &draft.commands[at] {
                 Command::Launch(Launch {
-                    fusible: Some(f), ..
+                    fuse_as: FuseAs::Elementwise(f),
+                    ..
                 }) => f.operands.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
                 _ => Vec::new(),
             })
@@ -295,7 +300,8 @@ fn joins(
         }
         match &draft.commands[u] {
             Command::Launch(Launch {
-                fusible: Some(g), ..
+                fuse_as: FuseAs::Elementwise(g),
+                ..
             }) => u < at || g.shape != *shape,
             _ => true,
         }
@@ -393,8 +399,7 @@ fn fused_launch(
     );
     Some(Launch {
         op: "fused elementwise",
-        fusible: None,
-        epilogue: None,
+        fuse_as: FuseAs::Nothing,
         pipeline,
         bindings,
         params: bytemuck::bytes_of(&(n as u32)).to_vec(),
@@ -710,18 +715,18 @@ fn epilogue(
 ) -> Option<(usize, Vec<usize>, Launch)> {
     let member = |at: usize| match &draft.commands[at] {
         Command::Launch(Launch {
-            fusible: Some(f), ..
+            fuse_as: FuseAs::Elementwise(f),
+            ..
         }) => f,
         _ => unreachable!("members are fusible launches"),
     };
     let first = group.members[0];
     let (at, producer, site) = member(first).operands.iter().find_map(|(v, _)| {
         (0..first).rev().find_map(|u| match &draft.commands[u] {
-            Command::Launch(l) => l
-                .epilogue
-                .as_ref()
-                .filter(|site| site.output == *v)
-                .map(|site| (u, l, site)),
+            Command::Launch(l) => match &l.fuse_as {
+                FuseAs::Epilogue(site) if site.output == *v => Some((u, l, &**site)),
+                _ => None,
+            },
             _ => None,
         })
     })?;
@@ -802,8 +807,7 @@ fn epilogue(
         group.members,
         Launch {
             op: "matmul with epilogue",
-            fusible: None,
-            epilogue: None,
+            fuse_as: FuseAs::Nothing,
             pipeline,
             bindings,
             params: producer.params.clone(),
@@ -813,13 +817,147 @@ fn epilogue(
     ))
 }
 
+/// The most parameters one merged update takes.
+const MAX_UPDATE_MEMBERS: usize = 8;
+
+/// Merges runs of consecutive launches of the same per-tensor update (an optimizer's step,
+/// one launch per parameter) into launches of one generated kernel each, every tensor's part
+/// in workgroups of its own: as many tensors per launch as the device's storage bindings and
+/// the 63 param slots allow. Returns how many launches it removed.
+pub(crate) fn merge_updates(draft: &mut Draft, device: &Device) -> usize {
+    let max_buffers = device.inner.limits.max_storage_buffers_per_shader_stage as usize;
+    let before = draft.commands.len();
+    let mut commands = Vec::with_capacity(before);
+    let mut run: Vec<Launch> = Vec::new();
+    for command in std::mem::take(&mut draft.commands) {
+        match command {
+            Command::Launch(l) if matches!(l.fuse_as, FuseAs::Update(_)) => {
+                if !joins_update(&run, &l, max_buffers) {
+                    commands.extend(merged_update(std::mem::take(&mut run), device));
+                }
+                run.push(l);
+            }
+            other => {
+                commands.extend(merged_update(std::mem::take(&mut run), device));
+                commands.push(other);
+            }
+        }
+    }
+    commands.extend(merged_update(run, device));
+    draft.commands = commands;
+    before - draft.commands.len()
+}
+
+fn update_site(launch: &Launch) -> &UpdateSite {
+    match &launch.fuse_as {
+        FuseAs::Update(site) => site,
+        _ => unreachable!("runs hold update launches"),
+    }
+}
+
+/// Whether `next` may join `run` (empty runs take anything): the same update, room for its
+/// buffers and params, and no buffer shared with the run (the parts run at the same time).
+fn joins_update(run: &[Launch], next: &Launch, max_buffers: usize) -> bool {
+    let Some(first) = run.first() else {
+        return true;
+    };
+    let site = update_site(next);
+    let buffers: usize = run.iter().map(|l| l.bindings.len()).sum::<usize>() + next.bindings.len();
+    let shares = run.iter().any(|l| {
+        l.bindings
+            .iter()
+            .any(|(_, v)| next.bindings.iter().any(|(_, w)| v == w))
+    });
+    update_site(first).kind == site.kind
+        && run.len() < MAX_UPDATE_MEMBERS
+        && (run.len() + 1) * site.param_slots <= MAX_SLOTS
+        && buffers <= max_buffers
+        && !shares
+}
+
+/// One launch for `run`: the launch itself when it holds one, none when empty; `run`
+/// unmerged when the generated kernel fails naga's validation.
+fn merged_update(run: Vec<Launch>, device: &Device) -> Vec<Command> {
+    if run.len() < 2 {
+        return run.into_iter().map(Command::Launch).collect();
+    }
+    let site = update_site(&run[0]);
+    let slot_bytes = site.param_slots * 4;
+    let mut src = site.shared.clone();
+    let mut bindings: Vec<(u32, usize)> = Vec::new();
+    let mut starts: Vec<u32> = Vec::new();
+    let mut workgroups = 0;
+    for (k, launch) in run.iter().enumerate() {
+        let first = 1 + bindings.len() as u32;
+        src.push_str(&(site.member)(k, first, (k * site.param_slots) as u32));
+        let mut own = launch.bindings.clone();
+        own.sort_unstable();
+        bindings.extend(own.iter().zip(first..).map(|(&(_, v), b)| (b, v)));
+        starts.push(workgroups);
+        workgroups += launch.workgroups;
+    }
+    // Each member's workgroups follow the last member's.
+    src.push_str(
+        "@compute @workgroup_size(256)\n\
+         fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,\n\
+         \x20       @builtin(local_invocation_index) lid: u32) {\n\
+         \x20   let w = workgroup_index(wid, nwg);\n",
+    );
+    for k in 0..run.len() - 1 {
+        let _ = writeln!(
+            src,
+            "    if (w < {}u) {{\n        member_{k}(w - {}u, lid);\n        return;\n    }}",
+            starts[k + 1],
+            starts[k]
+        );
+    }
+    let last = run.len() - 1;
+    let _ = writeln!(src, "    member_{last}(w - {}u, lid);\n}}", starts[last]);
+    if let Err(e) = validate(&src) {
+        log::debug!("capture: a merged update failed validation, left unmerged: {e}");
+        return run.into_iter().map(Command::Launch).collect();
+    }
+    // Each member's params in a block of its own.
+    let pack = move |blocks: Vec<Vec<u8>>| -> Vec<u8> {
+        let mut out = Vec::with_capacity(blocks.len() * slot_bytes);
+        for mut block in blocks {
+            block.resize(slot_bytes, 0);
+            out.extend(block);
+        }
+        out
+    };
+    let params = pack(run.iter().map(|l| l.params.clone()).collect());
+    let members: Vec<(Vec<u8>, Option<HostBytes>)> = run
+        .iter()
+        .map(|l| (l.params.clone(), l.dynamic_params.clone()))
+        .collect();
+    let dynamic: HostBytes = Arc::new(move || {
+        pack(
+            members
+                .iter()
+                .map(|(fixed, dynamic)| dynamic.as_ref().map_or_else(|| fixed.clone(), |f| f()))
+                .collect(),
+        )
+    });
+    let pipeline = generated_pipeline(device, "update", "main", &src);
+    vec![Command::Launch(Launch {
+        op: run[0].op,
+        fuse_as: FuseAs::Nothing,
+        pipeline,
+        bindings,
+        params,
+        dynamic_params: Some(dynamic),
+        workgroups,
+    })]
+}
+
 /// The pipeline of a generated module, keyed by a hash of its source.
 fn generated_pipeline(
     device: &Device,
     family: &str,
     entry: &'static str,
     source: &str,
-) -> std::sync::Arc<crate::device::CachedPipeline> {
+) -> Arc<crate::device::CachedPipeline> {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     source.hash(&mut hasher);
     let module_key = format!("{family}/{:016x}", hasher.finish());

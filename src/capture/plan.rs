@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::autograd::is_grad_enabled;
 use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
 use crate::error::{Error, Result};
-use crate::tensor::tape::{Fusion, HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry};
+use crate::tensor::tape::{Fusion, HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry, UpdateSite};
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
 /// What a captured step's inputs looked like: a replay needs the same, since shapes, strides
@@ -84,11 +84,18 @@ pub(crate) struct Epilogue {
     pub numel: usize,
 }
 
+/// What the fuser may do with a launch (the tape's [`Fusion`] with its values named).
+pub(crate) enum FuseAs {
+    Nothing,
+    Elementwise(Fusible),
+    Epilogue(Box<Epilogue>),
+    Update(Box<UpdateSite>),
+}
+
 /// One launch of the plan, its bindings naming values.
 pub(crate) struct Launch {
     pub op: &'static str,
-    pub fusible: Option<Fusible>,
-    pub epilogue: Option<Box<Epilogue>>,
+    pub fuse_as: FuseAs,
     pub pipeline: Arc<CachedPipeline>,
     pub bindings: Vec<(u32, usize)>,
     pub params: Vec<u8>,
@@ -317,36 +324,31 @@ pub(crate) fn draft(
                         .map(|&(_, v)| v)
                         .expect("an elementwise launch binds its operands")
                 };
-                let (mut fusible, mut epilogue) = (None, None);
-                match l.fusion {
-                    Some(Fusion::Elementwise(e)) => {
-                        fusible = Some(Fusible {
-                            params: e.params,
-                            expr: e.expr,
-                            scalars: e.scalars,
-                            operands: e
-                                .operands
-                                .into_iter()
-                                .map(|(b, layout)| (value_at(b), layout))
-                                .collect(),
-                            output: value_at(e.output),
-                            shape: e.shape,
-                        })
-                    }
-                    Some(Fusion::Epilogue(site)) => {
-                        epilogue = Some(Box::new(Epilogue {
-                            source: site.source,
-                            entry: site.entry,
-                            output: value_at(site.output),
-                            numel: site.numel,
-                        }))
-                    }
-                    None => {}
-                }
+                let fuse_as = match l.fusion {
+                    Some(Fusion::Elementwise(e)) => FuseAs::Elementwise(Fusible {
+                        params: e.params,
+                        expr: e.expr,
+                        scalars: e.scalars,
+                        operands: e
+                            .operands
+                            .into_iter()
+                            .map(|(b, layout)| (value_at(b), layout))
+                            .collect(),
+                        output: value_at(e.output),
+                        shape: e.shape,
+                    }),
+                    Some(Fusion::Epilogue(site)) => FuseAs::Epilogue(Box::new(Epilogue {
+                        source: site.source,
+                        entry: site.entry,
+                        output: value_at(site.output),
+                        numel: site.numel,
+                    })),
+                    Some(Fusion::Update(site)) => FuseAs::Update(Box::new(site)),
+                    None => FuseAs::Nothing,
+                };
                 Command::Launch(Launch {
                     op: l.op,
-                    fusible,
-                    epilogue,
+                    fuse_as,
                     pipeline: l.pipeline,
                     bindings,
                     params: l.params,

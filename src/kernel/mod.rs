@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::device::{BufferSlice, Device, PipelineSource};
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
-use crate::tensor::tape::{self, Elementwise, EpilogueSite, Fusion, HostBytes};
+use crate::tensor::tape::{self, Elementwise, EpilogueSite, Fusion, HostBytes, UpdateSite};
 use crate::tensor::{Storage, Tensor};
 
 /// Invocations per workgroup of the elementwise kernels.
@@ -222,6 +222,32 @@ pub(crate) fn launch_dynamic<P: KernelParams>(
     params: impl Fn() -> P + Send + Sync + 'static,
     workgroups: u32,
 ) -> Result<()> {
+    launch_dynamic_with(op, kernel, tensors, params, workgroups, None)
+}
+
+/// As [`launch_dynamic`], for one tensor's part of an update of many (an optimizer's step):
+/// while a step is captured, `site` tells the fuser how to merge it with the same update of
+/// the next tensors.
+pub(crate) fn launch_update<P: KernelParams>(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[(u32, &Tensor)],
+    params: impl Fn() -> P + Send + Sync + 'static,
+    workgroups: u32,
+    site: impl FnOnce() -> UpdateSite,
+) -> Result<()> {
+    let fusion = tape::is_open().then(|| Fusion::Update(site()));
+    launch_dynamic_with(op, kernel, tensors, params, workgroups, fusion)
+}
+
+fn launch_dynamic_with<P: KernelParams>(
+    op: &'static str,
+    kernel: &Kernel,
+    tensors: &[(u32, &Tensor)],
+    params: impl Fn() -> P + Send + Sync + 'static,
+    workgroups: u32,
+    fusion: Option<Fusion>,
+) -> Result<()> {
     let now = params();
     // Kept for replays only while a step is captured.
     let dynamic = tape::is_open()
@@ -233,7 +259,7 @@ pub(crate) fn launch_dynamic<P: KernelParams>(
         bytemuck::bytes_of(&now),
         dynamic,
         workgroups,
-        None,
+        fusion,
     )
 }
 

@@ -64,12 +64,30 @@ pub(crate) struct EpilogueSite {
     pub numel: usize,
 }
 
+/// One launch of a per-tensor update (an optimizer's, of one parameter) that the fuser may
+/// merge with the same update of other tensors into one launch, each tensor's part in
+/// workgroups of its own.
+pub(crate) struct UpdateSite {
+    /// Names the update: only launches of the same kind merge.
+    pub kind: &'static str,
+    /// The WGSL a merged module starts with: prelude, slot constants, the arithmetic.
+    pub shared: String,
+    /// Member `k`'s part of a merged module: its bindings (from `first_binding` on, in the
+    /// launch's binding order) and `fn member_k(w: u32, lid: u32)`, which updates its part for
+    /// its own workgroup `w`, reading its params from slot `base` on.
+    pub member: fn(k: usize, first_binding: u32, base: u32) -> String,
+    /// The param slots one member's params take.
+    pub param_slots: usize,
+}
+
 /// What the fuser may do with a launch.
 pub(crate) enum Fusion {
     /// Merge it with the elementwise launches around it.
     Elementwise(Elementwise),
     /// Run the elementwise launches that consume its output in its stores.
     Epilogue(EpilogueSite),
+    /// Merge it with the same update of the next tensors.
+    Update(UpdateSite),
 }
 
 /// One kernel launch as the step made it.
