@@ -3,6 +3,7 @@
 //! GELU + residual (AdamW, batch 128). After each pair it prints dispatches per step and, for
 //! replays, the host time from `run` to submission.
 
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -54,7 +55,30 @@ fn train_step(
     Ok(loss)
 }
 
-/// Benches `model`'s step eagerly and captured, and prints dispatches and host time.
+/// Median times of `a` and `b` (each waited for), run alternately `pairs` times: a fairer
+/// ratio than two criterion runs minutes apart on a machine whose speed drifts.
+fn alternating(dev: &Device, pairs: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64) {
+    let time = |f: &mut dyn FnMut()| {
+        dev.synchronize().unwrap();
+        let start = Instant::now();
+        f();
+        dev.synchronize().unwrap();
+        start.elapsed().as_secs_f64() * 1e3
+    };
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..pairs {
+        ta.push(time(&mut a));
+        tb.push(time(&mut b));
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    (median(ta), median(tb))
+}
+
+/// Benches `model`'s step eagerly and captured, and prints dispatches, host time and the
+/// alternating medians.
 fn eager_and_captured(
     c: &mut Criterion,
     dev: &Device,
@@ -64,21 +88,23 @@ fn eager_and_captured(
     x: &Tensor,
     labels: &Tensor,
 ) {
+    // Shared by the eager steps and the captured step's closure, which alternate below.
+    let opt = RefCell::new(opt);
+    let eager_step = || {
+        train_step(model, &mut **opt.borrow_mut(), x, labels).unwrap();
+    };
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Elements(x.shape()[0] as u64));
     group.bench_function("eager", |b| {
         b.iter(|| {
-            train_step(model, &mut *opt, x, labels).unwrap();
+            eager_step();
             dev.synchronize().unwrap();
         })
     });
-    let eager = dispatches(dev, || {
-        train_step(model, &mut *opt, x, labels).unwrap();
-    });
-    let eager_host = host_time(dev, || {
-        train_step(model, &mut *opt, x, labels).unwrap();
-    });
-    let mut step = Step::new(|b: &[Tensor]| train_step(model, &mut *opt, &b[0], &b[1]));
+    let eager = dispatches(dev, eager_step);
+    let eager_host = host_time(dev, eager_step);
+    let mut step =
+        Step::new(|b: &[Tensor]| train_step(model, &mut **opt.borrow_mut(), &b[0], &b[1]));
     let batch = [x.clone(), labels.clone()];
     group.bench_function("captured", |b| {
         b.iter(|| {
@@ -93,10 +119,15 @@ fn eager_and_captured(
     let replay_host = host_time(dev, || {
         step.run(&batch).unwrap();
     });
+    let fused_away = step.stats().fused_away;
+    let (eager_ms, replay_ms) = alternating(dev, 40, eager_step, || {
+        step.run(&batch).unwrap();
+    });
     eprintln!(
-        "{name}: {eager} dispatches eager, {replayed} replayed ({} launches fused away); host \
-         time per step {eager_host:.0} us eager, {replay_host:.0} us replayed",
-        step.stats().fused_away
+        "{name}: {eager} dispatches eager, {replayed} replayed ({fused_away} launches fused \
+         away); host time per step {eager_host:.0} us eager, {replay_host:.0} us replayed; \
+         alternating medians {eager_ms:.2} ms eager, {replay_ms:.2} ms replayed ({:.2}x)",
+        replay_ms / eager_ms
     );
 }
 

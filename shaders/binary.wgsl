@@ -33,7 +33,7 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let lb = pu(BINARY_RHS_OFFSET);
     if (pu(BINARY_VEC4) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        for (var j = 0u; j < per_group / 256u; j = j + 1u) {
+        for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
             let i = contiguous_item(wid, nwg, lid, j, per_group);
             if (i >= n / 4u) {
                 break;
@@ -42,7 +42,7 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         }
         return;
     }
-    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {
+    for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
         if (i >= n) {
             break;
@@ -63,7 +63,7 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let pb = pu(BINARY_RHS_PERIOD);
     if (pu(BINARY_VEC4) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        for (var j = 0u; j < per_group / 256u; j = j + 1u) {
+        for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
             let i = contiguous_item(wid, nwg, lid, j, per_group);
             if (i >= n / 4u) {
                 break;
@@ -72,7 +72,7 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         }
         return;
     }
-    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {
+    for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
         if (i >= n) {
             break;

@@ -18,6 +18,14 @@ fn pu(i: u32) -> u32 {
     return params.v[(i / 4u) | opaque_zero][i % 4u];
 }
 
+// `n`, as a value the driver's compiler cannot know: a loop bounded by it stays rolled. Mesa
+// unrolls loops with a constant count, and a kernel's compile time grows with every copy (a
+// captured step's merged SGD update took 9 s to compile on llvmpipe's GL unrolled, 0.2 s
+// rolled).
+fn rolled(n: u32) -> u32 {
+    return n + params.v[15].w;
+}
+
 // Parameter slot `i` as an f32 (stored as its bits).
 fn pf(i: u32) -> f32 {
     return bitcast<f32>(pu(i));

@@ -24,7 +24,7 @@ fn strided_copy(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     var col = (first + i) % inner;
     var s = src_offset + strided_offset(first + i, rank, COPY_SHAPE, COPY_SRC_STRIDES);
     var d = dst_offset + strided_offset(first + i, rank, COPY_SHAPE, COPY_DST_STRIDES);
-    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {
+    for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         if (i >= n) {
             break;
         }

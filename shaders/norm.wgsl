@@ -13,6 +13,15 @@
 // backward: grad * xhat per element, summed over rows by the host into the weight grad.
 @group(0) @binding(7) var<storage, read_write> grad_xhat: array<f32>;
 
+// EPILOGUE SECTION BEGIN
+// How the forward stores out[o]. A captured step's fuser replaces this section with a store
+// that first runs the elementwise ops consuming the output (an activation, a residual add), so
+// that they cost no pass of their own (src/capture/fuse.rs).
+fn store1(o: u32, v: f32) {
+    out[o] = v;
+}
+// EPILOGUE SECTION END
+
 // y = (x - mean) / sqrt(var + eps) * weight + bias, var biased (as PyTorch).
 @compute @workgroup_size(64)
 fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -37,7 +46,7 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let w_at = pu(NORM_WEIGHT_OFFSET);
     let b_at = pu(NORM_BIAS_OFFSET);
     for (var i = 0u; i < len; i = i + 1u) {
-        out[row * len + i] = (x[base + i] - mean) * rstd * weight[w_at + i] + bias[b_at + i];
+        store1(row * len + i, (x[base + i] - mean) * rstd * weight[w_at + i] + bias[b_at + i]);
     }
     stats[2u * row] = mean;
     stats[2u * row + 1u] = rstd;

@@ -3,14 +3,8 @@
 // Params: `ReduceParams` (src/ops/reduce.rs).
 //
 // The input is bound as vec4s so that `serial` can read four elements at a time: software
-// adapters pay per load, not per element.
-
-@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
-
-fn src_at(i: u32) -> f32 {
-    return src[i / 4u][i % 4u];
-}
+// adapters pay per load, not per element. A captured step merges consecutive `serial`
+// launches into one, repeating the MEMBER SECTION per launch (src/capture/fuse.rs).
 
 fn combine(a: f32, b: f32) -> f32 {
     return REDUCE_COMBINE;
@@ -19,6 +13,44 @@ fn combine(a: f32, b: f32) -> f32 {
 fn combine4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     return REDUCE_VEC4_COMBINE;
 }
+
+// MEMBER SECTION BEGIN
+@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+
+fn src_at(i: u32) -> f32 {
+    return src[i / 4u][i % 4u];
+}
+
+// One invocation per (row, chunk), looping over the chunk alone. Best when rows are adjacent
+// in memory (reducing a leading dim), so neighbouring invocations read neighbouring elements,
+// and on CPU adapters, where barriers are costly and each invocation streams through memory.
+// Writes dst[row * chunks + chunk]. `wg` is the workgroup.
+fn serial_part(wg: u32, lid: u32) {
+    let w = wg * 256u + lid;
+    let chunks = pu(REDUCE_CHUNKS);
+    if (w >= pu(REDUCE_ROWS) * chunks) {
+        return;
+    }
+    let start = (w % chunks) * pu(REDUCE_CHUNK_LEN);
+    let end = min(start + pu(REDUCE_CHUNK_LEN), pu(REDUCE_LEN));
+    let base = pu(REDUCE_OFFSET) + (w / chunks) * pu(REDUCE_ROW_STRIDE);
+    let ks = pu(REDUCE_K_STRIDE);
+    var acc = REDUCE_IDENTITY;
+    var k = start;
+    if (pu(REDUCE_VEC4) == 1u) {
+        var acc4 = vec4<f32>(REDUCE_IDENTITY);
+        for (; k + 4u <= end; k = k + 4u) {
+            acc4 = combine4(acc4, src[(base + k) / 4u]);
+        }
+        acc = combine(combine(acc4.x, acc4.y), combine(acc4.z, acc4.w));
+    }
+    for (; k < end; k = k + 1u) {
+        acc = combine(acc, src_at(base + k * ks));
+    }
+    dst[w] = acc * pf(REDUCE_SCALE);
+}
+// MEMBER SECTION END
 
 var<workgroup> partial: array<f32, 256>;
 
@@ -56,33 +88,8 @@ fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
 }
 
-// One invocation per (row, chunk), looping over the chunk alone. Best when rows are adjacent
-// in memory (reducing a leading dim), so neighbouring invocations read neighbouring elements,
-// and on CPU adapters, where barriers are costly and each invocation streams through memory.
-// Writes dst[row * chunks + chunk].
 @compute @workgroup_size(256)
 fn serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
-    let w = workgroup_index(wid, nwg) * 256u + lid;
-    let chunks = pu(REDUCE_CHUNKS);
-    if (w >= pu(REDUCE_ROWS) * chunks) {
-        return;
-    }
-    let start = (w % chunks) * pu(REDUCE_CHUNK_LEN);
-    let end = min(start + pu(REDUCE_CHUNK_LEN), pu(REDUCE_LEN));
-    let base = pu(REDUCE_OFFSET) + (w / chunks) * pu(REDUCE_ROW_STRIDE);
-    let ks = pu(REDUCE_K_STRIDE);
-    var acc = REDUCE_IDENTITY;
-    var k = start;
-    if (pu(REDUCE_VEC4) == 1u) {
-        var acc4 = vec4<f32>(REDUCE_IDENTITY);
-        for (; k + 4u <= end; k = k + 4u) {
-            acc4 = combine4(acc4, src[(base + k) / 4u]);
-        }
-        acc = combine(combine(acc4.x, acc4.y), combine(acc4.z, acc4.w));
-    }
-    for (; k < end; k = k + 1u) {
-        acc = combine(acc, src_at(base + k * ks));
-    }
-    dst[w] = acc * pf(REDUCE_SCALE);
+    serial_part(workgroup_index(wid, nwg), lid);
 }

@@ -23,7 +23,7 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let off = pu(UNARY_OFFSET);
     if (pu(UNARY_VEC4) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        for (var j = 0u; j < per_group / 256u; j = j + 1u) {
+        for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
             let i = contiguous_item(wid, nwg, lid, j, per_group);
             if (i >= n / 4u) {
                 break;
@@ -32,7 +32,7 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         }
         return;
     }
-    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {
+    for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
         if (i >= n) {
             break;

@@ -290,3 +290,34 @@ fn merged_sgd_steps_equal_eager_steps() {
         assert!(stats.replay_dispatches <= 2, "{stats:?}");
     }
 }
+
+#[test]
+fn the_ops_after_a_layer_norm_run_in_its_stores() {
+    let (x, _) = random_tensor(&[6, 10], 26);
+    let (weight, _) = random_tensor(&[10], 27);
+    let (bias, _) = random_tensor(&[10], 28);
+    let (residual, _) = random_tensor(&[6, 10], 29);
+    let f = |t: &[Tensor]| t[0].layer_norm(&t[1], &t[2], 1e-5)?.gelu()?.add(&t[3]);
+    let (want, got, stats) = eager_and_replayed(&[x, weight, bias, residual], f);
+    assert_close(&want, &got, "gelu(layer_norm(x)) + residual");
+    assert_eq!(stats.replay_dispatches, 1, "{stats:?}");
+}
+
+#[test]
+fn consecutive_reductions_run_as_one_launch() {
+    let (a, _) = random_tensor(&[64, 16], 31);
+    let (b, _) = random_tensor(&[64, 16], 32);
+    let (c, _) = random_tensor(&[64, 16], 33);
+    // Three column sums, as a backward pass takes the bias and norm-weight grads.
+    let f = |t: &[Tensor]| -> Result<Tensor> {
+        let sums: Vec<Tensor> = t
+            .iter()
+            .map(|x| x.sum_dims(&[0], false))
+            .collect::<Result<_>>()?;
+        sums[0].add(&sums[1])?.mul(&sums[2])
+    };
+    let (want, got, stats) = eager_and_replayed(&[a, b, c], f);
+    assert_close(&want, &got, "column sums");
+    // One merged reduction and one fused add + mul.
+    assert_eq!(stats.replay_dispatches, 2, "{stats:?}");
+}

@@ -19,7 +19,7 @@ use crate::capture::plan::{Command, Draft, Epilogue, FuseAs, Fusible, Launch};
 use crate::device::{Device, PipelineSource};
 use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP, MAX_SLOTS};
 use crate::tensor::layout::row_major_strides;
-use crate::tensor::tape::{HostBytes, UpdateSite};
+use crate::tensor::tape::{HostBytes, MergeSite};
 use crate::tensor::Layout;
 
 /// The most launches one fused kernel takes in.
@@ -582,7 +582,7 @@ fn fused_source(
     if vec4 {
         src.push_str(
             "    let per_group = CONTIGUOUS_PER_GROUP / 4u;\n\
-             \x20   for (var j = 0u; j < per_group / 256u; j = j + 1u) {\n\
+             \x20   for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {\n\
              \x20       let i = contiguous_item(wid, nwg, lid, j, per_group);\n\
              \x20       if (i >= n / 4u) {\n            break;\n        }\n",
         );
@@ -599,7 +599,7 @@ fn fused_source(
         }
     } else {
         src.push_str(
-            "    for (var j = 0u; j < CONTIGUOUS_PER_GROUP / 256u; j = j + 1u) {\n\
+            "    for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {\n\
              \x20       let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);\n\
              \x20       if (i >= n) {\n            break;\n        }\n",
         );
@@ -668,12 +668,17 @@ fn epilogue_source(
         element.args(Some("v".into()), "")
     );
     for k in 0..outputs.len() {
-        let _ = writeln!(src, "    {}[i / 4u][i % 4u] = r.o{k};", out_name(k));
+        if k == 0 && !site.vec4_output {
+            src.push_str("    out[i] = r.o0;\n");
+        } else {
+            let _ = writeln!(src, "    {}[i / 4u][i % 4u] = r.o{k};", out_name(k));
+        }
     }
     src.push_str("}\n");
-    // Four elements from `o`, a multiple of 4.
-    src.push_str("fn store4(o: u32, v: vec4<f32>) {\n");
-    if element.loads_vec4() {
+    // Four elements from `o`, a multiple of 4 (a module that binds its output as f32s stores
+    // one at a time, and has no store4).
+    if site.vec4_output && element.loads_vec4() {
+        src.push_str("fn store4(o: u32, v: vec4<f32>) {\n");
         src.push_str("    let i = o / 4u;\n");
         src.push_str(&element.load_lines(true, "    "));
         for c in ["x", "y", "z", "w"] {
@@ -687,13 +692,13 @@ fn epilogue_source(
                 out_name(k)
             );
         }
-    } else {
+        src.push_str("}\n");
+    } else if site.vec4_output {
         src.push_str(
-            "    store1(o, v.x);\n    store1(o + 1u, v.y);\n    store1(o + 2u, v.z);\n    \
-             store1(o + 3u, v.w);\n",
+            "fn store4(o: u32, v: vec4<f32>) {\n    store1(o, v.x);\n    store1(o + 1u, v.y);\n    \
+             store1(o + 2u, v.z);\n    store1(o + 3u, v.w);\n}\n",
         );
     }
-    src.push_str("}\n");
     let source = format!(
         "{}{EPILOGUE_BEGIN}\n{src}{}",
         &site.source[..begin],
@@ -779,10 +784,14 @@ fn epilogue(
     }
     let members: HashSet<usize> = group.members.iter().copied().collect();
     // The producer moves to the last member's place: nothing in between may write what it
-    // reads.
-    let moved_past = (at + 1..last)
-        .filter(|u| !members.contains(u))
-        .any(|u| operands.iter().any(|&(_, v)| writes(&draft.commands[u], v)));
+    // reads, nor touch what else it writes (LayerNorm's row statistics).
+    let moved_past = (at + 1..last).filter(|u| !members.contains(u)).any(|u| {
+        operands.iter().any(|&(b, v)| {
+            let written = producer.pipeline.writable.contains(&b);
+            writes(&draft.commands[u], v)
+                || (written && launch_values(&draft.commands[u]).contains(&v))
+        })
+    });
     if moved_past {
         return None;
     }
@@ -792,7 +801,16 @@ fn epilogue(
         .iter()
         .find(|&&(_, v)| v == m)
         .map(|&(b, _)| b)?;
-    let first_binding = producer.bindings.iter().map(|&(b, _)| b).max()? + 1;
+    // Past every binding the module declares (other entry points' too).
+    let first_binding = site
+        .source
+        .match_indices("@binding(")
+        .filter_map(|(at, m)| {
+            let rest = &site.source[at + m.len()..];
+            rest[..rest.find(')')?].trim().parse::<u32>().ok()
+        })
+        .max()?
+        + 1;
     let (source, extra) = epilogue_source(site, &launches, &outputs, first_binding)?;
     if let Err(e) = validate(&source) {
         log::debug!("capture: an epilogue failed validation, left unfused: {e}");
@@ -806,7 +824,7 @@ fn epilogue(
         at,
         group.members,
         Launch {
-            op: "matmul with epilogue",
+            op: producer.op,
             fuse_as: FuseAs::Nothing,
             pipeline,
             bindings,
@@ -817,107 +835,119 @@ fn epilogue(
     ))
 }
 
-/// The most parameters one merged update takes.
-const MAX_UPDATE_MEMBERS: usize = 8;
+/// The most launches one merged launch takes.
+const MAX_PARTS: usize = 8;
 
-/// Merges runs of consecutive launches of the same per-tensor update (an optimizer's step,
-/// one launch per parameter) into launches of one generated kernel each, every tensor's part
-/// in workgroups of its own: as many tensors per launch as the device's storage bindings and
-/// the 63 param slots allow. Returns how many launches it removed.
-pub(crate) fn merge_updates(draft: &mut Draft, device: &Device) -> usize {
+const MEMBER_BEGIN: &str = "// MEMBER SECTION BEGIN";
+const MEMBER_END: &str = "// MEMBER SECTION END";
+
+/// Merges runs of consecutive launches of one pipeline that run a part of their module's
+/// MEMBER SECTION (an optimizer's update of each parameter, a backward pass's reductions)
+/// into launches of one generated kernel each: a copy of the section per launch, with its own
+/// names, bindings and param slots, each over workgroups of its own. As many launches go into
+/// one as the device's storage bindings and the 63 param slots allow. Returns how many
+/// launches it removed.
+pub(crate) fn merge_parts(draft: &mut Draft, device: &Device) -> usize {
     let max_buffers = device.inner.limits.max_storage_buffers_per_shader_stage as usize;
     let before = draft.commands.len();
     let mut commands = Vec::with_capacity(before);
     let mut run: Vec<Launch> = Vec::new();
     for command in std::mem::take(&mut draft.commands) {
         match command {
-            Command::Launch(l) if matches!(l.fuse_as, FuseAs::Update(_)) => {
-                if !joins_update(&run, &l, max_buffers) {
-                    commands.extend(merged_update(std::mem::take(&mut run), device));
+            Command::Launch(l) if matches!(l.fuse_as, FuseAs::Merge(_)) => {
+                if !joins_run(&run, &l, max_buffers) {
+                    commands.extend(merged(std::mem::take(&mut run), device));
                 }
                 run.push(l);
             }
             other => {
-                commands.extend(merged_update(std::mem::take(&mut run), device));
+                commands.extend(merged(std::mem::take(&mut run), device));
                 commands.push(other);
             }
         }
     }
-    commands.extend(merged_update(run, device));
+    commands.extend(merged(run, device));
     draft.commands = commands;
     before - draft.commands.len()
 }
 
-fn update_site(launch: &Launch) -> &UpdateSite {
+fn merge_site(launch: &Launch) -> &MergeSite {
     match &launch.fuse_as {
-        FuseAs::Update(site) => site,
-        _ => unreachable!("runs hold update launches"),
+        FuseAs::Merge(site) => site,
+        _ => unreachable!("runs hold mergeable launches"),
     }
 }
 
-/// Whether `next` may join `run` (empty runs take anything): the same update, room for its
-/// buffers and params, and no buffer shared with the run (the parts run at the same time).
-fn joins_update(run: &[Launch], next: &Launch, max_buffers: usize) -> bool {
+/// Whether `next` may join `run` (an empty run takes anything): the same pipeline, room for
+/// its buffers and params, and no buffer shared with the run (the parts run at once).
+fn joins_run(run: &[Launch], next: &Launch, max_buffers: usize) -> bool {
     let Some(first) = run.first() else {
         return true;
     };
-    let site = update_site(next);
     let buffers: usize = run.iter().map(|l| l.bindings.len()).sum::<usize>() + next.bindings.len();
     let shares = run.iter().any(|l| {
         l.bindings
             .iter()
             .any(|(_, v)| next.bindings.iter().any(|(_, w)| v == w))
     });
-    update_site(first).kind == site.kind
-        && run.len() < MAX_UPDATE_MEMBERS
-        && (run.len() + 1) * site.param_slots <= MAX_SLOTS
+    Arc::ptr_eq(&first.pipeline, &next.pipeline)
+        && run.len() < MAX_PARTS
+        && (run.len() + 1) * merge_site(next).param_slots <= MAX_SLOTS
         && buffers <= max_buffers
         && !shares
 }
 
-/// One launch for `run`: the launch itself when it holds one, none when empty; `run`
-/// unmerged when the generated kernel fails naga's validation.
-fn merged_update(run: Vec<Launch>, device: &Device) -> Vec<Command> {
+/// One launch for `run` (the launch itself when it holds one; `run` unmerged when the
+/// generated kernel fails naga's validation).
+fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
+    let unmerged = |run: Vec<Launch>| run.into_iter().map(Command::Launch).collect();
     if run.len() < 2 {
-        return run.into_iter().map(Command::Launch).collect();
+        return unmerged(run);
     }
-    let site = update_site(&run[0]);
-    let slot_bytes = site.param_slots * 4;
-    let mut src = site.shared.clone();
+    let site = merge_site(&run[0]);
+    let source = &run[0].pipeline.source;
+    let (Some(begin), Some(end)) = (source.find(MEMBER_BEGIN), source.find(MEMBER_END)) else {
+        return unmerged(run);
+    };
+    let section = &source[begin..end];
+    let lowest = run[0].bindings.iter().map(|&(b, _)| b).min().unwrap_or(1);
+    let mut src = source[..begin].to_string();
     let mut bindings: Vec<(u32, usize)> = Vec::new();
     let mut starts: Vec<u32> = Vec::new();
     let mut workgroups = 0;
+    let mut next_binding = lowest;
     for (k, launch) in run.iter().enumerate() {
-        let first = 1 + bindings.len() as u32;
-        src.push_str(&(site.member)(k, first, (k * site.param_slots) as u32));
-        let mut own = launch.bindings.clone();
-        own.sort_unstable();
-        bindings.extend(own.iter().zip(first..).map(|(&(_, v), b)| (b, v)));
+        let shift = next_binding - lowest;
+        src.push_str(&member_copy(section, k, shift, k * site.param_slots));
+        bindings.extend(launch.bindings.iter().map(|&(b, v)| (b + shift, v)));
+        next_binding += section_bindings(section);
         starts.push(workgroups);
         workgroups += launch.workgroups;
     }
-    // Each member's workgroups follow the last member's.
+    // Each launch's workgroups follow the previous one's.
     src.push_str(
         "@compute @workgroup_size(256)\n\
          fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,\n\
          \x20       @builtin(local_invocation_index) lid: u32) {\n\
          \x20   let w = workgroup_index(wid, nwg);\n",
     );
+    let part = site.part;
     for k in 0..run.len() - 1 {
         let _ = writeln!(
             src,
-            "    if (w < {}u) {{\n        member_{k}(w - {}u, lid);\n        return;\n    }}",
+            "    if (w < {}u) {{\n        {part}_{k}(w - {}u, lid);\n        return;\n    }}",
             starts[k + 1],
             starts[k]
         );
     }
     let last = run.len() - 1;
-    let _ = writeln!(src, "    member_{last}(w - {}u, lid);\n}}", starts[last]);
+    let _ = writeln!(src, "    {part}_{last}(w - {}u, lid);\n}}", starts[last]);
     if let Err(e) = validate(&src) {
-        log::debug!("capture: a merged update failed validation, left unmerged: {e}");
-        return run.into_iter().map(Command::Launch).collect();
+        log::debug!("capture: a merged launch failed validation, left unmerged: {e}");
+        return unmerged(run);
     }
-    // Each member's params in a block of its own.
+    // Each launch's params in a block of its own.
+    let slot_bytes = site.param_slots * 4;
     let pack = move |blocks: Vec<Vec<u8>>| -> Vec<u8> {
         let mut out = Vec::with_capacity(blocks.len() * slot_bytes);
         for mut block in blocks {
@@ -927,28 +957,92 @@ fn merged_update(run: Vec<Launch>, device: &Device) -> Vec<Command> {
         out
     };
     let params = pack(run.iter().map(|l| l.params.clone()).collect());
-    let members: Vec<(Vec<u8>, Option<HostBytes>)> = run
-        .iter()
-        .map(|l| (l.params.clone(), l.dynamic_params.clone()))
-        .collect();
-    let dynamic: HostBytes = Arc::new(move || {
-        pack(
-            members
-                .iter()
-                .map(|(fixed, dynamic)| dynamic.as_ref().map_or_else(|| fixed.clone(), |f| f()))
-                .collect(),
-        )
+    let dynamic_params = run.iter().any(|l| l.dynamic_params.is_some()).then(|| {
+        let parts: Vec<(Vec<u8>, Option<HostBytes>)> = run
+            .iter()
+            .map(|l| (l.params.clone(), l.dynamic_params.clone()))
+            .collect();
+        let dynamic: HostBytes = Arc::new(move || {
+            pack(
+                parts
+                    .iter()
+                    .map(|(fixed, f)| f.as_ref().map_or_else(|| fixed.clone(), |f| f()))
+                    .collect(),
+            )
+        });
+        dynamic
     });
-    let pipeline = generated_pipeline(device, "update", "main", &src);
+    let pipeline = generated_pipeline(device, "merged", "main", &src);
     vec![Command::Launch(Launch {
         op: run[0].op,
         fuse_as: FuseAs::Nothing,
         pipeline,
         bindings,
         params,
-        dynamic_params: Some(dynamic),
+        dynamic_params,
         workgroups,
     })]
+}
+
+/// How many binding numbers a member section spans (from its lowest to its highest).
+fn section_bindings(section: &str) -> u32 {
+    let numbers: Vec<u32> = section
+        .match_indices("@binding(")
+        .filter_map(|(at, m)| {
+            let rest = &section[at + m.len()..];
+            rest[..rest.find(')')?].trim().parse().ok()
+        })
+        .collect();
+    match (numbers.iter().min(), numbers.iter().max()) {
+        (Some(lo), Some(hi)) => hi - lo + 1,
+        _ => 0,
+    }
+}
+
+/// Copy `k` of a member section: every name the section declares (its buffers and
+/// functions) suffixed `_k`, its bindings moved up by `shift`, its params read from slot
+/// `base` on.
+fn member_copy(section: &str, k: usize, shift: u32, base: usize) -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for line in section.lines() {
+        let line = line.trim_start();
+        let declared = if let Some(rest) = line.strip_prefix("fn ") {
+            rest.split('(').next()
+        } else if line.contains("var<") {
+            line.split('>').nth(1).and_then(|r| r.split(':').next())
+        } else {
+            None
+        };
+        names.extend(declared.map(str::trim).filter(|n| !n.is_empty()));
+    }
+    let mut out = String::with_capacity(section.len() + 64);
+    let mut rest = section;
+    while let Some(at) = rest.find(|c: char| c.is_ascii_alphabetic() || c == '_' || c == '@') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        if let Some(tail) = rest.strip_prefix("@binding(") {
+            let close = tail.find(')').expect("a closed binding attribute");
+            let number: u32 = tail[..close].trim().parse().expect("a binding number");
+            let _ = write!(out, "@binding({})", number + shift);
+            rest = &tail[close + 1..];
+            continue;
+        }
+        let len = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '@'))
+            .unwrap_or(rest.len());
+        let word = &rest[..len];
+        out.push_str(word);
+        if names.contains(&word) {
+            let _ = write!(out, "_{k}");
+        } else if (word == "pu" || word == "pf") && rest[len..].starts_with('(') {
+            let _ = write!(out, "({base}u + ");
+            rest = &rest[len + 1..];
+            continue;
+        }
+        rest = &rest[len..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The pipeline of a generated module, keyed by a hash of its source.
@@ -1061,6 +1155,32 @@ mod tests {
             // Two inputs, two outputs (the product is kept, the sum stays in registers).
             assert_eq!(bindings, vec![(1, 0), (2, 1), (3, 2), (4, 4)]);
         }
+    }
+
+    /// A member section's copy renames what the section declares (not what it calls),
+    /// moves its bindings, and reads its params from its own block.
+    #[test]
+    fn a_member_copy_has_its_own_names_bindings_and_params() {
+        let section = "@group(0) @binding(1) var<storage, read> src: array<f32>;\n\
+                       @group(0) @binding(2) var<storage, read_write> dst: array<f32>;\n\
+                       fn part(w: u32, lid: u32) {\n\
+                       \x20   dst[w] = combine(src[w], pf(SCALE)) + f32(pu(N));\n\
+                       }\n";
+        let copy = super::member_copy(section, 2, 4, 9);
+        assert!(
+            copy.contains("@binding(5) var<storage, read> src_2"),
+            "{copy}"
+        );
+        assert!(
+            copy.contains("@binding(6) var<storage, read_write> dst_2"),
+            "{copy}"
+        );
+        assert!(copy.contains("fn part_2(w: u32, lid: u32)"), "{copy}");
+        assert!(
+            copy.contains("dst_2[w] = combine(src_2[w], pf(9u + SCALE)) + f32(pu(9u + N));"),
+            "{copy}"
+        );
+        assert_eq!(super::section_bindings(section), 2);
     }
 
     #[test]

@@ -142,7 +142,7 @@ where
             if fusion {
                 fuse::forward_copies(&mut draft);
                 fused_away = fuse::fuse(&mut draft, &device);
-                fused_away += fuse::merge_updates(&mut draft, &device);
+                fused_away += fuse::merge_parts(&mut draft, &device);
             }
             plan::lay_out(draft, shell).map_err(|e| e.to_string())
         });

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::autograd::is_grad_enabled;
 use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
 use crate::error::{Error, Result};
-use crate::tensor::tape::{Fusion, HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry, UpdateSite};
+use crate::tensor::tape::{Fusion, HostBytes, MergeSite, ReplayHook, SlotEvent, Tape, TapeEntry};
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
 /// What a captured step's inputs looked like: a replay needs the same, since shapes, strides
@@ -82,6 +82,7 @@ pub(crate) struct Epilogue {
     pub entry: &'static str,
     pub output: usize,
     pub numel: usize,
+    pub vec4_output: bool,
 }
 
 /// What the fuser may do with a launch (the tape's [`Fusion`] with its values named).
@@ -89,7 +90,7 @@ pub(crate) enum FuseAs {
     Nothing,
     Elementwise(Fusible),
     Epilogue(Box<Epilogue>),
-    Update(Box<UpdateSite>),
+    Merge(MergeSite),
 }
 
 /// One launch of the plan, its bindings naming values.
@@ -342,8 +343,9 @@ pub(crate) fn draft(
                         entry: site.entry,
                         output: value_at(site.output),
                         numel: site.numel,
+                        vec4_output: site.vec4_output,
                     })),
-                    Some(Fusion::Update(site)) => FuseAs::Update(Box::new(site)),
+                    Some(Fusion::Merge(site)) => FuseAs::Merge(site),
                     None => FuseAs::Nothing,
                 };
                 Command::Launch(Launch {

@@ -11,6 +11,8 @@ pub(crate) struct CachedPipeline {
     /// The bindings its module declares `read_write`: the buffers a launch may write (what
     /// the capture fuser needs to know before it moves a launch).
     pub writable: Vec<u32>,
+    /// Its module's source (the capture fuser builds merged kernels from it).
+    pub source: Arc<str>,
 }
 
 /// The bindings of group 0 that `source` declares as `var<storage, read_write>`.
@@ -31,7 +33,7 @@ fn writable_bindings(source: &str) -> Vec<u32> {
 #[derive(Default)]
 pub(crate) struct PipelineCache {
     pipelines: HashMap<String, Arc<CachedPipeline>>,
-    modules: HashMap<String, (wgpu::ShaderModule, Vec<u32>)>,
+    modules: HashMap<String, (wgpu::ShaderModule, Vec<u32>, Arc<str>)>,
 }
 
 impl PipelineCache {
@@ -48,17 +50,17 @@ impl PipelineCache {
         if let Some(cached) = self.pipelines.get(key) {
             return cached.clone();
         }
-        let (module, writable) = self
+        let (module, writable, module_source) = self
             .modules
             .entry(module_key.to_string())
             .or_insert_with(|| {
-                let source = source();
+                let source: Arc<str> = source().into();
                 let writable = writable_bindings(&source);
                 let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                     label: Some(module_key),
-                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                    source: wgpu::ShaderSource::Wgsl((*source).into()),
                 });
-                (module, writable)
+                (module, writable, source)
             });
         let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(key),
@@ -73,6 +75,7 @@ impl PipelineCache {
             pipeline,
             layout,
             writable: writable.clone(),
+            source: module_source.clone(),
         });
         self.pipelines.insert(key.to_string(), cached.clone());
         cached

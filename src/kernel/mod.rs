@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::device::{BufferSlice, Device, PipelineSource};
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
-use crate::tensor::tape::{self, Elementwise, EpilogueSite, Fusion, HostBytes, UpdateSite};
+use crate::tensor::tape::{self, Elementwise, EpilogueSite, Fusion, HostBytes, MergeSite};
 use crate::tensor::{Storage, Tensor};
 
 /// Invocations per workgroup of the elementwise kernels.
@@ -96,6 +96,9 @@ pub(crate) struct Kernel<'a> {
     /// Builds a specialised module source; called once, at the kernel's first launch.
     /// `None`: the family's text as it is.
     pub specialise: Option<&'a dyn Fn() -> String>,
+    /// The function of the family's MEMBER SECTION the entry point runs, where a captured step
+    /// may merge consecutive launches of this kernel into one (see [`Kernel::merging`]).
+    pub part: Option<&'static str>,
 }
 
 impl<'a> Kernel<'a> {
@@ -106,6 +109,7 @@ impl<'a> Kernel<'a> {
             entry,
             variant: "",
             specialise: None,
+            part: None,
         }
     }
 
@@ -121,7 +125,17 @@ impl<'a> Kernel<'a> {
             entry,
             variant,
             specialise: Some(source),
+            part: None,
         }
+    }
+
+    /// Marks the entry point as a call of `part(workgroup, lid)`, a function of the family's
+    /// MEMBER SECTION: a captured step merges consecutive launches of the kernel over other
+    /// buffers (each parameter's optimizer update) into one launch with a copy of the section
+    /// per launch. The entry point must have workgroups of 256 invocations.
+    pub fn merging(mut self, part: &'static str) -> Self {
+        self.part = Some(part);
+        self
     }
 
     /// The pipeline key `family/variant:entry`, and the length of its module part
@@ -189,23 +203,22 @@ pub(crate) fn launch_elementwise<P: KernelParams>(
     )
 }
 
-/// As [`launch`], for a kernel whose module has an `EPILOGUE SECTION` (matmul): while a step
+/// As [`launch_at`], for a kernel whose module has an `EPILOGUE SECTION` (matmul, LayerNorm): while a step
 /// is captured, `describe` tells the fuser where the elementwise ops that consume the output
 /// can run instead of their own launches.
 pub(crate) fn launch_with_epilogue<P: KernelParams>(
     op: &'static str,
     kernel: &Kernel,
-    tensors: &[&Tensor],
+    tensors: &[(u32, &Tensor)],
     params: &P,
     workgroups: u32,
     describe: impl FnOnce() -> EpilogueSite,
 ) -> Result<()> {
-    let bound: Vec<(u32, &Tensor)> = (1..).zip(tensors.iter().copied()).collect();
     let fusion = tape::is_open().then(|| Fusion::Epilogue(describe()));
     launch_with(
         op,
         kernel,
-        &bound,
+        tensors,
         bytemuck::bytes_of(params),
         None,
         workgroups,
@@ -222,32 +235,6 @@ pub(crate) fn launch_dynamic<P: KernelParams>(
     params: impl Fn() -> P + Send + Sync + 'static,
     workgroups: u32,
 ) -> Result<()> {
-    launch_dynamic_with(op, kernel, tensors, params, workgroups, None)
-}
-
-/// As [`launch_dynamic`], for one tensor's part of an update of many (an optimizer's step):
-/// while a step is captured, `site` tells the fuser how to merge it with the same update of
-/// the next tensors.
-pub(crate) fn launch_update<P: KernelParams>(
-    op: &'static str,
-    kernel: &Kernel,
-    tensors: &[(u32, &Tensor)],
-    params: impl Fn() -> P + Send + Sync + 'static,
-    workgroups: u32,
-    site: impl FnOnce() -> UpdateSite,
-) -> Result<()> {
-    let fusion = tape::is_open().then(|| Fusion::Update(site()));
-    launch_dynamic_with(op, kernel, tensors, params, workgroups, fusion)
-}
-
-fn launch_dynamic_with<P: KernelParams>(
-    op: &'static str,
-    kernel: &Kernel,
-    tensors: &[(u32, &Tensor)],
-    params: impl Fn() -> P + Send + Sync + 'static,
-    workgroups: u32,
-    fusion: Option<Fusion>,
-) -> Result<()> {
     let now = params();
     // Kept for replays only while a step is captured.
     let dynamic = tape::is_open()
@@ -259,7 +246,7 @@ fn launch_dynamic_with<P: KernelParams>(
         bytemuck::bytes_of(&now),
         dynamic,
         workgroups,
-        fusion,
+        None,
     )
 }
 
@@ -288,6 +275,14 @@ fn launch_with(
         source,
     });
     if workgroups > 0 && tape::is_open() {
+        let fusion = fusion.or_else(|| {
+            kernel.part.map(|part| {
+                Fusion::Merge(MergeSite {
+                    part,
+                    param_slots: params.len() / 4,
+                })
+            })
+        });
         tape::record_launch(
             op,
             &pipeline,

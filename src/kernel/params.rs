@@ -18,11 +18,6 @@ pub(crate) struct ParamsLayout {
 }
 
 impl ParamsLayout {
-    /// How many slots the struct takes.
-    pub fn slots(&self) -> usize {
-        self.fields.iter().map(|(_, len)| len).sum()
-    }
-
     /// WGSL constants naming each field's first slot: `const UNARY_RANK: u32 = 3u;` for field
     /// `rank` of `UnaryParams`.
     pub fn wgsl_slots(&self) -> String {

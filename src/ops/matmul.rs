@@ -461,15 +461,10 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             entry: choice.entry,
             output: 3,
             numel: out.numel(),
+            vec4_output: true,
         };
-        launch_with_epilogue(
-            OP,
-            &kernel,
-            &[&a, &b, &out],
-            &params,
-            workgroups as u32,
-            site,
-        )?;
+        let bound = [(1, &a), (2, &b), (3, &out)];
+        launch_with_epilogue(OP, &kernel, &bound, &params, workgroups as u32, site)?;
     }
     finish(out, this, other, &mut out_shape)
 }

@@ -227,7 +227,12 @@ fn reduce_pass(
             .all(|x| x.is_multiple_of(4));
     let params = mat.params(chunks, chunk_len, scale, vec4);
     let source = || op.source();
-    let kernel = Kernel::specialised(&REDUCE, entry, op.name(), &source);
+    let mut kernel = Kernel::specialised(&REDUCE, entry, op.name(), &source);
+    if entry == "serial" {
+        // A captured step merges consecutive serial reductions (a backward pass's bias and
+        // norm-weight grads) into one launch.
+        kernel = kernel.merging("serial_part");
+    }
     let workgroups = match entry {
         "rows" => (mat.m * chunks) as u32,
         _ => groups(mat.m * chunks, WORKGROUP),

@@ -12,13 +12,9 @@ pub use schedule::{CosineLr, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::{Error, Result};
-use std::fmt::Write;
-
 use crate::kernel::{
-    groups, launch_dynamic, launch_update, windows, Kernel, KernelParams, ShaderFamily,
-    CONTIGUOUS_PER_GROUP,
+    groups, launch_dynamic, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
-use crate::tensor::tape::UpdateSite;
 use crate::tensor::Tensor;
 
 crate::kernel_params! {
@@ -45,89 +41,6 @@ static OPTIM: ShaderFamily = ShaderFamily {
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("optim".into(), OPTIM.source(&[]))]
-}
-
-const UPDATE_BEGIN: &str = "// UPDATE SECTION BEGIN";
-const UPDATE_END: &str = "// UPDATE SECTION END";
-
-/// How a captured step merges the updates of `entry` (`sgd`, `sgd_momentum`, `adam`) of
-/// several parameters into one launch: `optim.wgsl`'s UPDATE SECTION, and per parameter its
-/// buffers and a loop over its part, as the entry point's own.
-fn update_site(entry: &'static str) -> UpdateSite {
-    let begin = OPTIM.wgsl.find(UPDATE_BEGIN).expect("marked section");
-    let end = OPTIM.wgsl.find(UPDATE_END).expect("marked section");
-    let member: fn(usize, u32, u32) -> String = match entry {
-        "sgd" => |k, first, base| member_source(k, first, base, 0, "sgd_math", "SGD_N"),
-        "sgd_momentum" => {
-            |k, first, base| member_source(k, first, base, 1, "sgd_momentum_math", "SGD_N")
-        }
-        _ => |k, first, base| member_source(k, first, base, 2, "adam_math", "ADAM_N"),
-    };
-    let layout = if entry == "adam" {
-        &AdamParams::LAYOUT
-    } else {
-        &SgdParams::LAYOUT
-    };
-    UpdateSite {
-        kind: entry,
-        shared: OPTIM.source_of(&OPTIM.wgsl[begin..end], &[]),
-        member,
-        param_slots: layout.slots(),
-    }
-}
-
-/// Member `k` of a merged update: its parameter, grad and `states` state buffers bound from
-/// `first` on, and `fn member_k(w, lid)`, which runs `math` over its part as the single
-/// entry points do, with its params from slot `base` on.
-fn member_source(k: usize, first: u32, base: u32, states: usize, math: &str, n: &str) -> String {
-    let buffers = [
-        ("param", "read_write"),
-        ("grad", "read"),
-        ("state1", "read_write"),
-        ("state2", "read_write"),
-    ];
-    let buffers = &buffers[..2 + states];
-    let mut src = String::new();
-    for (i, (name, access)) in buffers.iter().enumerate() {
-        let _ = writeln!(
-            src,
-            "@group(0) @binding({}) var<storage, {access}> {name}_{k}: array<vec4<f32>>;",
-            first + i as u32
-        );
-    }
-    let loads: Vec<String> = buffers.iter().map(|(b, _)| format!("{b}_{k}[u]")).collect();
-    let written = [("param", "p"), ("state1", "s1"), ("state2", "s2")];
-    let written = &written[..1 + states];
-    let vec4_stores: String = written
-        .iter()
-        .map(|(b, f)| format!("            {b}_{k}[u] = r.{f};\n"))
-        .collect();
-    let lane_stores: String = written
-        .iter()
-        .map(|(b, f)| format!("                {b}_{k}[u][c] = r.{f}[c];\n"))
-        .collect();
-    let _ = write!(
-        src,
-        "fn member_{k}(w: u32, lid: u32) {{
-    let n = pu({base}u + {n});
-    for (var j = 0u; j < VEC4S_PER_INVOCATION; j = j + 1u) {{
-        let u = contiguous_item_at(w, lid, j, VEC4S_PER_GROUP);
-        if (u >= units(n)) {{
-            break;
-        }}
-        let r = {math}({base}u, {loads});
-        let inside = lanes(u, n);
-        if (inside == 4u) {{
-{vec4_stores}        }} else {{
-            for (var c = 0u; c < inside; c = c + 1u) {{
-{lane_stores}            }}
-        }}
-    }}
-}}
-",
-        loads = loads.join(", ")
-    );
-    src
 }
 
 /// An optimizer: `step()` updates every parameter that has a grad, in place (the parameters'
@@ -220,21 +133,20 @@ fn run_update<P: KernelParams>(
     } else {
         grad.deep_clone()?
     };
-    let kernel = Kernel::plain(&OPTIM, entry);
+    // Each entry point runs its `*_part` over its workgroups: a captured step merges the
+    // updates of consecutive parameters into one launch.
+    let part = match entry {
+        "sgd" => "sgd_part",
+        "sgd_momentum" => "sgd_momentum_part",
+        _ => "adam_part",
+    };
+    let kernel = Kernel::plain(&OPTIM, entry).merging(part);
     if !param.exceeds_binding() && !grad.exceeds_binding() {
         let mut bindings = vec![(1, param), (2, &grad)];
         bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
         let all = n as u32;
         let workgroups = groups(n, CONTIGUOUS_PER_GROUP);
-        let site = || update_site(entry);
-        return launch_update(
-            op,
-            &kernel,
-            &bindings,
-            move || params(all),
-            workgroups,
-            site,
-        );
+        return launch_dynamic(op, &kernel, &bindings, move || params(all), workgroups);
     }
     // Past one binding: windows of the parameter, its grad and its state (all offset 0, so
     // every window starts on an alignment boundary, as the kernel's dense reads need).

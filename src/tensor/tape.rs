@@ -53,7 +53,7 @@ pub(crate) struct Elementwise {
 }
 
 /// A launch that can run the elementwise ops consuming its output inside its own stores
-/// (matmul): the fuser replaces the `EPILOGUE SECTION` of its module's source.
+/// (matmul, LayerNorm): the fuser replaces the `EPILOGUE SECTION` of its module's source.
 pub(crate) struct EpilogueSite {
     /// The launch's module source, with its default `store4` and `store1`.
     pub source: String,
@@ -62,21 +62,18 @@ pub(crate) struct EpilogueSite {
     /// The output's binding: a fresh dense tensor of `numel` elements, each stored once.
     pub output: u32,
     pub numel: usize,
+    /// Whether the module binds the output as vec4s (and stores through `store4` and
+    /// `store1`) rather than as f32s (`store1` only).
+    pub vec4_output: bool,
 }
 
-/// One launch of a per-tensor update (an optimizer's, of one parameter) that the fuser may
-/// merge with the same update of other tensors into one launch, each tensor's part in
-/// workgroups of its own.
-pub(crate) struct UpdateSite {
-    /// Names the update: only launches of the same kind merge.
-    pub kind: &'static str,
-    /// The WGSL a merged module starts with: prelude, slot constants, the arithmetic.
-    pub shared: String,
-    /// Member `k`'s part of a merged module: its bindings (from `first_binding` on, in the
-    /// launch's binding order) and `fn member_k(w: u32, lid: u32)`, which updates its part for
-    /// its own workgroup `w`, reading its params from slot `base` on.
-    pub member: fn(k: usize, first_binding: u32, base: u32) -> String,
-    /// The param slots one member's params take.
+/// A launch that runs one function of its family's MEMBER SECTION (`part`) over its own
+/// workgroups, which the fuser may merge with the next launches of the same pipeline (an
+/// optimizer's update of each parameter, the reductions of a backward pass) into one launch
+/// that repeats the section per member.
+pub(crate) struct MergeSite {
+    pub part: &'static str,
+    /// The param slots the launch's params take.
     pub param_slots: usize,
 }
 
@@ -86,8 +83,8 @@ pub(crate) enum Fusion {
     Elementwise(Elementwise),
     /// Run the elementwise launches that consume its output in its stores.
     Epilogue(EpilogueSite),
-    /// Merge it with the same update of the next tensors.
-    Update(UpdateSite),
+    /// Merge it with the next launches of the same pipeline.
+    Merge(MergeSite),
 }
 
 /// One kernel launch as the step made it.
