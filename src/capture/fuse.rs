@@ -1,14 +1,25 @@
-//! Fusion: a pass over a captured plan that merges runs of elementwise launches into one
-//! generated WGSL kernel.
+//! Fusion: passes over a captured plan that make it fewer, fuller launches.
 //!
-//! On software adapters an elementwise kernel is bound by instructions per load, so the only
-//! way past it is fewer passes over memory. Launches that describe themselves as elementwise
-//! (unary and binary ops, backward rules, `accumulate_grad`'s clone-then-add) over the same
-//! output shape join a group while each reads the group's earlier results in place (same
-//! element, no view). Values only the group uses stay in registers; the rest are written. A
-//! launch between members that touches none of the group's values stays where it is, before
-//! the fused kernel, which takes the place of the group's last member. Each generated kernel
-//! is validated with naga before it is compiled; one that fails stays unfused.
+//! On software adapters an elementwise kernel is bound by instructions per load and every
+//! launch has a fixed cost, so the only way past them is fewer passes over memory and fewer
+//! launches. Three passes, each producing kernels validated with naga before they are compiled
+//! (one that fails leaves its launches as they were):
+//!
+//! - **Elementwise runs** ([`fuse`]): launches that describe themselves as elementwise (unary
+//!   and binary ops, backward rules, `accumulate_grad`'s clone-then-add) over the same output
+//!   shape join a group while each reads the group's earlier results in place (same element,
+//!   no view). Values only the group uses stay in registers; the rest are written. A launch
+//!   between members that touches none of the group's values stays where it is, before the
+//!   fused kernel, which takes the place of the group's last member.
+//! - **Epilogues** (in [`fuse`]): a group whose first member reads, in place, the output of a
+//!   launch with an `EPILOGUE SECTION` (matmul, LayerNorm's forward) runs in that launch's
+//!   stores instead: the section is replaced by stores that compute the group's values from
+//!   the one in the register. The launch moves to the group's last member, so it may only move
+//!   past launches that neither write what it reads nor touch what else it writes.
+//! - **Merged parts** ([`merge_parts`]): consecutive launches of one pipeline whose entry point
+//!   runs a function of its module's `MEMBER SECTION` (an optimizer's update of each parameter,
+//!   serial reductions) become one launch with a copy of the section per member, each with its
+//!   own names, bindings and param block, over workgroups of its own.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
