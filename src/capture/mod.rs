@@ -37,6 +37,9 @@ pub struct StepStats {
     pub fused_away: usize,
     /// Dispatches one replay of the latest plan records.
     pub replay_dispatches: u64,
+    /// Host time of the latest replay from the start of `run` to its queue submission:
+    /// guards, per-step host values, encoding. (The submission itself then wakes the driver.)
+    pub last_replay_to_submit: std::time::Duration,
 }
 
 /// A training step that is captured on its second call and replayed after that.
@@ -114,10 +117,12 @@ where
                 msg: "called while another step is being captured on this thread".into(),
             });
         }
+        let started = std::time::Instant::now();
         let signature = InputSignature::of(inputs);
         for plan in &mut self.plans {
-            if let Some(loss) = plan.replay(inputs, &signature)? {
+            if let Some(loss) = plan.replay(inputs, &signature, started)? {
                 self.stats.replays += 1;
+                self.stats.last_replay_to_submit = plan.last_to_submit();
                 return Ok(loss);
             }
         }

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use crate::autograd::is_grad_enabled;
 use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
@@ -216,6 +217,8 @@ pub(crate) struct Plan {
     params_buffer: Option<wgpu::Buffer>,
     loss: Loss,
     dispatches: u64,
+    /// Host time of the latest replay up to its submission.
+    last_to_submit: Duration,
 }
 
 /// Why a tape cannot become a plan (the step then stays eager).
@@ -596,6 +599,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
         params_buffer,
         loss: shell.loss,
         dispatches: launch_index,
+        last_to_submit: Duration::ZERO,
     })
 }
 
@@ -757,6 +761,7 @@ impl Plan {
         &mut self,
         inputs: &[Tensor],
         signature: &InputSignature,
+        started: Instant,
     ) -> Result<Option<Tensor>> {
         const OP: &str = "capture::Step::run";
         let Some(Resolved {
@@ -911,7 +916,9 @@ impl Plan {
                 Step::Hook(_) | Step::Copy(_) => unreachable!("writes nothing from the host"),
             })
             .collect();
-        inner.submit_commands(OP, &queue_writes, encoder.finish(), self.dispatches)?;
+        let commands = encoder.finish();
+        self.last_to_submit = started.elapsed();
+        inner.submit_commands(OP, &queue_writes, commands, self.dispatches)?;
 
         // The grad slots change as the step's engine changed them (S-2).
         for slot in &self.slots {
@@ -951,5 +958,10 @@ impl Plan {
     /// Dispatches one replay records.
     pub fn dispatches(&self) -> u64 {
         self.dispatches
+    }
+
+    /// Host time of the latest replay, from the start of the call to its submission.
+    pub fn last_to_submit(&self) -> Duration {
+        self.last_to_submit
     }
 }
