@@ -6,10 +6,16 @@
 //!
 //! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
 //! `WGRAD_FUZZ_SEED=S` starts from case S (each case is reproducible from its number alone).
+//!
+//! The same programs, with a backward pass, also run as captured steps (`capture::Step`):
+//! a replay's output and input grad must equal an eager run's, whatever the fuser merged.
+//! Each case compiles its own fused kernels, so `cargo test` runs 30 such cases;
+//! `WGRAD_CAPTURE_FUZZ_CASES=N` runs N (from `WGRAD_FUZZ_SEED`).
 
 mod common;
 use common::*;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use wgrad::capture::Step;
 use wgrad::Tensor;
 
 /// A tensor on the CPU: row-major f64 values.
@@ -479,6 +485,105 @@ fn run_case(case: u64) -> Option<String> {
         }
     }
     None
+}
+
+/// What the captured run of one case found (`Err`), or whether its third call replayed: its
+/// program and a backward pass as a step, whose replay must give the eager call's output and
+/// input grad.
+fn captured_case(case: u64) -> Result<bool, String> {
+    let mut rng = Rng(case);
+    let shape = rng.shape(4);
+    let x = fresh(&shape, case).gpu.requires_grad_(true);
+    let program = move |inputs: &[Tensor]| -> wgrad::Result<Tensor> {
+        let mut rng = Rng(case);
+        let _ = rng.shape(4);
+        let steps = 1 + rng.below(4);
+        let x = &inputs[0];
+        x.zero_grad();
+        let zeros = Cpu {
+            shape: x.shape().to_vec(),
+            data: vec![0.0; x.numel()],
+        };
+        let mut y = Pair {
+            gpu: x.clone(),
+            cpu: zeros,
+        };
+        let mut smooth = true;
+        for s in 0..steps {
+            y = step(&mut rng, &y, case * 31 + s as u64 + 1, &mut smooth)?;
+        }
+        if y.gpu.requires_grad() {
+            let probe = fresh(y.gpu.shape(), case + 7);
+            y.gpu.mul(&probe.gpu)?.sum()?.backward()?;
+        }
+        Ok(y.gpu)
+    };
+    let values = |t: Option<Tensor>| t.map(|t| t.to_vec().unwrap()).unwrap_or_default();
+    let want = match program(std::slice::from_ref(&x)) {
+        Ok(y) => (values(Some(y)), values(x.grad())),
+        Err(e) => return Err(format!("case {case}: the eager program failed: {e}")),
+    };
+    let mut step = Step::new(program);
+    let mut got = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        match step.run(std::slice::from_ref(&x)) {
+            Ok(y) => got = (values(Some(y)), values(x.grad())),
+            Err(e) => return Err(format!("case {case}: a captured call failed: {e}")),
+        }
+    }
+    let stats = step.stats();
+    for (what, w, g) in [("output", &want.0, &got.0), ("grad", &want.1, &got.1)] {
+        if w.len() != g.len() {
+            return Err(format!(
+                "case {case}: {what} has {} elements, eager {}",
+                g.len(),
+                w.len()
+            ));
+        }
+        for (i, (&a, &b)) in w.iter().zip(g).enumerate() {
+            let same = (a - b).abs() <= 1e-5 * a.abs().max(1.0) || (a.is_nan() && b.is_nan());
+            if !same {
+                return Err(format!(
+                    "case {case}: replayed {what}[{i}] {b} vs eager {a} ({stats:?})"
+                ));
+            }
+        }
+    }
+    Ok(stats.replays == 1)
+}
+
+#[test]
+fn random_programs_replay_as_they_ran_eagerly() {
+    let cases: u64 = std::env::var("WGRAD_CAPTURE_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let first: u64 = std::env::var("WGRAD_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut failures = Vec::new();
+    let mut replayed = 0;
+    for case in first..first + cases {
+        match catch_unwind(AssertUnwindSafe(|| captured_case(case))) {
+            Ok(Ok(true)) => replayed += 1,
+            Ok(Ok(false)) => {}
+            Ok(Err(failure)) => failures.push(failure),
+            Err(_) => failures.push(format!("case {case}: panicked")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {cases} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    // Steps that keep what they make, or make nothing, stay eager; most programs replay.
+    assert!(
+        replayed * 2 >= cases,
+        "only {replayed} of {cases} cases replayed"
+    );
+    eprintln!("{replayed} of {cases} cases replayed");
 }
 
 #[test]
