@@ -321,3 +321,60 @@ fn consecutive_reductions_run_as_one_launch() {
     // One merged reduction and one fused add + mul.
     assert_eq!(stats.replay_dispatches, 2, "{stats:?}");
 }
+
+#[test]
+fn two_pass_reductions_merge_pass_by_pass() {
+    // Long columns are summed in two passes, the second reading the first's partial sums:
+    // the first passes of both sums run as one launch, then both second passes.
+    let (a, _) = random_tensor(&[1024, 8], 36);
+    let (b, _) = random_tensor(&[1024, 8], 37);
+    let f = |t: &[Tensor]| {
+        t[0].sum_dims(&[0], false)?
+            .add(&t[1].sum_dims(&[0], false)?)
+    };
+    let (want, got, stats) = eager_and_replayed(&[a, b], f);
+    assert_close(&want, &got, "two column sums");
+    assert_eq!(stats.replay_dispatches, 3, "{stats:?}");
+}
+
+#[test]
+fn two_optimizers_keep_their_own_step_counts_when_merged() {
+    // Two Adam optimizers (as a model's decayed and undecayed groups): each advances its step
+    // count in a host hook before its updates; merging must not move the second optimizer's
+    // updates ahead of its hook.
+    let leaves = |seed: u64| -> Vec<Tensor> {
+        (0..4)
+            .map(|i| {
+                let (t, _) = random_tensor(&[6], seed + i);
+                let t = t.requires_grad_(true);
+                let (g, _) = random_tensor(&[6], 200 + i);
+                t.set_grad(Some(g)).unwrap();
+                t
+            })
+            .collect()
+    };
+    let config = AdamConfig::default();
+    let (eager, captured) = (leaves(40), leaves(40));
+    let mut eager_opts = [
+        AdamW::new(eager[..2].to_vec(), config),
+        AdamW::new(eager[2..].to_vec(), config),
+    ];
+    let mut opts = [
+        AdamW::new(captured[..2].to_vec(), config),
+        AdamW::new(captured[2..].to_vec(), config),
+    ];
+    let mut step = Step::new(|t: &[Tensor]| {
+        opts[0].step()?;
+        opts[1].step()?;
+        Ok(t[0].clone())
+    });
+    let (x, _) = random_tensor(&[1], 8);
+    for _ in 0..4 {
+        eager_opts.iter_mut().for_each(|o| o.step().unwrap());
+        step.run(std::slice::from_ref(&x)).unwrap();
+    }
+    assert_eq!(step.stats().replays, 2);
+    for (a, b) in eager.iter().zip(&captured) {
+        assert_close(&a.to_vec().unwrap(), &b.to_vec().unwrap(), "parameter");
+    }
+}

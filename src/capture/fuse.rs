@@ -794,15 +794,12 @@ fn epilogue(
         outputs.insert(0, m);
     }
     let members: HashSet<usize> = group.members.iter().copied().collect();
-    // The producer moves to the last member's place: nothing in between may write what it
-    // reads, nor touch what else it writes (LayerNorm's row statistics).
-    let moved_past = (at + 1..last).filter(|u| !members.contains(u)).any(|u| {
-        operands.iter().any(|&(b, v)| {
-            let written = producer.pipeline.writable.contains(&b);
-            writes(&draft.commands[u], v)
-                || (written && launch_values(&draft.commands[u]).contains(&v))
-        })
-    });
+    // The producer moves to the last member's place: past launches that commute with it
+    // only (none writes what it reads, nor touches what else it writes: LayerNorm's row
+    // statistics).
+    let moved_past = (at + 1..last)
+        .filter(|u| !members.contains(u))
+        .any(|u| !commute(&draft.commands[u], &draft.commands[at]));
     if moved_past {
         return None;
     }
@@ -816,8 +813,8 @@ fn epilogue(
     let first_binding = site
         .source
         .match_indices("@binding(")
-        .filter_map(|(at, m)| {
-            let rest = &site.source[at + m.len()..];
+        .filter_map(|(pos, attribute)| {
+            let rest = &site.source[pos + attribute.len()..];
             rest[..rest.find(')')?].trim().parse::<u32>().ok()
         })
         .max()?
@@ -846,6 +843,39 @@ fn epilogue(
     ))
 }
 
+/// Whether `a` and `b` may run in either order: neither writes a value the other touches,
+/// and no host hook passes a launch whose params are computed at replay (a replay runs hooks
+/// and those params' closures in plan order: an optimizer's hook advances the step count its
+/// updates' params read).
+fn commute(a: &Command, b: &Command) -> bool {
+    let hook_and_dynamic = |x: &Command, y: &Command| {
+        matches!(x, Command::Hook(_))
+            && matches!(y, Command::Launch(l) if l.dynamic_params.is_some())
+    };
+    let (va, vb) = (launch_values(a), launch_values(b));
+    !hook_and_dynamic(a, b)
+        && !hook_and_dynamic(b, a)
+        && !va.iter().any(|&v| writes(a, v) && vb.contains(&v))
+        && !vb.iter().any(|&v| writes(b, v) && va.contains(&v))
+}
+
+/// As [`commute`], for two launches.
+fn launches_commute(a: &Launch, b: &Launch) -> bool {
+    let writes = |l: &Launch, v: usize| {
+        l.bindings
+            .iter()
+            .any(|&(binding, value)| value == v && l.pipeline.writable.contains(&binding))
+    };
+    let touches = |l: &Launch, v: usize| l.bindings.iter().any(|&(_, value)| value == v);
+    !a.bindings
+        .iter()
+        .any(|&(_, v)| writes(a, v) && touches(b, v))
+        && !b
+            .bindings
+            .iter()
+            .any(|&(_, v)| writes(b, v) && touches(a, v))
+}
+
 /// The most launches one merged launch takes.
 const MAX_PARTS: usize = 8;
 
@@ -855,9 +885,10 @@ const MEMBER_END: &str = "// MEMBER SECTION END";
 /// Merges runs of consecutive launches of one pipeline that run a part of their module's
 /// MEMBER SECTION (an optimizer's update of each parameter, a backward pass's reductions)
 /// into launches of one generated kernel each: a copy of the section per launch, with its own
-/// names, bindings and param slots, each over workgroups of its own. As many launches go into
-/// one as the device's storage bindings and the 63 param slots allow. Returns how many
-/// launches it removed.
+/// names, bindings and param slots, each over workgroups of its own. A run is first ordered
+/// by dependency (a two-pass reduction's second pass after every first pass of the run), and
+/// as many independent launches go into one as the device's storage bindings and the 63
+/// param slots allow. Returns how many launches it removed.
 pub(crate) fn merge_parts(draft: &mut Draft, device: &Device) -> usize {
     let max_buffers = device.inner.limits.max_storage_buffers_per_shader_stage as usize;
     let before = draft.commands.len();
@@ -866,20 +897,58 @@ pub(crate) fn merge_parts(draft: &mut Draft, device: &Device) -> usize {
     for command in std::mem::take(&mut draft.commands) {
         match command {
             Command::Launch(l) if matches!(l.fuse_as, FuseAs::Merge(_)) => {
-                if !joins_run(&run, &l, max_buffers) {
-                    commands.extend(merged(std::mem::take(&mut run), device));
+                if run
+                    .first()
+                    .is_some_and(|r| !Arc::ptr_eq(&r.pipeline, &l.pipeline))
+                {
+                    commands.extend(merged_run(std::mem::take(&mut run), max_buffers, device));
                 }
                 run.push(l);
             }
             other => {
-                commands.extend(merged(std::mem::take(&mut run), device));
+                commands.extend(merged_run(std::mem::take(&mut run), max_buffers, device));
                 commands.push(other);
             }
         }
     }
-    commands.extend(merged(run, device));
+    commands.extend(merged_run(run, max_buffers, device));
     draft.commands = commands;
     before - draft.commands.len()
+}
+
+/// The launches of `run` (consecutive, one pipeline) by dependency level, each level's
+/// launches merged as far as the budget allows.
+fn merged_run(run: Vec<Launch>, max_buffers: usize, device: &Device) -> Vec<Command> {
+    // A launch's level: one past the highest level of an earlier launch it does not commute
+    // with. Launches of one level are independent of each other.
+    let mut levels: Vec<usize> = Vec::with_capacity(run.len());
+    for (j, launch) in run.iter().enumerate() {
+        let level = (0..j)
+            .filter(|&i| !launches_commute(&run[i], launch))
+            .map(|i| levels[i] + 1)
+            .max()
+            .unwrap_or(0);
+        levels.push(level);
+    }
+    let mut by_level: Vec<Vec<Launch>> = Vec::new();
+    for (launch, level) in run.into_iter().zip(levels) {
+        if by_level.len() <= level {
+            by_level.resize_with(level + 1, Vec::new);
+        }
+        by_level[level].push(launch);
+    }
+    let mut out = Vec::new();
+    for level in by_level {
+        let mut chunk: Vec<Launch> = Vec::new();
+        for launch in level {
+            if !fits_chunk(&chunk, &launch, max_buffers) {
+                out.extend(merged(std::mem::take(&mut chunk), device));
+            }
+            chunk.push(launch);
+        }
+        out.extend(merged(chunk, device));
+    }
+    out
 }
 
 fn merge_site(launch: &Launch) -> &MergeSite {
@@ -889,23 +958,14 @@ fn merge_site(launch: &Launch) -> &MergeSite {
     }
 }
 
-/// Whether `next` may join `run` (an empty run takes anything): the same pipeline, room for
-/// its buffers and params, and no buffer shared with the run (the parts run at once).
-fn joins_run(run: &[Launch], next: &Launch, max_buffers: usize) -> bool {
-    let Some(first) = run.first() else {
-        return true;
-    };
-    let buffers: usize = run.iter().map(|l| l.bindings.len()).sum::<usize>() + next.bindings.len();
-    let shares = run.iter().any(|l| {
-        l.bindings
-            .iter()
-            .any(|(_, v)| next.bindings.iter().any(|(_, w)| v == w))
-    });
-    Arc::ptr_eq(&first.pipeline, &next.pipeline)
-        && run.len() < MAX_PARTS
-        && (run.len() + 1) * merge_site(next).param_slots <= MAX_SLOTS
+/// Whether `next` may join `chunk` (independent launches of one pipeline; an empty chunk
+/// takes anything): room for its buffers and params.
+fn fits_chunk(chunk: &[Launch], next: &Launch, max_buffers: usize) -> bool {
+    let buffers: usize =
+        chunk.iter().map(|l| l.bindings.len()).sum::<usize>() + next.bindings.len();
+    chunk.len() < MAX_PARTS
+        && (chunk.len() + 1) * merge_site(next).param_slots <= MAX_SLOTS
         && buffers <= max_buffers
-        && !shares
 }
 
 /// One launch for `run` (the launch itself when it holds one; `run` unmerged when the
