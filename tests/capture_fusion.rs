@@ -189,6 +189,19 @@ fn an_epilogue_reads_residual_and_strided_operands() {
 }
 
 #[test]
+fn a_narrow_products_bias_add_runs_in_its_stores() {
+    // A classifier head: 6 outputs for 100 rows is computed transposed and read through a
+    // transposed view; the bias add still runs in the matmul's stores.
+    let (x, _) = random_tensor(&[100, 20], 38);
+    let (w, _) = random_tensor(&[6, 20], 39);
+    let (bias, _) = random_tensor(&[6], 40);
+    let f = |t: &[Tensor]| t[0].matmul(&t[1].t()?)?.add(&t[2])?.relu();
+    let (want, got, stats) = eager_and_replayed(&[x, w, bias], f);
+    assert_close(&want, &got, "x w^T + bias, relu");
+    assert_eq!(stats.replay_dispatches, 1, "{stats:?}");
+}
+
+#[test]
 fn an_epilogue_also_writes_a_product_read_after_it() {
     let (a, _) = random_tensor(&[4, 8], 22);
     let (b, _) = random_tensor(&[8, 8], 23);

@@ -636,6 +636,7 @@ fn epilogue_source(
     launches: &[&Fusible],
     outputs: &[usize],
     first_binding: u32,
+    transposed: Option<(usize, usize)>,
 ) -> Option<(String, Vec<(u32, usize)>)> {
     let begin = site.source.find(EPILOGUE_BEGIN)?;
     let end = site.source.find(EPILOGUE_END)? + EPILOGUE_END.len();
@@ -670,8 +671,15 @@ fn epilogue_source(
         binding += 1;
     }
     src.push_str(&element.code);
-    // One element, at index `i`.
-    src.push_str("fn store1(i: u32, v: f32) {\n");
+    // One element: the launch's element `o`, the group's element `i` (the same unless the
+    // group reads the launch's [n, m] output as its transpose).
+    src.push_str("fn store1(o: u32, v: f32) {\n");
+    match transposed {
+        Some((m, n)) => {
+            let _ = writeln!(src, "    let i = (o % {m}u) * {n}u + o / {m}u;");
+        }
+        None => src.push_str("    let i = o;\n"),
+    }
     src.push_str(&element.load_lines(false, "    "));
     let _ = writeln!(
         src,
@@ -688,7 +696,7 @@ fn epilogue_source(
     src.push_str("}\n");
     // Four elements from `o`, a multiple of 4 (a module that binds its output as f32s stores
     // one at a time, and has no store4).
-    if site.vec4_output && element.loads_vec4() {
+    if site.vec4_output && element.loads_vec4() && transposed.is_none() {
         src.push_str("fn store4(o: u32, v: vec4<f32>) {\n");
         src.push_str("    let i = o / 4u;\n");
         src.push_str(&element.load_lines(true, "    "));
@@ -751,14 +759,28 @@ fn epilogue(
     if numel != site.numel {
         return None;
     }
-    // The group's launches read `m` at their own element only.
-    let in_place = group.members.iter().all(|&u| {
-        member(u)
-            .operands
-            .iter()
-            .all(|(v, layout)| *v != m || reads_in_place(layout, &group.shape))
-    });
-    if !in_place {
+    // The group's launches read `m` at their own element, or all read it as the transpose
+    // of a 2-D [n, m] product (a narrow product is computed transposed: a classifier head).
+    let reads_of_m: Vec<&Layout> = group
+        .members
+        .iter()
+        .flat_map(|&u| member(u).operands.iter())
+        .filter(|(v, _)| *v == m)
+        .map(|(_, layout)| layout)
+        .collect();
+    let transposed = match group.shape[..] {
+        [rows, cols] => {
+            let layout = Layout {
+                shape: vec![rows, cols],
+                strides: vec![1, rows],
+                offset: 0,
+            };
+            (!reads_of_m.is_empty() && reads_of_m.iter().all(|l| **l == layout))
+                .then_some((rows, cols))
+        }
+        _ => None,
+    };
+    if transposed.is_none() && !reads_of_m.iter().all(|l| reads_in_place(l, &group.shape)) {
         return None;
     }
     // The producer's own operands stay bound; its output becomes the first written value.
@@ -788,7 +810,8 @@ fn epilogue(
         let read_early = users[&m]
             .iter()
             .any(|&u| u != at && u < last && !group.members.contains(&u));
-        if reserve == 0 || read_early {
+        // A transposed epilogue stores in the group's order, not in `m`'s.
+        if reserve == 0 || read_early || transposed.is_some() {
             return None;
         }
         outputs.insert(0, m);
@@ -819,7 +842,7 @@ fn epilogue(
         })
         .max()?
         + 1;
-    let (source, extra) = epilogue_source(site, &launches, &outputs, first_binding)?;
+    let (source, extra) = epilogue_source(site, &launches, &outputs, first_binding, transposed)?;
     if let Err(e) = validate(&source) {
         log::debug!("capture: an epilogue failed validation, left unfused: {e}");
         return None;
