@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use wgrad::capture::Step;
 use wgrad::nn::{self, Module};
-use wgrad::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use wgrad::optim::{Adam, AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
 use wgrad::{no_grad, Error, Result, Tensor};
 
 const IN: usize = 12;
@@ -396,4 +396,63 @@ fn peak_device_memory_of_a_replayed_step_is_at_most_the_eager_steps() {
         replayed <= eager,
         "replayed step holds {replayed} bytes, eager {eager}"
     );
+}
+
+/// A causal transformer block and a head, trained with two AdamW groups (decayed matrices,
+/// undecayed vectors, as the GPT example): every fusion a transformer step meets (attention,
+/// LayerNorm and matmul epilogues, merged updates under two step-count hooks).
+fn transformer() -> nn::Sequential {
+    let dev = device();
+    nn::Sequential::new()
+        .add(nn::TransformerBlock::new(16, 2, true, 0.0, dev).unwrap())
+        .add(nn::Linear::new(16, OUT, true, dev).unwrap())
+}
+
+#[test]
+fn replayed_transformer_steps_equal_eager_steps() {
+    let eager_model = transformer();
+    let captured_model = twin(&eager_model, || Box::new(transformer()));
+    let groups = |model: &dyn Module| -> Vec<AdamW> {
+        let (matrices, vectors): (Vec<Tensor>, Vec<Tensor>) =
+            model.parameters().into_iter().partition(|p| p.rank() >= 2);
+        let config = |weight_decay| AdamConfig {
+            weight_decay,
+            ..AdamConfig::default()
+        };
+        vec![
+            AdamW::new(matrices, config(0.1)),
+            AdamW::new(vectors, config(0.0)),
+        ]
+    };
+    let step_of = |model: &dyn Module, opts: &mut [AdamW], x: &Tensor, y: &Tensor| {
+        opts.iter_mut().for_each(|o| o.zero_grad());
+        let logits = model
+            .forward(x)?
+            .reshape(&[x.shape()[0] * x.shape()[1], OUT])?;
+        let loss = nn::loss::cross_entropy(&logits, y)?;
+        loss.backward()?;
+        for opt in opts.iter_mut() {
+            opt.step()?;
+        }
+        Ok(loss)
+    };
+    let mut eager_opts = groups(&eager_model);
+    let mut opts = groups(captured_model.as_ref());
+    let mut step =
+        Step::new(|b: &[Tensor]| step_of(captured_model.as_ref(), &mut opts, &b[0], &b[1]));
+    for i in 0..12 {
+        let (x, _) = random_tensor(&[2, 8, 16], 50 + i % 3);
+        let labels: Vec<u32> = (0..16).map(|r| (r * 3 + i as u32) % OUT as u32).collect();
+        let y = Tensor::from_vec_u32(labels, &[16], device()).unwrap();
+        let want = step_of(&eager_model, &mut eager_opts, &x, &y).unwrap();
+        let got = step.run(&[x, y]).unwrap();
+        assert_rel_close(
+            &[got.item().unwrap()],
+            &[want.item().unwrap()],
+            1e-5,
+            "loss",
+        );
+    }
+    assert_eq!(step.stats().replays, 10);
+    assert_same_parameters(&eager_model, captured_model.as_ref());
 }
