@@ -3,12 +3,12 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_elementwise, strided_dims, windows, Kernel, KernelParams,
-    ShaderFamily, WORKGROUP,
+    groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
+    WORKGROUP,
 };
 use crate::ops::copy::copy_into;
 use crate::ops::too_large_view;
-use crate::tensor::tape::Elementwise;
+use crate::tensor::tape::{Elementwise, Fusion};
 use crate::tensor::{DType, Storage, Tensor};
 
 crate::kernel_params! {
@@ -127,13 +127,13 @@ fn clone_add(current: &Tensor, new_grad: &Tensor, out: &Tensor) -> Result<()> {
         output: 3,
         shape: current.shape().to_vec(),
     };
-    launch_elementwise(
+    launch_fusible(
         OP,
         &Kernel::plain(&ACCUMULATE, "clone_add"),
         &[(1, new_grad), (2, current), (3, out)],
         &params,
         groups(n, WORKGROUP),
-        describe,
+        || Fusion::Elementwise(describe()),
     )
 }
 

@@ -27,7 +27,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::capture::plan::{Command, Draft, Epilogue, FuseAs, Fusible, Launch};
-use crate::device::{Device, PipelineSource};
+use crate::device::{declared_bindings, Device, PipelineSource};
 use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP, MAX_SLOTS};
 use crate::tensor::layout::row_major_strides;
 use crate::tensor::tape::{HostBytes, MergeSite};
@@ -68,14 +68,17 @@ fn launch_values(command: &Command) -> Vec<usize> {
     }
 }
 
-/// Whether `command` may write `value` (a launch: bound where its module declares
-/// `read_write`).
+/// Whether launch `l` may write `value`: bound where its module declares `read_write`.
+fn launch_writes(l: &Launch, value: usize) -> bool {
+    l.bindings
+        .iter()
+        .any(|&(b, v)| v == value && l.pipeline.writable.contains(&b))
+}
+
+/// Whether `command` may write `value`.
 fn writes(command: &Command, value: usize) -> bool {
     match command {
-        Command::Launch(l) => l
-            .bindings
-            .iter()
-            .any(|&(b, v)| v == value && l.pipeline.writable.contains(&b)),
+        Command::Launch(l) => launch_writes(l, value),
         Command::Upload { target, .. } => *target == value,
         Command::Copy(copy) => copy.dst.0 == value,
         Command::Hook(_) => false,
@@ -627,22 +630,24 @@ fn fused_source(
 const EPILOGUE_BEGIN: &str = "// EPILOGUE SECTION BEGIN";
 const EPILOGUE_END: &str = "// EPILOGUE SECTION END";
 
-/// The module of a launch whose stores run `launches` (in order) on its output `m` and
-/// write `outputs` (the first at the launch's own output binding), and the bindings it adds,
-/// numbered from `first_binding`; `None` when it would write nothing or the source has no
-/// epilogue section.
+/// The module `source` (of a launch with epilogue `site`) with stores that run `launches`
+/// (in order) on its output `m` and write `outputs` (the first at the launch's own output
+/// binding), and the bindings it adds, numbered past every binding the module declares;
+/// `None` when it would write nothing or the source has no epilogue section.
 fn epilogue_source(
+    source: &str,
     site: &Epilogue,
     launches: &[&Fusible],
     outputs: &[usize],
-    first_binding: u32,
     transposed: Option<(usize, usize)>,
 ) -> Option<(String, Vec<(u32, usize)>)> {
-    let begin = site.source.find(EPILOGUE_BEGIN)?;
-    let end = site.source.find(EPILOGUE_END)? + EPILOGUE_END.len();
+    let begin = source.find(EPILOGUE_BEGIN)?;
+    let end = source.find(EPILOGUE_END)? + EPILOGUE_END.len();
     if outputs.is_empty() {
         return None;
     }
+    // Past every binding the module declares (other entry points' too).
+    let first_binding = declared_bindings(source).map(|(b, _)| b).max()? + 1;
     let element = element_fn(launches, outputs, Some(site.output));
     let out_name = |k: usize| {
         if k == 0 {
@@ -718,12 +723,12 @@ fn epilogue_source(
              store1(o + 2u, v.z);\n    store1(o + 3u, v.w);\n}\n",
         );
     }
-    let source = format!(
+    let module = format!(
         "{}{EPILOGUE_BEGIN}\n{src}{}",
-        &site.source[..begin],
-        &site.source[end..]
+        &source[..begin],
+        &source[end..]
     );
-    Some((source, bindings))
+    Some((module, bindings))
 }
 
 /// Fuses `group` into the launch that makes the value its first member reads, when that
@@ -832,17 +837,13 @@ fn epilogue(
         .iter()
         .find(|&&(_, v)| v == m)
         .map(|&(b, _)| b)?;
-    // Past every binding the module declares (other entry points' too).
-    let first_binding = site
-        .source
-        .match_indices("@binding(")
-        .filter_map(|(pos, attribute)| {
-            let rest = &site.source[pos + attribute.len()..];
-            rest[..rest.find(')')?].trim().parse::<u32>().ok()
-        })
-        .max()?
-        + 1;
-    let (source, extra) = epilogue_source(site, &launches, &outputs, first_binding, transposed)?;
+    let (source, extra) = epilogue_source(
+        &producer.pipeline.source,
+        site,
+        &launches,
+        &outputs,
+        transposed,
+    )?;
     if let Err(e) = validate(&source) {
         log::debug!("capture: an epilogue failed validation, left unfused: {e}");
         return None;
@@ -875,28 +876,37 @@ fn commute(a: &Command, b: &Command) -> bool {
         matches!(x, Command::Hook(_))
             && matches!(y, Command::Launch(l) if l.dynamic_params.is_some())
     };
-    let (va, vb) = (launch_values(a), launch_values(b));
     !hook_and_dynamic(a, b)
         && !hook_and_dynamic(b, a)
-        && !va.iter().any(|&v| writes(a, v) && vb.contains(&v))
-        && !vb.iter().any(|&v| writes(b, v) && va.contains(&v))
+        && writes_apart(
+            &launch_values(a),
+            |v| writes(a, v),
+            &launch_values(b),
+            |v| writes(b, v),
+        )
 }
 
-/// As [`commute`], for two launches.
+/// As [`commute`], for two launches of a merged run (no hook between them).
 fn launches_commute(a: &Launch, b: &Launch) -> bool {
-    let writes = |l: &Launch, v: usize| {
-        l.bindings
-            .iter()
-            .any(|&(binding, value)| value == v && l.pipeline.writable.contains(&binding))
-    };
-    let touches = |l: &Launch, v: usize| l.bindings.iter().any(|&(_, value)| value == v);
-    !a.bindings
-        .iter()
-        .any(|&(_, v)| writes(a, v) && touches(b, v))
-        && !b
-            .bindings
-            .iter()
-            .any(|&(_, v)| writes(b, v) && touches(a, v))
+    let values = |l: &Launch| -> Vec<usize> { l.bindings.iter().map(|&(_, v)| v).collect() };
+    writes_apart(
+        &values(a),
+        |v| launch_writes(a, v),
+        &values(b),
+        |v| launch_writes(b, v),
+    )
+}
+
+/// Whether neither of two commands (the values each touches, and which of them it writes)
+/// writes a value the other touches.
+fn writes_apart(
+    a: &[usize],
+    a_writes: impl Fn(usize) -> bool,
+    b: &[usize],
+    b_writes: impl Fn(usize) -> bool,
+) -> bool {
+    !a.iter().any(|&v| a_writes(v) && b.contains(&v))
+        && !b.iter().any(|&v| b_writes(v) && a.contains(&v))
 }
 
 /// The most launches one merged launch takes.
@@ -1004,17 +1014,15 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
         return unmerged(run);
     };
     let section = &source[begin..end];
-    let lowest = run[0].bindings.iter().map(|&(b, _)| b).min().unwrap_or(1);
     let mut src = source[..begin].to_string();
     let mut bindings: Vec<(u32, usize)> = Vec::new();
     let mut starts: Vec<u32> = Vec::new();
     let mut workgroups = 0;
-    let mut next_binding = lowest;
+    let span = section_bindings(section);
     for (k, launch) in run.iter().enumerate() {
-        let shift = next_binding - lowest;
+        let shift = k as u32 * span;
         src.push_str(&member_copy(section, k, shift, k * site.param_slots));
         bindings.extend(launch.bindings.iter().map(|&(b, v)| (b + shift, v)));
-        next_binding += section_bindings(section);
         starts.push(workgroups);
         workgroups += launch.workgroups;
     }
@@ -1080,13 +1088,7 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
 
 /// How many binding numbers a member section spans (from its lowest to its highest).
 fn section_bindings(section: &str) -> u32 {
-    let numbers: Vec<u32> = section
-        .match_indices("@binding(")
-        .filter_map(|(at, m)| {
-            let rest = &section[at + m.len()..];
-            rest[..rest.find(')')?].trim().parse().ok()
-        })
-        .collect();
+    let numbers: Vec<u32> = declared_bindings(section).map(|(b, _)| b).collect();
     match (numbers.iter().min(), numbers.iter().max()) {
         (Some(lo), Some(hi)) => hi - lo + 1,
         _ => 0,

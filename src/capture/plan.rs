@@ -79,7 +79,6 @@ pub(crate) struct Fusible {
 /// Where a launch can run the elementwise ops that consume its output (the tape's
 /// [`EpilogueSite`](crate::tensor::tape::EpilogueSite) with its output named as a value).
 pub(crate) struct Epilogue {
-    pub source: String,
     pub entry: &'static str,
     pub output: usize,
     pub numel: usize,
@@ -342,7 +341,6 @@ pub(crate) fn draft(
                         shape: e.shape,
                     }),
                     Some(Fusion::Epilogue(site)) => FuseAs::Epilogue(Box::new(Epilogue {
-                        source: site.source,
                         entry: site.entry,
                         output: value_at(site.output),
                         numel: site.numel,

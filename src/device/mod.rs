@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-pub(crate) use pipelines::CachedPipeline;
 use pipelines::PipelineCache;
+pub(crate) use pipelines::{declared_bindings, CachedPipeline};
 pub(crate) use pool::size_class;
 use pool::BufferPool;
 

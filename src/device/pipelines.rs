@@ -15,15 +15,19 @@ pub(crate) struct CachedPipeline {
     pub source: Arc<str>,
 }
 
+/// Each `@binding(N)` that `source` declares, with the line that declares it.
+pub(crate) fn declared_bindings(source: &str) -> impl Iterator<Item = (u32, &str)> {
+    source.lines().filter_map(|line| {
+        let (_, rest) = line.split_once("@binding(")?;
+        Some((rest.split_once(')')?.0.trim().parse().ok()?, line))
+    })
+}
+
 /// The bindings of group 0 that `source` declares as `var<storage, read_write>`.
 fn writable_bindings(source: &str) -> Vec<u32> {
-    source
-        .lines()
-        .filter(|line| line.contains("var<storage, read_write>"))
-        .filter_map(|line| {
-            let (_, rest) = line.split_once("@binding(")?;
-            rest.split_once(')')?.0.trim().parse().ok()
-        })
+    declared_bindings(source)
+        .filter(|(_, line)| line.contains("var<storage, read_write>"))
+        .map(|(binding, _)| binding)
         .collect()
 }
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::device::{BufferSlice, Device, PipelineSource};
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
-use crate::tensor::tape::{self, Elementwise, EpilogueSite, Fusion, HostBytes, MergeSite};
+use crate::tensor::tape::{self, Fusion, HostBytes, MergeSite};
 use crate::tensor::{Storage, Tensor};
 
 /// Invocations per workgroup of the elementwise kernels.
@@ -181,17 +181,17 @@ pub(crate) fn launch_at<P: KernelParams>(
     )
 }
 
-/// As [`launch_at`], for an elementwise kernel: while a step is captured, `describe` tells
-/// the fuser what the launch computes, so that it can merge it with its neighbours.
-pub(crate) fn launch_elementwise<P: KernelParams>(
+/// As [`launch_at`], for a launch the capture fuser can do more with: while a step is
+/// captured, `describe` tells it what (an elementwise launch it may merge with its
+/// neighbours, or a kernel with an `EPILOGUE SECTION` whose consumers may run in its stores).
+pub(crate) fn launch_fusible<P: KernelParams>(
     op: &'static str,
     kernel: &Kernel,
     tensors: &[(u32, &Tensor)],
     params: &P,
     workgroups: u32,
-    describe: impl FnOnce() -> Elementwise,
+    describe: impl FnOnce() -> Fusion,
 ) -> Result<()> {
-    let fusion = tape::is_open().then(|| Fusion::Elementwise(describe()));
     launch_with(
         op,
         kernel,
@@ -199,30 +199,7 @@ pub(crate) fn launch_elementwise<P: KernelParams>(
         bytemuck::bytes_of(params),
         None,
         workgroups,
-        fusion,
-    )
-}
-
-/// As [`launch_at`], for a kernel whose module has an `EPILOGUE SECTION` (matmul, LayerNorm): while a step
-/// is captured, `describe` tells the fuser where the elementwise ops that consume the output
-/// can run instead of their own launches.
-pub(crate) fn launch_with_epilogue<P: KernelParams>(
-    op: &'static str,
-    kernel: &Kernel,
-    tensors: &[(u32, &Tensor)],
-    params: &P,
-    workgroups: u32,
-    describe: impl FnOnce() -> EpilogueSite,
-) -> Result<()> {
-    let fusion = tape::is_open().then(|| Fusion::Epilogue(describe()));
-    launch_with(
-        op,
-        kernel,
-        tensors,
-        bytemuck::bytes_of(params),
-        None,
-        workgroups,
-        fusion,
+        tape::is_open().then(describe),
     )
 }
 

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_elementwise, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
+    groups, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::too_large_view;
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use crate::tensor::creation::{checked_host_numel, from_host_fn, uniform_values};
 use crate::tensor::graph::record;
 use crate::tensor::layout::broadcast_shapes;
-use crate::tensor::tape::{Elementwise, HostBytes};
+use crate::tensor::tape::{Elementwise, Fusion, HostBytes};
 use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {
@@ -247,13 +247,13 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
         output: 3,
         shape: shape.clone(),
     };
-    launch_elementwise(
+    launch_fusible(
         name,
         &kernel,
         &[(1, a), (2, b), (3, out)],
         &params,
         groups(n, per_group),
-        describe,
+        || Fusion::Elementwise(describe()),
     )
 }
 

@@ -4,14 +4,14 @@
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    launch_with_epilogue, rows_per_window, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
+    launch_fusible, rows_per_window, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
 };
 use crate::ops::binary::sum_to_shape;
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
-use crate::tensor::tape::EpilogueSite;
+use crate::tensor::tape::{EpilogueSite, Fusion};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -456,15 +456,16 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         let specialised = || source(spec);
         let kernel = Kernel::specialised(&MATMUL, choice.entry, &variant, &specialised);
         let workgroups = batches * tiles_m * tiles_n;
-        let site = || EpilogueSite {
-            source: specialised(),
-            entry: choice.entry,
-            output: 3,
-            numel: out.numel(),
-            vec4_output: true,
+        let site = || {
+            Fusion::Epilogue(EpilogueSite {
+                entry: choice.entry,
+                output: 3,
+                numel: out.numel(),
+                vec4_output: true,
+            })
         };
         let bound = [(1, &a), (2, &b), (3, &out)];
-        launch_with_epilogue(OP, &kernel, &bound, &params, workgroups as u32, site)?;
+        launch_fusible(OP, &kernel, &bound, &params, workgroups as u32, site)?;
     }
     finish(out, this, other, &mut out_shape)
 }

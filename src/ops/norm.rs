@@ -5,11 +5,11 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_with_epilogue, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
+    groups, launch_at, launch_fusible, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
 };
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
-use crate::tensor::tape::EpilogueSite;
+use crate::tensor::tape::{EpilogueSite, Fusion};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -113,15 +113,16 @@ impl Tensor {
                 (5, &stats),
             ];
             let kernel = Kernel::plain(&NORM, "forward");
-            let site = || EpilogueSite {
-                source: NORM.source(&[]),
-                entry: "forward",
-                output: 4,
-                numel: rows * len,
-                vec4_output: false,
+            let site = || {
+                Fusion::Epilogue(EpilogueSite {
+                    entry: "forward",
+                    output: 4,
+                    numel: rows * len,
+                    vec4_output: false,
+                })
             };
             let workgroups = groups(rows, NORM_WORKGROUP);
-            launch_with_epilogue(OP, &kernel, &bound, &params, workgroups, site)?;
+            launch_fusible(OP, &kernel, &bound, &params, workgroups, site)?;
         }
         Ok(record(OP, out, &[self, weight, bias], |_| {
             let (x, weight_c) = (x.detach(), weight_c.detach());

@@ -3,13 +3,13 @@
 
 use crate::error::Result;
 use crate::kernel::{
-    groups, launch_elementwise, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
+    groups, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
-use crate::tensor::tape::Elementwise;
+use crate::tensor::tape::{Elementwise, Fusion};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -207,13 +207,13 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
         output: 2,
         shape: x.shape().to_vec(),
     };
-    launch_elementwise(
+    launch_fusible(
         name,
         &kernel,
         &[(1, x), (2, out)],
         &params,
         groups(n, per_group),
-        describe,
+        || Fusion::Elementwise(describe()),
     )
 }
 

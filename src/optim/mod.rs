@@ -138,7 +138,8 @@ fn run_update<P: KernelParams>(
     let part = match entry {
         "sgd" => "sgd_part",
         "sgd_momentum" => "sgd_momentum_part",
-        _ => "adam_part",
+        "adam" => "adam_part",
+        other => unreachable!("optim.wgsl has no entry point {other}"),
     };
     let kernel = Kernel::plain(&OPTIM, entry).merging(part);
     if !param.exceeds_binding() && !grad.exceeds_binding() {

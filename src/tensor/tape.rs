@@ -53,10 +53,9 @@ pub(crate) struct Elementwise {
 }
 
 /// A launch that can run the elementwise ops consuming its output inside its own stores
-/// (matmul, LayerNorm): the fuser replaces the `EPILOGUE SECTION` of its module's source.
+/// (matmul, LayerNorm): the fuser replaces the `EPILOGUE SECTION` of its pipeline's module
+/// source.
 pub(crate) struct EpilogueSite {
-    /// The launch's module source, with its default `store4` and `store1`.
-    pub source: String,
     /// The entry point.
     pub entry: &'static str,
     /// The output's binding: a fresh dense tensor of `numel` elements, each stored once.
