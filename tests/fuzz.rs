@@ -552,22 +552,23 @@ fn captured_case(case: u64) -> Result<bool, String> {
     Ok(stats.replays == 1)
 }
 
-#[test]
-fn random_programs_replay_as_they_ran_eagerly() {
-    let cases: u64 = std::env::var("WGRAD_CAPTURE_FUZZ_CASES")
+/// A count from the environment variable `name`, or `default`.
+fn env_count(name: &str, default: u64) -> u64 {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(30);
-    let first: u64 = std::env::var("WGRAD_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+        .unwrap_or(default)
+}
+
+/// Runs `cases` cases from `WGRAD_FUZZ_SEED` (0 by default), failing with every case that
+/// failed or panicked; returns how many `run` answered `true`.
+fn run_cases(cases: u64, run: impl Fn(u64) -> Result<bool, String>) -> u64 {
+    let first = env_count("WGRAD_FUZZ_SEED", 0);
     let mut failures = Vec::new();
-    let mut replayed = 0;
+    let mut yes = 0;
     for case in first..first + cases {
-        match catch_unwind(AssertUnwindSafe(|| captured_case(case))) {
-            Ok(Ok(true)) => replayed += 1,
-            Ok(Ok(false)) => {}
+        match catch_unwind(AssertUnwindSafe(|| run(case))) {
+            Ok(Ok(answer)) => yes += u64::from(answer),
             Ok(Err(failure)) => failures.push(failure),
             Err(_) => failures.push(format!("case {case}: panicked")),
         }
@@ -578,6 +579,13 @@ fn random_programs_replay_as_they_ran_eagerly() {
         failures.len(),
         failures.join("\n")
     );
+    yes
+}
+
+#[test]
+fn random_programs_replay_as_they_ran_eagerly() {
+    let cases = env_count("WGRAD_CAPTURE_FUZZ_CASES", 30);
+    let replayed = run_cases(cases, captured_case);
     // Steps that keep what they make, or make nothing, stay eager; most programs replay.
     assert!(
         replayed * 2 >= cases,
@@ -588,26 +596,6 @@ fn random_programs_replay_as_they_ran_eagerly() {
 
 #[test]
 fn random_programs_agree_with_an_f64_reference() {
-    let cases: u64 = std::env::var("WGRAD_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(150);
-    let first: u64 = std::env::var("WGRAD_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let mut failures = Vec::new();
-    for case in first..first + cases {
-        match catch_unwind(AssertUnwindSafe(|| run_case(case))) {
-            Ok(None) => {}
-            Ok(Some(failure)) => failures.push(failure),
-            Err(_) => failures.push(format!("case {case}: panicked")),
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {cases} cases failed:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    let cases = env_count("WGRAD_FUZZ_CASES", 150);
+    run_cases(cases, |case| run_case(case).map_or(Ok(true), Err));
 }

@@ -159,26 +159,21 @@ mod checks {
             let (x, labels) = global_batch(local, 0, &dev);
             let x = Tensor::from_vec(x, &[local, 784], &dev).unwrap();
             let y = Tensor::from_labels(labels, &dev).unwrap();
-            nn::loss::cross_entropy(&odd.forward(&x).unwrap(), &y)
-                .unwrap()
-                .backward()
-                .unwrap();
-            let err = dist
-                .all_reduce_grads(&odd.parameters())
-                .unwrap_err()
-                .to_string();
+            // The error `all_reduce_grads` gives after a backward pass of `model`.
+            let reduce_error = |model: &nn::Sequential| -> String {
+                nn::loss::cross_entropy(&model.forward(&x).unwrap(), &y)
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                dist.all_reduce_grads(&model.parameters())
+                    .unwrap_err()
+                    .to_string()
+            };
+            let err = reduce_error(&odd);
             assert!(err.contains("same model"), "rank {rank}: {err}");
 
             // Same architecture, no broadcast, different inits: an error on every rank.
-            let unsynced = mlp(16, 200 + rank as u64, &dev);
-            nn::loss::cross_entropy(&unsynced.forward(&x).unwrap(), &y)
-                .unwrap()
-                .backward()
-                .unwrap();
-            let err = dist
-                .all_reduce_grads(&unsynced.parameters())
-                .unwrap_err()
-                .to_string();
+            let err = reduce_error(&mlp(16, 200 + rank as u64, &dev));
             assert!(err.contains("broadcast_parameters"), "rank {rank}: {err}");
             if dist.is_root() {
                 println!("mpi: different models and a missing broadcast are errors on every rank");
