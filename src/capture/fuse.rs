@@ -753,7 +753,7 @@ fn epilogue(
     let (at, producer, site) = member(first).operands.iter().find_map(|(v, _)| {
         (0..first).rev().find_map(|u| match &draft.commands[u] {
             Command::Launch(l) => match &l.fuse_as {
-                FuseAs::Epilogue(site) if site.output == *v => Some((u, l, &**site)),
+                FuseAs::Epilogue(site) if site.output == *v => Some((u, l, site)),
                 _ => None,
             },
             _ => None,

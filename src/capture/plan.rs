@@ -89,7 +89,7 @@ pub(crate) struct Epilogue {
 pub(crate) enum FuseAs {
     Nothing,
     Elementwise(Fusible),
-    Epilogue(Box<Epilogue>),
+    Epilogue(Epilogue),
     Merge(MergeSite),
 }
 
@@ -340,12 +340,12 @@ pub(crate) fn draft(
                         output: value_at(e.output),
                         shape: e.shape,
                     }),
-                    Some(Fusion::Epilogue(site)) => FuseAs::Epilogue(Box::new(Epilogue {
+                    Some(Fusion::Epilogue(site)) => FuseAs::Epilogue(Epilogue {
                         entry: site.entry,
                         output: value_at(site.output),
                         numel: site.numel,
                         vec4_output: site.vec4_output,
-                    })),
+                    }),
                     Some(Fusion::Merge(site)) => FuseAs::Merge(site),
                     None => FuseAs::Nothing,
                 };
