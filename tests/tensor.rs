@@ -163,6 +163,76 @@ fn reshape_is_a_view_when_contiguous_and_a_copy_otherwise() {
     );
 }
 
+/// Host copy of `data` (row-major `shape`) permuted by `order`.
+fn permuted(data: &[f32], shape: &[usize], order: &[usize]) -> Vec<f32> {
+    let strides: Vec<usize> = (0..shape.len())
+        .map(|d| shape[d + 1..].iter().product())
+        .collect();
+    let out_shape: Vec<usize> = order.iter().map(|&d| shape[d]).collect();
+    let n: usize = shape.iter().product();
+    (0..n)
+        .map(|mut i| {
+            let mut at = 0;
+            for k in (0..order.len()).rev() {
+                at += (i % out_shape[k]) * strides[order[k]];
+                i /= out_shape[k];
+            }
+            data[at]
+        })
+        .collect()
+}
+
+#[test]
+fn contiguous_copies_of_permuted_views_hold_the_permuted_values() {
+    // Heads of 32 and 4 (the copy moves four-element groups), of 3 and 1 (one element at a
+    // time), rows that wrap several times per step (inner dims under 8), and one past the
+    // 64 items an invocation copies.
+    let cases: [(&[usize], &[usize]); 6] = [
+        (&[12, 64, 4, 32], &[0, 2, 1, 3]),
+        (&[2, 5, 3, 4], &[0, 2, 1, 3]),
+        (&[2, 5, 3, 3], &[0, 2, 1, 3]),
+        (&[3, 7, 1], &[1, 0, 2]),
+        (&[2, 3, 2, 5, 2], &[4, 2, 0, 3, 1]),
+        (&[300, 257], &[1, 0]),
+    ];
+    for (seed, (shape, order)) in cases.into_iter().enumerate() {
+        let (t, data) = random_tensor(shape, seed as u64);
+        let got = t.permute(order).unwrap().contiguous().unwrap();
+        assert_eq!(
+            got.to_vec().unwrap(),
+            permuted(&data, shape, order),
+            "{shape:?} permuted by {order:?}"
+        );
+    }
+}
+
+#[test]
+fn contiguous_copies_of_slices_at_any_offset_hold_the_slice() {
+    let (t, data) = random_tensor(&[6, 40], 9);
+    // Columns from 8 (groups of four line up) and from 2 or 3 (they do not), 4 or 5 wide.
+    for (start, len) in [(8, 16), (2, 16), (3, 5), (0, 4), (36, 4)] {
+        let got = t.narrow(1, start, len).unwrap().contiguous().unwrap();
+        let want: Vec<f32> = (0..6)
+            .flat_map(|r| data[r * 40 + start..r * 40 + start + len].to_vec())
+            .collect();
+        assert_eq!(got.to_vec().unwrap(), want, "columns {start}..+{len}");
+    }
+}
+
+#[test]
+fn fills_of_every_length_mod_four_fill_every_element() {
+    let dev = device();
+    for n in [1, 2, 3, 5, 16_383, 16_385, 65_539] {
+        let got = Tensor::full(&[n], 1.5, dev).unwrap().to_vec().unwrap();
+        assert!(got.iter().all(|&v| v == 1.5), "full of {n}");
+        let got = Tensor::arange(n, dev).unwrap().to_vec().unwrap();
+        assert!(
+            got.iter().enumerate().all(|(i, &v)| v == i as f32),
+            "arange of {n}"
+        );
+    }
+}
+
 #[test]
 fn contiguous_returns_the_same_tensor_when_already_contiguous() {
     let (t, _) = random_tensor(&[3, 3], 1);

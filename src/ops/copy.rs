@@ -4,8 +4,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
-    CONTIGUOUS_PER_GROUP, WORKGROUP,
+    groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
@@ -20,7 +19,6 @@ crate::kernel_params! {
         /// The index of the first element copied (not 0 when the destination is bound a
         /// window at a time); offsets wrap, so `dst_offset` may count back from the window.
         first: u32,
-        rank: u32,
         shape: [u32; 6],
         src_strides: [u32; 6],
         dst_strides: [u32; 6],
@@ -47,7 +45,8 @@ static FILL: ShaderFamily = ShaderFamily {
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![
-        ("copy".into(), COPY.source(&[])),
+        ("copy".into(), COPY.source(&[("WORD", "u32")])),
+        ("copy vec4".into(), COPY.source(&[("WORD", "vec4<u32>")])),
         ("fill".into(), FILL.source(&[])),
     ]
 }
@@ -72,19 +71,25 @@ pub(crate) fn copy_into(
         src.shape(),
         &[&src.layout().strides, &dst_layout.strides],
     )?;
-    let kernel = Kernel::plain(&COPY, "strided_copy");
+    let words = || COPY.source(&[("WORD", "u32")]);
+    let groups_of_four = || COPY.source(&[("WORD", "vec4<u32>")]);
+    let kernel = Kernel::specialised(&COPY, "strided_copy", "u32", &words);
     let params = |first: usize, len: usize, dst_offset: usize| CopyParams {
         n: len as u32,
         src_offset: src.layout().offset as u32,
         dst_offset: dst_offset as u32,
         first: first as u32,
-        rank: dims.rank,
         shape: dims.shape,
         src_strides: dims.strides[0],
         dst_strides: dims.strides[1],
     };
     if !dst.exceeds_binding() {
         let params = params(0, n, dst_layout.offset);
+        if let Some(params) = in_groups_of_four(params) {
+            let kernel = Kernel::specialised(&COPY, "strided_copy", "vec4", &groups_of_four);
+            let groups = groups(params.n as usize, CONTIGUOUS_PER_GROUP);
+            return launch(op, &kernel, &[src, dst], &params, groups);
+        }
         return launch(
             op,
             &kernel,
@@ -113,6 +118,43 @@ pub(crate) fn copy_into(
         )?;
     }
     Ok(())
+}
+
+/// `params` counted in four-word groups (the `vec4` copy kernel), where the innermost dim is
+/// contiguous on both sides and every size, stride and offset is a multiple of 4 (head
+/// permutes, slices of a fused projection): a quarter of the loads and stores.
+fn in_groups_of_four(params: CopyParams) -> Option<CopyParams> {
+    let inner_contiguous = params.src_strides[5] == 1 && params.dst_strides[5] == 1;
+    let counts = [
+        params.n,
+        params.src_offset,
+        params.dst_offset,
+        params.first,
+        params.shape[5],
+    ];
+    let mut outer = params.src_strides[..5]
+        .iter()
+        .chain(&params.dst_strides[..5])
+        .chain(&counts);
+    if !inner_contiguous || outer.any(|v| v % 4 != 0) {
+        return None;
+    }
+    let mut shape = params.shape;
+    shape[5] /= 4;
+    let quarter = |strides: [u32; 6]| {
+        let mut s = strides.map(|v| v / 4);
+        s[5] = 1;
+        s
+    };
+    Some(CopyParams {
+        n: params.n / 4,
+        src_offset: params.src_offset / 4,
+        dst_offset: params.dst_offset / 4,
+        first: params.first / 4,
+        shape,
+        src_strides: quarter(params.src_strides),
+        dst_strides: quarter(params.dst_strides),
+    })
 }
 
 /// Copies contiguous `src` into `dst`'s buffer from element `dst_offset` on, by one
@@ -157,7 +199,13 @@ pub(crate) fn fill(
             start: start + step * first as f32,
             step,
         };
-        launch(op, &kernel, &[&target], &params, groups(n, WORKGROUP))?;
+        launch(
+            op,
+            &kernel,
+            &[&target],
+            &params,
+            groups(n, CONTIGUOUS_PER_GROUP),
+        )?;
     }
     Ok(out)
 }

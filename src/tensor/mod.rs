@@ -132,7 +132,13 @@ impl Tensor {
         let first = storage.base() + (self.layout().offset + start) as u64 * size;
         let aligned = first / align * align;
         let skip = ((first - aligned) / size) as usize;
-        let bytes = ((skip + len) as u64 * size).max(size);
+        // Whole 16-byte groups where the buffer has them (it always does: its size is a
+        // multiple of 16), so that kernels binding `vec4` arrays reach a partial last group.
+        let room = storage.buffer().size() - aligned;
+        let bytes = ((skip + len) as u64 * size)
+            .max(size)
+            .next_multiple_of(16)
+            .min(room);
         let window = Storage::window(&storage, aligned - storage.base(), bytes);
         let layout = Layout {
             shape: vec![len],
