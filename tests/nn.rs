@@ -215,6 +215,56 @@ fn layer_norm_matches_reference_and_its_grads_check() {
 }
 
 /// Rows longer than the fused kernel takes are normalised by the composed ops: same values.
+/// LayerNorm of rows of `len` on the host (biased variance), scaled and shifted.
+fn layer_norm_reference(x: &[f32], len: usize, w: &[f32], b: &[f32]) -> Vec<f64> {
+    x.chunks(len)
+        .flat_map(|row| {
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / len as f64;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / len as f64;
+            row.iter()
+                .enumerate()
+                .map(move |(i, &v)| {
+                    (v as f64 - mean) / (var + 1e-5).sqrt() * w[i] as f64 + b[i] as f64
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn layer_norm_reads_rows_whole_or_element_by_element_alike() {
+    let _s = serial();
+    // Rows of 8 from offset 0 and 8 (read four at a time), from offset 5 (element by element),
+    // and rows of 131 (not a multiple of 4).
+    let (flat, data) = random_tensor(&[5 + 6 * 131], 21);
+    for (offset, rows, len) in [(0, 6, 8), (8, 5, 8), (5, 6, 8), (0, 6, 131)] {
+        let x = flat
+            .narrow(0, offset, rows * len)
+            .unwrap()
+            .reshape(&[rows, len])
+            .unwrap();
+        let (w, ws) = random_tensor(&[len], 22);
+        let (b, bs) = random_tensor(&[len], 23);
+        let want = layer_norm_reference(&data[offset..offset + rows * len], len, &ws, &bs);
+        let got = x.layer_norm(&w, &b, 1e-5).unwrap().to_vec().unwrap();
+        assert_close(
+            &got,
+            &want,
+            1e-4,
+            &format!("rows of {len} at offset {offset}"),
+        );
+    }
+    gradcheck(
+        "layer_norm of rows of 8",
+        &[
+            (vec![3, 8], values_in(24, -1.0, 1.0, 24)),
+            (vec![8], values_in(8, 0.5, 1.5, 25)),
+            (vec![8], values_in(8, -0.5, 0.5, 26)),
+        ],
+        |t| t[0].layer_norm(&t[1], &t[2], 1e-5),
+    );
+}
+
 #[test]
 fn layer_norm_of_rows_past_the_fused_length_matches_reference() {
     let len = 20_000;

@@ -33,7 +33,13 @@ static NORM: ShaderFamily = ShaderFamily {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("norm".into(), NORM.source(&[]))]
+    vec![
+        ("norm".into(), NORM.source(&[("NORM_ALIGNED", "false")])),
+        (
+            "norm aligned".into(),
+            NORM.source(&[("NORM_ALIGNED", "true")]),
+        ),
+    ]
 }
 
 /// Longest row the fused kernels take (each walks a row in three passes at most).
@@ -104,6 +110,14 @@ impl Tensor {
             bias_offset: bias_c.layout().offset as u32,
             grad_offset: 0,
         };
+        // Rows read as vec4s when every row and every tensor starts on a multiple of 4.
+        let aligned = len % 4 == 0
+            && [&x, &weight_c, &bias_c]
+                .iter()
+                .all(|t| t.layout().offset % 4 == 0);
+        let variant = if aligned { "aligned" } else { "elements" };
+        let source =
+            move || NORM.source(&[("NORM_ALIGNED", if aligned { "true" } else { "false" })]);
         if rows > 0 && len > 0 {
             let bound = [
                 (1, &x),
@@ -112,7 +126,7 @@ impl Tensor {
                 (4, &out),
                 (5, &stats),
             ];
-            let kernel = Kernel::plain(&NORM, "forward");
+            let kernel = Kernel::specialised(&NORM, "forward", variant, &source);
             let site = || {
                 Fusion::Epilogue(EpilogueSite {
                     entry: "forward",
@@ -131,6 +145,10 @@ impl Tensor {
                 let dev = g.device();
                 let grad_x = Tensor::empty(OP, x.shape(), DType::F32, dev)?;
                 let grad_xhat = Tensor::empty(OP, &[rows, len], DType::F32, dev)?;
+                let aligned = aligned && g.layout().offset % 4 == 0;
+                let variant = if aligned { "aligned" } else { "elements" };
+                let source =
+                    || NORM.source(&[("NORM_ALIGNED", if aligned { "true" } else { "false" })]);
                 if rows > 0 && len > 0 {
                     let params = NormParams {
                         grad_offset: g.layout().offset as u32,
@@ -144,7 +162,7 @@ impl Tensor {
                         (6, &g),
                         (7, &grad_xhat),
                     ];
-                    let kernel = Kernel::plain(&NORM, "backward");
+                    let kernel = Kernel::specialised(&NORM, "backward", variant, &source);
                     launch_at(OP, &kernel, &bound, &params, groups(rows, NORM_WORKGROUP))?;
                 }
                 let grad_weight = grad_xhat.sum_dims(&[0], false)?;
