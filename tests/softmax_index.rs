@@ -137,6 +137,33 @@ fn index_select_picks_slices_in_order() {
 }
 
 #[test]
+fn index_select_grad_sums_the_grads_of_repeated_picks_along_long_rows() {
+    // Rows of 37 (runs of 16, 16 and 5 elements), two outer slices, row 3 picked three times,
+    // row 1 never.
+    let (shape, picks) = ([2usize, 4, 37], [3u32, 0, 3, 2, 3]);
+    let (x, _) = random_tensor(&shape, 30);
+    let x = x.requires_grad_(true);
+    let idx = Tensor::from_vec_u32(picks.to_vec(), &[5], device()).unwrap();
+    let (g, gs) = random_tensor(&[2, 5, 37], 31);
+    let y = x.index_select(1, &idx).unwrap();
+    y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+    let mut want = vec![0.0f64; 2 * 4 * 37];
+    for o in 0..2 {
+        for (j, &p) in picks.iter().enumerate() {
+            for k in 0..37 {
+                want[(o * 4 + p as usize) * 37 + k] += gs[(o * 5 + j) * 37 + k] as f64;
+            }
+        }
+    }
+    assert_close(
+        &x.grad().unwrap().to_vec().unwrap(),
+        &want,
+        1e-6,
+        "index_select grad",
+    );
+}
+
+#[test]
 fn gather_follows_pytorch() {
     let (t, data) = random_tensor(&[3, 5], 7);
     let idx = Tensor::from_vec_u32(vec![4, 0, 1, 1, 2, 3], &[3, 2], device()).unwrap();

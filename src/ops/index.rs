@@ -16,7 +16,7 @@ use crate::tensor::{DType, Tensor};
 crate::kernel_params! {
     /// `index_select` and its backward over contiguous `[outer, dim_size, inner]` data, of
     /// which `selected` slices are picked; `n` counts the elements written (read, for
-    /// `index_select_scatter`). The table's bound rows are `row_start .. row_start +
+    /// `index_select_scatter`; runs of 16 written, for `index_select_backward`). The table's bound rows are `row_start .. row_start +
     /// row_count` (all of them, unless a table past one binding is bound a window of rows at
     /// a time; then `outer` is 1), from element `table_offset` of its binding.
     pub(crate) struct IndexSelectParams {
@@ -388,13 +388,15 @@ fn index_select_backward(
     let inner: usize = shape[dim + 1..].iter().product();
     let all_rows = 0..shape[dim];
     let src = g.layout().offset;
-    let params = IndexSelectParams::new(n, &idx, (inner, shape[dim]), src, all_rows, 0);
+    // One invocation per run of 16 elements of a table row.
+    let runs = (n / inner) * inner.div_ceil(16);
+    let params = IndexSelectParams::new(runs, &idx, (inner, shape[dim]), src, all_rows, 0);
     launch(
         OP,
         &Kernel::plain(&INDEX, "index_select_backward"),
         &[&g, &out, &idx],
         &params,
-        groups(n, WORKGROUP),
+        groups(runs, WORKGROUP),
     )?;
     Ok(out)
 }
