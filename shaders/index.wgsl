@@ -179,13 +179,19 @@ fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     }
 }
 
-// Elements k..k+4 of the run of `count` incoming grad elements from `at`, zero past its end.
-fn grad_run4(at: u32, k: u32, count: u32) -> vec4<f32> {
-    var v = vec4<f32>(0.0);
-    for (var e = 0u; e < min(4u, max(count, k) - k); e = e + 1u) {
-        v[e] = bitcast<f32>(src[at + k + e]);
+// Element `e` of the run of `count` incoming grad elements from `at`, 0 past its end.
+fn grad_at(at: u32, e: u32, count: u32) -> f32 {
+    if (e < count) {
+        return bitcast<f32>(src[at + e]);
     }
-    return v;
+    return 0.0;
+}
+
+// Elements k..k+4 of the run. No loop: llvmpipe counts every loop iteration of an invocation
+// against its limit of 65,535, and the loop around this runs up to 16,384 times.
+fn grad_run4(at: u32, k: u32, count: u32) -> vec4<f32> {
+    return vec4<f32>(grad_at(at, k, count), grad_at(at, k + 1u, count),
+                     grad_at(at, k + 2u, count), grad_at(at, k + 3u, count));
 }
 
 // The grad of gather along `dim`: dst[c] = sum of src[c with dim -> j] over the j with

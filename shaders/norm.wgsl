@@ -2,7 +2,9 @@
 // (src/ops/norm.rs). x, the out grad and every output are contiguous [rows, len]. Rows are
 // read four features at a time: with ALIGNED (len and every offset multiples of 4) as one
 // vec4 load each, else element by element, zero past the row's end. (Element loads cost a
-// lane loop each on CPU adapters: vec4 reads made the forward of [768, 128] 1.5x faster.)
+// lane loop each on CPU adapters.)
+// No loop inside a row's loops: llvmpipe counts every loop iteration of an invocation against
+// its limit of 65,535, and rows run to FUSED_MAX_LEN (16,384) elements in up to three passes.
 
 const ALIGNED: bool = NORM_ALIGNED;
 
@@ -38,8 +40,17 @@ fn x4(at: u32, end: u32) -> vec4<f32> {
         return x[at / 4u];
     }
     var v = vec4<f32>(0.0);
-    for (var e = 0u; e < min(4u, end - at); e = e + 1u) {
-        v[e] = x[(at + e) / 4u][(at + e) % 4u];
+    if (at < end) {
+        v.x = x[at / 4u][at % 4u];
+    }
+    if (at + 1u < end) {
+        v.y = x[(at + 1u) / 4u][(at + 1u) % 4u];
+    }
+    if (at + 2u < end) {
+        v.z = x[(at + 2u) / 4u][(at + 2u) % 4u];
+    }
+    if (at + 3u < end) {
+        v.w = x[(at + 3u) / 4u][(at + 3u) % 4u];
     }
     return v;
 }
@@ -49,8 +60,17 @@ fn weight4(at: u32, end: u32) -> vec4<f32> {
         return weight[at / 4u];
     }
     var v = vec4<f32>(0.0);
-    for (var e = 0u; e < min(4u, end - at); e = e + 1u) {
-        v[e] = weight[(at + e) / 4u][(at + e) % 4u];
+    if (at < end) {
+        v.x = weight[at / 4u][at % 4u];
+    }
+    if (at + 1u < end) {
+        v.y = weight[(at + 1u) / 4u][(at + 1u) % 4u];
+    }
+    if (at + 2u < end) {
+        v.z = weight[(at + 2u) / 4u][(at + 2u) % 4u];
+    }
+    if (at + 3u < end) {
+        v.w = weight[(at + 3u) / 4u][(at + 3u) % 4u];
     }
     return v;
 }
@@ -60,8 +80,17 @@ fn bias4(at: u32, end: u32) -> vec4<f32> {
         return bias[at / 4u];
     }
     var v = vec4<f32>(0.0);
-    for (var e = 0u; e < min(4u, end - at); e = e + 1u) {
-        v[e] = bias[(at + e) / 4u][(at + e) % 4u];
+    if (at < end) {
+        v.x = bias[at / 4u][at % 4u];
+    }
+    if (at + 1u < end) {
+        v.y = bias[(at + 1u) / 4u][(at + 1u) % 4u];
+    }
+    if (at + 2u < end) {
+        v.z = bias[(at + 2u) / 4u][(at + 2u) % 4u];
+    }
+    if (at + 3u < end) {
+        v.w = bias[(at + 3u) / 4u][(at + 3u) % 4u];
     }
     return v;
 }
@@ -71,8 +100,17 @@ fn grad4(at: u32, end: u32) -> vec4<f32> {
         return grad[at / 4u];
     }
     var v = vec4<f32>(0.0);
-    for (var e = 0u; e < min(4u, end - at); e = e + 1u) {
-        v[e] = grad[(at + e) / 4u][(at + e) % 4u];
+    if (at < end) {
+        v.x = grad[at / 4u][at % 4u];
+    }
+    if (at + 1u < end) {
+        v.y = grad[(at + 1u) / 4u][(at + 1u) % 4u];
+    }
+    if (at + 2u < end) {
+        v.z = grad[(at + 2u) / 4u][(at + 2u) % 4u];
+    }
+    if (at + 3u < end) {
+        v.w = grad[(at + 3u) / 4u][(at + 3u) % 4u];
     }
     return v;
 }
@@ -122,8 +160,16 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         let b = bias4(b_at + 4u * c, b_at + len);
         let y = (x4(base + 4u * c, end) - mean) * rstd * w + b;
         let o = row * len + 4u * c;
-        for (var e = 0u; e < lanes(c, len); e = e + 1u) {
-            store1(o + e, y[e]);
+        let n = lanes(c, len);
+        store1(o, y.x);
+        if (n > 1u) {
+            store1(o + 1u, y.y);
+        }
+        if (n > 2u) {
+            store1(o + 2u, y.z);
+        }
+        if (n > 3u) {
+            store1(o + 3u, y.w);
         }
     }
     stats[2u * row] = mean;
@@ -157,8 +203,16 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         sum_gw_xhat = sum_gw_xhat + gw * xhat;
         let gx = g * xhat;
         let o = row * len + 4u * c;
-        for (var e = 0u; e < lanes(c, len); e = e + 1u) {
-            grad_xhat[o + e] = gx[e];
+        let n = lanes(c, len);
+        grad_xhat[o] = gx.x;
+        if (n > 1u) {
+            grad_xhat[o + 1u] = gx.y;
+        }
+        if (n > 2u) {
+            grad_xhat[o + 2u] = gx.z;
+        }
+        if (n > 3u) {
+            grad_xhat[o + 3u] = gx.w;
         }
     }
     let mean_gw = sum4(sum_gw) / f32(len);
@@ -168,8 +222,16 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
         let dx = rstd * (gw - mean_gw - xhat * mean_gw_xhat);
         let o = row * len + 4u * c;
-        for (var e = 0u; e < lanes(c, len); e = e + 1u) {
-            out[o + e] = dx[e];
+        let n = lanes(c, len);
+        out[o] = dx.x;
+        if (n > 1u) {
+            out[o + 1u] = dx.y;
+        }
+        if (n > 2u) {
+            out[o + 2u] = dx.z;
+        }
+        if (n > 3u) {
+            out[o + 3u] = dx.w;
         }
     }
 }

@@ -235,9 +235,18 @@ fn layer_norm_reference(x: &[f32], len: usize, w: &[f32], b: &[f32]) -> Vec<f64>
 fn layer_norm_reads_rows_whole_or_element_by_element_alike() {
     let _s = serial();
     // Rows of 8 from offset 0 and 8 (read four at a time), from offset 5 (element by element),
-    // and rows of 131 (not a multiple of 4).
-    let (flat, data) = random_tensor(&[5 + 6 * 131], 21);
-    for (offset, rows, len) in [(0, 6, 8), (8, 5, 8), (5, 6, 8), (0, 6, 131)] {
+    // rows of 131 (not a multiple of 4), and the longest rows the fused kernels take, either
+    // way (their loops stay under llvmpipe's 65,535 iterations per invocation).
+    let (flat, data) = random_tensor(&[5 + 2 * 16_384], 21);
+    let cases = [
+        (0, 6, 8),
+        (8, 5, 8),
+        (5, 6, 8),
+        (0, 6, 131),
+        (0, 2, 16_384),
+        (1, 2, 16_383),
+    ];
+    for (offset, rows, len) in cases {
         let x = flat
             .narrow(0, offset, rows * len)
             .unwrap()
