@@ -84,41 +84,40 @@ fn copy_start(i: u32, l: CopyLayout) -> CopyAt {
 }
 
 // `at` moved 8 elements on: the innermost coordinate steps by 8, each time it passes the end
-// of its dim one is carried into the next dim out, and so on outwards. No division.
+// of its dim one is carried into the next dim out, and so on outwards. No division. A
+// coordinate other than the innermost reaches its dim's size only right after a carry into
+// it, so each outer dim is checked once, in order.
 fn copy_step(prev: CopyAt, l: CopyLayout) -> CopyAt {
     var at = prev;
     at.c[5] = at.c[5] + 8u;
     at.src = at.src + 8u * l.src[5];
     at.dst = at.dst + 8u * l.dst[5];
     for (var guard = 0u; guard < rolled(8u) && at.c[5] >= l.shape[5]; guard = guard + 1u) {
-        at.c[5] = at.c[5] - l.shape[5];
-        at.src = at.src - l.shape[5] * l.src[5] + l.src[4];
-        at.dst = at.dst - l.shape[5] * l.dst[5] + l.dst[4];
-        at.c[4] = at.c[4] + 1u;
+        at = carry(at, l, 5u);
         if (at.c[4] == l.shape[4]) {
-            at.c[4] = 0u;
-            at.src = at.src - l.shape[4] * l.src[4] + l.src[3];
-            at.dst = at.dst - l.shape[4] * l.dst[4] + l.dst[3];
-            at.c[3] = at.c[3] + 1u;
-            if (at.c[3] == l.shape[3]) {
-                at.c[3] = 0u;
-                at.src = at.src - l.shape[3] * l.src[3] + l.src[2];
-                at.dst = at.dst - l.shape[3] * l.dst[3] + l.dst[2];
-                at.c[2] = at.c[2] + 1u;
-                if (at.c[2] == l.shape[2]) {
-                    at.c[2] = 0u;
-                    at.src = at.src - l.shape[2] * l.src[2] + l.src[1];
-                    at.dst = at.dst - l.shape[2] * l.dst[2] + l.dst[1];
-                    at.c[1] = at.c[1] + 1u;
-                    if (at.c[1] == l.shape[1]) {
-                        at.c[1] = 0u;
-                        at.src = at.src - l.shape[1] * l.src[1] + l.src[0];
-                        at.dst = at.dst - l.shape[1] * l.dst[1] + l.dst[0];
-                        at.c[0] = at.c[0] + 1u;
-                    }
-                }
-            }
+            at = carry(at, l, 4u);
+        }
+        if (at.c[3] == l.shape[3]) {
+            at = carry(at, l, 3u);
+        }
+        if (at.c[2] == l.shape[2]) {
+            at = carry(at, l, 2u);
+        }
+        if (at.c[1] == l.shape[1]) {
+            at = carry(at, l, 1u);
         }
     }
+    return at;
+}
+
+// `at` with one whole run of dim `k` (1 to 5) taken off and one step of dim k - 1 added.
+// Called with constant `k` only: once inlined, every index is constant and the coordinates
+// stay in registers.
+fn carry(prev: CopyAt, l: CopyLayout, k: u32) -> CopyAt {
+    var at = prev;
+    at.c[k] = at.c[k] - l.shape[k];
+    at.c[k - 1u] = at.c[k - 1u] + 1u;
+    at.src = at.src - l.shape[k] * l.src[k] + l.src[k - 1u];
+    at.dst = at.dst - l.shape[k] * l.dst[k] + l.dst[k - 1u];
     return at;
 }

@@ -34,85 +34,43 @@ fn inside(at: u32, end: u32) -> vec4<bool> {
     return vec4<u32>(at) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(end);
 }
 
-// Elements at..at+4 of x (weight, bias, the out grad), zero from `end` on.
+// Elements at..at+4 of x (weight, bias, the out grad), zero from `end` on. Elements past the
+// end are read and dropped (WGSL defines a read past a binding: some element of it, or 0),
+// with no branch or loop per element (see above).
 fn x4(at: u32, end: u32) -> vec4<f32> {
     if (ALIGNED) {
         return x[at / 4u];
     }
-    var v = vec4<f32>(0.0);
-    if (at < end) {
-        v.x = x[at / 4u][at % 4u];
-    }
-    if (at + 1u < end) {
-        v.y = x[(at + 1u) / 4u][(at + 1u) % 4u];
-    }
-    if (at + 2u < end) {
-        v.z = x[(at + 2u) / 4u][(at + 2u) % 4u];
-    }
-    if (at + 3u < end) {
-        v.w = x[(at + 3u) / 4u][(at + 3u) % 4u];
-    }
-    return v;
+    let v = vec4<f32>(x[at / 4u][at % 4u], x[(at + 1u) / 4u][(at + 1u) % 4u],
+                      x[(at + 2u) / 4u][(at + 2u) % 4u], x[(at + 3u) / 4u][(at + 3u) % 4u]);
+    return select(vec4<f32>(0.0), v, inside(at, end));
 }
 
 fn weight4(at: u32, end: u32) -> vec4<f32> {
     if (ALIGNED) {
         return weight[at / 4u];
     }
-    var v = vec4<f32>(0.0);
-    if (at < end) {
-        v.x = weight[at / 4u][at % 4u];
-    }
-    if (at + 1u < end) {
-        v.y = weight[(at + 1u) / 4u][(at + 1u) % 4u];
-    }
-    if (at + 2u < end) {
-        v.z = weight[(at + 2u) / 4u][(at + 2u) % 4u];
-    }
-    if (at + 3u < end) {
-        v.w = weight[(at + 3u) / 4u][(at + 3u) % 4u];
-    }
-    return v;
+    let v = vec4<f32>(weight[at / 4u][at % 4u], weight[(at + 1u) / 4u][(at + 1u) % 4u],
+                      weight[(at + 2u) / 4u][(at + 2u) % 4u], weight[(at + 3u) / 4u][(at + 3u) % 4u]);
+    return select(vec4<f32>(0.0), v, inside(at, end));
 }
 
 fn bias4(at: u32, end: u32) -> vec4<f32> {
     if (ALIGNED) {
         return bias[at / 4u];
     }
-    var v = vec4<f32>(0.0);
-    if (at < end) {
-        v.x = bias[at / 4u][at % 4u];
-    }
-    if (at + 1u < end) {
-        v.y = bias[(at + 1u) / 4u][(at + 1u) % 4u];
-    }
-    if (at + 2u < end) {
-        v.z = bias[(at + 2u) / 4u][(at + 2u) % 4u];
-    }
-    if (at + 3u < end) {
-        v.w = bias[(at + 3u) / 4u][(at + 3u) % 4u];
-    }
-    return v;
+    let v = vec4<f32>(bias[at / 4u][at % 4u], bias[(at + 1u) / 4u][(at + 1u) % 4u],
+                      bias[(at + 2u) / 4u][(at + 2u) % 4u], bias[(at + 3u) / 4u][(at + 3u) % 4u]);
+    return select(vec4<f32>(0.0), v, inside(at, end));
 }
 
 fn grad4(at: u32, end: u32) -> vec4<f32> {
     if (ALIGNED) {
         return grad[at / 4u];
     }
-    var v = vec4<f32>(0.0);
-    if (at < end) {
-        v.x = grad[at / 4u][at % 4u];
-    }
-    if (at + 1u < end) {
-        v.y = grad[(at + 1u) / 4u][(at + 1u) % 4u];
-    }
-    if (at + 2u < end) {
-        v.z = grad[(at + 2u) / 4u][(at + 2u) % 4u];
-    }
-    if (at + 3u < end) {
-        v.w = grad[(at + 3u) / 4u][(at + 3u) % 4u];
-    }
-    return v;
+    let v = vec4<f32>(grad[at / 4u][at % 4u], grad[(at + 1u) / 4u][(at + 1u) % 4u],
+                      grad[(at + 2u) / 4u][(at + 2u) % 4u], grad[(at + 3u) / 4u][(at + 3u) % 4u]);
+    return select(vec4<f32>(0.0), v, inside(at, end));
 }
 
 // How many of elements 4c..4c+4 lie in a row of `len`.

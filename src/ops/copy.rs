@@ -45,10 +45,19 @@ static FILL: ShaderFamily = ShaderFamily {
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![
-        ("copy".into(), COPY.source(&[("WORD", "u32")])),
-        ("copy vec4".into(), COPY.source(&[("WORD", "vec4<u32>")])),
+        ("copy".into(), copy_source(WORDS)),
+        ("copy vec4".into(), copy_source(GROUPS_OF_FOUR)),
         ("fill".into(), FILL.source(&[])),
     ]
+}
+
+/// The copy kernel's units: 32-bit words, or groups of four where the layout allows.
+const WORDS: &str = "u32";
+const GROUPS_OF_FOUR: &str = "vec4<u32>";
+
+/// The copy module moving `word`s (`WORDS` or `GROUPS_OF_FOUR`).
+fn copy_source(word: &str) -> String {
+    COPY.source(&[("WORD", word)])
 }
 
 /// Copies the elements of `src` (any layout) into `dst`'s storage at layout `dst_layout`.
@@ -71,8 +80,8 @@ pub(crate) fn copy_into(
         src.shape(),
         &[&src.layout().strides, &dst_layout.strides],
     )?;
-    let words = || COPY.source(&[("WORD", "u32")]);
-    let groups_of_four = || COPY.source(&[("WORD", "vec4<u32>")]);
+    let words = || copy_source(WORDS);
+    let groups_of_four = || copy_source(GROUPS_OF_FOUR);
     let kernel = Kernel::specialised(&COPY, "strided_copy", "u32", &words);
     let params = |first: usize, len: usize, dst_offset: usize| CopyParams {
         n: len as u32,

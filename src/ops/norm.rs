@@ -34,12 +34,24 @@ static NORM: ShaderFamily = ShaderFamily {
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![
-        ("norm".into(), NORM.source(&[("NORM_ALIGNED", "false")])),
-        (
-            "norm aligned".into(),
-            NORM.source(&[("NORM_ALIGNED", "true")]),
-        ),
+        ("norm".into(), norm_source(false)),
+        ("norm aligned".into(), norm_source(true)),
     ]
+}
+
+/// The module whose kernels read rows as one vec4 per four features (`aligned`: the row
+/// length and every offset are multiples of 4) or element by element.
+fn norm_source(aligned: bool) -> String {
+    NORM.source(&[("NORM_ALIGNED", if aligned { "true" } else { "false" })])
+}
+
+/// The pipeline-key name of [`norm_source`]'s specialisation.
+fn norm_variant(aligned: bool) -> &'static str {
+    if aligned {
+        "aligned"
+    } else {
+        "elements"
+    }
 }
 
 /// Longest row the fused kernels take (each walks a row in three passes at most).
@@ -115,9 +127,7 @@ impl Tensor {
             && [&x, &weight_c, &bias_c]
                 .iter()
                 .all(|t| t.layout().offset % 4 == 0);
-        let variant = if aligned { "aligned" } else { "elements" };
-        let source =
-            move || NORM.source(&[("NORM_ALIGNED", if aligned { "true" } else { "false" })]);
+        let source = move || norm_source(aligned);
         if rows > 0 && len > 0 {
             let bound = [
                 (1, &x),
@@ -126,7 +136,7 @@ impl Tensor {
                 (4, &out),
                 (5, &stats),
             ];
-            let kernel = Kernel::specialised(&NORM, "forward", variant, &source);
+            let kernel = Kernel::specialised(&NORM, "forward", norm_variant(aligned), &source);
             let site = || {
                 Fusion::Epilogue(EpilogueSite {
                     entry: "forward",
@@ -146,9 +156,7 @@ impl Tensor {
                 let grad_x = Tensor::empty(OP, x.shape(), DType::F32, dev)?;
                 let grad_xhat = Tensor::empty(OP, &[rows, len], DType::F32, dev)?;
                 let aligned = aligned && g.layout().offset % 4 == 0;
-                let variant = if aligned { "aligned" } else { "elements" };
-                let source =
-                    || NORM.source(&[("NORM_ALIGNED", if aligned { "true" } else { "false" })]);
+                let source = || norm_source(aligned);
                 if rows > 0 && len > 0 {
                     let params = NormParams {
                         grad_offset: g.layout().offset as u32,
@@ -162,6 +170,7 @@ impl Tensor {
                         (6, &g),
                         (7, &grad_xhat),
                     ];
+                    let variant = norm_variant(aligned);
                     let kernel = Kernel::specialised(&NORM, "backward", variant, &source);
                     launch_at(OP, &kernel, &bound, &params, groups(rows, NORM_WORKGROUP))?;
                 }
