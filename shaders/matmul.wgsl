@@ -4,7 +4,7 @@
 //
 // Three kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
 // uses no workgroup memory or barriers (software adapters run barriers as coroutine switches,
-// so this wins there); `register_tiled_tall` keeps 16x4 with the A loads shared by 8-wide
+// so this wins there); `register_tiled_tall` keeps 32x4 with the A loads shared by 8-wide
 // subgroups (software adapters with subgroups); `shared_tiled` stages 64x16 panels of A and B
 // in workgroup memory (what GPUs want).
 //
@@ -197,15 +197,16 @@ fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
     return vec4<f32>(a_at(o), a_at(o + cs), a_at(o + 2u * cs), a_at(o + 3u * cs));
 }
 
-// 16 rows x 128 columns per workgroup, on 8-wide subgroups: each subgroup shares the 16 rows,
-// whose A blocks its 8 lanes load together (two vec4 per lane per step of 4 along k), and
-// invocation `lid` owns 4 columns from col0 + 4 lid (one 4x4 block of B per step). Per
-// multiply-add that is two thirds of register_tiled's loads, which is what software adapters
-// pay for.
+// 32 rows x 128 columns per workgroup, on 8-wide subgroups: each subgroup shares the 32 rows,
+// whose A blocks its 8 lanes load together (four vec4 per lane per step of 4 along k), and
+// invocation `lid` owns 4 columns from col0 + 4 lid (one 4x4 block of B per step). A software
+// adapter runs each load as a loop over the SIMD group's lanes, so loads, not multiply-adds,
+// bound this kernel: per step it does 512 multiply-adds per lane for 8 vec4 loads (16 rows did
+// 256 for 6, and ran 15 to 25 % slower; 64 rows spill more accumulators than they save).
 @compute @workgroup_size(32)
 fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
-    let t = tile_of(wid, nwg, 16u, 128u);
+    let t = tile_of(wid, nwg, 32u, 128u);
     if (t.batch >= pu(MATMUL_BATCHES)) {
         return;
     }
@@ -222,40 +223,79 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let col = t.col0 + lid * 4u;
     let cols = cols_from(col);
     let b_at = b_base + cols.x * b_cs;
-    let a_lo = a_lane_at_A_MODE(a_base, t.row0, lane);
-    let a_hi = a_lane_at_A_MODE(a_base, t.row0 + 8u, lane);
+    let a_0 = a_lane_at_A_MODE(a_base, t.row0, lane);
+    let a_8 = a_lane_at_A_MODE(a_base, t.row0 + 8u, lane);
+    let a_16 = a_lane_at_A_MODE(a_base, t.row0 + 16u, lane);
+    let a_24 = a_lane_at_A_MODE(a_base, t.row0 + 24u, lane);
     var acc0 = mat4x4<f32>(); // rows row0 .. row0 + 4
     var acc1 = mat4x4<f32>();
     var acc2 = mat4x4<f32>();
     var acc3 = mat4x4<f32>();
+    var acc4 = mat4x4<f32>();
+    var acc5 = mat4x4<f32>();
+    var acc6 = mat4x4<f32>();
+    var acc7 = mat4x4<f32>();
     let k_main = k_len - k_len % 4u;
     for (var k = 0u; k < k_main; k = k + 4u) {
-        let lo = a_blocks_A_MODE(a_lane_load_A_MODE(a_lo, k, a_cs));
-        let hi = a_blocks_A_MODE(a_lane_load_A_MODE(a_hi, k, a_cs));
         let b_blk = b_block_B_MODE(b_at + k * b_rs, cols, b_rs, b_cs);
-        acc0 = acc0 + lo.lo * b_blk;
-        acc1 = acc1 + lo.hi * b_blk;
-        acc2 = acc2 + hi.lo * b_blk;
-        acc3 = acc3 + hi.hi * b_blk;
+        let p0 = a_blocks_A_MODE(a_lane_load_A_MODE(a_0, k, a_cs));
+        acc0 = acc0 + p0.lo * b_blk;
+        acc1 = acc1 + p0.hi * b_blk;
+        let p1 = a_blocks_A_MODE(a_lane_load_A_MODE(a_8, k, a_cs));
+        acc2 = acc2 + p1.lo * b_blk;
+        acc3 = acc3 + p1.hi * b_blk;
+        let p2 = a_blocks_A_MODE(a_lane_load_A_MODE(a_16, k, a_cs));
+        acc4 = acc4 + p2.lo * b_blk;
+        acc5 = acc5 + p2.hi * b_blk;
+        let p3 = a_blocks_A_MODE(a_lane_load_A_MODE(a_24, k, a_cs));
+        acc6 = acc6 + p3.lo * b_blk;
+        acc7 = acc7 + p3.hi * b_blk;
     }
     for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
         acc0 = acc0 + outer_at(a_base, b_base, k, rows_from(t.row0), cols);
         acc1 = acc1 + outer_at(a_base, b_base, k, rows_from(t.row0 + 4u), cols);
         acc2 = acc2 + outer_at(a_base, b_base, k, rows_from(t.row0 + 8u), cols);
         acc3 = acc3 + outer_at(a_base, b_base, k, rows_from(t.row0 + 12u), cols);
+        acc4 = acc4 + outer_at(a_base, b_base, k, rows_from(t.row0 + 16u), cols);
+        acc5 = acc5 + outer_at(a_base, b_base, k, rows_from(t.row0 + 20u), cols);
+        acc6 = acc6 + outer_at(a_base, b_base, k, rows_from(t.row0 + 24u), cols);
+        acc7 = acc7 + outer_at(a_base, b_base, k, rows_from(t.row0 + 28u), cols);
     }
-    // Transposed, column i of each accumulator is one output row's 4 columns.
+    // Transposed, column i of each accumulator is one output row's 4 columns. The 32 rows are
+    // stored by one rolled loop that picks its row with selects: an unrolled store per row
+    // compiled into twice the code (llvmpipe compiles every store into a loop over lanes).
     let r0 = transpose(acc0);
     let r1 = transpose(acc1);
     let r2 = transpose(acc2);
     let r3 = transpose(acc3);
+    let r4 = transpose(acc4);
+    let r5 = transpose(acc5);
+    let r6 = transpose(acc6);
+    let r7 = transpose(acc7);
     let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
-    for (var i = 0u; i < 4u; i = i + 1u) {
-        store_row(base, t.row0 + i, col, r0[i]);
-        store_row(base, t.row0 + 4u + i, col, r1[i]);
-        store_row(base, t.row0 + 8u + i, col, r2[i]);
-        store_row(base, t.row0 + 12u + i, col, r3[i]);
+    for (var i = 0u; i < rolled(32u); i = i + 1u) {
+        let blk = i / 4u;
+        var c: mat4x4<f32> = r0;
+        c = pick(c, r1, blk == 1u);
+        c = pick(c, r2, blk == 2u);
+        c = pick(c, r3, blk == 3u);
+        c = pick(c, r4, blk == 4u);
+        c = pick(c, r5, blk == 5u);
+        c = pick(c, r6, blk == 6u);
+        c = pick(c, r7, blk == 7u);
+        let q = i % 4u;
+        var v = c[0];
+        v = select(v, c[1], q == 1u);
+        v = select(v, c[2], q == 2u);
+        v = select(v, c[3], q == 3u);
+        store_row(base, t.row0 + i, col, v);
     }
+}
+
+// `b` where `take`, else `a`, column by column.
+fn pick(a: mat4x4<f32>, b: mat4x4<f32>, take: bool) -> mat4x4<f32> {
+    return mat4x4<f32>(select(a[0], b[0], take), select(a[1], b[1], take),
+                       select(a[2], b[2], take), select(a[3], b[3], take));
 }
 
 // SUBGROUP SECTION END

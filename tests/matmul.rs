@@ -186,8 +186,10 @@ fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
     // Row-major and transposed storage for each operand, at sizes that allow four-wide reads
     // (multiples of 4 and 8) and at ragged ones, with a k that leaves a remainder of 4, and
     // with four-wide reads of A but an N that is not a multiple of 4 (ragged output rows; wide
-    // enough, or M small enough, that the product is not computed transposed).
+    // enough, or M small enough, that the product is not computed transposed), and with an M
+    // that leaves the last tile of 32 rows mostly empty (72: its last 24 rows clamped).
     for (batch, m, k, n) in [
+        (2, 72, 20, 36),
         (1, 16, 12, 20),
         (2, 24, 9, 36),
         (1, 40, 64, 12),

@@ -181,7 +181,7 @@ struct KernelChoice {
 /// The kernel for this device and these operand layouts. GPUs stage panels in workgroup
 /// memory. Software adapters keep the outputs in registers and pay per load: where subgroups
 /// are 8 wide (one SIMD group), the A loads are shared across the subgroup and each invocation
-/// keeps 16 x 4 outputs (a third fewer loads per multiply-add than 8 x 8); otherwise each
+/// keeps 32 x 4 outputs (a quarter of the loads per multiply-add of 8 x 8); otherwise each
 /// invocation loads its own A and keeps 8 x 8.
 fn kernel_for(device: &Device, a: AMode, b: BMode) -> KernelChoice {
     let spec = |a, b, subgroups| Specialisation {
@@ -194,13 +194,13 @@ fn kernel_for(device: &Device, a: AMode, b: BMode) -> KernelChoice {
     match device.kernel_flavor() {
         KernelFlavor::Gpu => KernelChoice {
             entry: "shared_tiled",
-            tile_rows: 64,
+            tile_rows: 32,
             tile_cols: 64,
             spec: spec(AMode::Any, BMode::Any, false),
         },
         KernelFlavor::Cpu if device.subgroup_size() == Some(8) => KernelChoice {
             entry: "register_tiled_tall",
-            tile_rows: 16,
+            tile_rows: 32,
             tile_cols: 128,
             spec: spec(a, b, true),
         },
