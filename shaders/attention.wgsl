@@ -382,3 +382,132 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         }
     }
 }
+
+// SUBGROUP SECTION BEGIN: kept only where the device has 8-wide subgroups.
+//
+// The `*_shared` entries do what the entries above do, for a subgroup of 8 invocations that
+// own 8 consecutive rows of one head (the host picks them where a head's rows come in whole
+// 8s). All 8 then read the same rows of the other side, so each row is loaded once per
+// subgroup: lane l loads feature group g + l of it and subgroupBroadcast hands every lane all
+// 8 groups. A software adapter runs each load as a loop over the lanes, so this is 8x fewer
+// loads. The subgroup loops over the union of its rows' ranges (the lanes stay together for
+// the broadcasts), and each row skips what lies outside its own. Row arrays are padded to
+// whole 8s of feature groups (zero past the row), so a group's 8 terms need no bounds.
+
+const D8: u32 = (D4 + 7u) / 8u * 8u;
+const DV8: u32 = (DV4 + 7u) / 8u * 8u;
+
+// Writes the first `n` features of `value` to o from element `at` (one vec4 where aligned).
+fn store_out(at: u32, value: vec4<f32>, n: u32) {
+    if (ALIGNED) {
+        o[at / 4u] = value;
+        return;
+    }
+    for (var e = 0u; e < n; e = e + 1u) {
+        o[(at + e) / 4u][(at + e) % 4u] = value[e];
+    }
+}
+
+// The 8 feature groups g .. g + 8 of a row, from one vec4 per lane (lane l loaded g + l).
+fn groups8(mine: vec4<f32>) -> array<vec4<f32>, 8> {
+    return array<vec4<f32>, 8>(subgroupBroadcast(mine, 0u), subgroupBroadcast(mine, 1u),
+                               subgroupBroadcast(mine, 2u), subgroupBroadcast(mine, 3u),
+                               subgroupBroadcast(mine, 4u), subgroupBroadcast(mine, 5u),
+                               subgroupBroadcast(mine, 6u), subgroupBroadcast(mine, 7u));
+}
+
+// The feature group a lane loads for groups g .. g + 8 of a row of `n4` groups (the last one
+// again past the row's end; those lanes' groups meet only zero padding).
+fn lane_group(g: u32, lane: u32, n4: u32) -> u32 {
+    return min(g + lane, n4 - 1u);
+}
+
+// Sums of dot(row[g + i], other[i]) over one group of 8.
+fn dot8(a: array<vec4<f32>, 8>, b: array<vec4<f32>, 8>) -> f32 {
+    return dot(a[0], b[0]) + dot(a[1], b[1]) + dot(a[2], b[2]) + dot(a[3], b[3]) +
+           dot(a[4], b[4]) + dot(a[5], b[5]) + dot(a[6], b[6]) + dot(a[7], b[7]);
+}
+
+@compute @workgroup_size(64)
+fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    let owned = owned_row(wid, nwg, lid);
+    // Rows come in whole 8s, so whole subgroups leave here.
+    if (!owned.valid) {
+        return;
+    }
+    let rows = pu(ATTENTION_ROWS);
+    let splits = pu(ATTENTION_SPLITS);
+    let row = owned.row;
+    let s = owned.split;
+    let t_q = pu(ATTENTION_T_Q);
+    let h = row / t_q;
+    let i = row % t_q;
+    let d = pu(ATTENTION_D);
+    let d4 = (d + 3u) / 4u;
+    let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
+    let scale = pf(ATTENTION_SCALE);
+    let q_at = row_start(h, i, ATTENTION_Q_LAYOUT);
+    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
+    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
+    var query: array<vec4<f32>, D8>;
+    for (var c = 0u; c < D8; c = c + 1u) {
+        query[c] = select(vec4<f32>(0.0), q4(q_at, min(c, d4 - 1u), d) * scale, c < d4);
+    }
+    var acc: array<vec4<f32>, DV8>;
+    var m = bitcast<f32>(0xff800000u);
+    var l = 0.0;
+    let keys = key_range(i, s);
+    // The subgroup's first row starts earliest and its last ends latest.
+    let first = i - i % 8u;
+    let shared_keys = vec2<u32>(key_range(first, s).x, key_range(first + 7u, s).y);
+    for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
+        let live = j >= keys.x && j < keys.y;
+        let k_row = k_head + j * k_rs;
+        var score = 0.0;
+        for (var g = 0u; g < D8; g = g + 8u) {
+            let kg = groups8(k4(k_row, lane_group(g, lane, d4), d));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                score = score + dot(query[g + e], kg[e]);
+            }
+        }
+        let m_new = select(m, max(m, score), live);
+        let correction = select(1.0, exp(m - m_new), live);
+        let p = select(0.0, exp(score - m_new), live);
+        l = l * correction + p;
+        let v_row = v_head + j * v_rs;
+        for (var g = 0u; g < DV8; g = g + 8u) {
+            let vg = groups8(v4(v_row, lane_group(g, lane, dv4), dv));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                acc[g + e] = acc[g + e] * correction + p * vg[e];
+            }
+        }
+        m = m_new;
+    }
+    let out_base = (s * rows + row) * dv;
+    var inv = 1.0;
+    if (splits == 1u) {
+        inv = select(0.0, 1.0 / l, l > 0.0);
+    }
+    // A rolled loop that picks its group with selects: the array stays in registers and the
+    // stores are compiled once, not once per group.
+    for (var c = 0u; c < dv4; c = c + 1u) {
+        var value = acc[0];
+        for (var e = 1u; e < DV8; e = e + 1u) {
+            value = select(value, acc[e], c == e);
+        }
+        store_out(out_base + 4u * c, value * inv, lanes(c, dv));
+    }
+    if (splits == 1u) {
+        stats[2u * row] = m + log(l);
+        stats[2u * row + 1u] = 0.0;
+    } else {
+        stats[2u * (s * rows + row)] = m;
+        stats[2u * (s * rows + row) + 1u] = l;
+    }
+}
+
+// SUBGROUP SECTION END

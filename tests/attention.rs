@@ -136,6 +136,23 @@ fn sdpa_matches_cpu_reference_causal_and_not() {
     check_against_reference(1, 3, 4, 256, 4, false); // the widest head
 }
 
+/// Where a head's rows come in whole 8s, adapters with 8-wide subgroups run kernels whose 8
+/// invocations own 8 rows of one head and load each row of the other side once between them.
+/// These shapes take them: causal (each subgroup loops over the union of its rows' ranges),
+/// Tq != Tk, heads past 8 feature groups (D 36: two groups of 8, the second padded), ragged
+/// features, and a forward split across invocations.
+#[test]
+fn sdpa_matches_cpu_reference_where_rows_come_in_eights() {
+    for causal in [false, true] {
+        check_against_reference(3, 16, 16, 8, 8, causal);
+        check_against_reference(2, 64, 64, 32, 32, causal);
+    }
+    check_against_reference(2, 8, 24, 36, 12, false);
+    check_against_reference(2, 24, 8, 5, 7, true);
+    check_against_reference(2, 16, 40, 8, 4, true);
+    check_against_reference(1, 8, 40_000, 4, 4, false);
+}
+
 /// Past about 6,000 keys (or queries) per row (fewer for wider heads) an invocation would run more loop iterations
 /// than llvmpipe allows; the loops are then split across invocations and the partial results
 /// joined. These shapes take the split path in the forward, the query grad and the key grads.

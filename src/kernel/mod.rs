@@ -85,6 +85,20 @@ impl ShaderFamily {
     }
 }
 
+/// `wgsl` without its SUBGROUP SECTION (the text between `// SUBGROUP SECTION BEGIN` and
+/// `// SUBGROUP SECTION END`): kernels that need the device's subgroup operations live there,
+/// and a module that names them does not compile where the device has none. wgpu enables the
+/// subgroup built-ins with the device feature (its WGSL front end does not take `enable
+/// subgroups;` yet).
+pub(crate) fn without_subgroup_section(wgsl: &str) -> String {
+    const BEGIN: &str = "// SUBGROUP SECTION BEGIN";
+    const END: &str = "// SUBGROUP SECTION END";
+    match (wgsl.find(BEGIN), wgsl.find(END)) {
+        (Some(begin), Some(end)) => format!("{}{}", &wgsl[..begin], &wgsl[end + END.len()..]),
+        _ => wgsl.to_string(),
+    }
+}
+
 /// One kernel: an entry point of a family, in one specialisation.
 pub(crate) struct Kernel<'a> {
     /// The family the entry point lives in.

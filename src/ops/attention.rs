@@ -3,8 +3,11 @@
 //! running max and sum per query row (online softmax) and saves each row's log-sum-exp, and
 //! the backward recomputes the scores from it. Device memory grows linearly in T.
 
+use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily};
+use crate::kernel::{
+    groups, launch_at, without_subgroup_section, Kernel, KernelParams, ShaderFamily,
+};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::merge_dims;
@@ -120,26 +123,53 @@ static ATTENTION: ShaderFamily = ShaderFamily {
 };
 
 /// The module for heads of `d` q/k features and `dv` v features, reading four features per
-/// load when `aligned`.
-fn source(d: usize, dv: usize, aligned: bool) -> String {
-    ATTENTION.source(&[
-        ("ALIGNED", if aligned { "true" } else { "false" }),
-        ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
-        ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
-    ])
+/// load when `aligned`, with the `*_shared` entries where the device has `subgroups` 8 wide.
+fn source(d: usize, dv: usize, aligned: bool, subgroups: bool) -> String {
+    let wgsl = if subgroups {
+        ATTENTION.wgsl.to_string()
+    } else {
+        without_subgroup_section(ATTENTION.wgsl)
+    };
+    ATTENTION.source_of(
+        &wgsl,
+        &[
+            ("ALIGNED", if aligned { "true" } else { "false" }),
+            ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
+            ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
+        ],
+    )
 }
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    [(32, 32, true), (6, 3, false), (256, 256, true)]
-        .iter()
-        .map(|&(d, dv, aligned)| {
-            (
-                format!("attention/{d}x{dv}/{aligned}"),
-                source(d, dv, aligned),
-            )
-        })
-        .collect()
+    let mut all = Vec::new();
+    for (d, dv, aligned) in [
+        (32, 32, true),
+        (6, 3, false),
+        (256, 256, true),
+        (64, 40, true),
+    ] {
+        for subgroups in [false, true] {
+            all.push((
+                format!("attention/{d}x{dv}/{aligned}/{subgroups}"),
+                source(d, dv, aligned, subgroups),
+            ));
+        }
+    }
+    all
+}
+
+/// Whether the device runs the `*_shared` entries: a CPU adapter with 8-wide subgroups, where
+/// a subgroup is one SIMD group whose loads are loops over its lanes.
+fn has_shared_entries(device: &Device) -> bool {
+    device.kernel_flavor() == KernelFlavor::Cpu && device.subgroup_size() == Some(8)
+}
+
+/// Whether an entry whose invocations own rows of heads of `rows_per_head` rows runs its
+/// `*_shared` version: where the device has one and a head's rows come in whole 8s, so that
+/// every subgroup owns 8 rows of one head (and of one split).
+fn shares_rows(device: &Device, rows_per_head: usize) -> bool {
+    has_shared_entries(device) && rows_per_head.is_multiple_of(8)
 }
 
 /// Runs `entry` with `bound` tensors, four features per load where `operands` allow.
@@ -151,11 +181,17 @@ fn run(
     params: &AttentionParams,
     invocations: usize,
 ) -> Result<()> {
+    let dev = bound[0].1.device();
     let aligned = s.d.is_multiple_of(4)
         && s.dv.is_multiple_of(4)
         && operands.iter().all(|layout| layout.aligned());
-    let specialise = || source(s.d, s.dv, aligned);
-    let variant = format!("{}x{}/{aligned}", s.d.div_ceil(4), s.dv.div_ceil(4));
+    let subgroups = has_shared_entries(dev);
+    let specialise = || source(s.d, s.dv, aligned, subgroups);
+    let variant = format!(
+        "{}x{}/{aligned}/{subgroups}",
+        s.d.div_ceil(4),
+        s.dv.div_ceil(4)
+    );
     let kernel = Kernel::specialised(&ATTENTION, entry, &variant, &specialise);
     let workgroups = groups(invocations, ATTENTION_WORKGROUP);
     launch_at(
@@ -288,15 +324,20 @@ fn forward(s: &Shape, ops: &Operands) -> Result<(Tensor, Tensor)> {
     let (span, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
     let params = s.params(rows, span, splits, &ops.layouts);
     let read = [lq, lk, lv];
+    let entry = if shares_rows(dev, s.t_q) {
+        "forward_shared"
+    } else {
+        "forward"
+    };
     if splits == 1 {
         let bound = [(1, q), (2, k), (3, v), (4, &out), (5, &stats)];
-        run("forward", &read, s, &bound, &params, rows)?;
+        run(entry, &read, s, &bound, &params, rows)?;
         return Ok((out, stats));
     }
     let partial = Tensor::empty(OP, &[splits, rows, s.dv], DType::F32, dev)?;
     let partial_stats = Tensor::empty(OP, &[splits, rows, 2], DType::F32, dev)?;
     let bound = [(1, q), (2, k), (3, v), (4, &partial), (5, &partial_stats)];
-    run("forward", &read, s, &bound, &params, rows * splits)?;
+    run(entry, &read, s, &bound, &params, rows * splits)?;
     let bound = [(2, &partial_stats), (3, &partial), (4, &out), (5, &stats)];
     run("combine", &[], s, &bound, &params, rows)?;
     Ok((out, stats))

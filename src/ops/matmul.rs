@@ -4,7 +4,8 @@
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    launch_fusible, rows_per_window, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
+    launch_fusible, rows_per_window, without_subgroup_section, Kernel, KernelParams, ShaderFamily,
+    MAX_LOOP_LEN,
 };
 use crate::ops::binary::sum_to_shape;
 use crate::ops::sum_over_chunks;
@@ -40,10 +41,6 @@ static MATMUL: ShaderFamily = ShaderFamily {
     wgsl: include_str!("../../shaders/matmul.wgsl"),
     params: &[&MatmulParams::LAYOUT],
 };
-
-/// The marks around the part of matmul.wgsl that needs subgroup operations.
-const SUBGROUP_BEGIN: &str = "// SUBGROUP SECTION BEGIN";
-const SUBGROUP_END: &str = "// SUBGROUP SECTION END";
 
 /// How the register kernels read A: a vec4 along k, a vec4 along m, or element by element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,14 +84,10 @@ fn source(spec: Specialisation) -> String {
         BMode::K => ("k", "false"),
         BMode::Any => ("any", "false"),
     };
-    // wgpu enables the subgroup built-ins with the device feature (its WGSL front end does not
-    // take `enable subgroups;` yet); without it the section must go.
     let wgsl = if spec.subgroups {
         MATMUL.wgsl.to_string()
     } else {
-        let begin = MATMUL.wgsl.find(SUBGROUP_BEGIN).expect("marked section");
-        let end = MATMUL.wgsl.find(SUBGROUP_END).expect("marked section") + SUBGROUP_END.len();
-        format!("{}{}", &MATMUL.wgsl[..begin], &MATMUL.wgsl[end..])
+        without_subgroup_section(MATMUL.wgsl)
     };
     let flag = |on: bool| if on { "true" } else { "false" };
     MATMUL.source_of(
