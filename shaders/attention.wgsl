@@ -510,4 +510,174 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
 }
 
+// The query grad, as backward_query, for a subgroup owning 8 query rows of one head.
+@compute @workgroup_size(64)
+fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    let owned = owned_row(wid, nwg, lid);
+    if (!owned.valid) {
+        return;
+    }
+    let row = owned.row;
+    let s = pu(ATTENTION_SPLIT);
+    let t_q = pu(ATTENTION_T_Q);
+    let h = row / t_q;
+    let i = row % t_q;
+    let d = pu(ATTENTION_D);
+    let d4 = (d + 3u) / 4u;
+    let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
+    let scale = pf(ATTENTION_SCALE);
+    let q_at = row_start(h, i, ATTENTION_Q_LAYOUT);
+    let o_at = row_start(h, i, ATTENTION_O_LAYOUT);
+    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
+    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
+    var query: array<vec4<f32>, D8>;
+    var grad: array<vec4<f32>, D8>;
+    for (var c = 0u; c < D8; c = c + 1u) {
+        query[c] = select(vec4<f32>(0.0), q4(q_at, min(c, d4 - 1u), d) * scale, c < d4);
+    }
+    var dout: array<vec4<f32>, DV8>;
+    for (var c = 0u; c < DV8; c = c + 1u) {
+        dout[c] = select(vec4<f32>(0.0), dout4(o_at, min(c, dv4 - 1u), dv), c < dv4);
+    }
+    let lse = stats[2u * row];
+    let delta = stats[2u * row + 1u];
+    let keys = key_range(i, s);
+    let first = i - i % 8u;
+    let shared_keys = vec2<u32>(key_range(first, s).x, key_range(first + 7u, s).y);
+    for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
+        let live = j >= keys.x && j < keys.y;
+        let k_row = k_head + j * k_rs;
+        let v_row = v_head + j * v_rs;
+        var score = 0.0;
+        for (var g = 0u; g < D8; g = g + 8u) {
+            let kg = groups8(k4(k_row, lane_group(g, lane, d4), d));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                score = score + dot(query[g + e], kg[e]);
+            }
+        }
+        var dp = 0.0;
+        for (var g = 0u; g < DV8; g = g + 8u) {
+            let vg = groups8(v4(v_row, lane_group(g, lane, dv4), dv));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                dp = dp + dot(dout[g + e], vg[e]);
+            }
+        }
+        let ds = select(0.0, exp(score - lse) * (dp - delta) * scale, live);
+        for (var g = 0u; g < D8; g = g + 8u) {
+            let kg = groups8(k4(k_row, lane_group(g, lane, d4), d));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                grad[g + e] = grad[g + e] + ds * kg[e];
+            }
+        }
+    }
+    for (var c = 0u; c < d4; c = c + 1u) {
+        var value = grad[0];
+        for (var e = 1u; e < D8; e = e + 1u) {
+            value = select(value, grad[e], c == e);
+        }
+        add_grad_a(row * d + 4u * c, value, lanes(c, d), s > 0u);
+    }
+}
+
+// The key and value grads, as backward_key, for a subgroup owning 8 key rows of one head.
+@compute @workgroup_size(64)
+fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    let owned = owned_row(wid, nwg, lid);
+    if (!owned.valid) {
+        return;
+    }
+    let row = owned.row;
+    let s = pu(ATTENTION_SPLIT);
+    let t_q = pu(ATTENTION_T_Q);
+    let t_k = pu(ATTENTION_T_K);
+    let h = row / t_k;
+    let j = row % t_k;
+    let d = pu(ATTENTION_D);
+    let d4 = (d + 3u) / 4u;
+    let dv = pu(ATTENTION_DV);
+    let dv4 = (dv + 3u) / 4u;
+    let scale = pf(ATTENTION_SCALE);
+    let k_at_row = row_start(h, j, ATTENTION_K_LAYOUT);
+    let v_at_row = row_start(h, j, ATTENTION_V_LAYOUT);
+    let q_head = head_start(h, ATTENTION_Q_LAYOUT);
+    let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
+    let o_head = head_start(h, ATTENTION_O_LAYOUT);
+    let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
+    var key: array<vec4<f32>, D8>;
+    var grad_key: array<vec4<f32>, D8>;
+    for (var c = 0u; c < D8; c = c + 1u) {
+        key[c] = select(vec4<f32>(0.0), k4(k_at_row, min(c, d4 - 1u), d) * scale, c < d4);
+    }
+    var value: array<vec4<f32>, DV8>;
+    var grad_value: array<vec4<f32>, DV8>;
+    for (var c = 0u; c < DV8; c = c + 1u) {
+        value[c] = select(vec4<f32>(0.0), v4(v_at_row, min(c, dv4 - 1u), dv), c < dv4);
+    }
+    let queries = query_range(j, s);
+    // The subgroup's first key row is attended to by the most queries (causal: from itself on).
+    let shared_queries = query_range(j - j % 8u, s);
+    for (var i = shared_queries.x; i < shared_queries.y; i = i + 1u) {
+        let live = i >= queries.x && i < queries.y;
+        let q_row = q_head + i * q_rs;
+        let o_row = o_head + i * o_rs;
+        let stat = 2u * (h * t_q + i);
+        var score = 0.0;
+        for (var g = 0u; g < D8; g = g + 8u) {
+            let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                score = score + dot(key[g + e], qg[e]);
+            }
+        }
+        let p = select(0.0, exp(score - stats[stat]), live);
+        var dp = 0.0;
+        for (var g = 0u; g < DV8; g = g + 8u) {
+            let og = groups8(dout4(o_row, lane_group(g, lane, dv4), dv));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                dp = dp + dot(og[e], value[g + e]);
+                grad_value[g + e] = grad_value[g + e] + p * og[e];
+            }
+        }
+        let ds = p * (dp - stats[stat + 1u]) * scale;
+        for (var g = 0u; g < D8; g = g + 8u) {
+            let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
+            for (var e = 0u; e < 8u; e = e + 1u) {
+                grad_key[g + e] = grad_key[g + e] + ds * qg[e];
+            }
+        }
+    }
+    for (var c = 0u; c < d4; c = c + 1u) {
+        var dk = grad_key[0];
+        for (var e = 1u; e < D8; e = e + 1u) {
+            dk = select(dk, grad_key[e], c == e);
+        }
+        add_grad_a(row * d + 4u * c, dk, lanes(c, d), s > 0u);
+    }
+    for (var c = 0u; c < dv4; c = c + 1u) {
+        var dvv = grad_value[0];
+        for (var e = 1u; e < DV8; e = e + 1u) {
+            dvv = select(dvv, grad_value[e], c == e);
+        }
+        add_grad_b(row * dv + 4u * c, dvv, lanes(c, dv), s > 0u);
+    }
+}
+
+// Writes the first `n` features of `value` to grad_a (grad_b) from element `at`, added to what
+// is there when `add` (a later split).
+fn add_grad_a(at: u32, value: vec4<f32>, n: u32, add: bool) {
+    for (var e = 0u; e < n; e = e + 1u) {
+        grad_a[at + e] = select(value[e], grad_a[at + e] + value[e], add);
+    }
+}
+
+fn add_grad_b(at: u32, value: vec4<f32>, n: u32, add: bool) {
+    for (var e = 0u; e < n; e = e + 1u) {
+        grad_b[at + e] = select(value[e], grad_b[at + e] + value[e], add);
+    }
+}
+
 // SUBGROUP SECTION END

@@ -378,8 +378,13 @@ fn backward(
         let grad_q = Tensor::empty(OP, &[rows_q, s.d], DType::F32, dev)?;
         let base = s.params(rows_q, 0, 1, &ops.layouts);
         let bound = [(1, q), (2, k), (3, v), (4, g), (5, &stats), (6, &grad_q)];
+        let entry = if shares_rows(dev, s.t_q) {
+            "backward_query_shared"
+        } else {
+            "backward_query"
+        };
         for params in spans(s.t_k, base) {
-            run("backward_query", &all, s, &bound, &params, rows_q)?;
+            run(entry, &all, s, &bound, &params, rows_q)?;
         }
         grads[0] = Some(grad_q);
     }
@@ -396,8 +401,13 @@ fn backward(
             (6, &grad_k),
             (7, &grad_v),
         ];
+        let entry = if shares_rows(dev, s.t_k) {
+            "backward_key_shared"
+        } else {
+            "backward_key"
+        };
         for params in spans(s.t_q, base) {
-            run("backward_key", &all, s, &bound, &params, rows_k)?;
+            run(entry, &all, s, &bound, &params, rows_k)?;
         }
         grads[1] = need[1].then_some(grad_k);
         grads[2] = need[2].then_some(grad_v);
