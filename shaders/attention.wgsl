@@ -408,6 +408,25 @@ fn store_out(at: u32, value: vec4<f32>, n: u32) {
     }
 }
 
+// Group `c` of a row kept in registers (`D8` or `DV8` groups), picked with selects: indexing
+// the array with `c` would move it to memory, and a loop over the groups with a constant bound
+// would compile its stores once per group.
+fn group_of_d(row: ptr<function, array<vec4<f32>, D8>>, c: u32) -> vec4<f32> {
+    var value = (*row)[0];
+    for (var e = 1u; e < D8; e = e + 1u) {
+        value = select(value, (*row)[e], c == e);
+    }
+    return value;
+}
+
+fn group_of_dv(row: ptr<function, array<vec4<f32>, DV8>>, c: u32) -> vec4<f32> {
+    var value = (*row)[0];
+    for (var e = 1u; e < DV8; e = e + 1u) {
+        value = select(value, (*row)[e], c == e);
+    }
+    return value;
+}
+
 // The 8 feature groups g .. g + 8 of a row, from one vec4 per lane (lane l loaded g + l).
 fn groups8(mine: vec4<f32>) -> array<vec4<f32>, 8> {
     return array<vec4<f32>, 8>(subgroupBroadcast(mine, 0u), subgroupBroadcast(mine, 1u),
@@ -492,14 +511,8 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     if (splits == 1u) {
         inv = select(0.0, 1.0 / l, l > 0.0);
     }
-    // A rolled loop that picks its group with selects: the array stays in registers and the
-    // stores are compiled once, not once per group.
     for (var c = 0u; c < dv4; c = c + 1u) {
-        var value = acc[0];
-        for (var e = 1u; e < DV8; e = e + 1u) {
-            value = select(value, acc[e], c == e);
-        }
-        store_out(out_base + 4u * c, value * inv, lanes(c, dv));
+        store_out(out_base + 4u * c, group_of_dv(&acc, c) * inv, lanes(c, dv));
     }
     if (splits == 1u) {
         stats[2u * row] = m + log(l);
@@ -575,11 +588,7 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
         }
     }
     for (var c = 0u; c < d4; c = c + 1u) {
-        var value = grad[0];
-        for (var e = 1u; e < D8; e = e + 1u) {
-            value = select(value, grad[e], c == e);
-        }
-        add_grad_a(row * d + 4u * c, value, lanes(c, d), s > 0u);
+        add_grad_a(row * d + 4u * c, group_of_d(&grad, c), lanes(c, d), s > 0u);
     }
 }
 
@@ -651,18 +660,10 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         }
     }
     for (var c = 0u; c < d4; c = c + 1u) {
-        var dk = grad_key[0];
-        for (var e = 1u; e < D8; e = e + 1u) {
-            dk = select(dk, grad_key[e], c == e);
-        }
-        add_grad_a(row * d + 4u * c, dk, lanes(c, d), s > 0u);
+        add_grad_a(row * d + 4u * c, group_of_d(&grad_key, c), lanes(c, d), s > 0u);
     }
     for (var c = 0u; c < dv4; c = c + 1u) {
-        var dvv = grad_value[0];
-        for (var e = 1u; e < DV8; e = e + 1u) {
-            dvv = select(dvv, grad_value[e], c == e);
-        }
-        add_grad_b(row * dv + 4u * c, dvv, lanes(c, dv), s > 0u);
+        add_grad_b(row * dv + 4u * c, group_of_dv(&grad_value, c), lanes(c, dv), s > 0u);
     }
 }
 

@@ -197,16 +197,18 @@ fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
     return vec4<f32>(a_at(o), a_at(o + cs), a_at(o + 2u * cs), a_at(o + 3u * cs));
 }
 
-// 32 rows x 128 columns per workgroup, on 8-wide subgroups: each subgroup shares the 32 rows,
-// whose A blocks its 8 lanes load together (four vec4 per lane per step of 4 along k), and
-// invocation `lid` owns 4 columns from col0 + 4 lid (one 4x4 block of B per step). A software
-// adapter runs each load as a loop over the SIMD group's lanes, so loads, not multiply-adds,
-// bound this kernel: per step it does 512 multiply-adds per lane for 8 vec4 loads (16 rows did
-// 256 for 6, and ran 15 to 25 % slower; 64 rows spill more accumulators than they save).
+// TALL_ROWS (32, or 16 for products of at most 16 rows) rows x 128 columns per workgroup, on
+// 8-wide subgroups: each subgroup shares the rows, whose A blocks its 8 lanes load together
+// (one vec4 per lane per 8 rows per step of 4 along k), and invocation `lid` owns 4 columns
+// from col0 + 4 lid (one 4x4 block of B per step). A software adapter runs each load as a loop
+// over the SIMD group's lanes, so loads, not multiply-adds, bound this kernel: per step 32
+// rows do 512 multiply-adds per lane for 8 vec4 loads (16 rows do 256 for 6, and ran 15 to
+// 25 % slower on 128 rows and more; 64 rows spill more accumulators than they save). The
+// second 16 rows are compiled out where TALL_ROWS is 16.
 @compute @workgroup_size(32)
 fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
-    let t = tile_of(wid, nwg, 32u, 128u);
+    let t = tile_of(wid, nwg, TALL_ROWSu, 128u);
     if (t.batch >= pu(MATMUL_BATCHES)) {
         return;
     }
@@ -244,24 +246,28 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         let p1 = a_blocks_A_MODE(a_lane_load_A_MODE(a_8, k, a_cs));
         acc2 = acc2 + p1.lo * b_blk;
         acc3 = acc3 + p1.hi * b_blk;
-        let p2 = a_blocks_A_MODE(a_lane_load_A_MODE(a_16, k, a_cs));
-        acc4 = acc4 + p2.lo * b_blk;
-        acc5 = acc5 + p2.hi * b_blk;
-        let p3 = a_blocks_A_MODE(a_lane_load_A_MODE(a_24, k, a_cs));
-        acc6 = acc6 + p3.lo * b_blk;
-        acc7 = acc7 + p3.hi * b_blk;
+        if (TALL_ROWSu == 32u) {
+            let p2 = a_blocks_A_MODE(a_lane_load_A_MODE(a_16, k, a_cs));
+            acc4 = acc4 + p2.lo * b_blk;
+            acc5 = acc5 + p2.hi * b_blk;
+            let p3 = a_blocks_A_MODE(a_lane_load_A_MODE(a_24, k, a_cs));
+            acc6 = acc6 + p3.lo * b_blk;
+            acc7 = acc7 + p3.hi * b_blk;
+        }
     }
     for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
         acc0 = acc0 + outer_at(a_base, b_base, k, rows_from(t.row0), cols);
         acc1 = acc1 + outer_at(a_base, b_base, k, rows_from(t.row0 + 4u), cols);
         acc2 = acc2 + outer_at(a_base, b_base, k, rows_from(t.row0 + 8u), cols);
         acc3 = acc3 + outer_at(a_base, b_base, k, rows_from(t.row0 + 12u), cols);
-        acc4 = acc4 + outer_at(a_base, b_base, k, rows_from(t.row0 + 16u), cols);
-        acc5 = acc5 + outer_at(a_base, b_base, k, rows_from(t.row0 + 20u), cols);
-        acc6 = acc6 + outer_at(a_base, b_base, k, rows_from(t.row0 + 24u), cols);
-        acc7 = acc7 + outer_at(a_base, b_base, k, rows_from(t.row0 + 28u), cols);
+        if (TALL_ROWSu == 32u) {
+            acc4 = acc4 + outer_at(a_base, b_base, k, rows_from(t.row0 + 16u), cols);
+            acc5 = acc5 + outer_at(a_base, b_base, k, rows_from(t.row0 + 20u), cols);
+            acc6 = acc6 + outer_at(a_base, b_base, k, rows_from(t.row0 + 24u), cols);
+            acc7 = acc7 + outer_at(a_base, b_base, k, rows_from(t.row0 + 28u), cols);
+        }
     }
-    // Transposed, column i of each accumulator is one output row's 4 columns. The 32 rows are
+    // Transposed, column i of each accumulator is one output row's 4 columns. The rows are
     // stored by one rolled loop that picks its row with selects: an unrolled store per row
     // compiled into twice the code (llvmpipe compiles every store into a loop over lanes).
     let r0 = transpose(acc0);
@@ -273,7 +279,7 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let r6 = transpose(acc6);
     let r7 = transpose(acc7);
     let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
-    for (var i = 0u; i < rolled(32u); i = i + 1u) {
+    for (var i = 0u; i < rolled(TALL_ROWSu); i = i + 1u) {
         let blk = i / 4u;
         var c: mat4x4<f32> = r0;
         c = pick(c, r1, blk == 1u);

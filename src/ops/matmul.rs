@@ -66,6 +66,8 @@ struct Specialisation {
     a: AMode,
     b: BMode,
     subgroups: bool,
+    /// Output rows per invocation of `register_tiled_tall` (16 or 32).
+    tall_rows: usize,
     /// N is a multiple of 4.
     n_aligned: bool,
     /// K is not a multiple of 4.
@@ -98,6 +100,7 @@ fn source(spec: Specialisation) -> String {
             ("B_ALIGNED_COLS", aligned_cols),
             ("N_ALIGNED", flag(spec.n_aligned)),
             ("K_TAIL", flag(spec.k_tail)),
+            ("TALL_ROWS", &spec.tall_rows.to_string()),
         ],
     )
 }
@@ -107,12 +110,13 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     let mut all = Vec::new();
     for a in [AMode::K, AMode::M, AMode::Any] {
         for b in [BMode::N, BMode::K, BMode::Any] {
-            for subgroups in [false, true] {
+            for (subgroups, tall_rows) in [(false, 32), (true, 16), (true, 32)] {
                 for (n_aligned, k_tail) in [(true, false), (false, true)] {
                     let spec = Specialisation {
                         a,
                         b,
                         subgroups,
+                        tall_rows,
                         n_aligned,
                         k_tail,
                     };
@@ -171,37 +175,42 @@ struct KernelChoice {
     spec: Specialisation,
 }
 
-/// The kernel for this device and these operand layouts. GPUs stage panels in workgroup
-/// memory. Software adapters keep the outputs in registers and pay per load: where subgroups
-/// are 8 wide (one SIMD group), the A loads are shared across the subgroup and each invocation
-/// keeps 32 x 4 outputs (a quarter of the loads per multiply-add of 8 x 8); otherwise each
-/// invocation loads its own A and keeps 8 x 8.
-fn kernel_for(device: &Device, a: AMode, b: BMode) -> KernelChoice {
-    let spec = |a, b, subgroups| Specialisation {
+/// The kernel for this device, these operand layouts and `m` output rows. GPUs stage panels
+/// in workgroup memory. Software adapters keep the outputs in registers and pay per load:
+/// where subgroups are 8 wide (one SIMD group), the A loads are shared across the subgroup and
+/// each invocation keeps 32 x 4 outputs (a quarter of the loads per multiply-add of 8 x 8), or
+/// 16 x 4 where the product has at most 16 rows (a 32-row tile would compute twice the rows it
+/// keeps); otherwise each invocation loads its own A and keeps 8 x 8.
+fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
+    let spec = |a, b, subgroups, tall_rows| Specialisation {
         a,
         b,
         subgroups,
+        tall_rows,
         n_aligned: false,
         k_tail: false,
     };
     match device.kernel_flavor() {
         KernelFlavor::Gpu => KernelChoice {
             entry: "shared_tiled",
-            tile_rows: 32,
+            tile_rows: 64,
             tile_cols: 64,
-            spec: spec(AMode::Any, BMode::Any, false),
+            spec: spec(AMode::Any, BMode::Any, false, 32),
         },
-        KernelFlavor::Cpu if device.subgroup_size() == Some(8) => KernelChoice {
-            entry: "register_tiled_tall",
-            tile_rows: 32,
-            tile_cols: 128,
-            spec: spec(a, b, true),
-        },
+        KernelFlavor::Cpu if device.subgroup_size() == Some(8) => {
+            let tall_rows = if m <= 16 { 16 } else { 32 };
+            KernelChoice {
+                entry: "register_tiled_tall",
+                tile_rows: tall_rows,
+                tile_cols: 128,
+                spec: spec(a, b, true, tall_rows),
+            }
+        }
         KernelFlavor::Cpu => KernelChoice {
             entry: "register_tiled",
             tile_rows: 8,
             tile_cols: 256,
-            spec: spec(a, b, false),
+            spec: spec(a, b, false, 32),
         },
     }
 }
@@ -422,7 +431,7 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             cols: t.layout().strides[r - 1],
         };
         let (sa, sb) = (strides(&a, a_batch_stride), strides(&b, b_batch_stride));
-        let choice = kernel_for(this.device(), a_mode(&sa, m), b_mode(&sb, n));
+        let choice = kernel_for(this.device(), a_mode(&sa, m), b_mode(&sb, n), m);
         let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
         let params = MatmulParams {
             m: m as u32,
