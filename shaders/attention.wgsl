@@ -386,8 +386,8 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // SUBGROUP SECTION BEGIN: kept only where the device has 8-wide subgroups.
 //
 // The `*_shared` entries do what the entries above do, for a subgroup of 8 invocations that
-// own 8 consecutive rows of one head (the host picks them where a head's rows come in whole
-// 8s). All 8 then read the same rows of the other side, so each row is loaded once per
+// own 8 consecutive rows of one head (each head's rows padded to whole 8s, see
+// owned_in_head). All 8 then read the same rows of the other side, so each row is loaded once per
 // subgroup: lane l loads feature group g + l of it and subgroupBroadcast hands every lane all
 // 8 groups. A software adapter runs each load as a loop over the lanes, so this is 8x fewer
 // loads. The subgroup loops over the union of its rows' ranges (the lanes stay together for
@@ -441,27 +441,48 @@ fn lane_group(g: u32, lane: u32, n4: u32) -> u32 {
     return min(g + lane, n4 - 1u);
 }
 
-// Sums of dot(row[g + i], other[i]) over one group of 8.
-fn dot8(a: array<vec4<f32>, 8>, b: array<vec4<f32>, 8>) -> f32 {
-    return dot(a[0], b[0]) + dot(a[1], b[1]) + dot(a[2], b[2]) + dot(a[3], b[3]) +
-           dot(a[4], b[4]) + dot(a[5], b[5]) + dot(a[6], b[6]) + dot(a[7], b[7]);
+// The row a `*_shared` invocation owns, where each head's `t` rows are padded to whole 8s so
+// that a subgroup owns 8 rows of one head: `i`, the row in head `h`, is clamped to the last
+// real row for the padding's lanes (`ghost`), which load and broadcast with their subgroup but
+// store nothing. `first` and `last` are the subgroup's first and last real rows.
+struct OwnedInHead {
+    h: u32,
+    i: u32,
+    first: u32,
+    last: u32,
+    split: u32,
+    valid: bool,
+    ghost: bool,
+}
+
+fn owned_in_head(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, t: u32) -> OwnedInHead {
+    let padded = (t + 7u) / 8u * 8u;
+    let per_split = (pu(ATTENTION_ROWS) / t) * padded;
+    let g = workgroup_index(wid, nwg) * 64u + lid;
+    let p = g % per_split;
+    let i = p % padded;
+    let first = i - i % 8u;
+    let valid = g < per_split * pu(ATTENTION_SPLITS);
+    let ghost = i >= t;
+    return OwnedInHead(p / padded, min(i, t - 1u), first, min(first + 7u, t - 1u), g / per_split,
+                       valid, ghost);
 }
 
 @compute @workgroup_size(64)
 fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
-    let owned = owned_row(wid, nwg, lid);
-    // Rows come in whole 8s, so whole subgroups leave here.
+    let t_q = pu(ATTENTION_T_Q);
+    let owned = owned_in_head(wid, nwg, lid, t_q);
+    // Heads are padded to whole 8s of rows, so whole subgroups leave here.
     if (!owned.valid) {
         return;
     }
     let rows = pu(ATTENTION_ROWS);
     let splits = pu(ATTENTION_SPLITS);
-    let row = owned.row;
     let s = owned.split;
-    let t_q = pu(ATTENTION_T_Q);
-    let h = row / t_q;
-    let i = row % t_q;
+    let h = owned.h;
+    let i = owned.i;
+    let row = h * t_q + i;
     let d = pu(ATTENTION_D);
     let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
@@ -481,8 +502,7 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     var l = 0.0;
     let keys = key_range(i, s);
     // The subgroup's first row starts earliest and its last ends latest.
-    let first = i - i % 8u;
-    let shared_keys = vec2<u32>(key_range(first, s).x, key_range(first + 7u, s).y);
+    let shared_keys = vec2<u32>(key_range(owned.first, s).x, key_range(owned.last, s).y);
     for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
         let live = j >= keys.x && j < keys.y;
         let k_row = k_head + j * k_rs;
@@ -506,6 +526,9 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         }
         m = m_new;
     }
+    if (owned.ghost) {
+        return;
+    }
     let out_base = (s * rows + row) * dv;
     var inv = 1.0;
     if (splits == 1u) {
@@ -527,15 +550,15 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 @compute @workgroup_size(64)
 fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
-    let owned = owned_row(wid, nwg, lid);
+    let t_q = pu(ATTENTION_T_Q);
+    let owned = owned_in_head(wid, nwg, lid, t_q);
     if (!owned.valid) {
         return;
     }
-    let row = owned.row;
     let s = pu(ATTENTION_SPLIT);
-    let t_q = pu(ATTENTION_T_Q);
-    let h = row / t_q;
-    let i = row % t_q;
+    let h = owned.h;
+    let i = owned.i;
+    let row = h * t_q + i;
     let d = pu(ATTENTION_D);
     let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
@@ -559,8 +582,7 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     let lse = stats[2u * row];
     let delta = stats[2u * row + 1u];
     let keys = key_range(i, s);
-    let first = i - i % 8u;
-    let shared_keys = vec2<u32>(key_range(first, s).x, key_range(first + 7u, s).y);
+    let shared_keys = vec2<u32>(key_range(owned.first, s).x, key_range(owned.last, s).y);
     for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
         let live = j >= keys.x && j < keys.y;
         let k_row = k_head + j * k_rs;
@@ -587,6 +609,9 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
             }
         }
     }
+    if (owned.ghost) {
+        return;
+    }
     for (var c = 0u; c < d4; c = c + 1u) {
         add_grad_a(row * d + 4u * c, group_of_d(&grad, c), lanes(c, d), s > 0u);
     }
@@ -596,16 +621,16 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
 @compute @workgroup_size(64)
 fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
-    let owned = owned_row(wid, nwg, lid);
+    let t_q = pu(ATTENTION_T_Q);
+    let t_k = pu(ATTENTION_T_K);
+    let owned = owned_in_head(wid, nwg, lid, t_k);
     if (!owned.valid) {
         return;
     }
-    let row = owned.row;
     let s = pu(ATTENTION_SPLIT);
-    let t_q = pu(ATTENTION_T_Q);
-    let t_k = pu(ATTENTION_T_K);
-    let h = row / t_k;
-    let j = row % t_k;
+    let h = owned.h;
+    let j = owned.i;
+    let row = h * t_k + j;
     let d = pu(ATTENTION_D);
     let d4 = (d + 3u) / 4u;
     let dv = pu(ATTENTION_DV);
@@ -629,7 +654,7 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     }
     let queries = query_range(j, s);
     // The subgroup's first key row is attended to by the most queries (causal: from itself on).
-    let shared_queries = query_range(j - j % 8u, s);
+    let shared_queries = query_range(owned.first, s);
     for (var i = shared_queries.x; i < shared_queries.y; i = i + 1u) {
         let live = i >= queries.x && i < queries.y;
         let q_row = q_head + i * q_rs;
@@ -658,6 +683,9 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
                 grad_key[g + e] = grad_key[g + e] + ds * qg[e];
             }
         }
+    }
+    if (owned.ghost) {
+        return;
     }
     for (var c = 0u; c < d4; c = c + 1u) {
         add_grad_a(row * d + 4u * c, group_of_d(&grad_key, c), lanes(c, d), s > 0u);

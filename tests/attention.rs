@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use wgrad::{BackwardOptions, Error, Tensor};
+use wgrad::{BackwardOptions, Device, Error, KernelFlavor, Tensor};
 
 /// Forward and grads of attention on the CPU for one head: q [tq, d], k [tk, d], v [tk, dv],
 /// out grad g [tq, dv]. Returns (out, dq, dk, dv).
@@ -136,11 +136,12 @@ fn sdpa_matches_cpu_reference_causal_and_not() {
     check_against_reference(1, 3, 4, 256, 4, false); // the widest head
 }
 
-/// Where a head's rows come in whole 8s, adapters with 8-wide subgroups run kernels whose 8
-/// invocations own 8 rows of one head and load each row of the other side once between them.
-/// These shapes take them: causal (each subgroup loops over the union of its rows' ranges),
-/// Tq != Tk, heads past 8 feature groups (D 36: two groups of 8, the second padded), ragged
-/// features, and a forward split across invocations.
+/// Adapters with 8-wide subgroups run kernels whose 8 invocations own 8 rows of one head and
+/// load each row of the other side once between them (a head's rows padded to whole 8s; the
+/// other tests' odd T take the padding). These shapes have rows in whole 8s: causal (each
+/// subgroup loops over the union of its rows' ranges), Tq != Tk, heads past 8 feature groups
+/// (D 36: two groups of 8, the second padded), ragged features, and a forward split across
+/// invocations.
 #[test]
 fn sdpa_matches_cpu_reference_where_rows_come_in_eights() {
     for causal in [false, true] {
@@ -151,6 +152,36 @@ fn sdpa_matches_cpu_reference_where_rows_come_in_eights() {
     check_against_reference(2, 24, 8, 5, 7, true);
     check_against_reference(2, 16, 40, 8, 4, true);
     check_against_reference(1, 8, 40_000, 4, 4, false);
+}
+
+/// The kernels without subgroups (GPUs, GL) agree with the shared ones: a software device set
+/// to the GPU kernel flavor runs them.
+#[test]
+fn sdpa_kernels_without_subgroups_match_the_shared_ones() {
+    let dev = Device::software().unwrap();
+    let run = |flavor: KernelFlavor| {
+        dev.set_kernel_flavor(flavor);
+        let make = |shape: &[usize], seed| {
+            Tensor::from_slice(&random_vec(shape.iter().product(), seed), shape, &dev)
+                .unwrap()
+                .requires_grad_(true)
+        };
+        let (q, k, v) = (
+            make(&[2, 9, 8], 1),
+            make(&[2, 9, 8], 2),
+            make(&[2, 9, 4], 3),
+        );
+        let g = make(&[2, 9, 4], 4);
+        let out = q.scaled_dot_product_attention(&k, &v, true).unwrap();
+        out.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+        [out, q.grad().unwrap(), k.grad().unwrap(), v.grad().unwrap()].map(|t| t.to_vec().unwrap())
+    };
+    let gpu = run(KernelFlavor::Gpu);
+    let cpu = run(KernelFlavor::Cpu);
+    for (i, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+        let want: Vec<f64> = c.iter().map(|&x| x as f64).collect();
+        assert_close(g, &want, 1e-5, &format!("result {i}"));
+    }
 }
 
 /// Past about 6,000 keys (or queries) per row (fewer for wider heads) an invocation would run more loop iterations

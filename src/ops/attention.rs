@@ -159,17 +159,17 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     all
 }
 
-/// Whether the device runs the `*_shared` entries: a CPU adapter with 8-wide subgroups, where
-/// a subgroup is one SIMD group whose loads are loops over its lanes.
+/// Whether the device runs the `*_shared` entries (for every shape): a CPU adapter with 8-wide
+/// subgroups, where a subgroup is one SIMD group whose loads are loops over its lanes.
 fn has_shared_entries(device: &Device) -> bool {
     device.kernel_flavor() == KernelFlavor::Cpu && device.subgroup_size() == Some(8)
 }
 
-/// Whether an entry whose invocations own rows of heads of `rows_per_head` rows runs its
-/// `*_shared` version: where the device has one and a head's rows come in whole 8s, so that
-/// every subgroup owns 8 rows of one head (and of one split).
-fn shares_rows(device: &Device, rows_per_head: usize) -> bool {
-    has_shared_entries(device) && rows_per_head.is_multiple_of(8)
+/// Invocations of a `*_shared` entry for `heads` heads of `t` rows each: a head's rows padded
+/// to whole 8s, so that every 8-wide subgroup owns rows of one head (the padding's invocations
+/// load with their subgroup and store nothing).
+fn shared_invocations(heads: usize, t: usize) -> usize {
+    heads * t.next_multiple_of(8)
 }
 
 /// Runs `entry` with `bound` tensors, four features per load where `operands` allow.
@@ -324,20 +324,20 @@ fn forward(s: &Shape, ops: &Operands) -> Result<(Tensor, Tensor)> {
     let (span, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
     let params = s.params(rows, span, splits, &ops.layouts);
     let read = [lq, lk, lv];
-    let entry = if shares_rows(dev, s.t_q) {
-        "forward_shared"
+    let (entry, invocations) = if has_shared_entries(dev) {
+        ("forward_shared", shared_invocations(s.heads, s.t_q))
     } else {
-        "forward"
+        ("forward", rows)
     };
     if splits == 1 {
         let bound = [(1, q), (2, k), (3, v), (4, &out), (5, &stats)];
-        run(entry, &read, s, &bound, &params, rows)?;
+        run(entry, &read, s, &bound, &params, invocations)?;
         return Ok((out, stats));
     }
     let partial = Tensor::empty(OP, &[splits, rows, s.dv], DType::F32, dev)?;
     let partial_stats = Tensor::empty(OP, &[splits, rows, 2], DType::F32, dev)?;
     let bound = [(1, q), (2, k), (3, v), (4, &partial), (5, &partial_stats)];
-    run(entry, &read, s, &bound, &params, rows * splits)?;
+    run(entry, &read, s, &bound, &params, invocations * splits)?;
     let bound = [(2, &partial_stats), (3, &partial), (4, &out), (5, &stats)];
     run("combine", &[], s, &bound, &params, rows)?;
     Ok((out, stats))
@@ -378,13 +378,13 @@ fn backward(
         let grad_q = Tensor::empty(OP, &[rows_q, s.d], DType::F32, dev)?;
         let base = s.params(rows_q, 0, 1, &ops.layouts);
         let bound = [(1, q), (2, k), (3, v), (4, g), (5, &stats), (6, &grad_q)];
-        let entry = if shares_rows(dev, s.t_q) {
-            "backward_query_shared"
+        let (entry, invocations) = if has_shared_entries(dev) {
+            ("backward_query_shared", shared_invocations(s.heads, s.t_q))
         } else {
-            "backward_query"
+            ("backward_query", rows_q)
         };
         for params in spans(s.t_k, base) {
-            run(entry, &all, s, &bound, &params, rows_q)?;
+            run(entry, &all, s, &bound, &params, invocations)?;
         }
         grads[0] = Some(grad_q);
     }
@@ -401,13 +401,13 @@ fn backward(
             (6, &grad_k),
             (7, &grad_v),
         ];
-        let entry = if shares_rows(dev, s.t_k) {
-            "backward_key_shared"
+        let (entry, invocations) = if has_shared_entries(dev) {
+            ("backward_key_shared", shared_invocations(s.heads, s.t_k))
         } else {
-            "backward_key"
+            ("backward_key", rows_k)
         };
         for params in spans(s.t_q, base) {
-            run(entry, &all, s, &bound, &params, rows_k)?;
+            run(entry, &all, s, &bound, &params, invocations)?;
         }
         grads[1] = need[1].then_some(grad_k);
         grads[2] = need[2].then_some(grad_v);
