@@ -602,6 +602,8 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
             }
         }
         let ds = select(0.0, exp(score - lse) * (dp - delta) * scale, live);
+        // Key row j again: one load and 8 broadcasts per lane, which measured no slower than
+        // keeping the row from the score loop (a fourth register array).
         for (var g = 0u; g < D8; g = g + 8u) {
             let kg = groups8(k4(k_row, lane_group(g, lane, d4), d));
             for (var e = 0u; e < 8u; e = e + 1u) {
@@ -677,6 +679,7 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             }
         }
         let ds = p * (dp - stats[stat + 1u]) * scale;
+        // Query row i again, as backward_query_shared reloads its key row.
         for (var g = 0u; g < D8; g = g + 8u) {
             let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
             for (var e = 0u; e < 8u; e = e + 1u) {

@@ -82,7 +82,7 @@ pub(crate) fn copy_into(
     )?;
     let words = || copy_source(WORDS);
     let groups_of_four = || copy_source(GROUPS_OF_FOUR);
-    let kernel = Kernel::specialised(&COPY, "strided_copy", "u32", &words);
+    let kernel = Kernel::specialised(&COPY, "strided_copy", WORDS, &words);
     let params = |first: usize, len: usize, dst_offset: usize| CopyParams {
         n: len as u32,
         src_offset: src.layout().offset as u32,
@@ -95,7 +95,8 @@ pub(crate) fn copy_into(
     if !dst.exceeds_binding() {
         let params = params(0, n, dst_layout.offset);
         if let Some(params) = in_groups_of_four(params) {
-            let kernel = Kernel::specialised(&COPY, "strided_copy", "vec4", &groups_of_four);
+            let kernel =
+                Kernel::specialised(&COPY, "strided_copy", GROUPS_OF_FOUR, &groups_of_four);
             let groups = groups(params.n as usize, CONTIGUOUS_PER_GROUP);
             return launch(op, &kernel, &[src, dst], &params, groups);
         }

@@ -16,9 +16,10 @@ use crate::tensor::{DType, Tensor};
 crate::kernel_params! {
     /// `index_select` and its backward over contiguous `[outer, dim_size, inner]` data, of
     /// which `selected` slices are picked; `n` counts the elements written (read, for
-    /// `index_select_scatter`; runs of 16 written, for `index_select_backward`). The table's bound rows are `row_start .. row_start +
-    /// row_count` (all of them, unless a table past one binding is bound a window of rows at
-    /// a time; then `outer` is 1), from element `table_offset` of its binding.
+    /// `index_select_scatter`; runs of 16 written, for `index_select_backward`). The table's
+    /// bound rows are `row_start .. row_start + row_count` (all of them, unless a table past
+    /// one binding is bound a window of rows at a time; then `outer` is 1), from element
+    /// `table_offset` of its binding.
     pub(crate) struct IndexSelectParams {
         n: u32, selected: u32, inner: u32, dim_size: u32, src_offset: u32, indices_offset: u32,
         row_start: u32, row_count: u32, table_offset: u32,
