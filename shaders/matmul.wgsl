@@ -16,6 +16,8 @@
 //             of 4, row stride 1, M a multiple of 8); any: one element at a time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
+// B_SOURCE (matrix or image) says what `register_tiled_tall` multiplies by: B as above, or a
+// 2-d convolution's column matrix read from the input images (see b_columns_image).
 // It also splices two facts about the shape, so that code the shape never runs is compiled out
 // (software adapters compile every load and store into a loop over lanes, and the per-element
 // paths doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group
@@ -57,12 +59,15 @@ fn tile_of(wid: vec3<u32>, nwg: vec3<u32>, tile_rows: u32, tile_cols: u32) -> Ti
 // 4, so when N is too (N_ALIGNED) each group of 4 is whole and aligned: one vec4 store, and the
 // per-element path is compiled out.
 fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
-    let m = pu(MATMUL_M);
+    store_row_at(base + row * pu(MATMUL_N) + col, row, col, v);
+}
+
+// As store_row, at element offset `o` of out[row][col].
+fn store_row_at(o: u32, row: u32, col: u32, v: vec4<f32>) {
     let n = pu(MATMUL_N);
-    if (row >= m || col >= n) {
+    if (row >= pu(MATMUL_M) || col >= n) {
         return;
     }
-    let o = base + row * n + col;
     if (N_ALIGNED) {
         store4(o, v);
         return;
@@ -197,6 +202,108 @@ fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
     return vec4<f32>(a_at(o), a_at(o + cs), a_at(o + 2u * cs), a_at(o + 3u * cs));
 }
 
+// What register_tiled_tall multiplies by, spliced as B_SOURCE: `matrix`, B read through its
+// strides in B_MODE; or `image`, the column matrix of a 2-d convolution read straight from the
+// input images (an implicit GEMM: no im2col pass writes and reads it). There B[k][n] is input
+// element (image, channel c, y, x) for k = (ty, tx, c), the weight's taps laid out channels
+// innermost, and n = (image, oy, ox); y = oy stride + ty dilation - padding, x likewise, and
+// 0 outside the image. With the channel count a multiple of 4, each step of 4 along k reads
+// channels c .. c + 4 at one tap, so the window's edges are checked once per column, and the
+// tap is stepped like an odometer (no divisions per step). The product lands in NCHW order.
+
+// Where an invocation's 4 columns of B are read: `at`, the offset of B[0][cols.x] (matrix);
+// each column's image plane 0 offset and window corner (image).
+struct BColumns {
+    at: u32,
+    cols: vec4<u32>,
+    image_at: vec4<i32>,
+    y0: vec4<i32>,
+    x0: vec4<i32>,
+}
+
+// The image source's tap and channel at the current step along k (the odometer).
+struct BStep {
+    c: u32,
+    c_at: i32,
+    tx: u32,
+    dy: i32,
+    dx: i32,
+}
+
+// Where an invocation stores output row r: `at + r * row_stride`.
+struct OutColumn {
+    at: u32,
+    row_stride: u32,
+}
+
+fn b_columns_matrix(b_base: u32, cols: vec4<u32>) -> BColumns {
+    var c: BColumns;
+    c.at = b_base + cols.x * pu(MATMUL_B_COL_STRIDE);
+    c.cols = cols;
+    return c;
+}
+
+fn b_block_matrix(c: BColumns, step: ptr<function, BStep>, k: u32) -> mat4x4<f32> {
+    let rs = pu(MATMUL_B_ROW_STRIDE);
+    return b_block_B_MODE(c.at + k * rs, c.cols, rs, pu(MATMUL_B_COL_STRIDE));
+}
+
+fn out_column_matrix(batch: u32, col: u32) -> OutColumn {
+    let n = pu(MATMUL_N);
+    return OutColumn(batch * pu(MATMUL_M) * n + col, n);
+}
+
+fn b_columns_image(b_base: u32, cols: vec4<u32>) -> BColumns {
+    let pixels = pu(MATMUL_CONV_PIXELS);
+    let ow = pu(MATMUL_CONV_OUT_W);
+    let stride = pu(MATMUL_CONV_STRIDE);
+    let padding = i32(pu(MATMUL_CONV_PADDING));
+    let image = cols / pixels;
+    let p = cols - image * pixels;
+    let oy = p / ow;
+    var c: BColumns;
+    c.image_at = vec4<i32>(b_base + image * pu(MATMUL_CONV_C_IN) * pu(MATMUL_CONV_HEIGHT) * pu(MATMUL_CONV_WIDTH));
+    c.y0 = vec4<i32>(oy * stride) - padding;
+    c.x0 = vec4<i32>((p - oy * ow) * stride) - padding;
+    return c;
+}
+
+fn b_block_image(c: BColumns, step: ptr<function, BStep>, k: u32) -> mat4x4<f32> {
+    let h = pu(MATMUL_CONV_HEIGHT);
+    let w = pu(MATMUL_CONV_WIDTH);
+    let plane = h * w;
+    let s = *step;
+    let y = c.y0 + s.dy;
+    let x = c.x0 + s.dx;
+    let inside = vec4<u32>(y) < vec4<u32>(h) & vec4<u32>(x) < vec4<u32>(w);
+    let at = vec4<u32>(select(c.image_at, c.image_at + s.c_at + y * i32(w) + x, inside));
+    let zero = vec4<f32>(0.0);
+    let blk = mat4x4<f32>(
+        select(zero, vec4<f32>(b_at(at.x), b_at(at.x + plane), b_at(at.x + 2u * plane), b_at(at.x + 3u * plane)), inside.x),
+        select(zero, vec4<f32>(b_at(at.y), b_at(at.y + plane), b_at(at.y + 2u * plane), b_at(at.y + 3u * plane)), inside.y),
+        select(zero, vec4<f32>(b_at(at.z), b_at(at.z + plane), b_at(at.z + 2u * plane), b_at(at.z + 3u * plane)), inside.z),
+        select(zero, vec4<f32>(b_at(at.w), b_at(at.w + plane), b_at(at.w + 2u * plane), b_at(at.w + 3u * plane)), inside.w));
+    // Next step: 4 channels on; past the last channel, the next tap along x; past the last
+    // tap of a row, the next row of taps.
+    let dilation = i32(pu(MATMUL_CONV_DILATION));
+    let next_tap = s.c + 4u == pu(MATMUL_CONV_C_IN);
+    let next_row = next_tap && s.tx + 1u == pu(MATMUL_CONV_KERNEL_W);
+    var n: BStep;
+    n.c = select(s.c + 4u, 0u, next_tap);
+    n.c_at = select(s.c_at + 4 * i32(plane), 0, next_tap);
+    n.tx = select(s.tx, select(s.tx + 1u, 0u, next_row), next_tap);
+    n.dx = select(s.dx, select(s.dx + dilation, 0, next_row), next_tap);
+    n.dy = select(s.dy, s.dy + dilation, next_row);
+    *step = n;
+    return blk;
+}
+
+fn out_column_image(batch: u32, col: u32) -> OutColumn {
+    let pixels = pu(MATMUL_CONV_PIXELS);
+    let image = col / pixels;
+    return OutColumn(image * pu(MATMUL_M) * pixels + (col - image * pixels), pixels);
+}
+
 // TALL_ROWS (32, or 16 for products of at most 16 rows) rows x 128 columns per workgroup, on
 // 8-wide subgroups: each subgroup shares the rows, whose A blocks its 8 lanes load together
 // (one vec4 per lane per 8 rows per step of 4 along k), and invocation `lid` owns 4 columns
@@ -220,11 +327,10 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let a_base = pu(MATMUL_A_OFFSET) + t.batch * pu(MATMUL_A_BATCH_STRIDE);
     let a_cs = pu(MATMUL_A_COL_STRIDE);
     let b_base = pu(MATMUL_B_OFFSET) + t.batch * pu(MATMUL_B_BATCH_STRIDE);
-    let b_rs = pu(MATMUL_B_ROW_STRIDE);
-    let b_cs = pu(MATMUL_B_COL_STRIDE);
     let col = t.col0 + lid * 4u;
     let cols = cols_from(col);
-    let b_at = b_base + cols.x * b_cs;
+    let b_cols = b_columns_B_SOURCE(b_base, cols);
+    var b_step = BStep();
     let a_0 = a_lane_at_A_MODE(a_base, t.row0, lane);
     let a_8 = a_lane_at_A_MODE(a_base, t.row0 + 8u, lane);
     let a_16 = a_lane_at_A_MODE(a_base, t.row0 + 16u, lane);
@@ -239,7 +345,7 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     var acc7 = mat4x4<f32>();
     let k_main = k_len - k_len % 4u;
     for (var k = 0u; k < k_main; k = k + 4u) {
-        let b_blk = b_block_B_MODE(b_at + k * b_rs, cols, b_rs, b_cs);
+        let b_blk = b_block_B_SOURCE(b_cols, &b_step, k);
         let p0 = a_blocks_A_MODE(a_lane_load_A_MODE(a_0, k, a_cs));
         acc0 = acc0 + p0.lo * b_blk;
         acc1 = acc1 + p0.hi * b_blk;
@@ -278,7 +384,7 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let r5 = transpose(acc5);
     let r6 = transpose(acc6);
     let r7 = transpose(acc7);
-    let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
+    let out_col = out_column_B_SOURCE(t.batch, col);
     for (var i = 0u; i < rolled(TALL_ROWSu); i = i + 1u) {
         let blk = i / 4u;
         var c: mat4x4<f32> = r0;
@@ -294,7 +400,8 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         v = select(v, c[1], q == 1u);
         v = select(v, c[2], q == 2u);
         v = select(v, c[3], q == 3u);
-        store_row(base, t.row0 + i, col, v);
+        let row = t.row0 + i;
+        store_row_at(out_col.at + row * out_col.row_stride, row, col, v);
     }
 }
 

@@ -61,6 +61,28 @@ fn options(stride: usize, padding: usize, dilation: usize, groups: usize) -> Con
     }
 }
 
+type Case = ([usize; 4], [usize; 4], Conv2dOptions);
+
+/// Each case's conv2d with a bias against the CPU reference, on random values drawn from
+/// seeds `seed ..`.
+fn check_against_reference(cases: &[Case], seed: u64) {
+    for (i, &(xs, ws, o)) in cases.iter().enumerate() {
+        let seed = seed + 3 * i as u64;
+        let (x, xv) = random_tensor(&xs, seed);
+        let (w, wv) = random_tensor(&ws, seed + 1);
+        let (b, bv) = random_tensor(&[ws[0]], seed + 2);
+        let got = x.conv2d_with(&w, Some(&b), o).unwrap();
+        let (want, shape) = conv_reference(&xv, xs, &wv, ws, Some(&bv), o);
+        assert_eq!(got.shape(), &shape, "case {i} shape");
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-4,
+            &format!("conv2d case {i}"),
+        );
+    }
+}
+
 #[test]
 fn conv2d_matches_cpu_reference() {
     let dev = device();
@@ -73,23 +95,46 @@ fn conv2d_matches_cpu_reference() {
         ([1, 3, 28, 28], [8, 3, 5, 5], options(3, 2, 1, 1)),
         ([2, 1, 4, 4], [2, 1, 1, 1], options(1, 0, 1, 1)),
     ];
-    for (i, (xs, ws, o)) in cases.into_iter().enumerate() {
-        let (x, xv) = random_tensor(&xs, 10 + i as u64);
-        let (w, wv) = random_tensor(&ws, 20 + i as u64);
-        let (b, bv) = random_tensor(&[ws[0]], 30 + i as u64);
-        let got = x.conv2d_with(&w, Some(&b), o).unwrap();
-        let (want, shape) = conv_reference(&xv, xs, &wv, ws, Some(&bv), o);
-        assert_eq!(got.shape(), &shape, "case {i} shape");
-        assert_close(
-            &got.to_vec().unwrap(),
-            &want,
-            1e-4,
-            &format!("conv2d case {i}"),
-        );
-    }
+    check_against_reference(&cases, 10);
     let x = Tensor::zeros(&[0, 2, 5, 5], dev).unwrap();
     let w = Tensor::ones(&[3, 2, 3, 3], dev).unwrap();
     assert_eq!(x.conv2d(&w, None, 1, 1).unwrap().shape(), &[0, 3, 5, 5]);
+}
+
+/// Channels in whole 4s and output pixels in whole 4s per image: on 8-wide subgroups the
+/// forward reads the column matrix straight from the images (one implicit GEMM) instead of
+/// writing it with im2col. Ragged row and column tiles, strides, dilation, groups, a strided
+/// input view.
+#[test]
+fn conv2d_with_channels_in_fours_matches_cpu_reference() {
+    let cases = [
+        ([3, 8, 6, 6], [5, 8, 3, 3], options(1, 1, 1, 1)),
+        ([2, 4, 9, 8], [20, 4, 3, 3], options(2, 1, 1, 1)),
+        ([2, 8, 10, 10], [3, 8, 3, 3], options(1, 2, 2, 1)),
+        ([2, 8, 6, 6], [6, 4, 3, 3], options(1, 1, 1, 2)),
+        ([1, 4, 28, 28], [8, 4, 5, 5], options(3, 2, 1, 1)),
+        ([6, 4, 14, 14], [33, 4, 3, 3], options(1, 1, 1, 1)),
+        ([2, 12, 4, 4], [7, 12, 1, 1], options(1, 0, 1, 1)),
+    ];
+    check_against_reference(&cases, 40);
+    let (x, xv) = random_tensor(&[2, 4, 6, 6], 70);
+    let (w, wv) = random_tensor(&[8, 4, 3, 3], 71);
+    let view = x.transpose(2, 3).unwrap().transpose(2, 3).unwrap();
+    let got = view.conv2d(&w, None, 1, 1).unwrap();
+    let (want, _) = conv_reference(
+        &xv,
+        [2, 4, 6, 6],
+        &wv,
+        [8, 4, 3, 3],
+        None,
+        options(1, 1, 1, 1),
+    );
+    assert_close(
+        &got.to_vec().unwrap(),
+        &want,
+        1e-4,
+        "conv2d of a view, channels in fours",
+    );
 }
 
 #[test]
@@ -117,6 +162,7 @@ fn conv2d_gradcheck() {
         ([3, 2, 5, 4], [2, 2, 3, 3], 1, 1),
         ([1, 2, 7, 5], [3, 2, 3, 3], 2, 0),
         ([3, 1, 6, 7], [2, 1, 2, 3], 2, 1),
+        ([2, 4, 4, 4], [3, 4, 3, 3], 1, 1),
     ] {
         let name = format!("conv2d x{xs:?} w{ws:?} stride {stride} padding {padding}");
         let bias = [ws[0]];

@@ -1,12 +1,16 @@
-//! 2-d convolution (NCHW) forward and backward as matmuls over column matrices: `im2col`
-//! (`shaders/conv.wgsl`) lays a chunk of images out as `[images, c_in kh kw, out pixels]`, so
-//! the forward is `weight x cols` and the weight grad `out_grad x cols^T`, both on the matmul
-//! kernels; `col2im` sums the cols grad `weight^T x out_grad` back onto the input. Chunks of
-//! images bound the column matrix (at most `COLS_LIMIT` elements) whatever the batch. Bias is
-//! a broadcast add; groups are one convolution per channel group.
+//! 2-d convolution (NCHW) forward and backward as matmuls over column matrices
+//! `[images, c_in kh kw, out pixels]`. Where the matmul kernel can read the column matrix from
+//! the images itself (8-wide subgroups, channels and output pixels in whole 4s), the forward is
+//! one implicit GEMM (`conv_product` in `ops/matmul.rs`): no column matrix is written.
+//! Otherwise `im2col` (`shaders/conv.wgsl`) writes a chunk of images' columns and the forward
+//! is `weight x cols`. The weight grad is `out_grad x cols^T` over im2col's columns, and
+//! `col2im` sums the cols grad `weight^T x out_grad` back onto the input. Chunks of images
+//! bound each column matrix (at most `COLS_LIMIT` elements) whatever the batch. Bias is a
+//! broadcast add; groups are one convolution per channel group.
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::ops::matmul::{conv_product, conv_product_applies, ImageColumns};
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -118,6 +122,22 @@ impl Geometry {
             padding: self.padding as u32,
             dilation: self.dilation as u32,
             src_offset: src.layout().offset as u32,
+        }
+    }
+
+    /// The column matrix as the matmul kernel reads it from the images.
+    fn image_columns(&self) -> ImageColumns {
+        ImageColumns {
+            c_in: self.c_in,
+            height: self.height,
+            width: self.width,
+            kernel_h: self.kernel_h,
+            kernel_w: self.kernel_w,
+            out_h: self.out_h,
+            out_w: self.out_w,
+            stride: self.stride,
+            padding: self.padding,
+            dilation: self.dilation,
         }
     }
 }
@@ -256,18 +276,31 @@ fn by_chunks(
     }
 }
 
+/// One group's forward: where the matmul kernel can read the column matrix from the images
+/// itself, one implicit GEMM with the weight's taps laid out channels innermost; otherwise
+/// im2col a chunk at a time, each chunk's columns times the weight.
+fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    let columns = geo.image_columns();
+    if conv_product_applies(x.device(), geo.c_out, geo.batch, &columns) {
+        let w_taps_outer = w.permute(&[0, 2, 3, 1])?.contiguous()?;
+        let w_mat = w_taps_outer.reshape(&[geo.c_out, geo.taps()])?;
+        return conv_product(&w_mat, &x.contiguous()?, &columns);
+    }
+    let w_mat = w.reshape(&[geo.c_out, geo.taps()])?;
+    let out_rest = [geo.c_out, geo.out_h, geo.out_w];
+    by_chunks(x, geo, out_rest, |start, count| {
+        let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, geo)?;
+        w_mat
+            .matmul(&cols)?
+            .reshape(&[count, geo.c_out, geo.out_h, geo.out_w])
+    })
+}
+
 /// One group's convolution (no bias), recorded with its backward to input and weight.
 fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
     let out = {
         let _no_grad = NoGradGuard::new();
-        let w_mat = w.reshape(&[geo.c_out, geo.taps()])?;
-        let out_rest = [geo.c_out, geo.out_h, geo.out_w];
-        by_chunks(x, &geo, out_rest, |start, count| {
-            let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, &geo)?;
-            w_mat
-                .matmul(&cols)?
-                .reshape(&[count, geo.c_out, geo.out_h, geo.out_w])
-        })?
+        forward(x, w, &geo)?
     };
     Ok(record("conv2d", out, &[x, w], |_| {
         let (need_x, need_w) = (x.requires_grad(), w.requires_grad());

@@ -17,7 +17,9 @@ use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
     /// `batches` products of `[m, k] x [k, n]`, each operand read at its offset and strides
-    /// (in elements); the output tiles are `row_tiles x col_tiles` per batch.
+    /// (in elements); the output tiles are `row_tiles x col_tiles` per batch. The `conv_`
+    /// fields describe B where it is a convolution's implicit column matrix ([`ImageColumns`];
+    /// 0 otherwise).
     pub(crate) struct MatmulParams {
         m: u32,
         n: u32,
@@ -33,6 +35,15 @@ crate::kernel_params! {
         b_col_stride: u32,
         col_tiles: u32,
         row_tiles: u32,
+        conv_c_in: u32,
+        conv_height: u32,
+        conv_width: u32,
+        conv_kernel_w: u32,
+        conv_out_w: u32,
+        conv_pixels: u32,
+        conv_stride: u32,
+        conv_padding: u32,
+        conv_dilation: u32,
     }
 }
 
@@ -58,6 +69,14 @@ enum BMode {
     Any,
 }
 
+/// What `register_tiled_tall` multiplies A by: a matrix read in its `BMode`, or the column
+/// matrix of a convolution read from the images ([`conv_product`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BSource {
+    Matrix,
+    Image,
+}
+
 /// What a matmul kernel is specialised on (see shaders/matmul.wgsl): how A and B are read,
 /// whether the module keeps the subgroup section (`register_tiled_tall`, for 8-wide
 /// subgroups), and two facts about the shape.
@@ -65,6 +84,7 @@ enum BMode {
 struct Specialisation {
     a: AMode,
     b: BMode,
+    b_source: BSource,
     subgroups: bool,
     /// Output rows per invocation of `register_tiled_tall` (16 or 32).
     tall_rows: usize,
@@ -91,12 +111,17 @@ fn source(spec: Specialisation) -> String {
     } else {
         without_subgroup_section(MATMUL.wgsl)
     };
+    let b_source = match spec.b_source {
+        BSource::Matrix => "matrix",
+        BSource::Image => "image",
+    };
     let flag = |on: bool| if on { "true" } else { "false" };
     MATMUL.source_of(
         &wgsl,
         &[
             ("A_MODE", a_mode),
             ("B_MODE", b_mode),
+            ("B_SOURCE", b_source),
             ("B_ALIGNED_COLS", aligned_cols),
             ("N_ALIGNED", flag(spec.n_aligned)),
             ("K_TAIL", flag(spec.k_tail)),
@@ -115,6 +140,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
                     let spec = Specialisation {
                         a,
                         b,
+                        b_source: BSource::Matrix,
                         subgroups,
                         tall_rows,
                         n_aligned,
@@ -124,6 +150,10 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
                 }
             }
         }
+    }
+    for tall_rows in [16, 32] {
+        let spec = image_specialisation(AMode::K, tall_rows);
+        all.push((format!("matmul/{spec:?}"), source(spec)));
     }
     all
 }
@@ -185,6 +215,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
     let spec = |a, b, subgroups, tall_rows| Specialisation {
         a,
         b,
+        b_source: BSource::Matrix,
         subgroups,
         tall_rows,
         n_aligned: false,
@@ -448,28 +479,163 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             b_col_stride: sb.cols as u32,
             col_tiles: tiles_n as u32,
             row_tiles: tiles_m as u32,
+            ..MatmulParams::default()
         };
         let spec = Specialisation {
             n_aligned: n.is_multiple_of(4),
             k_tail: !k.is_multiple_of(4),
             ..choice.spec
         };
-        let variant = format!("{spec:?}");
-        let specialised = || source(spec);
-        let kernel = Kernel::specialised(&MATMUL, choice.entry, &variant, &specialised);
         let workgroups = batches * tiles_m * tiles_n;
-        let site = || {
-            Fusion::Epilogue(EpilogueSite {
-                entry: choice.entry,
-                output: 3,
-                numel: out.numel(),
-                vec4_output: true,
-            })
-        };
-        let bound = [(1, &a), (2, &b), (3, &out)];
-        launch_fusible(OP, &kernel, &bound, &params, workgroups as u32, site)?;
+        launch_product(OP, choice.entry, spec, &params, [&a, &b, &out], workgroups)?;
     }
     finish(out, this, other, &mut out_shape)
+}
+
+/// A convolution's column matrix as the B operand of a product, read from the images where
+/// it is needed (see `conv_product`): `images` `[count, c_in, height, width]` read with
+/// `kernel_h x kernel_w` taps (channels innermost along k) into `out_h x out_w` pixels.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ImageColumns {
+    pub c_in: usize,
+    pub height: usize,
+    pub width: usize,
+    pub kernel_h: usize,
+    pub kernel_w: usize,
+    pub out_h: usize,
+    pub out_w: usize,
+    pub stride: usize,
+    pub padding: usize,
+    pub dilation: usize,
+}
+
+impl ImageColumns {
+    fn pixels(&self) -> usize {
+        self.out_h * self.out_w
+    }
+}
+
+/// The module of `register_tiled_tall` over image columns.
+fn image_specialisation(a: AMode, tall_rows: usize) -> Specialisation {
+    Specialisation {
+        a,
+        b: BMode::Any,
+        b_source: BSource::Image,
+        subgroups: true,
+        tall_rows,
+        n_aligned: true,
+        k_tail: false,
+    }
+}
+
+/// True when [`conv_product`] can run a weight of `c_out` rows over `images` images: on
+/// 8-wide subgroups (the kernel that reads images is `register_tiled_tall`), with channels in
+/// whole 4s (a step of 4 along k stays at one tap), output pixels per image in whole 4s (a
+/// group of 4 output columns stays in one image), the images and the output within one
+/// binding, and k within one kernel's loop.
+pub(crate) fn conv_product_applies(
+    device: &Device,
+    c_out: usize,
+    images: usize,
+    cols: &ImageColumns,
+) -> bool {
+    let k = cols.kernel_h * cols.kernel_w * cols.c_in;
+    let in_bytes = images * cols.c_in * cols.height * cols.width * 4;
+    let out_bytes = c_out * images * cols.pixels() * 4;
+    let limit = device.inner.max_binding_bytes();
+    device.kernel_flavor() == KernelFlavor::Cpu
+        && device.subgroup_size() == Some(8)
+        && cols.c_in.is_multiple_of(4)
+        && cols.pixels().is_multiple_of(4)
+        && k <= K_CHUNK
+        && in_bytes as u64 <= limit
+        && out_bytes as u64 <= limit
+}
+
+/// `weight` `[c_out, kernel_h * kernel_w * c_in]` (taps outer, channels inner) times the column
+/// matrix of `images` (contiguous `[count, c_in, height, width]`), as
+/// `[count, c_out, out_h, out_w]`: a convolution's forward with no column matrix in memory.
+/// Callers check [`conv_product_applies`] first.
+pub(crate) fn conv_product(
+    weight: &Tensor,
+    images: &Tensor,
+    cols: &ImageColumns,
+) -> Result<Tensor> {
+    const OP: &str = "conv2d";
+    debug_assert!(weight.is_contiguous() && images.is_contiguous());
+    let (m, k) = (weight.shape()[0], weight.shape()[1]);
+    let count = images.shape()[0];
+    let n = count * cols.pixels();
+    let out_shape = [count, m, cols.out_h, cols.out_w];
+    let out = Tensor::empty(OP, &out_shape, DType::F32, images.device())?;
+    if out.numel() == 0 {
+        return Ok(out);
+    }
+    let tall_rows = if m <= 16 { 16 } else { 32 };
+    let (tiles_m, tiles_n) = (m.div_ceil(tall_rows), n.div_ceil(128));
+    let params = MatmulParams {
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+        batches: 1,
+        a_offset: weight.layout().offset as u32,
+        a_row_stride: k as u32,
+        a_col_stride: 1,
+        b_offset: images.layout().offset as u32,
+        col_tiles: tiles_n as u32,
+        row_tiles: tiles_m as u32,
+        conv_c_in: cols.c_in as u32,
+        conv_height: cols.height as u32,
+        conv_width: cols.width as u32,
+        conv_kernel_w: cols.kernel_w as u32,
+        conv_out_w: cols.out_w as u32,
+        conv_pixels: cols.pixels() as u32,
+        conv_stride: cols.stride as u32,
+        conv_padding: cols.padding as u32,
+        conv_dilation: cols.dilation as u32,
+        ..MatmulParams::default()
+    };
+    // The weight's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
+    let a_mode = match weight.layout().offset.is_multiple_of(4) {
+        true => AMode::K,
+        false => AMode::Any,
+    };
+    let spec = image_specialisation(a_mode, tall_rows);
+    let operands = [weight, images, &out];
+    launch_product(
+        OP,
+        "register_tiled_tall",
+        spec,
+        &params,
+        operands,
+        tiles_m * tiles_n,
+    )?;
+    Ok(out)
+}
+
+/// Records one product kernel over `[a, b, out]`; a captured step may run the product's
+/// elementwise consumers in its stores.
+fn launch_product(
+    op: &'static str,
+    entry: &'static str,
+    spec: Specialisation,
+    params: &MatmulParams,
+    [a, b, out]: [&Tensor; 3],
+    workgroups: usize,
+) -> Result<()> {
+    let variant = format!("{spec:?}");
+    let specialised = || source(spec);
+    let kernel = Kernel::specialised(&MATMUL, entry, &variant, &specialised);
+    let site = || {
+        Fusion::Epilogue(EpilogueSite {
+            entry,
+            output: 3,
+            numel: out.numel(),
+            vec4_output: true,
+        })
+    };
+    let bound = [(1, a), (2, b), (3, out)];
+    launch_fusible(op, &kernel, &bound, params, workgroups as u32, site)
 }
 
 /// A 2-D product with an operand larger than one binding, along the outer dimension: a
