@@ -207,9 +207,9 @@ fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
 // input images (an implicit GEMM: no im2col pass writes and reads it). There B[k][n] is input
 // element (image, channel c, y, x) for k = (ty, tx, c), the weight's taps laid out channels
 // innermost, and n = (image, oy, ox); y = oy stride + ty dilation - padding, x likewise, and
-// 0 outside the image. With the channel count a multiple of 4, each step of 4 along k reads
-// channels c .. c + 4 at one tap, so the window's edges are checked once per column, and the
-// tap is stepped like an odometer (no divisions per step). The product lands in NCHW order.
+// 0 outside the image. The channel and tap of each k are stepped like an odometer (no
+// divisions along k); k is padded to whole 4s with zero weights and zero rows. The product
+// lands in NCHW order.
 
 // Where an invocation's 4 columns of B are read: `at`, the offset of B[0][cols.x] (matrix);
 // each column's image plane 0 offset and window corner (image).
@@ -221,7 +221,7 @@ struct BColumns {
     x0: vec4<i32>,
 }
 
-// The image source's tap and channel at the current step along k (the odometer).
+// The image source's channel and tap at the current k (the odometer).
 struct BStep {
     c: u32,
     c_at: i32,
@@ -268,34 +268,38 @@ fn b_columns_image(b_base: u32, cols: vec4<u32>) -> BColumns {
     return c;
 }
 
-fn b_block_image(c: BColumns, step: ptr<function, BStep>, k: u32) -> mat4x4<f32> {
+// Row k of the image columns at the invocation's 4 columns (0 past the last k, which pads k
+// to whole 4s), then the odometer advanced by one along k: the next channel; past the last,
+// the next tap along x; past the last tap of a row, the next row of taps.
+fn image_row(c: BColumns, step: ptr<function, BStep>, live: bool) -> vec4<f32> {
     let h = pu(MATMUL_CONV_HEIGHT);
     let w = pu(MATMUL_CONV_WIDTH);
-    let plane = h * w;
     let s = *step;
     let y = c.y0 + s.dy;
     let x = c.x0 + s.dx;
-    let inside = vec4<u32>(y) < vec4<u32>(h) & vec4<u32>(x) < vec4<u32>(w);
+    let inside = vec4<u32>(y) < vec4<u32>(h) & vec4<u32>(x) < vec4<u32>(w) & vec4<bool>(live);
     let at = vec4<u32>(select(c.image_at, c.image_at + s.c_at + y * i32(w) + x, inside));
-    let zero = vec4<f32>(0.0);
-    let blk = mat4x4<f32>(
-        select(zero, vec4<f32>(b_at(at.x), b_at(at.x + plane), b_at(at.x + 2u * plane), b_at(at.x + 3u * plane)), inside.x),
-        select(zero, vec4<f32>(b_at(at.y), b_at(at.y + plane), b_at(at.y + 2u * plane), b_at(at.y + 3u * plane)), inside.y),
-        select(zero, vec4<f32>(b_at(at.z), b_at(at.z + plane), b_at(at.z + 2u * plane), b_at(at.z + 3u * plane)), inside.z),
-        select(zero, vec4<f32>(b_at(at.w), b_at(at.w + plane), b_at(at.w + 2u * plane), b_at(at.w + 3u * plane)), inside.w));
-    // Next step: 4 channels on; past the last channel, the next tap along x; past the last
-    // tap of a row, the next row of taps.
+    let v = vec4<f32>(b_at(at.x), b_at(at.y), b_at(at.z), b_at(at.w));
     let dilation = i32(pu(MATMUL_CONV_DILATION));
-    let next_tap = s.c + 4u == pu(MATMUL_CONV_C_IN);
+    let next_tap = s.c + 1u == pu(MATMUL_CONV_C_IN);
     let next_row = next_tap && s.tx + 1u == pu(MATMUL_CONV_KERNEL_W);
     var n: BStep;
-    n.c = select(s.c + 4u, 0u, next_tap);
-    n.c_at = select(s.c_at + 4 * i32(plane), 0, next_tap);
+    n.c = select(s.c + 1u, 0u, next_tap);
+    n.c_at = select(s.c_at + i32(h * w), 0, next_tap);
     n.tx = select(s.tx, select(s.tx + 1u, 0u, next_row), next_tap);
     n.dx = select(s.dx, select(s.dx + dilation, 0, next_row), next_tap);
     n.dy = select(s.dy, s.dy + dilation, next_row);
     *step = n;
-    return blk;
+    return select(vec4<f32>(0.0), v, inside);
+}
+
+fn b_block_image(c: BColumns, step: ptr<function, BStep>, k: u32) -> mat4x4<f32> {
+    let k_len = pu(MATMUL_CONV_K);
+    let r0 = image_row(c, step, k < k_len);
+    let r1 = image_row(c, step, k + 1u < k_len);
+    let r2 = image_row(c, step, k + 2u < k_len);
+    let r3 = image_row(c, step, k + 3u < k_len);
+    return transpose(mat4x4<f32>(r0, r1, r2, r3));
 }
 
 fn out_column_image(batch: u32, col: u32) -> OutColumn {

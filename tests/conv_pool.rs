@@ -101,13 +101,16 @@ fn conv2d_matches_cpu_reference() {
     assert_eq!(x.conv2d(&w, None, 1, 1).unwrap().shape(), &[0, 3, 5, 5]);
 }
 
-/// Channels in whole 4s and output pixels in whole 4s per image: on 8-wide subgroups the
-/// forward reads the column matrix straight from the images (one implicit GEMM) instead of
-/// writing it with im2col. Ragged row and column tiles, strides, dilation, groups, a strided
-/// input view.
+/// Output pixels in whole 4s per image: on 8-wide subgroups the forward reads the column
+/// matrix straight from the images (one implicit GEMM, k padded to whole 4s) instead of
+/// writing it with im2col. Ragged row and column tiles, channel counts that do and do not
+/// fill steps of 4, strides, dilation, groups, a strided input view.
 #[test]
-fn conv2d_with_channels_in_fours_matches_cpu_reference() {
+fn conv2d_read_from_the_images_matches_cpu_reference() {
     let cases = [
+        ([2, 1, 8, 8], [6, 1, 3, 3], options(1, 1, 1, 1)),
+        ([2, 3, 8, 8], [5, 3, 3, 3], options(1, 1, 1, 1)),
+        ([1, 2, 6, 6], [4, 2, 2, 2], options(2, 0, 1, 1)),
         ([3, 8, 6, 6], [5, 8, 3, 3], options(1, 1, 1, 1)),
         ([2, 4, 9, 8], [20, 4, 3, 3], options(2, 1, 1, 1)),
         ([2, 8, 10, 10], [3, 8, 3, 3], options(1, 2, 2, 1)),
@@ -133,7 +136,7 @@ fn conv2d_with_channels_in_fours_matches_cpu_reference() {
         &got.to_vec().unwrap(),
         &want,
         1e-4,
-        "conv2d of a view, channels in fours",
+        "conv2d of a view read from the images",
     );
 }
 

@@ -1,6 +1,6 @@
 //! 2-d convolution (NCHW) forward and backward as matmuls over column matrices
 //! `[images, c_in kh kw, out pixels]`. Where the matmul kernel can read the column matrix from
-//! the images itself (8-wide subgroups, channels and output pixels in whole 4s), the forward is
+//! the images itself (8-wide subgroups, output pixels in whole 4s), the forward is
 //! one implicit GEMM (`conv_product` in `ops/matmul.rs`): no column matrix is written.
 //! Otherwise `im2col` (`shaders/conv.wgsl`) writes a chunk of images' columns and the forward
 //! is `weight x cols`. The weight grad is `out_grad x cols^T` over im2col's columns, and
@@ -284,6 +284,11 @@ fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     if conv_product_applies(x.device(), geo.c_out, geo.batch, &columns) {
         let w_taps_outer = w.permute(&[0, 2, 3, 1])?.contiguous()?;
         let w_mat = w_taps_outer.reshape(&[geo.c_out, geo.taps()])?;
+        let pad = geo.taps().next_multiple_of(4) - geo.taps();
+        let w_mat = match pad {
+            0 => w_mat,
+            _ => w_mat.pad2d((0, pad, 0, 0), 0.0)?,
+        };
         return conv_product(&w_mat, &x.contiguous()?, &columns);
     }
     let w_mat = w.reshape(&[geo.c_out, geo.taps()])?;

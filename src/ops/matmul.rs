@@ -44,6 +44,7 @@ crate::kernel_params! {
         conv_stride: u32,
         conv_padding: u32,
         conv_dilation: u32,
+        conv_k: u32,
     }
 }
 
@@ -513,6 +514,11 @@ impl ImageColumns {
     fn pixels(&self) -> usize {
         self.out_h * self.out_w
     }
+
+    /// Rows of the column matrix: taps times channels.
+    pub fn k(&self) -> usize {
+        self.kernel_h * self.kernel_w * self.c_in
+    }
 }
 
 /// The module of `register_tiled_tall` over image columns.
@@ -529,33 +535,30 @@ fn image_specialisation(a: AMode, tall_rows: usize) -> Specialisation {
 }
 
 /// True when [`conv_product`] can run a weight of `c_out` rows over `images` images: on
-/// 8-wide subgroups (the kernel that reads images is `register_tiled_tall`), with channels in
-/// whole 4s (a step of 4 along k stays at one tap), output pixels per image in whole 4s (a
-/// group of 4 output columns stays in one image), the images and the output within one
-/// binding, and k within one kernel's loop.
+/// 8-wide subgroups (the kernel that reads images is `register_tiled_tall`), with output
+/// pixels per image in whole 4s (a group of 4 output columns stays in one image), the images
+/// and the output within one binding, and k within one kernel's loop.
 pub(crate) fn conv_product_applies(
     device: &Device,
     c_out: usize,
     images: usize,
     cols: &ImageColumns,
 ) -> bool {
-    let k = cols.kernel_h * cols.kernel_w * cols.c_in;
     let in_bytes = images * cols.c_in * cols.height * cols.width * 4;
     let out_bytes = c_out * images * cols.pixels() * 4;
     let limit = device.inner.max_binding_bytes();
     device.kernel_flavor() == KernelFlavor::Cpu
         && device.subgroup_size() == Some(8)
-        && cols.c_in.is_multiple_of(4)
         && cols.pixels().is_multiple_of(4)
-        && k <= K_CHUNK
+        && cols.k().next_multiple_of(4) <= K_CHUNK
         && in_bytes as u64 <= limit
         && out_bytes as u64 <= limit
 }
 
-/// `weight` `[c_out, kernel_h * kernel_w * c_in]` (taps outer, channels inner) times the column
-/// matrix of `images` (contiguous `[count, c_in, height, width]`), as
-/// `[count, c_out, out_h, out_w]`: a convolution's forward with no column matrix in memory.
-/// Callers check [`conv_product_applies`] first.
+/// `weight` `[c_out, k]` (taps outer, channels inner, `k` the column matrix's rows padded
+/// with zero weights to whole 4s) times the column matrix of `images` (contiguous
+/// `[count, c_in, height, width]`), as `[count, c_out, out_h, out_w]`: a convolution's forward
+/// with no column matrix in memory. Callers check [`conv_product_applies`] first.
 pub(crate) fn conv_product(
     weight: &Tensor,
     images: &Tensor,
@@ -564,6 +567,7 @@ pub(crate) fn conv_product(
     const OP: &str = "conv2d";
     debug_assert!(weight.is_contiguous() && images.is_contiguous());
     let (m, k) = (weight.shape()[0], weight.shape()[1]);
+    debug_assert_eq!(k, cols.k().next_multiple_of(4));
     let count = images.shape()[0];
     let n = count * cols.pixels();
     let out_shape = [count, m, cols.out_h, cols.out_w];
@@ -593,6 +597,7 @@ pub(crate) fn conv_product(
         conv_stride: cols.stride as u32,
         conv_padding: cols.padding as u32,
         conv_dilation: cols.dilation as u32,
+        conv_k: cols.k() as u32,
         ..MatmulParams::default()
     };
     // The weight's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
