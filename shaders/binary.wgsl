@@ -51,8 +51,9 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     }
 }
 
-// Like `contiguous`, with one or both operands repeated along leading dims. A separate entry,
-// so the plain case keeps its loop free of index wrapping.
+// Like `contiguous`, with one or both operands a dense run held and repeated (a bias over
+// rows or over channels): output element i reads run element (i / stretch) % period. A
+// separate entry, so the plain case keeps its loop free of index wrapping.
 @compute @workgroup_size(256)
 fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -61,6 +62,8 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let lb = pu(BINARY_RHS_OFFSET);
     let pa = pu(BINARY_LHS_PERIOD);
     let pb = pu(BINARY_RHS_PERIOD);
+    let sa = pu(BINARY_LHS_STRETCH);
+    let sb = pu(BINARY_RHS_STRETCH);
     if (pu(BINARY_VEC4) == 1u) {
         let per_group = CONTIGUOUS_PER_GROUP / 4u;
         for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
@@ -68,7 +71,7 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             if (i >= n / 4u) {
                 break;
             }
-            dst[i] = op4(lhs[la / 4u + i % (pa / 4u)], rhs[lb / 4u + i % (pb / 4u)]);
+            dst[i] = op4(lhs_run4(la, i, sa, pa), rhs_run4(lb, i, sb, pb));
         }
         return;
     }
@@ -77,8 +80,32 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         if (i >= n) {
             break;
         }
-        dst[i / 4u][i % 4u] = op(lhs_at(la + i % pa), rhs_at(lb + i % pb));
+        dst[i / 4u][i % 4u] = op(lhs_at(la + run_index(i, sa, pa)), rhs_at(lb + run_index(i, sb, pb)));
     }
+}
+
+// The run element output element i reads (see `repeated`); a stretch of 1 divides nothing.
+fn run_index(i: u32, stretch: u32, period: u32) -> u32 {
+    if (stretch == 1u) {
+        return i % period;
+    }
+    return (i / stretch) % period;
+}
+
+// Output elements 4 i .. 4 i + 4 of an operand read as a run (vec4 mode): one aligned load
+// where the stretch is 1, else one element for all four (the stretch is a multiple of 4).
+fn lhs_run4(offset: u32, i: u32, stretch: u32, period: u32) -> vec4<f32> {
+    if (stretch == 1u) {
+        return lhs[offset / 4u + i % (period / 4u)];
+    }
+    return vec4<f32>(lhs_at(offset + (i * 4u / stretch) % period));
+}
+
+fn rhs_run4(offset: u32, i: u32, stretch: u32, period: u32) -> vec4<f32> {
+    if (stretch == 1u) {
+        return rhs[offset / 4u + i % (period / 4u)];
+    }
+    return vec4<f32>(rhs_at(offset + (i * 4u / stretch) % period));
 }
 
 @compute @workgroup_size(256)

@@ -376,6 +376,30 @@ fn a_row_broadcast_on_either_side_at_any_offset_matches_reference() {
     }
 }
 
+/// A channel bias `[C, 1, 1]` over `[N, C, H, W]` (each bias element held for H W outputs),
+/// at any offset and on either side, with H W a multiple of 4 (four outputs per load) and not.
+#[test]
+fn a_channel_bias_on_either_side_at_any_offset_matches_reference() {
+    let (bias, db) = random_tensor(&[9], 7);
+    for (hw, side) in [(16, 4), (9, 3)] {
+        let (x, dx) = random_tensor(&[2, 5, side, side], 8);
+        for start in [0, 1, 4] {
+            let b = bias
+                .narrow(0, start, 5)
+                .unwrap()
+                .reshape(&[5, 1, 1])
+                .unwrap();
+            let bias_of = |i: usize| db[start + (i / hw) % 5] as f64;
+            let got = x.add(&b).unwrap().to_vec().unwrap();
+            let want: Vec<f64> = (0..10 * hw).map(|i| dx[i] as f64 + bias_of(i)).collect();
+            assert_close(&got, &want, 1e-7, &format!("x + bias[{start}..] over {hw}"));
+            let got = b.sub(&x).unwrap().to_vec().unwrap();
+            let want: Vec<f64> = (0..10 * hw).map(|i| bias_of(i) - dx[i] as f64).collect();
+            assert_close(&got, &want, 1e-7, &format!("bias[{start}..] - x over {hw}"));
+        }
+    }
+}
+
 #[test]
 fn clamp_keeps_nan_and_rejects_crossed_bounds() {
     let dev = device();

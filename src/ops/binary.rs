@@ -17,10 +17,13 @@ use crate::tensor::tape::{Elementwise, Fusion, HostBytes};
 use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {
-    /// `contiguous`, `repeated` and `strided`. `vec4` (not `strided`): 1 when `n`, both offsets
-    /// and both periods are multiples of 4. Periods (`repeated` only): an operand with period
-    /// `p` is a dense run of `p` elements repeated along the leading dims (a bias row): element
-    /// `i` reads its element `i % p`; period `n` means no repetition.
+    /// `contiguous`, `repeated` and `strided`. Stretches and periods (`repeated` only): an
+    /// operand with stretch `s` and period `p` is a dense run of `p` elements, each held for
+    /// `s` output elements, repeated along the leading dims (a bias row: `s` 1; a channel bias
+    /// over `[N, C, H, W]`: `s` = H W, `p` = C): element `i` reads its element `(i / s) % p`;
+    /// `s` 1 and `p` `n` mean a dense operand. `vec4` (not `strided`): 1 when `n` is a multiple
+    /// of 4 and each operand can be read four elements at a time (`s` 1 with its offset and
+    /// `p` multiples of 4, or `s` a multiple of 4).
     pub(crate) struct BinaryParams {
         n: u32,
         lhs_offset: u32,
@@ -32,6 +35,8 @@ crate::kernel_params! {
         vec4: u32,
         lhs_period: u32,
         rhs_period: u32,
+        lhs_stretch: u32,
+        rhs_stretch: u32,
         scalar: f32,
     }
 }
@@ -140,18 +145,26 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
         .collect()
 }
 
-/// The period `p` when `layout` (an operand expanded to the output's shape) reads a dense run
-/// of `p` elements from its offset, repeated along its leading dims: a contiguous operand
-/// (period = its size) or one broadcast only along leading dims. `None` otherwise.
-fn broadcast_period(layout: &Layout) -> Option<usize> {
-    let mut period = 1;
-    let mut d = layout.shape.len();
-    while d > 0 && (layout.shape[d - 1] == 1 || layout.strides[d - 1] == period) {
-        period *= layout.shape[d - 1];
+/// How `layout` (an operand expanded to the output's shape) reads a dense run: `(stretch,
+/// period)` when its trailing dims are broadcast (together `stretch` elements), the dims before
+/// them a dense run of `period` elements, and the rest broadcast (repeats of the run). A
+/// contiguous operand is `(1, its size)`; a bias row `(1, row)`; a channel bias over
+/// `[N, C, H, W]` `(H W, C)`. `None` otherwise.
+fn broadcast_run(layout: &Layout) -> Option<(usize, usize)> {
+    let (shape, strides) = (&layout.shape, &layout.strides);
+    let mut d = shape.len();
+    let mut stretch = 1;
+    while d > 0 && (shape[d - 1] == 1 || strides[d - 1] == 0) {
+        stretch *= shape[d - 1];
         d -= 1;
     }
-    let leading_repeat = (0..d).all(|i| layout.shape[i] == 1 || layout.strides[i] == 0);
-    leading_repeat.then_some(period.max(1))
+    let mut period = 1;
+    while d > 0 && (shape[d - 1] == 1 || strides[d - 1] == period) {
+        period *= shape[d - 1];
+        d -= 1;
+    }
+    let leading_repeat = (0..d).all(|i| shape[i] == 1 || strides[i] == 0);
+    leading_repeat.then_some((stretch.max(1), period.max(1)))
 }
 
 /// `a op b` broadcast to their common shape, into a new contiguous tensor.
@@ -207,18 +220,23 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
     let la = a.layout().expand(name, &shape)?;
     let lb = b.layout().expand(name, &shape)?;
     let dims = strided_dims(name, &shape, &[&la.strides, &lb.strides])?;
-    // Dense operands, or dense runs repeated along leading dims (a bias added to each row),
-    // take the contiguous kernel; anything else walks its strides.
-    let (period_a, period_b) = (broadcast_period(&la), broadcast_period(&lb));
-    let contiguous = period_a.is_some() && period_b.is_some();
-    let (period_a, period_b) = (period_a.unwrap_or(n), period_b.unwrap_or(n));
-    // Four elements per load where lengths, offsets and periods allow: about twice the
+    // Dense operands, or dense runs held and repeated (a bias added to each row or to each
+    // channel), take the contiguous kernels; anything else walks its strides.
+    let (run_a, run_b) = (broadcast_run(&la), broadcast_run(&lb));
+    let contiguous = run_a.is_some() && run_b.is_some();
+    let ((stretch_a, period_a), (stretch_b, period_b)) =
+        (run_a.unwrap_or((1, n)), run_b.unwrap_or((1, n)));
+    // Four elements per load where lengths, offsets and runs allow: about twice the
     // bandwidth on CPU adapters.
+    let in_fours = |offset: usize, stretch: usize, period: usize| {
+        (stretch == 1 && offset.is_multiple_of(4) && period.is_multiple_of(4))
+            || stretch.is_multiple_of(4)
+    };
     let vec4 = contiguous
-        && [n, la.offset, lb.offset, period_a, period_b]
-            .iter()
-            .all(|x| x.is_multiple_of(4));
-    let repeated = period_a != n || period_b != n;
+        && n.is_multiple_of(4)
+        && in_fours(la.offset, stretch_a, period_a)
+        && in_fours(lb.offset, stretch_b, period_b);
+    let repeated = (stretch_a, period_a) != (1, n) || (stretch_b, period_b) != (1, n);
     let (entry, per_group) = match (contiguous, repeated) {
         (true, false) => ("contiguous", CONTIGUOUS_PER_GROUP),
         (true, true) => ("repeated", CONTIGUOUS_PER_GROUP),
@@ -235,6 +253,8 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
         vec4: vec4 as u32,
         lhs_period: period_a as u32,
         rhs_period: period_b as u32,
+        lhs_stretch: stretch_a as u32,
+        rhs_stretch: stretch_b as u32,
         scalar,
     };
     let source = || op.source();
