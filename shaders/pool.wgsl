@@ -1,8 +1,8 @@
 // 2-d max and average pooling over NCHW planes (no padding), and their backward passes.
 // Params: `PoolParams` (src/ops/pool.rs). All tensors are contiguous.
 //
-// Backward passes give each input element one invocation that sums over the few windows
-// containing it, so overlapping windows need no atomics.
+// Backward passes give each run of input elements of a row one invocation, which sums each
+// element's grad over the few windows containing it, so overlapping windows need no atomics.
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
@@ -38,11 +38,15 @@ fn max_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let plane_base = win.plane * pu(POOL_HEIGHT) * w;
     var best = src[plane_base + win.y0 * w + win.x0];
     var best_at = 0u;
-    for (var t = 1u; t < k * k; t = t + 1u) {
-        let v = src[plane_base + (win.y0 + t / k) * w + win.x0 + t % k];
-        if (v > best || (is_nan(v) && !is_nan(best))) {
-            best = v;
-            best_at = t;
+    // Row by row, so no tap divides (the first tap compares with itself and changes nothing).
+    for (var ty = 0u; ty < k; ty = ty + 1u) {
+        let row_at = plane_base + (win.y0 + ty) * w + win.x0;
+        for (var tx = 0u; tx < k; tx = tx + 1u) {
+            let v = src[row_at + tx];
+            if (v > best || (is_nan(v) && !is_nan(best))) {
+                best = v;
+                best_at = ty * k + tx;
+            }
         }
     }
     dst[i] = best;
@@ -61,8 +65,11 @@ fn avg_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let k = pu(POOL_KERNEL);
     let plane_base = win.plane * pu(POOL_HEIGHT) * w;
     var sum = 0.0;
-    for (var t = 0u; t < k * k; t = t + 1u) {
-        sum = sum + src[plane_base + (win.y0 + t / k) * w + win.x0 + t % k];
+    for (var ty = 0u; ty < k; ty = ty + 1u) {
+        let row_at = plane_base + (win.y0 + ty) * w + win.x0;
+        for (var tx = 0u; tx < k; tx = tx + 1u) {
+            sum = sum + src[row_at + tx];
+        }
     }
     dst[i] = sum / f32(k * k);
 }
@@ -79,26 +86,43 @@ fn windows_over(y: u32, out_len: u32) -> vec2<u32> {
     return vec2<u32>(first, min(y / s + 1u, out_len));
 }
 
-// Where input element `i` lies, and the outputs whose windows hold it: rows [first, last + 1)
-// and columns likewise.
-struct Covering {
+// A run of input elements of one row, [x0, x1): its plane, its row y and the rows of outputs
+// whose windows hold row y. Backward passes give each run one invocation, so the divisions
+// that place an element are paid once per run (CPU adapters divide lane by lane); `n` counts
+// runs, `segments` runs per row, `segment` elements per run.
+struct Run {
     plane: u32,
     y: u32,
-    x: u32,
     rows: vec2<u32>,
-    cols: vec2<u32>,
+    x0: u32,
+    x1: u32,
 }
 
-fn covering(i: u32) -> Covering {
-    let w = pu(POOL_WIDTH);
-    let in_pixels = pu(POOL_HEIGHT) * w;
-    let y = (i % in_pixels) / w;
-    let x = i % w;
-    return Covering(i / in_pixels, y, x, windows_over(y, pu(POOL_OUT_H)), windows_over(x, pu(POOL_OUT_W)));
+fn run_of(i: u32) -> Run {
+    let segments = pu(POOL_SEGMENTS);
+    let row = i / segments;
+    let x0 = (i % segments) * pu(POOL_SEGMENT);
+    let h = pu(POOL_HEIGHT);
+    let y = row % h;
+    return Run(row / h, y, windows_over(y, pu(POOL_OUT_H)), x0, min(x0 + pu(POOL_SEGMENT), pu(POOL_WIDTH)));
 }
 
-// Backward passes: `src` is the out grad, `dst` the input grad, `n` counts input elements.
-// Max pooling passes each window's grad to its arg-max only.
+// The output columns whose windows hold input column x, from those of column x - 1: each
+// bound moves by at most one per column, so no division.
+fn next_cols(cols: vec2<u32>, x: u32) -> vec2<u32> {
+    let s = pu(POOL_STRIDE);
+    var c = cols;
+    if (c.x * s + pu(POOL_KERNEL) <= x) {
+        c.x = c.x + 1u;
+    }
+    if (c.y < pu(POOL_OUT_W) && c.y * s <= x) {
+        c.y = c.y + 1u;
+    }
+    return c;
+}
+
+// Backward passes: `src` is the out grad, `dst` the input grad. Max pooling passes each
+// window's grad to its arg-max only.
 @compute @workgroup_size(256)
 fn max_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
@@ -106,20 +130,28 @@ fn max_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (i >= pu(POOL_N)) {
         return;
     }
-    let c = covering(i);
+    let r = run_of(i);
     let ow = pu(POOL_OUT_W);
     let k = pu(POOL_KERNEL);
     let s = pu(POOL_STRIDE);
-    var sum = 0.0;
-    for (var oy = c.rows.x; oy < c.rows.y; oy = oy + 1u) {
-        for (var ox = c.cols.x; ox < c.cols.y; ox = ox + 1u) {
-            let o = (c.plane * pu(POOL_OUT_H) + oy) * ow + ox;
-            if (argmax[o] == (c.y - oy * s) * k + (c.x - ox * s)) {
-                sum = sum + src[o];
+    let out_plane = r.plane * pu(POOL_OUT_H);
+    let in_row = (r.plane * pu(POOL_HEIGHT) + r.y) * pu(POOL_WIDTH);
+    var cols = windows_over(r.x0, ow);
+    for (var x = r.x0; x < r.x1; x = x + 1u) {
+        if (x > r.x0) {
+            cols = next_cols(cols, x);
+        }
+        var sum = 0.0;
+        for (var oy = r.rows.x; oy < r.rows.y; oy = oy + 1u) {
+            for (var ox = cols.x; ox < cols.y; ox = ox + 1u) {
+                let o = (out_plane + oy) * ow + ox;
+                if (argmax[o] == (r.y - oy * s) * k + (x - ox * s)) {
+                    sum = sum + src[o];
+                }
             }
         }
+        dst[in_row + x] = sum;
     }
-    dst[i] = sum;
 }
 
 // Average pooling spreads each window's grad evenly over it.
@@ -130,14 +162,22 @@ fn avg_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (i >= pu(POOL_N)) {
         return;
     }
-    let c = covering(i);
+    let r = run_of(i);
     let ow = pu(POOL_OUT_W);
     let k = pu(POOL_KERNEL);
-    var sum = 0.0;
-    for (var oy = c.rows.x; oy < c.rows.y; oy = oy + 1u) {
-        for (var ox = c.cols.x; ox < c.cols.y; ox = ox + 1u) {
-            sum = sum + src[(c.plane * pu(POOL_OUT_H) + oy) * ow + ox];
+    let out_plane = r.plane * pu(POOL_OUT_H);
+    let in_row = (r.plane * pu(POOL_HEIGHT) + r.y) * pu(POOL_WIDTH);
+    var cols = windows_over(r.x0, ow);
+    for (var x = r.x0; x < r.x1; x = x + 1u) {
+        if (x > r.x0) {
+            cols = next_cols(cols, x);
         }
+        var sum = 0.0;
+        for (var oy = r.rows.x; oy < r.rows.y; oy = oy + 1u) {
+            for (var ox = cols.x; ox < cols.y; ox = ox + 1u) {
+                sum = sum + src[(out_plane + oy) * ow + ox];
+            }
+        }
+        dst[in_row + x] = sum / f32(k * k);
     }
-    dst[i] = sum / f32(k * k);
 }

@@ -288,6 +288,69 @@ fn pools_match_cpu_reference() {
     }
 }
 
+/// The input grads of both pools for an out grad `g`, on the CPU: each window's grad to its
+/// first maximum, or spread evenly over it.
+fn pool_backward_reference(
+    x: &[f32],
+    g: &[f32],
+    xs: [usize; 4],
+    k: usize,
+    s: usize,
+    max: bool,
+) -> Vec<f64> {
+    let [n, c, h, w] = xs;
+    let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
+    let mut grad = vec![0.0; x.len()];
+    for p in 0..n * c {
+        for y in 0..oh {
+            for xo in 0..ow {
+                let go = g[(p * oh + y) * ow + xo] as f64;
+                let at = |t: usize| (p * h + y * s + t / k) * w + xo * s + t % k;
+                if max {
+                    let best = (0..k * k).fold(0, |b, t| if x[at(t)] > x[at(b)] { t } else { b });
+                    grad[at(best)] += go;
+                } else {
+                    (0..k * k).for_each(|t| grad[at(t)] += go / (k * k) as f64);
+                }
+            }
+        }
+    }
+    grad
+}
+
+/// Backward passes over rows longer than one invocation's run (64 elements), windows that
+/// straddle two runs, gaps between windows (stride > kernel), and a kernel large enough to
+/// shorten the runs.
+#[test]
+fn pool_grads_over_long_rows_match_cpu_reference() {
+    for (xs, k, s) in [
+        ([1, 2, 5, 150], 3, 2),
+        ([2, 1, 4, 130], 2, 3),
+        ([1, 1, 20, 90], 17, 1),
+    ] {
+        let (x, xv) = random_tensor(&xs, 9);
+        for max in [true, false] {
+            let x = x.detach().requires_grad_(true);
+            let out = if max {
+                x.max_pool2d(k, s)
+            } else {
+                x.avg_pool2d(k, s)
+            }
+            .unwrap();
+            let (g, gv) = random_tensor(out.shape(), 10);
+            out.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+            let want = pool_backward_reference(&xv, &gv, xs, k, s, max);
+            let got = x.grad().unwrap().to_vec().unwrap();
+            assert_close(
+                &got,
+                &want,
+                1e-5,
+                &format!("pool grad {xs:?} {k} {s} max {max}"),
+            );
+        }
+    }
+}
+
 #[test]
 fn pools_gradcheck() {
     // Distinct values, so that no window has a tie at its maximum.

@@ -3,12 +3,13 @@
 //! row-major window order, as PyTorch) for its backward.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `n` counts the elements the entry writes: outputs forward, inputs backward. Planes are
+    /// `n` counts what the entry's invocations cover: outputs forward, runs of `segment`
+    /// input elements of a row backward (`segments` runs per row). Planes are
     /// `height x width` in, `out_h x out_w` out.
     pub(crate) struct PoolParams {
         n: u32,
@@ -18,6 +19,8 @@ crate::kernel_params! {
         out_w: u32,
         kernel: u32,
         stride: u32,
+        segment: u32,
+        segments: u32,
     }
 }
 
@@ -73,6 +76,10 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
             ),
         });
     }
+    // A backward run visits each of its elements' windows (at most ceil(k / s) squared): its
+    // loops stay within one invocation's budget.
+    let windows = kernel.div_ceil(stride).pow(2);
+    let segment = (MAX_LOOP_LEN / windows).clamp(1, RUN_LEN);
     Ok(PoolParams {
         n: 0,
         height: height as u32,
@@ -81,10 +88,16 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
         out_w: ((width - kernel) / stride + 1) as u32,
         kernel: kernel as u32,
         stride: stride as u32,
+        segment: segment as u32,
+        segments: width.div_ceil(segment) as u32,
     })
 }
 
-/// Runs `entry` from `src` (any layout) into `dst`, one invocation per element of `dst`;
+/// Input elements of a row one invocation of a backward pass covers: enough to pay the
+/// divisions that place a run once per 64 elements.
+const RUN_LEN: usize = 64;
+
+/// Runs `entry` from `src` (any layout) into `dst` over `n` invocations (see `PoolParams`);
 /// max pooling's arg-max is bound beside them.
 fn run(
     kind: Pool,
@@ -93,9 +106,9 @@ fn run(
     dst: &Tensor,
     argmax: Option<&Tensor>,
     params: PoolParams,
+    n: usize,
 ) -> Result<()> {
-    let n = dst.numel();
-    if n == 0 {
+    if dst.numel() == 0 {
         return Ok(());
     }
     let src = src.contiguous()?;
@@ -133,7 +146,7 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
         Pool::Max => "max_forward",
         Pool::Avg => "avg_forward",
     };
-    run(kind, entry, x, &out, argmax.as_ref(), params)?;
+    run(kind, entry, x, &out, argmax.as_ref(), params, out.numel())?;
     Ok(record(op, out, &[x], |_| {
         let in_shape = x.shape().to_vec();
         move |g: &Tensor| {
@@ -142,7 +155,9 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
                 Pool::Max => "max_backward",
                 Pool::Avg => "avg_backward",
             };
-            run(kind, entry, g, &grad, argmax.as_ref(), params)?;
+            let rows = in_shape[0] * in_shape[1] * in_shape[2];
+            let runs = rows * params.segments as usize;
+            run(kind, entry, g, &grad, argmax.as_ref(), params, runs)?;
             Ok(vec![Some(grad)])
         }
     }))
