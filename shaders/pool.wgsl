@@ -9,19 +9,27 @@
 // max_forward writes, and max_backward reads, the window position of each maximum.
 @group(0) @binding(3) var<storage, read_write> argmax: array<u32>;
 
-struct Window {
-    plane: u32,
-    y0: u32,
-    x0: u32,
+// A run of outputs of one output row, [ox0, ox1): forward passes give each run one invocation,
+// so the divisions that place an output are paid once per run (CPU adapters divide lane by
+// lane); `n` counts runs, `segments` runs per output row, `segment` outputs per run. `out_at`
+// is the offset of the row's output 0, `in_at` that of its windows' top row in the input.
+struct OutRun {
+    out_at: u32,
+    in_at: u32,
+    ox0: u32,
+    ox1: u32,
 }
 
-// The window of output element `i`: its plane and its top-left input position.
-fn window_of(i: u32) -> Window {
+fn out_run_of(i: u32) -> OutRun {
+    let segments = pu(POOL_SEGMENTS);
+    let row = i / segments;
+    let ox0 = (i % segments) * pu(POOL_SEGMENT);
+    let oh = pu(POOL_OUT_H);
     let ow = pu(POOL_OUT_W);
-    let pixels = pu(POOL_OUT_H) * ow;
-    let r = i % pixels;
-    let s = pu(POOL_STRIDE);
-    return Window(i / pixels, (r / ow) * s, (r % ow) * s);
+    let plane = row / oh;
+    let y0 = (row - plane * oh) * pu(POOL_STRIDE);
+    let in_at = (plane * pu(POOL_HEIGHT) + y0) * pu(POOL_WIDTH);
+    return OutRun(row * ow, in_at, ox0, min(ox0 + pu(POOL_SEGMENT), ow));
 }
 
 // The first maximum in row-major window order, as PyTorch picks it; NaN counts as a maximum.
@@ -32,25 +40,27 @@ fn max_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (i >= pu(POOL_N)) {
         return;
     }
-    let win = window_of(i);
+    let r = out_run_of(i);
     let w = pu(POOL_WIDTH);
     let k = pu(POOL_KERNEL);
-    let plane_base = win.plane * pu(POOL_HEIGHT) * w;
-    var best = src[plane_base + win.y0 * w + win.x0];
-    var best_at = 0u;
-    // Row by row, so no tap divides (the first tap compares with itself and changes nothing).
-    for (var ty = 0u; ty < k; ty = ty + 1u) {
-        let row_at = plane_base + (win.y0 + ty) * w + win.x0;
-        for (var tx = 0u; tx < k; tx = tx + 1u) {
-            let v = src[row_at + tx];
-            if (v > best || (is_nan(v) && !is_nan(best))) {
-                best = v;
-                best_at = ty * k + tx;
+    let s = pu(POOL_STRIDE);
+    for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
+        let at = r.in_at + ox * s;
+        var best = src[at];
+        var best_at = 0u;
+        // Row by row, so no tap divides (the first tap compares with itself: no change).
+        for (var ty = 0u; ty < k; ty = ty + 1u) {
+            for (var tx = 0u; tx < k; tx = tx + 1u) {
+                let v = src[at + ty * w + tx];
+                if (v > best || (is_nan(v) && !is_nan(best))) {
+                    best = v;
+                    best_at = ty * k + tx;
+                }
             }
         }
+        dst[r.out_at + ox] = best;
+        argmax[r.out_at + ox] = best_at;
     }
-    dst[i] = best;
-    argmax[i] = best_at;
 }
 
 @compute @workgroup_size(256)
@@ -60,18 +70,20 @@ fn avg_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (i >= pu(POOL_N)) {
         return;
     }
-    let win = window_of(i);
+    let r = out_run_of(i);
     let w = pu(POOL_WIDTH);
     let k = pu(POOL_KERNEL);
-    let plane_base = win.plane * pu(POOL_HEIGHT) * w;
-    var sum = 0.0;
-    for (var ty = 0u; ty < k; ty = ty + 1u) {
-        let row_at = plane_base + (win.y0 + ty) * w + win.x0;
-        for (var tx = 0u; tx < k; tx = tx + 1u) {
-            sum = sum + src[row_at + tx];
+    let s = pu(POOL_STRIDE);
+    for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
+        let at = r.in_at + ox * s;
+        var sum = 0.0;
+        for (var ty = 0u; ty < k; ty = ty + 1u) {
+            for (var tx = 0u; tx < k; tx = tx + 1u) {
+                sum = sum + src[at + ty * w + tx];
+            }
         }
+        dst[r.out_at + ox] = sum / f32(k * k);
     }
-    dst[i] = sum / f32(k * k);
 }
 
 // Outputs whose windows hold input (y, x) along one axis: o with o * s <= y < o * s + k and

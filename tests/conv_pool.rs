@@ -318,11 +318,11 @@ fn pool_backward_reference(
     grad
 }
 
-/// Backward passes over rows longer than one invocation's run (64 elements), windows that
-/// straddle two runs, gaps between windows (stride > kernel), and a kernel large enough to
-/// shorten the runs.
+/// Forward and backward passes over rows longer than one invocation's run (64 elements),
+/// windows that straddle two runs, gaps between windows (stride > kernel), and a kernel large
+/// enough to shorten the runs.
 #[test]
-fn pool_grads_over_long_rows_match_cpu_reference() {
+fn pools_over_long_rows_match_cpu_reference() {
     for (xs, k, s) in [
         ([1, 2, 5, 150], 3, 2),
         ([2, 1, 4, 130], 2, 3),
@@ -337,16 +337,14 @@ fn pool_grads_over_long_rows_match_cpu_reference() {
                 x.avg_pool2d(k, s)
             }
             .unwrap();
+            let what = format!("pool {xs:?} {k} {s} max {max}");
+            let want = pool_reference(&xv, xs, k, s, max);
+            assert_close(&out.to_vec().unwrap(), &want, 1e-5, &what);
             let (g, gv) = random_tensor(out.shape(), 10);
             out.mul(&g).unwrap().sum().unwrap().backward().unwrap();
             let want = pool_backward_reference(&xv, &gv, xs, k, s, max);
             let got = x.grad().unwrap().to_vec().unwrap();
-            assert_close(
-                &got,
-                &want,
-                1e-5,
-                &format!("pool grad {xs:?} {k} {s} max {max}"),
-            );
+            assert_close(&got, &want, 1e-5, &format!("grad of {what}"));
         }
     }
 }

@@ -8,8 +8,8 @@ use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `n` counts what the entry's invocations cover: outputs forward, runs of `segment`
-    /// input elements of a row backward (`segments` runs per row). Planes are
+    /// `n` counts the entry's invocations: runs of `segment` elements of a row (`segments`
+    /// runs per row) of the output forward, of the input backward. Planes are
     /// `height x width` in, `out_h x out_w` out.
     pub(crate) struct PoolParams {
         n: u32,
@@ -76,10 +76,6 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
             ),
         });
     }
-    // A backward run visits each of its elements' windows (at most ceil(k / s) squared): its
-    // loops stay within one invocation's budget.
-    let windows = kernel.div_ceil(stride).pow(2);
-    let segment = (MAX_LOOP_LEN / windows).clamp(1, RUN_LEN);
     Ok(PoolParams {
         n: 0,
         height: height as u32,
@@ -88,13 +84,29 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
         out_w: ((width - kernel) / stride + 1) as u32,
         kernel: kernel as u32,
         stride: stride as u32,
-        segment: segment as u32,
-        segments: width.div_ceil(segment) as u32,
+        segment: 0,
+        segments: 0,
     })
 }
 
-/// Input elements of a row one invocation of a backward pass covers: enough to pay the
-/// divisions that place a run once per 64 elements.
+/// `params` for a pass whose invocations each cover a run of at most [`RUN_LEN`] elements of a
+/// row of `row_len`, each element costing `loops` loop iterations (a forward output reads
+/// `k * k` taps; a backward input element visits at most `ceil(k / s)` squared windows): runs
+/// shorten so that an invocation's loops stay within [`MAX_LOOP_LEN`]. Returns the params and
+/// the number of runs over `rows` rows.
+fn in_runs(params: PoolParams, rows: usize, row_len: usize, loops: usize) -> (PoolParams, usize) {
+    let segment = (MAX_LOOP_LEN / loops.max(1)).clamp(1, RUN_LEN);
+    let segments = row_len.div_ceil(segment);
+    let params = PoolParams {
+        segment: segment as u32,
+        segments: segments as u32,
+        ..params
+    };
+    (params, rows * segments)
+}
+
+/// Elements of a row one invocation covers: the divisions that place a run are paid once per
+/// 64 elements.
 const RUN_LEN: usize = 64;
 
 /// Runs `entry` from `src` (any layout) into `dst` over `n` invocations (see `PoolParams`);
@@ -146,7 +158,10 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
         Pool::Max => "max_forward",
         Pool::Avg => "avg_forward",
     };
-    run(kind, entry, x, &out, argmax.as_ref(), params, out.numel())?;
+    let (k, s) = (kernel, stride);
+    let out_rows = shape[0] * shape[1] * shape[2];
+    let (forward, runs) = in_runs(params, out_rows, shape[3], k * k);
+    run(kind, entry, x, &out, argmax.as_ref(), forward, runs)?;
     Ok(record(op, out, &[x], |_| {
         let in_shape = x.shape().to_vec();
         move |g: &Tensor| {
@@ -156,8 +171,8 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
                 Pool::Avg => "avg_backward",
             };
             let rows = in_shape[0] * in_shape[1] * in_shape[2];
-            let runs = rows * params.segments as usize;
-            run(kind, entry, g, &grad, argmax.as_ref(), params, runs)?;
+            let (backward, runs) = in_runs(params, rows, in_shape[3], k.div_ceil(s).pow(2));
+            run(kind, entry, g, &grad, argmax.as_ref(), backward, runs)?;
             Ok(vec![Some(grad)])
         }
     }))
