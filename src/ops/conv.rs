@@ -243,7 +243,11 @@ fn col2im(cols_grad: &Tensor, geo: &Geometry) -> Result<Tensor> {
     let grad = Tensor::empty(OP, &shape, DType::F32, cols_grad.device())?;
     let n = grad.numel();
     if n > 0 {
-        let kernel = Kernel::plain(&CONV, "col2im");
+        let entry = match geo.stride {
+            1 => "col2im_unit_stride",
+            _ => "col2im",
+        };
+        let kernel = Kernel::plain(&CONV, entry);
         let params = geo.params(n, cols_grad);
         launch(
             OP,
