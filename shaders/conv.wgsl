@@ -56,6 +56,23 @@ fn source_of(p: u32, t: u32, out_len: u32) -> vec2<u32> {
     return vec2<u32>(u32(shifted / s), 1u);
 }
 
+// Input element i of [images, c_in, height, width]: its column and row, and where its plane's
+// taps start in the cols grad [images, c_in * kh * kw, out_h * out_w] (plane p, an image's
+// channel, owns rows p kh kw .. (p + 1) kh kw).
+struct Col2imAt {
+    x: u32,
+    y: u32,
+    base: u32,
+}
+
+fn col2im_at(i: u32) -> Col2imAt {
+    let h = pu(CONV_HEIGHT);
+    let w = pu(CONV_WIDTH);
+    let taps = pu(CONV_KERNEL_H) * pu(CONV_KERNEL_W);
+    let base = pu(CONV_SRC_OFFSET) + (i / (h * w)) * taps * pu(CONV_OUT_H) * pu(CONV_OUT_W);
+    return Col2imAt(i % w, (i / w) % h, base);
+}
+
 // One invocation per input element [images, c_in, height, width]: the sum of the cols grad
 // [images, c_in * kh * kw, out_h * out_w] over the taps that read it.
 @compute @workgroup_size(256)
@@ -65,27 +82,21 @@ fn col2im(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     if (i >= pu(CONV_N)) {
         return;
     }
-    let h = pu(CONV_HEIGHT);
-    let w = pu(CONV_WIDTH);
-    let x = i % w;
-    let y = (i / w) % h;
-    let plane = i / (h * w);
-    let c_in = pu(CONV_C_IN);
+    let at = col2im_at(i);
     let kh = pu(CONV_KERNEL_H);
     let kw = pu(CONV_KERNEL_W);
     let oh = pu(CONV_OUT_H);
     let ow = pu(CONV_OUT_W);
-    let base = pu(CONV_SRC_OFFSET) + ((plane / c_in) * c_in * kh * kw + (plane % c_in) * kh * kw) * oh * ow;
     var sum = 0.0;
     for (var ty = 0u; ty < kh; ty = ty + 1u) {
-        let oy = source_of(y, ty, oh);
+        let oy = source_of(at.y, ty, oh);
         if (oy.y == 0u) {
             continue;
         }
         for (var tx = 0u; tx < kw; tx = tx + 1u) {
-            let ox = source_of(x, tx, ow);
+            let ox = source_of(at.x, tx, ow);
             if (ox.y == 1u) {
-                sum = sum + src[base + (ty * kw + tx) * oh * ow + oy.x * ow + ox.x];
+                sum = sum + src[at.base + (ty * kw + tx) * oh * ow + oy.x * ow + ox.x];
             }
         }
     }
@@ -102,28 +113,22 @@ fn col2im_unit_stride(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     if (i >= pu(CONV_N)) {
         return;
     }
-    let h = pu(CONV_HEIGHT);
-    let w = pu(CONV_WIDTH);
-    let x = i % w;
-    let y = (i / w) % h;
-    let plane = i / (h * w);
-    let c_in = pu(CONV_C_IN);
+    let at = col2im_at(i);
     let kh = pu(CONV_KERNEL_H);
     let kw = pu(CONV_KERNEL_W);
     let oh = pu(CONV_OUT_H);
     let ow = pu(CONV_OUT_W);
     let dilation = i32(pu(CONV_DILATION));
     let padding = i32(pu(CONV_PADDING));
-    let base = pu(CONV_SRC_OFFSET) + ((plane / c_in) * c_in * kh * kw + (plane % c_in) * kh * kw) * oh * ow;
     var sum = 0.0;
     for (var ty = 0u; ty < kh; ty = ty + 1u) {
-        let oy = i32(y) + padding - i32(ty) * dilation;
+        let oy = i32(at.y) + padding - i32(ty) * dilation;
         if (oy < 0 || oy >= i32(oh)) {
             continue;
         }
-        let row_at = base + ty * kw * oh * ow + u32(oy) * ow;
+        let row_at = at.base + ty * kw * oh * ow + u32(oy) * ow;
         for (var tx = 0u; tx < kw; tx = tx + 1u) {
-            let ox = i32(x) + padding - i32(tx) * dilation;
+            let ox = i32(at.x) + padding - i32(tx) * dilation;
             if (ox >= 0 && ox < i32(ow)) {
                 sum = sum + src[row_at + tx * oh * ow + u32(ox)];
             }
