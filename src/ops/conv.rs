@@ -74,70 +74,37 @@ impl Default for Conv2dOptions {
     }
 }
 
-/// The sizes of one convolution (of one channel group).
+/// The sizes of one convolution (of one channel group): the batch, the output channels, and
+/// the column matrix the input is read as.
 #[derive(Debug, Clone, Copy)]
 struct Geometry {
     batch: usize,
-    c_in: usize,
-    height: usize,
-    width: usize,
     c_out: usize,
-    kernel_h: usize,
-    kernel_w: usize,
-    out_h: usize,
-    out_w: usize,
-    stride: usize,
-    padding: usize,
-    dilation: usize,
+    cols: ImageColumns,
 }
 
 impl Geometry {
-    /// Rows of the column matrix: `c_in * kernel_h * kernel_w`.
-    fn taps(&self) -> usize {
-        self.c_in * self.kernel_h * self.kernel_w
-    }
-
-    /// Output pixels per image.
-    fn out_pixels(&self) -> usize {
-        self.out_h * self.out_w
-    }
-
     /// Images per chunk, so that one chunk's column matrix holds at most [`COLS_LIMIT`]
     /// elements (at least one image).
     fn images_per_chunk(&self) -> usize {
-        (COLS_LIMIT / (self.taps() * self.out_pixels()).max(1)).max(1)
+        (COLS_LIMIT / (self.cols.k() * self.cols.pixels()).max(1)).max(1)
     }
 
     fn params(&self, n: usize, src: &Tensor) -> ConvParams {
+        let c = &self.cols;
         ConvParams {
             n: n as u32,
-            c_in: self.c_in as u32,
-            height: self.height as u32,
-            width: self.width as u32,
-            kernel_h: self.kernel_h as u32,
-            kernel_w: self.kernel_w as u32,
-            out_h: self.out_h as u32,
-            out_w: self.out_w as u32,
-            stride: self.stride as u32,
-            padding: self.padding as u32,
-            dilation: self.dilation as u32,
+            c_in: c.c_in as u32,
+            height: c.height as u32,
+            width: c.width as u32,
+            kernel_h: c.kernel_h as u32,
+            kernel_w: c.kernel_w as u32,
+            out_h: c.out_h as u32,
+            out_w: c.out_w as u32,
+            stride: c.stride as u32,
+            padding: c.padding as u32,
+            dilation: c.dilation as u32,
             src_offset: src.layout().offset as u32,
-        }
-    }
-
-    /// The column matrix as the matmul kernel reads it from the images.
-    fn image_columns(&self) -> ImageColumns {
-        ImageColumns {
-            c_in: self.c_in,
-            height: self.height,
-            width: self.width,
-            kernel_h: self.kernel_h,
-            kernel_w: self.kernel_w,
-            out_h: self.out_h,
-            out_w: self.out_w,
-            stride: self.stride,
-            padding: self.padding,
-            dilation: self.dilation,
         }
     }
 }
@@ -193,17 +160,19 @@ fn geometry(x: &Tensor, w: &Tensor, options: &Conv2dOptions) -> Result<Geometry>
     }
     Ok(Geometry {
         batch,
-        c_in: c_in_group,
-        height,
-        width,
         c_out: c_out / groups,
-        kernel_h,
-        kernel_w,
-        out_h: (padded_h - span(kernel_h)) / stride + 1,
-        out_w: (padded_w - span(kernel_w)) / stride + 1,
-        stride,
-        padding,
-        dilation,
+        cols: ImageColumns {
+            c_in: c_in_group,
+            height,
+            width,
+            kernel_h,
+            kernel_w,
+            out_h: (padded_h - span(kernel_h)) / stride + 1,
+            out_w: (padded_w - span(kernel_w)) / stride + 1,
+            stride,
+            padding,
+            dilation,
+        },
     })
 }
 
@@ -214,12 +183,12 @@ fn im2col(images: &Tensor, geo: &Geometry) -> Result<Tensor> {
     let count = images.shape()[0];
     let cols = Tensor::empty(
         OP,
-        &[count, geo.taps(), geo.out_pixels()],
+        &[count, geo.cols.k(), geo.cols.pixels()],
         DType::F32,
         images.device(),
     )?;
     if cols.numel() > 0 {
-        let rows = count * geo.taps() * geo.out_h;
+        let rows = count * geo.cols.k() * geo.cols.out_h;
         let kernel = Kernel::plain(&CONV, "im2col");
         let params = geo.params(rows, images);
         launch(
@@ -239,11 +208,11 @@ fn col2im(cols_grad: &Tensor, geo: &Geometry) -> Result<Tensor> {
     const OP: &str = "conv2d";
     let cols_grad = &cols_grad.contiguous()?;
     let count = cols_grad.shape()[0];
-    let shape = [count, geo.c_in, geo.height, geo.width];
+    let shape = [count, geo.cols.c_in, geo.cols.height, geo.cols.width];
     let grad = Tensor::empty(OP, &shape, DType::F32, cols_grad.device())?;
     let n = grad.numel();
     if n > 0 {
-        let entry = match geo.stride {
+        let entry = match geo.cols.stride {
             1 => "col2im_unit_stride",
             _ => "col2im",
         };
@@ -284,24 +253,24 @@ fn by_chunks(
 /// itself, one implicit GEMM with the weight's taps laid out channels innermost; otherwise
 /// im2col a chunk at a time, each chunk's columns times the weight.
 fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    let columns = geo.image_columns();
-    if conv_product_applies(x.device(), geo.c_out, geo.batch, &columns) {
+    let columns = &geo.cols;
+    if conv_product_applies(x.device(), geo.c_out, geo.batch, columns) {
         let w_taps_outer = w.permute(&[0, 2, 3, 1])?.contiguous()?;
-        let w_mat = w_taps_outer.reshape(&[geo.c_out, geo.taps()])?;
-        let pad = geo.taps().next_multiple_of(4) - geo.taps();
+        let w_mat = w_taps_outer.reshape(&[geo.c_out, geo.cols.k()])?;
+        let pad = geo.cols.k().next_multiple_of(4) - geo.cols.k();
         let w_mat = match pad {
             0 => w_mat,
             _ => w_mat.pad2d((0, pad, 0, 0), 0.0)?,
         };
-        return conv_product(&w_mat, &x.contiguous()?, &columns);
+        return conv_product(&w_mat, &x.contiguous()?, columns);
     }
-    let w_mat = w.reshape(&[geo.c_out, geo.taps()])?;
-    let out_rest = [geo.c_out, geo.out_h, geo.out_w];
+    let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
+    let out_rest = [geo.c_out, geo.cols.out_h, geo.cols.out_w];
     by_chunks(x, geo, out_rest, |start, count| {
         let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, geo)?;
         w_mat
             .matmul(&cols)?
-            .reshape(&[count, geo.c_out, geo.out_h, geo.out_w])
+            .reshape(&[count, geo.c_out, geo.cols.out_h, geo.cols.out_w])
     })
 }
 
@@ -315,11 +284,11 @@ fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
         let (need_x, need_w) = (x.requires_grad(), w.requires_grad());
         let (x, w) = (x.detach(), w.detach());
         move |g: &Tensor| {
-            let w_mat = w.reshape(&[geo.c_out, geo.taps()])?;
-            let in_rest = [geo.c_in, geo.height, geo.width];
+            let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
+            let in_rest = [geo.cols.c_in, geo.cols.height, geo.cols.width];
             let g_chunk = |start, count| -> Result<Tensor> {
                 g.narrow(0, start, count)?
-                    .reshape(&[count, geo.c_out, geo.out_pixels()])
+                    .reshape(&[count, geo.c_out, geo.cols.pixels()])
             };
             let grad_x = match need_x {
                 true => Some(by_chunks(&x, &geo, in_rest, |start, count| {
@@ -337,7 +306,7 @@ fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
                     };
                     let sum = match sum_over_chunks(geo.batch, geo.images_per_chunk(), part)? {
                         Some(s) => s,
-                        None => Tensor::zeros(&[geo.c_out, geo.taps()], w.device())?,
+                        None => Tensor::zeros(&[geo.c_out, geo.cols.k()], w.device())?,
                     };
                     Some(sum.reshape(w.shape())?)
                 }
@@ -409,7 +378,7 @@ impl Tensor {
         } else {
             let parts = (0..options.groups)
                 .map(|g| {
-                    let x = self.narrow(1, g * geo.c_in, geo.c_in)?;
+                    let x = self.narrow(1, g * geo.cols.c_in, geo.cols.c_in)?;
                     let w = weight.narrow(0, g * geo.c_out, geo.c_out)?;
                     conv_group(&x, &w, geo)
                 })

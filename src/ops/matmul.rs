@@ -493,9 +493,10 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     finish(out, this, other, &mut out_shape)
 }
 
-/// A convolution's column matrix as the B operand of a product, read from the images where
-/// it is needed (see `conv_product`): `images` `[count, c_in, height, width]` read with
-/// `kernel_h x kernel_w` taps (channels innermost along k) into `out_h x out_w` pixels.
+/// The sizes of a convolution's column matrix: images `[count, c_in, height, width]` read
+/// with `kernel_h x kernel_w` taps into `out_h x out_w` pixels. [`conv_product`] reads it as
+/// its B operand straight from the images, channels innermost along k (im2col in
+/// `ops/conv.rs` writes it out with channels outermost).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ImageColumns {
     pub c_in: usize,
@@ -511,7 +512,8 @@ pub(crate) struct ImageColumns {
 }
 
 impl ImageColumns {
-    fn pixels(&self) -> usize {
+    /// Output pixels per image: columns of the matrix per image.
+    pub fn pixels(&self) -> usize {
         self.out_h * self.out_w
     }
 

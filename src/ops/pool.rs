@@ -158,9 +158,8 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
         Pool::Max => "max_forward",
         Pool::Avg => "avg_forward",
     };
-    let (k, s) = (kernel, stride);
     let out_rows = shape[0] * shape[1] * shape[2];
-    let (forward, runs) = in_runs(params, out_rows, shape[3], k * k);
+    let (forward, runs) = in_runs(params, out_rows, shape[3], kernel * kernel);
     run(kind, entry, x, &out, argmax.as_ref(), forward, runs)?;
     Ok(record(op, out, &[x], |_| {
         let in_shape = x.shape().to_vec();
@@ -171,7 +170,8 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
                 Pool::Avg => "avg_backward",
             };
             let rows = in_shape[0] * in_shape[1] * in_shape[2];
-            let (backward, runs) = in_runs(params, rows, in_shape[3], k.div_ceil(s).pow(2));
+            let (backward, runs) =
+                in_runs(params, rows, in_shape[3], kernel.div_ceil(stride).pow(2));
             run(kind, entry, g, &grad, argmax.as_ref(), backward, runs)?;
             Ok(vec![Some(grad)])
         }
