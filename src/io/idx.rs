@@ -78,8 +78,25 @@ pub fn read_idx_images(path: impl AsRef<Path>) -> Result<(Vec<f32>, usize, usize
     let path = path.as_ref();
     let bytes = read_maybe_gzip(OP, path)?;
     let (sizes, payload) = parse(OP, path, &bytes, IMAGES_MAGIC, 3)?;
-    let pixels = payload.iter().map(|&b| b as f32 / 255.0).collect();
-    Ok((pixels, sizes[0], sizes[1], sizes[2]))
+    Ok((unit_scaled(payload), sizes[0], sizes[1], sizes[2]))
+}
+
+/// Bytes scaled to `[0, 1]`, converted on every core: writing a training set's floats (188 MB
+/// for Fashion-MNIST) costs about half as much as gunzipping it.
+fn unit_scaled(bytes: &[u8]) -> Vec<f32> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut pixels = vec![0.0f32; bytes.len()];
+    let chunk = bytes.len().div_ceil(threads).max(1 << 16);
+    std::thread::scope(|scope| {
+        for (out, src) in pixels.chunks_mut(chunk).zip(bytes.chunks(chunk)) {
+            scope.spawn(move || {
+                for (o, &b) in out.iter_mut().zip(src) {
+                    *o = b as f32 / 255.0;
+                }
+            });
+        }
+    });
+    pixels
 }
 
 /// Reads an IDX1 label file.
