@@ -2,11 +2,12 @@
 // transposed view needs no copy) and out contiguous [batch, M, N].
 // Params: `MatmulParams` (src/ops/matmul.rs).
 //
-// Three kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
+// Four kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
 // uses no workgroup memory or barriers (software adapters run barriers as coroutine switches,
 // so this wins there); `register_tiled_tall` keeps 32x4 with the A loads shared by 8-wide
-// subgroups (software adapters with subgroups); `shared_tiled` stages 64x16 panels of A and B
-// in workgroup memory (what GPUs want).
+// subgroups (software adapters with subgroups); `small_tiled` keeps 8x8 for small products
+// on software adapters, in one module for every layout; `shared_tiled` stages 64x16 panels of
+// A and B in workgroup memory (what GPUs want).
 //
 // Buffers are bound as arrays of vec4 so that the register kernels can load four elements at a
 // time where the layout allows: software adapters pay per load, not per element. The host
@@ -511,6 +512,66 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         store_row(base, t.row0 + 4u + i, col_lo, hl[i]);
         store_row(base, t.row0 + i, col_hi, lh[i]);
         store_row(base, t.row0 + 4u + i, col_hi, hh[i]);
+    }
+}
+
+// Small products (a dim under 16, as a classifier head's 10 classes): each invocation owns one
+// 8x8 block of out, blocks packed row block first so that every lane has one whatever the
+// shape, and reads A and B element by element through their strides (16 loads per 64
+// multiply-adds). One module serves every layout and shape: a small product is cheap to run,
+// while each specialisation of the register kernels costs a software adapter 0.2 to 0.45 s to
+// compile. Workgroups of 16 spread even a few blocks over the adapter's threads.
+@compute @workgroup_size(16)
+fn small_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let g = workgroup_index(wid, nwg) * 16u + lid;
+    let row_blocks = pu(MATMUL_ROW_TILES);
+    let per_batch = row_blocks * pu(MATMUL_COL_TILES);
+    let batch = g / per_batch;
+    if (batch >= pu(MATMUL_BATCHES)) {
+        return;
+    }
+    let in_batch = g - batch * per_batch;
+    let row0 = (in_batch % row_blocks) * 8u;
+    let col0 = (in_batch / row_blocks) * 8u;
+    let a_base = pu(MATMUL_A_OFFSET) + batch * pu(MATMUL_A_BATCH_STRIDE);
+    let b_base = pu(MATMUL_B_OFFSET) + batch * pu(MATMUL_B_BATCH_STRIDE);
+    let a_rs = pu(MATMUL_A_ROW_STRIDE);
+    let a_cs = pu(MATMUL_A_COL_STRIDE);
+    let b_rs = pu(MATMUL_B_ROW_STRIDE);
+    let b_cs = pu(MATMUL_B_COL_STRIDE);
+    // Element offsets of the block's rows of A and columns of B (clamped at the edges).
+    let ra = rows_from(row0) * a_rs + a_base;
+    let rb = rows_from(row0 + 4u) * a_rs + a_base;
+    let ca = cols_from(col0) * b_cs + b_base;
+    let cb = cols_from(col0 + 4u) * b_cs + b_base;
+    var acc_ll = mat4x4<f32>(); // rows row0.., cols col0..
+    var acc_hl = mat4x4<f32>(); // rows row0 + 4.., cols col0..
+    var acc_lh = mat4x4<f32>(); // rows row0.., cols col0 + 4..
+    var acc_hh = mat4x4<f32>();
+    for (var k = 0u; k < pu(MATMUL_K); k = k + 1u) {
+        let ao = k * a_cs;
+        let bo = k * b_rs;
+        let a_lo = vec4<f32>(a_at(ra.x + ao), a_at(ra.y + ao), a_at(ra.z + ao), a_at(ra.w + ao));
+        let a_hi = vec4<f32>(a_at(rb.x + ao), a_at(rb.y + ao), a_at(rb.z + ao), a_at(rb.w + ao));
+        let b_lo = vec4<f32>(b_at(ca.x + bo), b_at(ca.y + bo), b_at(ca.z + bo), b_at(ca.w + bo));
+        let b_hi = vec4<f32>(b_at(cb.x + bo), b_at(cb.y + bo), b_at(cb.z + bo), b_at(cb.w + bo));
+        acc_ll = acc_ll + mat4x4<f32>(a_lo * b_lo.x, a_lo * b_lo.y, a_lo * b_lo.z, a_lo * b_lo.w);
+        acc_hl = acc_hl + mat4x4<f32>(a_hi * b_lo.x, a_hi * b_lo.y, a_hi * b_lo.z, a_hi * b_lo.w);
+        acc_lh = acc_lh + mat4x4<f32>(a_lo * b_hi.x, a_lo * b_hi.y, a_lo * b_hi.z, a_lo * b_hi.w);
+        acc_hh = acc_hh + mat4x4<f32>(a_hi * b_hi.x, a_hi * b_hi.y, a_hi * b_hi.z, a_hi * b_hi.w);
+    }
+    // Transposed, column i of each accumulator is one output row's 4 columns.
+    let ll = transpose(acc_ll);
+    let hl = transpose(acc_hl);
+    let lh = transpose(acc_lh);
+    let hh = transpose(acc_hh);
+    let base = batch * pu(MATMUL_M) * pu(MATMUL_N);
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        store_row(base, row0 + i, col0, ll[i]);
+        store_row(base, row0 + 4u + i, col0, hl[i]);
+        store_row(base, row0 + i, col0 + 4u, lh[i]);
+        store_row(base, row0 + 4u + i, col0 + 4u, hh[i]);
     }
 }
 

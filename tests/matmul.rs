@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use wgrad::{Error, Tensor};
+use wgrad::{Device, Error, KernelFlavor, Tensor};
 
 /// Reference product of row-major `a` [batch, m, k] and `b` [batch, k, n].
 fn matmul_ref(a: &[f32], b: &[f32], batch: usize, m: usize, k: usize, n: usize) -> Vec<f64> {
@@ -181,13 +181,72 @@ fn matmul_of_mismatched_inner_dims_names_both_shapes() {
     ));
 }
 
+/// Checks `a @ b` for row-major and transposed storage of each operand against the reference.
+fn check_every_layout(dev: &Device, batch: usize, m: usize, k: usize, n: usize) {
+    let da = random_vec(batch * m * k, 21);
+    let db = random_vec(batch * k * n, 22);
+    let want = matmul_ref(&da, &db, batch, m, k, n);
+    let a_rows = Tensor::from_slice(&da, &[batch, m, k], dev).unwrap();
+    let b_rows = Tensor::from_slice(&db, &[batch, k, n], dev).unwrap();
+    let stored_transposed = |t: &Tensor| {
+        t.transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
+    let (a_cols, b_cols) = (stored_transposed(&a_rows), stored_transposed(&b_rows));
+    for (an, a) in [("A", &a_rows), ("A^T^T", &a_cols)] {
+        for (bn, b) in [("B", &b_rows), ("B^T^T", &b_cols)] {
+            let got = a.matmul(b).unwrap().to_vec().unwrap();
+            // f32 sums over long k drift further from the f64 reference.
+            let tol = if k > 256 { 1e-4 } else { 1e-5 };
+            assert_close(&got, &want, tol, &format!("{an} {bn} {batch}x{m}x{k}x{n}"));
+        }
+    }
+}
+
+#[test]
+fn small_products_of_every_layout_share_one_kernel() {
+    // A dim under 16 (a 10-class head: its forward, its input grad with k = 10, its weight
+    // grad with m = 10) takes one kernel whatever the layouts, alignment and tail, so a
+    // model's first step compiles one pipeline for all of them. A private device counts only
+    // this test's pipelines.
+    let dev = Device::new().unwrap();
+    if dev.kernel_flavor() != KernelFlavor::Cpu {
+        return; // GPUs run one tiled kernel for every product already
+    }
+    check_every_layout(&dev, 1, 64, 128, 10);
+    let copies = dev.stats().pipelines; // the product's, and the strided copy's
+    for (batch, m, k, n) in [
+        (1, 64, 10, 128),
+        (1, 10, 64, 128),
+        (2, 8, 12, 10),
+        (3, 8, 5, 4),
+        (1, 13, 7, 6),
+        (1, 1, 1, 1),
+        (1, 40, 64, 12),
+    ] {
+        check_every_layout(&dev, batch, m, k, n);
+    }
+    assert_eq!(
+        dev.stats().pipelines,
+        copies,
+        "one kernel for every small product"
+    );
+}
+
 #[test]
 fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
     // Row-major and transposed storage for each operand, at sizes that allow four-wide reads
     // (multiples of 4 and 8) and at ragged ones, with a k that leaves a remainder of 4, and
     // with four-wide reads of A but an N that is not a multiple of 4 (ragged output rows; wide
     // enough, or M small enough, that the product is not computed transposed), and with an M
-    // that leaves the last tile of 32 rows mostly empty (72: its last 24 rows clamped).
+    // that leaves the last tile of 32 rows mostly empty (72: its last 24 rows clamped). Shapes
+    // with a dim under 16 and at most 256K multiply-adds take the small-product kernel; the
+    // rest (every dim 16 or more, or more multiply-adds) the register kernels, with a k tail,
+    // a 16-row tile (M <= 16) and a narrow product computed transposed among them.
     for (batch, m, k, n) in [
         (2, 72, 20, 36),
         (1, 16, 12, 20),
@@ -197,32 +256,14 @@ fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
         (1, 13, 7, 6),
         (1, 16, 8, 66),
         (2, 8, 12, 10),
+        (1, 17, 19, 18),
+        (1, 16, 17, 66),
+        (1, 24, 1001, 90),
+        (1, 10, 2400, 100),
+        (1, 2048, 96, 12),
+        (1, 64, 9, 4000),
+        (1, 128, 512, 10),
     ] {
-        let da = random_vec(batch * m * k, 21);
-        let db = random_vec(batch * k * n, 22);
-        let want = matmul_ref(&da, &db, batch, m, k, n);
-        let dev = device();
-        let a_rows = Tensor::from_slice(&da, &[batch, m, k], dev).unwrap();
-        let b_rows = Tensor::from_slice(&db, &[batch, k, n], dev).unwrap();
-        let a_cols = a_rows
-            .transpose(1, 2)
-            .unwrap()
-            .contiguous()
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap();
-        let b_cols = b_rows
-            .transpose(1, 2)
-            .unwrap()
-            .contiguous()
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap();
-        for (an, a) in [("A", &a_rows), ("A^T^T", &a_cols)] {
-            for (bn, b) in [("B", &b_rows), ("B^T^T", &b_cols)] {
-                let got = a.matmul(b).unwrap().to_vec().unwrap();
-                assert_close(&got, &want, 1e-5, &format!("{an} {bn} {batch}x{m}x{k}x{n}"));
-            }
-        }
+        check_every_layout(device(), batch, m, k, n);
     }
 }

@@ -247,6 +247,53 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
     }
 }
 
+/// Products below both of these (a dim, and multiply-adds) run `small_tiled` on software
+/// adapters. A dim under 16 is what makes a layout the register kernels read element by
+/// element or with a tail (a 10-class head's weight, its grad, a product over 10 classes),
+/// and each such layout is one more specialisation to compile in a model's first step (0.2 to
+/// 0.45 s each on lavapipe). `small_tiled` reads any layout from one module but pays a load
+/// per element: up to 256K multiply-adds that costs a fraction of a millisecond per product
+/// (the CNN's head at batch 64: 0.1 to 0.25 ms against 0.08 to 0.12), and past it the register
+/// kernels' vec4 loads win back a specialisation's compile within a few hundred steps (an
+/// MLP's 10-class head at batch 128: 0.6 to 1.2 ms against 0.2 to 0.45 per product). Large
+/// products with a short dim (a first convolution's 9 taps against a batch of images) keep
+/// the register kernels too.
+const SMALL_DIM: usize = 16;
+const SMALL_MULTIPLY_ADDS: usize = 1 << 18;
+
+/// True when the product runs `small_tiled` (see [`SMALL_DIM`]).
+fn is_small_product(device: &Device, batches: usize, m: usize, n: usize, k: usize) -> bool {
+    device.kernel_flavor() == KernelFlavor::Cpu
+        && m.min(n).min(k) < SMALL_DIM
+        && batches
+            .saturating_mul(m)
+            .saturating_mul(n)
+            .saturating_mul(k)
+            <= SMALL_MULTIPLY_ADDS
+}
+
+/// `small_tiled`: 8x8 outputs per invocation, in one module for every layout and shape.
+fn small_kernel() -> KernelChoice {
+    KernelChoice {
+        entry: "small_tiled",
+        tile_rows: 8,
+        tile_cols: 8,
+        spec: SMALL_SPECIALISATION,
+    }
+}
+
+/// The one module `small_tiled` runs from (it reads element by element, stores element by
+/// element at a ragged edge, and needs no subgroups).
+const SMALL_SPECIALISATION: Specialisation = Specialisation {
+    a: AMode::Any,
+    b: BMode::Any,
+    b_source: BSource::Matrix,
+    subgroups: false,
+    tall_rows: 32,
+    n_aligned: false,
+    k_tail: true,
+};
+
 /// Batch stride of a tensor whose batch dims (all but the last two) merge into one.
 fn batch_stride(t: &Tensor) -> Option<u32> {
     let rank = t.rank();
@@ -423,10 +470,12 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             })
         }
     };
+    let batches: usize = batch.iter().product();
+    let small = is_small_product(this.device(), batches, m, n, k);
     // A narrow product wastes most of the register kernels' 128- or 256-column tiles: compute
     // out^T = b^T a^T instead, which lays the long side along the tiles' columns, and return
     // its transpose (a view).
-    if this.device().kernel_flavor() == KernelFlavor::Cpu && n < 64 && m > n {
+    if this.device().kernel_flavor() == KernelFlavor::Cpu && !small && n < 64 && m > n {
         let out_t = matmul_forward(&transposed(&b)?, &transposed(&a)?)?;
         let mut out_shape = [batch.as_slice(), &[m, n]].concat();
         return finish(transposed(&out_t)?, this, other, &mut out_shape);
@@ -436,7 +485,6 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     // Batch dims that do not merge into one stride are made dense.
     let (a, a_batch_stride) = with_batch_stride(a)?;
     let (b, b_batch_stride) = with_batch_stride(b)?;
-    let batches: usize = batch.iter().product();
     let mut out_shape = [batch.as_slice(), &[m, n]].concat();
     if k == 0 {
         let zeros = Tensor::zeros(&out_shape, this.device())?;
@@ -463,7 +511,11 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             cols: t.layout().strides[r - 1],
         };
         let (sa, sb) = (strides(&a, a_batch_stride), strides(&b, b_batch_stride));
-        let choice = kernel_for(this.device(), a_mode(&sa, m), b_mode(&sb, n), m);
+        let choice = if small {
+            small_kernel()
+        } else {
+            kernel_for(this.device(), a_mode(&sa, m), b_mode(&sb, n), m)
+        };
         let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
         let params = MatmulParams {
             m: m as u32,
@@ -482,12 +534,17 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
             row_tiles: tiles_m as u32,
             ..MatmulParams::default()
         };
-        let spec = Specialisation {
-            n_aligned: n.is_multiple_of(4),
-            k_tail: !k.is_multiple_of(4),
-            ..choice.spec
+        let spec = match small {
+            true => choice.spec,
+            false => Specialisation {
+                n_aligned: n.is_multiple_of(4),
+                k_tail: !k.is_multiple_of(4),
+                ..choice.spec
+            },
         };
-        let workgroups = batches * tiles_m * tiles_n;
+        let tiles = batches * tiles_m * tiles_n;
+        // `small_tiled` gives each tile one of a workgroup's 16 invocations.
+        let workgroups = if small { tiles.div_ceil(16) } else { tiles };
         launch_product(OP, choice.entry, spec, &params, [&a, &b, &out], workgroups)?;
     }
     finish(out, this, other, &mut out_shape)
