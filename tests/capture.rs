@@ -136,6 +136,82 @@ fn a_replay_runs_in_one_submission() {
     assert_eq!(step.stats().replays, 1);
 }
 
+/// Runs `calls` steps of a captured and an eager twin on batches written into the same two
+/// input tensors, and a call on batches in fresh tensors at `fresh_at`; checks losses and
+/// parameters against the eager twin and returns the captured step's stats.
+fn run_with_inputs_in_place(calls: u64, fresh_at: Option<u64>) -> wgrad::capture::StepStats {
+    let eager_model = mlp();
+    let captured_model = twin(&eager_model, || Box::new(mlp()));
+    let config = AdamConfig::default();
+    let mut eager_opt = Adam::new(eager_model.parameters(), config);
+    let mut opt = Adam::new(captured_model.parameters(), config);
+    let mut step =
+        Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
+    let (x, y) = batch(8, 0);
+    let mut kept = Vec::new();
+    for call in 0..calls {
+        let (new_x, new_y) = batch(8, call % 5);
+        let want = train_step(&eager_model, &mut eager_opt, &new_x, &new_y).unwrap();
+        let got = if Some(call) == fresh_at {
+            kept.push((x.clone(), y.clone())); // the old buffers stay taken
+            step.run(&[new_x, new_y]).unwrap()
+        } else {
+            no_grad(|| {
+                x.copy_(&new_x).unwrap();
+                y.copy_(&new_y).unwrap();
+            });
+            step.run(&[x.clone(), y.clone()]).unwrap()
+        };
+        assert_same_loss(&got, &want);
+    }
+    assert_same_parameters(&eager_model, captured_model.as_ref());
+    step.stats()
+}
+
+#[test]
+fn replays_after_the_first_submit_commands_encoded_ahead() {
+    // The same input buffers, the grads as the previous replay left them: every replay but
+    // the first submits what was encoded after the previous one, and equals the eager step.
+    let stats = run_with_inputs_in_place(8, None);
+    assert_eq!(stats.replays, 6);
+    assert_eq!(stats.replays_encoded_ahead, 5);
+}
+
+#[test]
+fn a_replay_on_other_buffers_encodes_afresh_and_is_right() {
+    // Inputs in other buffers at call 5 (the third replay): that replay encodes its own
+    // commands; the next one, on the first buffers again, cannot use what was encoded for
+    // the fresh ones, and the one after can.
+    let stats = run_with_inputs_in_place(8, Some(4));
+    assert_eq!(stats.replays, 6);
+    assert_eq!(stats.replays_encoded_ahead, 3);
+}
+
+#[test]
+fn a_replay_while_a_grad_is_held_elsewhere_encodes_afresh() {
+    // Commands encoded ahead write the next grads into the buffers of the grads the step
+    // clears; a grad handle kept by the caller keeps its buffer, so that replay encodes its
+    // own (into fresh buffers) and the kept grad keeps its values.
+    let model = mlp();
+    let mut opt = Sgd::new(model.parameters(), SgdConfig::default());
+    let mut step = Step::new(|b: &[Tensor]| train_step(&model, &mut opt, &b[0], &b[1]));
+    let (x, y) = batch(8, 3);
+    for _ in 0..4 {
+        step.run(&[x.clone(), y.clone()]).unwrap();
+    }
+    assert_eq!(step.stats().replays_encoded_ahead, 1);
+    let weight = model.parameters()[0].clone();
+    let kept = weight.grad().unwrap();
+    let kept_values = kept.to_vec().unwrap();
+    step.run(&[x.clone(), y.clone()]).unwrap();
+    assert_eq!(step.stats().replays_encoded_ahead, 1);
+    assert_eq!(kept.to_vec().unwrap(), kept_values);
+    assert!(
+        !Tensor::same(&kept, &weight.grad().unwrap()),
+        "zero_grad dropped it"
+    );
+}
+
 #[test]
 fn a_replay_after_set_grad_adds_to_the_new_grad() {
     let dev = device();

@@ -38,8 +38,14 @@ pub struct StepStats {
     /// Dispatches one replay of the latest plan records.
     pub replay_dispatches: u64,
     /// Host time of the latest replay from the start of `run` to its queue submission:
-    /// guards, per-step host values, encoding. (The submission itself then wakes the driver.)
+    /// guards, per-step host values, and encoding where it was not done ahead. (The
+    /// submission itself then wakes the driver.)
     pub last_replay_to_submit: std::time::Duration,
+    /// Replays that submitted commands encoded right after the previous replay's submission
+    /// (while the device ran it), because they bind the same buffers: the same input
+    /// buffers (a pool hands a training loop's batches the same ones), the grads as that
+    /// replay left them, and no grad of the step held elsewhere.
+    pub replays_encoded_ahead: u64,
 }
 
 /// A training step that is captured on its second call and replayed after that.
@@ -122,6 +128,7 @@ where
         for plan in &mut self.plans {
             if let Some(loss) = plan.replay(inputs, &signature, started)? {
                 self.stats.replays += 1;
+                self.stats.replays_encoded_ahead += u64::from(plan.last_encoded_ahead());
                 self.stats.last_replay_to_submit = plan.last_to_submit();
                 return Ok(loss);
             }
