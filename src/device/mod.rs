@@ -3,8 +3,9 @@
 //!
 //! Work is recorded, not run: each op appends a dispatch to the open encoder, and the encoder
 //! is submitted only when the host needs data (`to_vec`, `item`), at [`Device::synchronize`],
-//! or when a batch reaches its limit. This is what keeps a chain of small ops from paying a
-//! queue submission each.
+//! when a batch reaches its limit, or after a pipeline's first dispatch (so that a software
+//! driver compiles it while the host records on). This is what keeps a chain of small ops from
+//! paying a queue submission each.
 
 mod pipelines;
 mod pool;
@@ -596,7 +597,13 @@ impl DeviceInner {
         }
         self.dispatches.fetch_add(1, Ordering::Relaxed);
         self.take_error(op)?;
-        self.end_command(rec, op)
+        // A pipeline's first dispatch submits the batch at once: software drivers compile a
+        // pipeline's machine code on their queue thread when it first runs (lavapipe: 40 ms
+        // to 0.45 s each), and submitted now that compile overlaps the host's recording of
+        // what follows (and creating the next pipelines), instead of waiting for the batch
+        // to fill. Only a model's first steps have new pipelines.
+        let first_use = cached.unused.swap(false, Ordering::Relaxed);
+        self.end_command(rec, op, first_use)
     }
 
     /// Records a copy of `data` into `target` at byte 0, ordered after all recorded work.
@@ -634,7 +641,7 @@ impl DeviceInner {
             data.len() as u64,
         );
         self.take_error(op)?;
-        self.end_command(rec, op)
+        self.end_command(rec, op, false)
     }
 
     /// Records a buffer-to-buffer copy of `bytes` bytes, ordered after all recorded work.
@@ -652,7 +659,7 @@ impl DeviceInner {
         self.open_encoder(&mut rec)
             .copy_buffer_to_buffer(src.0, src.1, dst.0, dst.1, bytes);
         self.take_error(op)?;
-        self.end_command(rec, op)
+        self.end_command(rec, op, false)
     }
 
     /// Copies `bytes` bytes at `offset` of `src` back to the host: submits everything
@@ -715,13 +722,19 @@ impl DeviceInner {
         })
     }
 
-    /// Counts one recorded command and submits the batch when it is full.
-    fn end_command(&self, mut rec: MutexGuard<'_, Recorder>, op: &'static str) -> Result<()> {
+    /// Counts one recorded command and submits the batch when it is full, or at once when
+    /// `submit_now`.
+    fn end_command(
+        &self,
+        mut rec: MutexGuard<'_, Recorder>,
+        op: &'static str,
+        submit_now: bool,
+    ) -> Result<()> {
         rec.commands += 1;
         if rec.ops.last() != Some(&op) {
             rec.ops.push(op);
         }
-        if rec.commands >= self.batch_limit {
+        if submit_now || rec.commands >= self.batch_limit {
             self.submit(rec)?;
         }
         Ok(())

@@ -2,6 +2,7 @@
 //! the device.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// A compiled compute pipeline and the layout of its one bind group.
@@ -13,6 +14,8 @@ pub(crate) struct CachedPipeline {
     pub writable: Vec<u32>,
     /// Its module's source (the capture fuser builds merged kernels from it).
     pub source: Arc<str>,
+    /// True until its first dispatch is recorded (see `DeviceInner::dispatch`).
+    pub unused: AtomicBool,
 }
 
 /// Each `@binding(N)` that `source` declares, with the line that declares it.
@@ -80,6 +83,7 @@ impl PipelineCache {
             layout,
             writable: writable.clone(),
             source: module_source.clone(),
+            unused: AtomicBool::new(true),
         });
         self.pipelines.insert(key.to_string(), cached.clone());
         cached
