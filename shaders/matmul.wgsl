@@ -14,7 +14,9 @@
 // picks how each operand is read by splicing A_MODE and B_MODE:
 //   A_MODE k: A[r][k..k+4] is one aligned vec4 (row stride and offsets multiples of 4, col
 //             stride 1); m: A[r..r+4][k] is one aligned vec4 (col stride and offsets multiples
-//             of 4, row stride 1, M a multiple of 8); any: one element at a time.
+//             of 4, row stride 1, M a multiple of 8, or of 4 for register_tiled_tall, which
+//             clamps a lane's group of 4 rows to the last whole one); any: one element at a
+//             time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
 // B_SOURCE (matrix or image) says what `register_tiled_tall` multiplies by: B as above, or a

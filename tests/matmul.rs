@@ -246,7 +246,8 @@ fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
     // that leaves the last tile of 32 rows mostly empty (72: its last 24 rows clamped). Shapes
     // with a dim under 16 and at most 256K multiply-adds take the small-product kernel; the
     // rest (every dim 16 or more, or more multiply-adds) the register kernels, with a k tail,
-    // a 16-row tile (M <= 16) and a narrow product computed transposed among them.
+    // a 16-row tile (M <= 16), a narrow product computed transposed, and A^T read four rows
+    // at a time with M a multiple of 4 but not of 8 among them.
     for (batch, m, k, n) in [
         (2, 72, 20, 36),
         (1, 16, 12, 20),
@@ -263,6 +264,9 @@ fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
         (1, 2048, 96, 12),
         (1, 64, 9, 4000),
         (1, 128, 512, 10),
+        (1, 84, 96, 128),
+        (1, 12, 256, 128),
+        (2, 20, 64, 160),
     ] {
         check_every_layout(device(), batch, m, k, n);
     }

@@ -175,11 +175,15 @@ impl Strides {
     }
 }
 
-/// The widest reads of A that its layout allows.
-fn a_mode(a: &Strides, m: usize) -> AMode {
+/// The widest reads of A that its layout allows. Reads along m take whole groups of 4 rows:
+/// `register_tiled_tall` clamps each lane's group to the last whole one, so M a multiple of 4
+/// will do (an 84-character vocabulary's head); `register_tiled` reads rows 4 to 8 of its
+/// tile's 8 at once, so it needs a multiple of 8.
+fn a_mode(a: &Strides, m: usize, tall: bool) -> AMode {
+    let whole_groups = if tall { 4 } else { 8 };
     if a.cols == 1 && a.aligned(a.rows) {
         AMode::K
-    } else if a.rows == 1 && a.aligned(a.cols) && m.is_multiple_of(8) {
+    } else if a.rows == 1 && a.aligned(a.cols) && m.is_multiple_of(whole_groups) {
         AMode::M
     } else {
         AMode::Any
@@ -229,7 +233,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
             tile_cols: 64,
             spec: spec(AMode::Any, BMode::Any, false, 32),
         },
-        KernelFlavor::Cpu if device.subgroup_size() == Some(8) => {
+        KernelFlavor::Cpu if runs_tall(device) => {
             let tall_rows = if m <= 16 { 16 } else { 32 };
             KernelChoice {
                 entry: "register_tiled_tall",
@@ -293,6 +297,12 @@ const SMALL_SPECIALISATION: Specialisation = Specialisation {
     n_aligned: false,
     k_tail: true,
 };
+
+/// True when products (not small ones) run `register_tiled_tall`: software adapters with
+/// 8-wide subgroups.
+fn runs_tall(device: &Device) -> bool {
+    device.kernel_flavor() == KernelFlavor::Cpu && device.subgroup_size() == Some(8)
+}
 
 /// Batch stride of a tensor whose batch dims (all but the last two) merge into one.
 fn batch_stride(t: &Tensor) -> Option<u32> {
@@ -514,7 +524,8 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         let choice = if small {
             small_kernel()
         } else {
-            kernel_for(this.device(), a_mode(&sa, m), b_mode(&sb, n), m)
+            let tall = runs_tall(this.device());
+            kernel_for(this.device(), a_mode(&sa, m, tall), b_mode(&sb, n), m)
         };
         let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
         let params = MatmulParams {
