@@ -828,16 +828,13 @@ impl Plan {
 
         // The commands encoded ahead when they bind this call's buffers; else fresh storages
         // for the outputs, and the commands encoded now.
-        let prepared = self.prepared.take();
-        let ahead = prepared
-            .as_ref()
-            .and_then(|p| Some((p.outputs_for(inputs, &mut resolved)?, p)));
+        let ahead = self.prepared.take().and_then(|prepared| {
+            let outputs = prepared.outputs_for(inputs, &mut resolved)?;
+            Some((outputs, prepared.commands))
+        });
         self.last_encoded_ahead = ahead.is_some();
         let (outputs, commands) = match ahead {
-            Some((outputs, _)) => {
-                let commands = prepared.expect("matched").commands;
-                (outputs, commands)
-            }
+            Some(encoded_ahead) => encoded_ahead,
             None => {
                 let outputs = self.output_storages(&mut resolved.droppable)?;
                 let input_storages: Vec<Arc<Storage>> =
