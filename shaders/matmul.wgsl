@@ -440,11 +440,40 @@ fn cols_from(c0: u32) -> vec4<u32> {
 fn outer_at(a_base: u32, b_base: u32, k: u32, rows: vec4<u32>, cols: vec4<u32>) -> mat4x4<f32> {
     let ao = a_base + k * pu(MATMUL_A_COL_STRIDE);
     let bo = b_base + k * pu(MATMUL_B_ROW_STRIDE);
-    let a_rs = pu(MATMUL_A_ROW_STRIDE);
-    let b_cs = pu(MATMUL_B_COL_STRIDE);
-    let av = vec4<f32>(a_at(ao + rows.x * a_rs), a_at(ao + rows.y * a_rs), a_at(ao + rows.z * a_rs), a_at(ao + rows.w * a_rs));
-    let bv = vec4<f32>(b_at(bo + cols.x * b_cs), b_at(bo + cols.y * b_cs), b_at(bo + cols.z * b_cs), b_at(bo + cols.w * b_cs));
-    return mat4x4<f32>(av * bv.x, av * bv.y, av * bv.z, av * bv.w);
+    return outer(a_at4(ao + rows * pu(MATMUL_A_ROW_STRIDE)), b_at4(bo + cols * pu(MATMUL_B_COL_STRIDE)));
+}
+
+// The elements of A (of B) at four element offsets.
+fn a_at4(o: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(a_at(o.x), a_at(o.y), a_at(o.z), a_at(o.w));
+}
+
+fn b_at4(o: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(b_at(o.x), b_at(o.y), b_at(o.z), b_at(o.w));
+}
+
+// The outer product of a column of 4 rows of A and a row of 4 columns of B: column j holds
+// a * b[j].
+fn outer(a: vec4<f32>, b: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(a * b.x, a * b.y, a * b.z, a * b.w);
+}
+
+// Stores an 8x8 block of out from rows row0.. and columns col0.., kept as four 4x4
+// accumulators whose column j holds 4 rows of one output column: `ll` rows row0..,
+// columns col0..; `hl` rows row0 + 4..; `lh` columns col0 + 4..; `hh` both.
+fn store_block8(base: u32, row0: u32, col0: u32, ll: mat4x4<f32>, hl: mat4x4<f32>, lh: mat4x4<f32>,
+                hh: mat4x4<f32>) {
+    // Transposed, column i of each accumulator is one output row's 4 columns.
+    let ll_rows = transpose(ll);
+    let hl_rows = transpose(hl);
+    let lh_rows = transpose(lh);
+    let hh_rows = transpose(hh);
+    for (var i = 0u; i < 4u; i = i + 1u) {
+        store_row(base, row0 + i, col0, ll_rows[i]);
+        store_row(base, row0 + 4u + i, col0, hl_rows[i]);
+        store_row(base, row0 + i, col0 + 4u, lh_rows[i]);
+        store_row(base, row0 + 4u + i, col0 + 4u, hh_rows[i]);
+    }
 }
 
 // 8 rows x 256 columns per workgroup: all 32 invocations share the 8 rows (A in two 4-row
@@ -503,18 +532,8 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         acc_lh = acc_lh + outer_at(a_base, b_base, k, rows_lo, cols_hi);
         acc_hh = acc_hh + outer_at(a_base, b_base, k, rows_hi, cols_hi);
     }
-    // Transposed, column i of each accumulator is output row i's 4 columns.
-    let ll = transpose(acc_ll);
-    let hl = transpose(acc_hl);
-    let lh = transpose(acc_lh);
-    let hh = transpose(acc_hh);
     let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
-    for (var i = 0u; i < 4u; i = i + 1u) {
-        store_row(base, t.row0 + i, col_lo, ll[i]);
-        store_row(base, t.row0 + 4u + i, col_lo, hl[i]);
-        store_row(base, t.row0 + i, col_hi, lh[i]);
-        store_row(base, t.row0 + 4u + i, col_hi, hh[i]);
-    }
+    store_block8(base, t.row0, col_lo, acc_ll, acc_hl, acc_lh, acc_hh);
 }
 
 // Small products (a dim under 16, as a classifier head's 10 classes): each invocation owns one
@@ -554,27 +573,16 @@ fn small_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     for (var k = 0u; k < pu(MATMUL_K); k = k + 1u) {
         let ao = k * a_cs;
         let bo = k * b_rs;
-        let a_lo = vec4<f32>(a_at(ra.x + ao), a_at(ra.y + ao), a_at(ra.z + ao), a_at(ra.w + ao));
-        let a_hi = vec4<f32>(a_at(rb.x + ao), a_at(rb.y + ao), a_at(rb.z + ao), a_at(rb.w + ao));
-        let b_lo = vec4<f32>(b_at(ca.x + bo), b_at(ca.y + bo), b_at(ca.z + bo), b_at(ca.w + bo));
-        let b_hi = vec4<f32>(b_at(cb.x + bo), b_at(cb.y + bo), b_at(cb.z + bo), b_at(cb.w + bo));
-        acc_ll = acc_ll + mat4x4<f32>(a_lo * b_lo.x, a_lo * b_lo.y, a_lo * b_lo.z, a_lo * b_lo.w);
-        acc_hl = acc_hl + mat4x4<f32>(a_hi * b_lo.x, a_hi * b_lo.y, a_hi * b_lo.z, a_hi * b_lo.w);
-        acc_lh = acc_lh + mat4x4<f32>(a_lo * b_hi.x, a_lo * b_hi.y, a_lo * b_hi.z, a_lo * b_hi.w);
-        acc_hh = acc_hh + mat4x4<f32>(a_hi * b_hi.x, a_hi * b_hi.y, a_hi * b_hi.z, a_hi * b_hi.w);
+        let a_lo = a_at4(ra + ao);
+        let a_hi = a_at4(rb + ao);
+        let b_lo = b_at4(ca + bo);
+        let b_hi = b_at4(cb + bo);
+        acc_ll = acc_ll + outer(a_lo, b_lo);
+        acc_hl = acc_hl + outer(a_hi, b_lo);
+        acc_lh = acc_lh + outer(a_lo, b_hi);
+        acc_hh = acc_hh + outer(a_hi, b_hi);
     }
-    // Transposed, column i of each accumulator is one output row's 4 columns.
-    let ll = transpose(acc_ll);
-    let hl = transpose(acc_hl);
-    let lh = transpose(acc_lh);
-    let hh = transpose(acc_hh);
-    let base = batch * pu(MATMUL_M) * pu(MATMUL_N);
-    for (var i = 0u; i < 4u; i = i + 1u) {
-        store_row(base, row0 + i, col0, ll[i]);
-        store_row(base, row0 + 4u + i, col0, hl[i]);
-        store_row(base, row0 + i, col0 + 4u, lh[i]);
-        store_row(base, row0 + 4u + i, col0 + 4u, hh[i]);
-    }
+    store_block8(batch * pu(MATMUL_M) * pu(MATMUL_N), row0, col0, acc_ll, acc_hl, acc_lh, acc_hh);
 }
 
 const TILE: u32 = 64u;
