@@ -701,6 +701,28 @@ struct Resolved {
     droppable: Vec<Arc<Storage>>,
 }
 
+/// The storages a replay binds that change from call to call, by value.
+struct CallStorages {
+    inputs: Vec<Arc<Storage>>,
+    grad_in: HashMap<usize, Arc<Storage>>,
+    outputs: HashMap<usize, Arc<Storage>>,
+}
+
+impl CallStorages {
+    /// The storage of value `v` (of kind `kinds[v]`) in this call.
+    fn of<'a>(&'a self, kinds: &'a [Kind], v: usize) -> &'a Arc<Storage> {
+        match &kinds[v] {
+            Kind::Fixed(s) => s,
+            Kind::Input(i) => &self.inputs[*i],
+            Kind::GradIn => &self.grad_in[&v],
+            Kind::Output { .. } => &self.outputs[&v],
+            // `lay_out` gave every intermediate a command touches an arena buffer, and no
+            // intermediate outlives the step.
+            Kind::Intermediate { .. } => unreachable!("an intermediate has an arena buffer"),
+        }
+    }
+}
+
 /// A grad slot as a replay sees it before it changes the real one.
 #[derive(Clone)]
 enum SimGrad {
@@ -834,16 +856,15 @@ impl Plan {
         });
         self.last_encoded_ahead = ahead.is_some();
         let (outputs, commands) = match ahead {
-            Some(encoded_ahead) => encoded_ahead,
-            None => {
-                let outputs = self.output_storages(&mut resolved.droppable)?;
-                let input_storages: Vec<Arc<Storage>> =
-                    inputs.iter().map(|t| t.storage()).collect();
-                let commands = self.encode(&input_storages, &resolved.grad_in, &outputs);
-                (outputs, commands)
-            }
+            Some((outputs, commands)) => (outputs, Some(commands)),
+            None => (self.output_storages(&mut resolved.droppable)?, None),
         };
-        let Resolved { grad_in, .. } = resolved;
+        let storages = CallStorages {
+            inputs: inputs.iter().map(|t| t.storage()).collect(),
+            grad_in: resolved.grad_in,
+            outputs,
+        };
+        let commands = commands.unwrap_or_else(|| self.encode(&storages));
 
         // Host work: hooks, then the params and data that change per step.
         let mut writes: Vec<(usize, Vec<u8>)> = Vec::new(); // (step, bytes)
@@ -886,16 +907,7 @@ impl Plan {
         self.last_to_submit = started.elapsed();
         inner.submit_commands(OP, &queue_writes, commands, self.dispatches)?;
 
-        let input_storages: Vec<Arc<Storage>> = inputs.iter().map(|t| t.storage()).collect();
-        let storage_of = |v: usize| -> Arc<Storage> {
-            match &self.kinds[v] {
-                Kind::Fixed(s) => s.clone(),
-                Kind::Input(i) => input_storages[*i].clone(),
-                Kind::GradIn => grad_in[&v].clone(),
-                Kind::Output { .. } => outputs[&v].clone(),
-                Kind::Intermediate { .. } => unreachable!("not an output of the step"),
-            }
-        };
+        let storage_of = |v: usize| storages.of(&self.kinds, v).clone();
         // The grad slots change as the step's engine changed them (S-2).
         for slot in &self.slots {
             match slot {
@@ -929,7 +941,7 @@ impl Plan {
             } => Tensor::from_parts(storage_of(*value), layout.clone(), *dtype, &self.device),
             Loss::Fixed(t) => t.clone(),
         };
-        drop((grad_in, outputs));
+        drop(storages);
         self.prepare(inputs, signature);
         Ok(Some(loss))
     }
@@ -958,12 +970,15 @@ impl Plan {
                 false => fresh.push((v, storage.clone())),
             }
         }
-        let input_storages: Vec<Arc<Storage>> = inputs.iter().map(|t| t.storage()).collect();
-        let commands = self.encode(&input_storages, &grad_in, &outputs);
+        let storages = CallStorages {
+            inputs: inputs.iter().map(|t| t.storage()).collect(),
+            grad_in,
+            outputs,
+        };
         self.prepared = Some(Prepared {
-            commands,
-            inputs: input_storages.iter().map(|s| s.buffer().clone()).collect(),
-            grad_in: grad_in.iter().map(|(&v, s)| (v, s.id())).collect(),
+            commands: self.encode(&storages),
+            inputs: storages.inputs.iter().map(|s| s.buffer().clone()).collect(),
+            grad_in: storages.grad_in.iter().map(|(&v, s)| (v, s.id())).collect(),
             reused,
             fresh,
         });
@@ -988,23 +1003,9 @@ impl Plan {
         Ok(outputs)
     }
 
-    /// The replay's command buffer over these inputs, grads and outputs.
-    fn encode(
-        &self,
-        input_storages: &[Arc<Storage>],
-        grad_in: &HashMap<usize, Arc<Storage>>,
-        outputs: &HashMap<usize, Arc<Storage>>,
-    ) -> wgpu::CommandBuffer {
-        let buffer_of = |v: usize| -> &wgpu::Buffer {
-            match &self.kinds[v] {
-                Kind::Fixed(s) => s.buffer(),
-                Kind::Input(i) => input_storages[*i].buffer(),
-                Kind::GradIn => grad_in[&v].buffer(),
-                Kind::Output { .. } => outputs[&v].buffer(),
-                // `lay_out` gave every intermediate a command touches an arena buffer.
-                Kind::Intermediate { .. } => unreachable!("no command touches this value"),
-            }
-        };
+    /// The replay's command buffer over this call's inputs, grads and outputs.
+    fn encode(&self, storages: &CallStorages) -> wgpu::CommandBuffer {
+        let buffer_of = |v: usize| storages.of(&self.kinds, v).buffer();
         let mut encoder =
             self.device
                 .inner
