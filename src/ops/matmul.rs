@@ -207,6 +207,8 @@ struct KernelChoice {
     entry: &'static str,
     tile_rows: usize,
     tile_cols: usize,
+    /// Output tiles per workgroup: one, or one per invocation (`small_tiled`).
+    tiles_per_workgroup: usize,
     spec: Specialisation,
 }
 
@@ -231,6 +233,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
             entry: "shared_tiled",
             tile_rows: 64,
             tile_cols: 64,
+            tiles_per_workgroup: 1,
             spec: spec(AMode::Any, BMode::Any, false, 32),
         },
         KernelFlavor::Cpu if runs_tall(device) => {
@@ -239,6 +242,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
                 entry: "register_tiled_tall",
                 tile_rows: tall_rows,
                 tile_cols: 128,
+                tiles_per_workgroup: 1,
                 spec: spec(a, b, true, tall_rows),
             }
         }
@@ -246,6 +250,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
             entry: "register_tiled",
             tile_rows: 8,
             tile_cols: 256,
+            tiles_per_workgroup: 1,
             spec: spec(a, b, false, 32),
         },
     }
@@ -282,6 +287,7 @@ fn small_kernel() -> KernelChoice {
         entry: "small_tiled",
         tile_rows: 8,
         tile_cols: 8,
+        tiles_per_workgroup: 16, // its @workgroup_size
         spec: SMALL_SPECIALISATION,
     }
 }
@@ -553,9 +559,7 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
                 ..choice.spec
             },
         };
-        let tiles = batches * tiles_m * tiles_n;
-        // `small_tiled` gives each tile one of a workgroup's 16 invocations.
-        let workgroups = if small { tiles.div_ceil(16) } else { tiles };
+        let workgroups = (batches * tiles_m * tiles_n).div_ceil(choice.tiles_per_workgroup);
         launch_product(OP, choice.entry, spec, &params, [&a, &b, &out], workgroups)?;
     }
     finish(out, this, other, &mut out_shape)
