@@ -402,14 +402,19 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         c = pick(c, r5, blk == 5u);
         c = pick(c, r6, blk == 6u);
         c = pick(c, r7, blk == 7u);
-        let q = i % 4u;
-        var v = c[0];
-        v = select(v, c[1], q == 1u);
-        v = select(v, c[2], q == 2u);
-        v = select(v, c[3], q == 3u);
         let row = t.row0 + i;
-        store_row_at(out_col.at + row * out_col.row_stride, row, col, v);
+        store_row_at(out_col.at + row * out_col.row_stride, row, col, column_of(c, i % 4u));
     }
+}
+
+// SUBGROUP SECTION END
+
+// Column `q` of `m`, picked with selects (a dynamic index would keep `m` in memory).
+fn column_of(m: mat4x4<f32>, q: u32) -> vec4<f32> {
+    var v = m[0];
+    v = select(v, m[1], q == 1u);
+    v = select(v, m[2], q == 2u);
+    return select(v, m[3], q == 3u);
 }
 
 // `b` where `take`, else `a`, column by column.
@@ -417,8 +422,6 @@ fn pick(a: mat4x4<f32>, b: mat4x4<f32>, take: bool) -> mat4x4<f32> {
     return mat4x4<f32>(select(a[0], b[0], take), select(a[1], b[1], take),
                        select(a[2], b[2], take), select(a[3], b[3], take));
 }
-
-// SUBGROUP SECTION END
 
 // The rows of A (and columns of B) an invocation reads: clamped to the last valid one, so
 // edge invocations read valid memory and only their stores are skipped. Vec4 modes keep the
@@ -460,7 +463,9 @@ fn outer(a: vec4<f32>, b: vec4<f32>) -> mat4x4<f32> {
 
 // Stores an 8x8 block of out from rows row0.. and columns col0.., kept as four 4x4
 // accumulators whose column j holds 4 rows of one output column: `ll` rows row0..,
-// columns col0..; `hl` rows row0 + 4..; `lh` columns col0 + 4..; `hh` both.
+// columns col0..; `hl` rows row0 + 4..; `lh` columns col0 + 4..; `hh` both. One rolled loop
+// picks each row's 4 columns with selects: 16 unrolled stores compiled into 16 loops over
+// lanes (software adapters), which doubled small_tiled's compile time.
 fn store_block8(base: u32, row0: u32, col0: u32, ll: mat4x4<f32>, hl: mat4x4<f32>, lh: mat4x4<f32>,
                 hh: mat4x4<f32>) {
     // Transposed, column i of each accumulator is one output row's 4 columns.
@@ -468,11 +473,11 @@ fn store_block8(base: u32, row0: u32, col0: u32, ll: mat4x4<f32>, hl: mat4x4<f32
     let hl_rows = transpose(hl);
     let lh_rows = transpose(lh);
     let hh_rows = transpose(hh);
-    for (var i = 0u; i < 4u; i = i + 1u) {
-        store_row(base, row0 + i, col0, ll_rows[i]);
-        store_row(base, row0 + 4u + i, col0, hl_rows[i]);
-        store_row(base, row0 + i, col0 + 4u, lh_rows[i]);
-        store_row(base, row0 + 4u + i, col0 + 4u, hh_rows[i]);
+    for (var i = 0u; i < rolled(16u); i = i + 1u) {
+        let r = i % 8u;
+        let right = i >= 8u;
+        let rows = pick(pick(ll_rows, hl_rows, r >= 4u), pick(lh_rows, hh_rows, r >= 4u), right);
+        store_row(base, row0 + r, col0 + select(0u, 4u, right), column_of(rows, r % 4u));
     }
 }
 
