@@ -11,21 +11,27 @@ const ALIGNED: bool = NORM_ALIGNED;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> weight: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> bias: array<vec4<f32>>;
-// forward: the output. backward: the input grad.
-@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+// forward: the output. backward: the input grad. Both written a vec4 per four features
+// where ALIGNED (software adapters pay per store, as per load).
+@group(0) @binding(4) var<storage, read_write> out: array<vec4<f32>>;
 // [rows, 2]: mean and 1 / sqrt(var + eps) of each row (written forward, read backward).
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
 // backward: the out grad.
 @group(0) @binding(6) var<storage, read> grad: array<vec4<f32>>;
 // backward: grad * xhat per element, summed over rows by the host into the weight grad.
-@group(0) @binding(7) var<storage, read_write> grad_xhat: array<f32>;
+@group(0) @binding(7) var<storage, read_write> grad_xhat: array<vec4<f32>>;
 
 // EPILOGUE SECTION BEGIN
-// How the forward stores out[o]. A captured step's fuser replaces this section with a store
-// that first runs the elementwise ops consuming the output (an activation, a residual add), so
-// that they cost no pass of their own (src/capture/fuse.rs).
+// How the forward stores out[o..o+4] (o a multiple of 4) and out[o]. A captured step's fuser
+// replaces this section with stores that first run the elementwise ops consuming the output
+// (an activation, a residual add), so that they cost no pass of their own
+// (src/capture/fuse.rs).
+fn store4(o: u32, v: vec4<f32>) {
+    out[o / 4u] = v;
+}
+
 fn store1(o: u32, v: f32) {
-    out[o] = v;
+    out[o / 4u][o % 4u] = v;
 }
 // EPILOGUE SECTION END
 
@@ -118,6 +124,10 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         let b = bias4(b_at + 4u * c, b_at + len);
         let y = (x4(base + 4u * c, end) - mean) * rstd * w + b;
         let o = row * len + 4u * c;
+        if (ALIGNED) {
+            store4(o, y);
+            continue;
+        }
         let n = lanes(c, len);
         store1(o, y.x);
         if (n > 1u) {
@@ -161,16 +171,20 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         sum_gw_xhat = sum_gw_xhat + gw * xhat;
         let gx = g * xhat;
         let o = row * len + 4u * c;
+        if (ALIGNED) {
+            grad_xhat[o / 4u] = gx;
+            continue;
+        }
         let n = lanes(c, len);
-        grad_xhat[o] = gx.x;
+        grad_xhat[o / 4u][o % 4u] = gx.x;
         if (n > 1u) {
-            grad_xhat[o + 1u] = gx.y;
+            grad_xhat[(o + 1u) / 4u][(o + 1u) % 4u] = gx.y;
         }
         if (n > 2u) {
-            grad_xhat[o + 2u] = gx.z;
+            grad_xhat[(o + 2u) / 4u][(o + 2u) % 4u] = gx.z;
         }
         if (n > 3u) {
-            grad_xhat[o + 3u] = gx.w;
+            grad_xhat[(o + 3u) / 4u][(o + 3u) % 4u] = gx.w;
         }
     }
     let mean_gw = sum4(sum_gw) / f32(len);
@@ -180,16 +194,20 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
         let dx = rstd * (gw - mean_gw - xhat * mean_gw_xhat);
         let o = row * len + 4u * c;
+        if (ALIGNED) {
+            out[o / 4u] = dx;
+            continue;
+        }
         let n = lanes(c, len);
-        out[o] = dx.x;
+        out[o / 4u][o % 4u] = dx.x;
         if (n > 1u) {
-            out[o + 1u] = dx.y;
+            out[(o + 1u) / 4u][(o + 1u) % 4u] = dx.y;
         }
         if (n > 2u) {
-            out[o + 2u] = dx.z;
+            out[(o + 2u) / 4u][(o + 2u) % 4u] = dx.z;
         }
         if (n > 3u) {
-            out[o + 3u] = dx.w;
+            out[(o + 3u) / 4u][(o + 3u) % 4u] = dx.w;
         }
     }
 }

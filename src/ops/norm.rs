@@ -142,7 +142,7 @@ impl Tensor {
                     entry: "forward",
                     output: 4,
                     numel: rows * len,
-                    vec4_output: false,
+                    vec4_output: true,
                 })
             };
             let workgroups = groups(rows, NORM_WORKGROUP);
