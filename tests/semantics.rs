@@ -106,6 +106,71 @@ fn c03_default_backward_swaps_buffer() {
     assert_ne!(g.storage_id(), before, "the grad's storage is new");
 }
 
+/// Grads of `len` elements in four layouts, each with its values: dense with a length that
+/// is a multiple of 4 (read four at a time), dense with an odd length, dense from an odd
+/// offset into a larger buffer (both read element by element), and a transposed view
+/// (walked through its strides).
+fn grads_of_every_layout(len: usize, seed: u64) -> Vec<(&'static str, Tensor, Vec<f32>)> {
+    let dense = |n: usize, seed| {
+        let v = random_vec(n, seed);
+        (Tensor::from_slice(&v, &[n], device()).unwrap(), v)
+    };
+    let (aligned, av) = dense(len, seed);
+    let (odd, ov) = dense(len - 1, seed + 1);
+    let (wide, wv) = dense(len + 3, seed + 2);
+    let offset = wide.narrow(0, 3, len).unwrap();
+    let (rows, cols) = (4, len / 4);
+    let (square, sv) = dense(len, seed + 3);
+    let transposed = square.reshape(&[rows, cols]).unwrap().t().unwrap();
+    let tv = (0..len).map(|i| sv[(i % rows) * cols + i / rows]).collect();
+    vec![
+        ("dense", aligned, av),
+        ("dense of odd length", odd, ov),
+        ("dense at an odd offset", offset, wv[3..].to_vec()),
+        ("transposed", transposed, tv),
+    ]
+}
+
+#[test]
+fn accumulate_grad_adds_grads_of_every_layout() {
+    for (what, current, cv) in grads_of_every_layout(4100, 40) {
+        let n = current.numel();
+        let nv = random_vec(n, 50);
+        let new_grad = Tensor::from_slice(&nv, current.shape(), device()).unwrap();
+        let out = autograd::accumulate_grad(Some(&current), &new_grad).unwrap();
+        let want: Vec<f64> = cv.iter().zip(&nv).map(|(c, g)| (c + g) as f64).collect();
+        assert_close(&values(&out), &want, 1e-6, what);
+        assert_close(
+            &values(&current),
+            &cv.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+            0.0,
+            &format!("{what}: the current grad is left alone"),
+        );
+    }
+}
+
+#[test]
+fn backward_with_inputs_adds_in_place_into_grads_of_every_layout() {
+    for (what, grad, gv) in grads_of_every_layout(4100, 60) {
+        let x = Tensor::zeros(grad.shape(), device())
+            .unwrap()
+            .requires_grad_(true);
+        x.set_grad(Some(grad.clone())).unwrap();
+        let storage = grad.storage_id();
+        x.mul_scalar(3.0)
+            .unwrap()
+            .sum()
+            .unwrap()
+            .backward_with(inputs(&[&x]))
+            .unwrap();
+        let after = x.grad().unwrap();
+        assert!(Tensor::same(&after, &grad), "{what}: the same handle");
+        assert_eq!(after.storage_id(), storage, "{what}: the same storage");
+        let want: Vec<f64> = gv.iter().map(|&v| v as f64 + 3.0).collect();
+        assert_close(&values(&after), &want, 1e-6, what);
+    }
+}
+
 #[test]
 fn c04_backward_with_inputs_accumulates_in_place() {
     let x = leaf(&[1.0, 2.0, 3.0]);

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
-    WORKGROUP,
+    CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::copy::copy_into;
 use crate::ops::too_large_view;
@@ -21,6 +21,8 @@ crate::kernel_params! {
         shape: [u32; 6],
         current_strides: [u32; 6],
         new_strides: [u32; 6],
+        /// The `_dense` entries: 1 where they move four elements per load.
+        vec4: u32,
     }
 }
 
@@ -52,19 +54,60 @@ fn check_pair(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<(
     Ok(())
 }
 
-/// Params of an elementwise pass over `current` and `new_grad` (same shape, any layouts).
-fn pair_params(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<AccumulateParams> {
-    let (lc, ln) = (current.layout(), new_grad.layout());
-    let dims = strided_dims(op, &lc.shape, &[&lc.strides, &ln.strides])?;
-    Ok(AccumulateParams {
-        n: current.numel() as u32,
-        rank: dims.rank,
-        current_offset: lc.offset as u32,
-        new_offset: ln.offset as u32,
-        shape: dims.shape,
-        current_strides: dims.strides[0],
-        new_strides: dims.strides[1],
-    })
+/// An elementwise pass over `current` and `new_grad` (same shape, any layouts): its params,
+/// and which twin of `entry` runs it with how many workgroups: the `_dense` twin, 64 elements
+/// per invocation, where both are dense (a leaf's grad and the grad backward made for it),
+/// else the strided one, an element per invocation.
+struct Pass {
+    params: AccumulateParams,
+    dense: bool,
+    workgroups: u32,
+}
+
+impl Pass {
+    fn new(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<Pass> {
+        let (lc, ln) = (current.layout(), new_grad.layout());
+        let dims = strided_dims(op, &lc.shape, &[&lc.strides, &ln.strides])?;
+        let n = current.numel();
+        let dense = lc.is_contiguous() && ln.is_contiguous();
+        let vec4 = dense
+            && [n, lc.offset, ln.offset]
+                .iter()
+                .all(|v| v.is_multiple_of(4));
+        Ok(Pass {
+            params: AccumulateParams {
+                n: n as u32,
+                rank: dims.rank,
+                current_offset: lc.offset as u32,
+                new_offset: ln.offset as u32,
+                shape: dims.shape,
+                current_strides: dims.strides[0],
+                new_strides: dims.strides[1],
+                vec4: vec4 as u32,
+            },
+            dense,
+            workgroups: groups(
+                n,
+                if dense {
+                    CONTIGUOUS_PER_GROUP
+                } else {
+                    WORKGROUP
+                },
+            ),
+        })
+    }
+
+    /// The kernel of `strided_entry` or its `_dense` twin.
+    fn kernel(&self, strided_entry: &'static str, dense_entry: &'static str) -> Kernel<'static> {
+        Kernel::plain(
+            &ACCUMULATE,
+            if self.dense {
+                dense_entry
+            } else {
+                strided_entry
+            },
+        )
+    }
 }
 
 /// The grad a leaf should hold after receiving `new_grad`, in a buffer that aliases neither
@@ -114,8 +157,7 @@ pub fn accumulate_grad(current: Option<&Tensor>, new_grad: &Tensor) -> Result<Te
 /// `out = current + new_grad` by the clone-then-add kernel (same shapes; `out` contiguous).
 fn clone_add(current: &Tensor, new_grad: &Tensor, out: &Tensor) -> Result<()> {
     const OP: &str = "accumulate_grad";
-    let n = out.numel();
-    let params = pair_params(OP, current, new_grad)?;
+    let pass = Pass::new(OP, current, new_grad)?;
     let describe = || Elementwise {
         params: "current: f32, new_grad: f32",
         expr: "current + new_grad".into(),
@@ -129,10 +171,10 @@ fn clone_add(current: &Tensor, new_grad: &Tensor, out: &Tensor) -> Result<()> {
     };
     launch_fusible(
         OP,
-        &Kernel::plain(&ACCUMULATE, "clone_add"),
+        &pass.kernel("clone_add", "clone_add_dense"),
         &[(1, new_grad), (2, current), (3, out)],
-        &params,
-        groups(n, WORKGROUP),
+        &pass.params,
+        pass.workgroups,
         || Fusion::Elementwise(describe()),
     )
 }
@@ -151,13 +193,13 @@ pub(crate) fn add_into(current: &Tensor, new_grad: &Tensor) -> Result<()> {
     } else {
         new_grad.clone()
     };
-    let params = pair_params(OP, current, &new_grad)?;
+    let pass = Pass::new(OP, current, &new_grad)?;
     launch_at(
         OP,
-        &Kernel::plain(&ACCUMULATE, "add_into"),
+        &pass.kernel("add_into", "add_into_dense"),
         &[(1, &new_grad), (3, current)],
-        &params,
-        groups(n, WORKGROUP),
+        &pass.params,
+        pass.workgroups,
     )
 }
 
