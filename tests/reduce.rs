@@ -62,6 +62,38 @@ fn sum_mean_max_of_all_elements_at_every_size() {
 }
 
 #[test]
+fn column_sums_and_maxes_read_four_columns_at_a_time_or_one_alike() {
+    // [rows, cols] reduced over the rows (a bias grad's sum over the batch): four adjacent
+    // columns per invocation where cols and the offset are multiples of 4 (few rows, several
+    // chunks and one pass with more than 1,024 groups of four), else column by column (odd
+    // cols, an odd offset).
+    let cases: [(usize, usize, usize); 6] = [
+        (0, 6, 8),
+        (0, 3000, 12),
+        (4, 17, 64),
+        (0, 3, 4100),
+        (0, 9, 7),
+        (1, 300, 16),
+    ];
+    for (offset, rows, cols) in cases {
+        let (flat, data) = random_tensor(&[offset + rows * cols], (rows + cols) as u64);
+        let x = flat
+            .narrow(0, offset, rows * cols)
+            .unwrap()
+            .reshape(&[rows, cols])
+            .unwrap();
+        let data = &data[offset..];
+        let what = format!("[{rows}, {cols}] at offset {offset}");
+        let sum = reduce_ref(data, &[rows, cols], &[0], 0.0, |a, b| a + b);
+        let got = x.sum_dims(&[0], false).unwrap().to_vec().unwrap();
+        assert_close(&got, &sum, 1e-4, &format!("sum of {what}"));
+        let max = reduce_ref(data, &[rows, cols], &[0], f64::NEG_INFINITY, f64::max);
+        let got = x.max_dims(&[0], false).unwrap().to_vec().unwrap();
+        assert_close(&got, &max, 0.0, &format!("max of {what}"));
+    }
+}
+
+#[test]
 fn reductions_over_dims_with_and_without_keepdim() {
     let shapes_dims: [(&[usize], &[usize]); 8] = [
         (&[5, 7], &[0]),

@@ -17,7 +17,8 @@ use crate::tensor::{DType, Tensor};
 crate::kernel_params! {
     /// `rows` and `serial` over an `[M, K]` view in chunks of `chunk_len`; each result is
     /// multiplied by `scale` (1/K for mean). `vec4` (`serial` only): 1 when the k stride is 1
-    /// and the offset and row stride are multiples of 4.
+    /// and the offset and row stride are multiples of 4. `fours` (`serial` only): 1 when each
+    /// invocation takes four adjacent rows (see [`in_fours`]).
     pub(crate) struct ReduceParams {
         rows: u32,
         len: u32,
@@ -28,6 +29,7 @@ crate::kernel_params! {
         chunk_len: u32,
         scale: f32,
         vec4: u32,
+        fours: u32,
     }
 }
 
@@ -111,6 +113,7 @@ impl Matrix {
             chunk_len: chunk_len as u32,
             scale,
             vec4: vec4 as u32,
+            fours: 0,
         }
     }
 }
@@ -177,35 +180,55 @@ pub(crate) fn check_dims(op: &'static str, x: &Tensor, dims: &[usize]) -> Result
     Ok(sorted)
 }
 
-/// How a reduction of an `[M, K]` view runs: which kernel, and in how many chunks per row.
+/// How a reduction of an `[M, K]` view runs: which kernel, in how many chunks per row, and
+/// whether each `serial` invocation takes four adjacent rows.
+#[derive(Debug, Clone, Copy)]
 struct Plan {
     entry: &'static str,
     chunks: usize,
+    fours: bool,
+}
+
+/// True when `serial` can take the rows of `mat` four at a time, one vec4 per step along k:
+/// rows adjacent in memory (a column sum, as a bias grad's sum over the batch), M a multiple
+/// of 4, and every group of four starting on a multiple of 4.
+fn in_fours(mat: &Matrix) -> bool {
+    mat.row_stride == 1
+        && mat.k_stride != 1
+        && [mat.m, mat.k_stride, mat.tensor.layout().offset]
+            .iter()
+            .all(|x| x.is_multiple_of(4))
 }
 
 /// Neighbouring rows in memory (reducing a leading dim) with enough rows to fill the device
-/// take one invocation per row. Otherwise CPU adapters, where barriers are coroutine switches,
-/// split rows into enough serial chunks to fill their threads, and GPUs reduce each row chunk
-/// with a whole workgroup.
+/// take one invocation per row (or per four rows). Otherwise CPU adapters, where barriers are
+/// coroutine switches, split rows into enough serial chunks to fill their threads, and GPUs
+/// reduce each row chunk with a whole workgroup.
 fn plan(mat: &Matrix, cpu_flavor: bool) -> Plan {
-    if mat.k_stride != 1 && mat.m >= 1024 {
+    let fours = cpu_flavor && in_fours(mat);
+    // Invocations per chunk of every row.
+    let lanes = if fours { mat.m / 4 } else { mat.m };
+    if mat.k_stride != 1 && lanes >= 1024 {
         return Plan {
             entry: "serial",
             chunks: 1,
+            fours,
         };
     }
     if cpu_flavor {
         let chunks = 2048usize
-            .div_ceil(mat.m)
+            .div_ceil(lanes.max(1))
             .clamp(1, mat.k.div_ceil(256).max(1));
         return Plan {
             entry: "serial",
             chunks,
+            fours,
         };
     }
     Plan {
         entry: "rows",
         chunks: mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS),
+        fours: false,
     }
 }
 
@@ -214,10 +237,14 @@ fn reduce_pass(
     op_name: &'static str,
     op: ReduceOp,
     mat: &Matrix,
-    entry: &'static str,
-    chunks: usize,
+    plan: &Plan,
     scale: f32,
 ) -> Result<Tensor> {
+    let Plan {
+        entry,
+        chunks,
+        fours,
+    } = *plan;
     let out = Tensor::empty(op_name, &[mat.m, chunks], DType::F32, mat.tensor.device())?;
     // Chunks start on a multiple of 4, so contiguous rows can be read four at a time.
     let chunk_len = mat.k.div_ceil(chunks).next_multiple_of(4);
@@ -225,7 +252,10 @@ fn reduce_pass(
         && [mat.tensor.layout().offset, mat.row_stride]
             .iter()
             .all(|x| x.is_multiple_of(4));
-    let params = mat.params(chunks, chunk_len, scale, vec4);
+    let params = ReduceParams {
+        fours: fours as u32,
+        ..mat.params(chunks, chunk_len, scale, vec4)
+    };
     let source = || op.source();
     let mut kernel = Kernel::specialised(&REDUCE, entry, op.name(), &source);
     if entry == "serial" {
@@ -235,7 +265,7 @@ fn reduce_pass(
     }
     let workgroups = match entry {
         "rows" => (mat.m * chunks) as u32,
-        _ => groups(mat.m * chunks, WORKGROUP),
+        _ => groups(mat.m / if fours { 4 } else { 1 } * chunks, WORKGROUP),
     };
     launch(op_name, &kernel, &[&mat.tensor, &out], &params, workgroups)?;
     Ok(out)
@@ -249,9 +279,9 @@ fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) 
         mat.tensor.device().kernel_flavor() == KernelFlavor::Cpu,
     );
     if plan.chunks == 1 {
-        return reduce_pass(op_name, op, mat, plan.entry, 1, scale);
+        return reduce_pass(op_name, op, mat, &plan, scale);
     }
-    let partial = reduce_pass(op_name, op, mat, plan.entry, plan.chunks, 1.0)?;
+    let partial = reduce_pass(op_name, op, mat, &plan, 1.0)?;
     let partial = Matrix {
         m: mat.m,
         k: plan.chunks,
@@ -259,7 +289,12 @@ fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) 
         k_stride: 1,
         tensor: partial,
     };
-    reduce_pass(op_name, op, &partial, plan.entry, 1, scale)
+    let last = Plan {
+        entry: plan.entry,
+        chunks: 1,
+        fours: false,
+    };
+    reduce_pass(op_name, op, &partial, &last, scale)
 }
 
 /// The output shape after reducing `dims` of `shape`.
