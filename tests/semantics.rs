@@ -24,6 +24,17 @@ fn inputs(list: &[&Tensor]) -> BackwardOptions {
     }
 }
 
+/// Runs `sum(3 x)`'s backward with `inputs=[x]`: x's grad gets 3 per element, added in place
+/// into a grad it already has (S-3).
+fn backward_of_three_x_into(x: &Tensor) {
+    x.mul_scalar(3.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward_with(inputs(&[x]))
+        .unwrap();
+}
+
 /// Writes `value` into `t`'s own buffer, in place.
 fn overwrite(t: &Tensor, value: f32) {
     t.copy_(&Tensor::full(t.shape(), value, device()).unwrap())
@@ -157,12 +168,7 @@ fn backward_with_inputs_adds_in_place_into_grads_of_every_layout() {
             .requires_grad_(true);
         x.set_grad(Some(grad.clone())).unwrap();
         let storage = grad.storage_id();
-        x.mul_scalar(3.0)
-            .unwrap()
-            .sum()
-            .unwrap()
-            .backward_with(inputs(&[&x]))
-            .unwrap();
+        backward_of_three_x_into(&x);
         let after = x.grad().unwrap();
         assert!(Tensor::same(&after, &grad), "{what}: the same handle");
         assert_eq!(after.storage_id(), storage, "{what}: the same storage");
@@ -174,20 +180,10 @@ fn backward_with_inputs_adds_in_place_into_grads_of_every_layout() {
 #[test]
 fn c04_backward_with_inputs_accumulates_in_place() {
     let x = leaf(&[1.0, 2.0, 3.0]);
-    x.mul_scalar(3.0)
-        .unwrap()
-        .sum()
-        .unwrap()
-        .backward_with(inputs(&[&x]))
-        .unwrap();
+    backward_of_three_x_into(&x);
     let g = x.grad().unwrap();
     let storage = g.storage_id();
-    x.mul_scalar(3.0)
-        .unwrap()
-        .sum()
-        .unwrap()
-        .backward_with(inputs(&[&x]))
-        .unwrap();
+    backward_of_three_x_into(&x);
     let after = x.grad().unwrap();
     assert_eq!(values(&after), vec![6.0, 6.0, 6.0]);
     assert!(Tensor::same(&after, &g));
