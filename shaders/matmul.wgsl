@@ -465,7 +465,7 @@ fn outer(a: vec4<f32>, b: vec4<f32>) -> mat4x4<f32> {
 // accumulators whose column j holds 4 rows of one output column: `ll` rows row0..,
 // columns col0..; `hl` rows row0 + 4..; `lh` columns col0 + 4..; `hh` both. One rolled loop
 // picks each row's 4 columns with selects: 16 unrolled stores compiled into 16 loops over
-// lanes (software adapters), which doubled small_tiled's compile time.
+// lanes (software adapters), which tripled small_tiled's compile time.
 fn store_block8(base: u32, row0: u32, col0: u32, ll: mat4x4<f32>, hl: mat4x4<f32>, lh: mat4x4<f32>,
                 hh: mat4x4<f32>) {
     // Transposed, column i of each accumulator is one output row's 4 columns.

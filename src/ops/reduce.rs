@@ -200,14 +200,22 @@ fn in_fours(mat: &Matrix) -> bool {
             .all(|x| x.is_multiple_of(4))
 }
 
+/// `serial` invocations over one chunk of every row: one per row, or per four rows.
+fn invocations_per_chunk(mat: &Matrix, fours: bool) -> usize {
+    if fours {
+        mat.m / 4
+    } else {
+        mat.m
+    }
+}
+
 /// Neighbouring rows in memory (reducing a leading dim) with enough rows to fill the device
 /// take one invocation per row (or per four rows). Otherwise CPU adapters, where barriers are
 /// coroutine switches, split rows into enough serial chunks to fill their threads, and GPUs
 /// reduce each row chunk with a whole workgroup.
 fn plan(mat: &Matrix, cpu_flavor: bool) -> Plan {
     let fours = cpu_flavor && in_fours(mat);
-    // Invocations per chunk of every row.
-    let lanes = if fours { mat.m / 4 } else { mat.m };
+    let lanes = invocations_per_chunk(mat, fours);
     if mat.k_stride != 1 && lanes >= 1024 {
         return Plan {
             entry: "serial",
@@ -265,7 +273,7 @@ fn reduce_pass(
     }
     let workgroups = match entry {
         "rows" => (mat.m * chunks) as u32,
-        _ => groups(mat.m / if fours { 4 } else { 1 } * chunks, WORKGROUP),
+        _ => groups(invocations_per_chunk(mat, fours) * chunks, WORKGROUP),
     };
     launch(op_name, &kernel, &[&mat.tensor, &out], &params, workgroups)?;
     Ok(out)
