@@ -313,11 +313,22 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
             let dim = rng.below(r);
             let n = x.cpu.shape[dim];
             let start = rng.below(n + 1);
-            let len = rng.below(n - start + 1);
-            pair(
-                x.gpu.narrow(dim, start, len)?,
-                x.cpu.narrow(dim, start, len),
-            )
+            if rng.below(2) == 0 {
+                let len = rng.below(n - start + 1);
+                pair(
+                    x.gpu.narrow(dim, start, len)?,
+                    x.cpu.narrow(dim, start, len),
+                )
+            } else {
+                // Both pieces of a split, swapped and one scaled: each gets its own grad.
+                let pieces = x.gpu.split(&[start, n - start], dim)?;
+                let head = x.cpu.narrow(dim, 0, start).map(|v| 2.0 * v);
+                let tail = x.cpu.narrow(dim, start, n - start);
+                pair(
+                    Tensor::cat(&[pieces[1].clone(), pieces[0].mul_scalar(2.0)?], dim)?,
+                    Cpu::cat(&tail, &[tail.clone(), head], dim),
+                )
+            }
         }
         10 if r < 6 => {
             let dim = rng.below(r + 1);

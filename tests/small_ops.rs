@@ -159,3 +159,191 @@ fn stack_adds_a_dim_and_its_grad_splits_back() {
     assert!(err.to_string().contains("stack"), "{err}");
     assert!(Tensor::stack(&[c], 2).is_err());
 }
+
+// split and chunk: views recorded as one node with one output per piece.
+
+#[test]
+fn split_gives_views_of_consecutive_pieces() {
+    let (x, xv) = random_tensor(&[2, 7, 3], 31);
+    let pieces = x.split(&[2, 0, 5], 1).unwrap();
+    let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape().to_vec()).collect();
+    assert_eq!(shapes, vec![vec![2, 2, 3], vec![2, 0, 3], vec![2, 5, 3]]);
+    for (piece, (start, len)) in pieces.iter().zip([(0, 2), (2, 0), (2, 5)]) {
+        let want: Vec<f64> = (0..2)
+            .flat_map(|b| (start..start + len).flat_map(move |r| (0..3).map(move |c| (b, r, c))))
+            .map(|(b, r, c)| xv[b * 21 + r * 3 + c] as f64)
+            .collect();
+        assert_close(&piece.to_vec().unwrap(), &want, 0.0, "split piece");
+        assert_eq!(piece.storage_id(), x.storage_id(), "a piece is a view");
+    }
+}
+
+#[test]
+fn chunk_sizes_follow_pytorch() {
+    let dev = device();
+    let sizes = |n: usize, chunks: usize| -> Vec<usize> {
+        Tensor::zeros(&[n, 2], dev)
+            .unwrap()
+            .chunk(chunks, 0)
+            .unwrap()
+            .iter()
+            .map(|p| p.shape()[0])
+            .collect()
+    };
+    assert_eq!(sizes(10, 3), vec![4, 4, 2]);
+    assert_eq!(sizes(6, 3), vec![2, 2, 2]);
+    assert_eq!(sizes(5, 4), vec![2, 2, 1]); // fewer pieces than asked, as PyTorch
+    assert_eq!(sizes(2, 5), vec![1, 1]);
+    assert_eq!(sizes(0, 3), vec![0]);
+}
+
+#[test]
+fn split_backward_matches_finite_differences_with_every_piece_used() {
+    gradcheck(
+        "split",
+        &[(vec![3, 5], values_in(15, -1.0, 1.0, 32))],
+        |t| {
+            let p = t[0].split(&[1, 3, 1], 1)?;
+            // Each piece reaches the loss through a different op.
+            let a = p[0].exp()?;
+            let b = p[1].mul(&p[1])?;
+            let c = p[2].neg()?;
+            Tensor::cat(&[c, b, a], 1)
+        },
+    );
+}
+
+#[test]
+fn split_backward_gives_zeros_to_pieces_no_grad_reached() {
+    let (x, _) = random_tensor(&[4, 6], 33);
+    let x = x.requires_grad_(true);
+    let pieces = x.chunk(3, 1).unwrap();
+    pieces[1]
+        .mul_scalar(3.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let got = x.grad().unwrap().to_vec().unwrap();
+    let want: Vec<f64> = (0..24)
+        .map(|i| if (2..4).contains(&(i % 6)) { 3.0 } else { 0.0 })
+        .collect();
+    assert_close(&got, &want, 0.0, "split grad");
+}
+
+#[test]
+fn split_sums_the_grads_of_a_piece_used_twice() {
+    let (x, xv) = random_tensor(&[2, 4], 34);
+    let x = x.requires_grad_(true);
+    let p = x.split(&[3, 1], 1).unwrap();
+    // d/dx of sum(p0 * p0 + p0) + sum(p1) = 2 x + 1 on p0, 1 on p1.
+    p[0].mul(&p[0])
+        .unwrap()
+        .add(&p[0])
+        .unwrap()
+        .sum()
+        .unwrap()
+        .add(&p[1].sum().unwrap())
+        .unwrap()
+        .backward()
+        .unwrap();
+    let want: Vec<f64> = (0..8)
+        .map(|i| {
+            if i % 4 < 3 {
+                2.0 * xv[i] as f64 + 1.0
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    assert_close(
+        &x.grad().unwrap().to_vec().unwrap(),
+        &want,
+        1e-6,
+        "split grad",
+    );
+}
+
+#[test]
+fn split_backward_writes_the_grad_once_instead_of_padding_each_piece() {
+    let dev = device();
+    let run = |use_split: bool| -> u64 {
+        let (x, _) = random_tensor(&[8, 12], 35);
+        let x = x.requires_grad_(true);
+        let pieces = if use_split {
+            x.split(&[4, 4, 4], 1).unwrap()
+        } else {
+            (0..3).map(|i| x.narrow(1, 4 * i, 4).unwrap()).collect()
+        };
+        let loss = pieces[0]
+            .mul(&pieces[1])
+            .unwrap()
+            .add(&pieces[2])
+            .unwrap()
+            .sum()
+            .unwrap();
+        dev.synchronize().unwrap();
+        let before = dev.stats().dispatches;
+        loss.backward().unwrap();
+        dev.synchronize().unwrap();
+        dev.stats().dispatches - before
+    };
+    let (narrowed, split) = (run(false), run(true));
+    // narrow: a fill and a copy per piece, and two adds to sum them; split: the pieces' grads
+    // copied into one tensor.
+    assert!(
+        split + 4 <= narrowed,
+        "split's backward took {split} dispatches, narrow's {narrowed}"
+    );
+}
+
+#[test]
+fn a_split_piece_can_retain_its_grad_and_be_an_input_of_autograd_grad() {
+    let (x, _) = random_tensor(&[3, 4], 36);
+    let x = x.requires_grad_(true);
+    let p = x.split(&[1, 3], 1).unwrap();
+    p[1].retain_grad();
+    let loss = p[1].mul_scalar(2.0).unwrap().sum().unwrap();
+    let by_grad = wgrad::autograd::grad(std::slice::from_ref(&loss), &p[1..], None, true).unwrap();
+    assert_close(
+        &by_grad[0].as_ref().unwrap().to_vec().unwrap(),
+        &[2.0; 9],
+        0.0,
+        "autograd::grad of the second piece",
+    );
+    loss.backward().unwrap();
+    assert_close(
+        &p[1].grad().unwrap().to_vec().unwrap(),
+        &[2.0; 9],
+        0.0,
+        "retained",
+    );
+    assert!(
+        p[0].grad().is_none(),
+        "the first piece did not retain its grad"
+    );
+}
+
+#[test]
+fn split_and_chunk_reject_bad_sizes_naming_the_shape() {
+    let x = Tensor::zeros(&[2, 5], device()).unwrap();
+    for err in [
+        x.split(&[2, 2], 1).unwrap_err(),
+        x.split(&[], 1).unwrap_err(),
+        x.split(&[5], 2).unwrap_err(),
+        x.split(&[usize::MAX, 6], 1).unwrap_err(),
+    ] {
+        assert!(matches!(err, Error::Shape { op: "split", .. }), "{err}");
+        assert!(err.to_string().contains("[2, 5]"), "{err}");
+    }
+    let err = x.chunk(0, 1).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { op: "chunk", .. }),
+        "{err}"
+    );
+    assert!(matches!(
+        x.chunk(2, 3),
+        Err(Error::Shape { op: "chunk", .. })
+    ));
+}

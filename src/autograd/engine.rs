@@ -4,8 +4,9 @@
 //!
 //! The walk is iterative (a 10,000-op chain needs no deep stack): nodes run in reverse
 //! topological order by dependency counts, grads reaching a node from several consumers are
-//! summed into engine-owned tensors, and each node's backward rule (with its saved tensors) is
-//! dropped after it runs unless `retain_graph`.
+//! summed into engine-owned tensors (one per output of the node: the pieces of a `split` are
+//! one node), and each node's backward rule (with its saved tensors) is dropped after it runs
+//! unless `retain_graph`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -52,6 +53,23 @@ fn add_to(sums: &mut HashMap<usize, Tensor>, key: usize, grad: Tensor) -> Result
     Ok(())
 }
 
+/// Adds `grad` to the engine-owned sum for output `index` of `node` (one slot per output).
+fn add_to_output(
+    sums: &mut HashMap<usize, Vec<Option<Tensor>>>,
+    node: &Arc<Node>,
+    index: usize,
+    grad: Tensor,
+) -> Result<()> {
+    let slots = sums
+        .entry(node_key(node))
+        .or_insert_with(|| vec![None; node.outputs.len()]);
+    slots[index] = Some(match slots[index].take() {
+        Some(previous) => previous.add(&grad)?,
+        None => grad,
+    });
+    Ok(())
+}
+
 /// Stage one: the grads of the wanted tensors with respect to `roots` (seeded with
 /// `root_grads`). Returns `(tensor, grad)` pairs, one per wanted tensor that the roots reach.
 /// Reads and writes no grad slot.
@@ -63,11 +81,12 @@ pub(crate) fn compute(
 ) -> Result<Vec<(Tensor, Tensor)>> {
     let _no_grad = NoGradGuard::new();
     let listed_leaves: HashSet<usize>;
-    let listed_nodes: HashSet<usize>;
+    // Listed non-leaves as (node, output index), and the nodes they come from.
+    let listed_outputs: HashSet<(usize, usize)>;
     match &wanted {
         Wanted::AllLeaves => {
             listed_leaves = HashSet::new();
-            listed_nodes = HashSet::new();
+            listed_outputs = HashSet::new();
         }
         Wanted::Listed(tensors) => {
             listed_leaves = tensors
@@ -75,13 +94,14 @@ pub(crate) fn compute(
                 .filter(|t| t.is_leaf())
                 .map(tensor_key)
                 .collect();
-            listed_nodes = tensors
+            listed_outputs = tensors
                 .iter()
-                .filter_map(|t| t.grad_fn())
-                .map(|n| node_key(&n))
+                .filter_map(|t| t.grad_fn_output())
+                .map(|(n, index)| (node_key(&n), index))
                 .collect();
         }
     }
+    let listed_nodes: HashSet<usize> = listed_outputs.iter().map(|&(key, _)| key).collect();
     let wants_leaf = |leaf: &Tensor| match wanted {
         Wanted::AllLeaves => true,
         Wanted::Listed(_) => listed_leaves.contains(&tensor_key(leaf)),
@@ -102,7 +122,7 @@ pub(crate) fn compute(
     while let Some((node, next_edge)) = stack.pop() {
         if next_edge < node.edges.len() {
             stack.push((node.clone(), next_edge + 1));
-            if let Some(Edge::Node(child)) = &node.edges[next_edge] {
+            if let Some(Edge::Node(child, _)) = &node.edges[next_edge] {
                 if visited.insert(node_key(child)) {
                     stack.push((child.clone(), 0));
                 }
@@ -118,8 +138,9 @@ pub(crate) fn compute(
     for node in &postorder {
         let leads_to_wanted = node.edges.iter().flatten().any(|edge| match edge {
             Edge::Leaf(leaf) => wants_leaf(leaf),
-            Edge::Node(child) => {
-                runs.contains(&node_key(child)) || listed_nodes.contains(&node_key(child))
+            Edge::Node(child, index) => {
+                runs.contains(&node_key(child))
+                    || listed_outputs.contains(&(node_key(child), *index))
             }
         });
         if leads_to_wanted {
@@ -152,7 +173,7 @@ pub(crate) fn compute(
             continue;
         }
         for edge in node.edges.iter().flatten() {
-            if let Edge::Node(child) = edge {
+            if let Edge::Node(child, _) = edge {
                 if needed(node_key(child)) {
                     *pending.entry(node_key(child)).or_default() += 1;
                 }
@@ -160,13 +181,13 @@ pub(crate) fn compute(
         }
     }
 
-    let mut node_grads: HashMap<usize, Tensor> = HashMap::new();
+    let mut node_grads: HashMap<usize, Vec<Option<Tensor>>> = HashMap::new();
     let mut leaf_grads: HashMap<usize, Tensor> = HashMap::new();
     let mut leaf_handles: HashMap<usize, Tensor> = HashMap::new();
     let mut results: Vec<(Tensor, Tensor)> = Vec::new();
     for (root, grad) in roots.iter().zip(root_grads) {
-        match root.grad_fn() {
-            Some(node) => add_to(&mut node_grads, node_key(&node), grad.clone())?,
+        match root.grad_fn_output() {
+            Some((node, index)) => add_to_output(&mut node_grads, &node, index, grad.clone())?,
             None if wants_leaf(root) => {
                 leaf_handles.insert(tensor_key(root), root.clone());
                 add_to(&mut leaf_grads, tensor_key(root), grad.clone())?;
@@ -189,13 +210,16 @@ pub(crate) fn compute(
 
     while let Some(node) = ready.pop() {
         let key = node_key(&node);
-        let Some(grad) = node_grads.remove(&key) else {
+        let Some(grads) = node_grads.remove(&key) else {
             continue;
         };
-        if let Some(output) = node.output.upgrade() {
+        for (index, (output, grad)) in node.outputs.iter().zip(&grads).enumerate() {
+            let (Some(output), Some(grad)) = (output.upgrade(), grad) else {
+                continue;
+            };
             let output = Tensor { inner: output };
             let retained = matches!(wanted, Wanted::AllLeaves) && output.meta().retains_grad;
-            if retained || listed_nodes.contains(&key) {
+            if retained || listed_outputs.contains(&(key, index)) {
                 results.push((output, grad.clone()));
             }
         }
@@ -205,7 +229,7 @@ pub(crate) fn compute(
         let input_grads = {
             let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
             let backward = slot.as_ref().expect("checked before the walk");
-            let grads = backward(&grad)?;
+            let grads = backward(&grads)?;
             if !retain_graph {
                 *slot = None;
             }
@@ -222,12 +246,12 @@ pub(crate) fn compute(
                         add_to(&mut leaf_grads, tensor_key(leaf), input_grad)?;
                     }
                 }
-                Edge::Node(child) => {
+                Edge::Node(child, index) => {
                     let child_key = node_key(child);
                     if !needed(child_key) {
                         continue;
                     }
-                    add_to(&mut node_grads, child_key, input_grad)?;
+                    add_to_output(&mut node_grads, child, *index, input_grad)?;
                     let left = pending.get_mut(&child_key).expect("counted");
                     *left -= 1;
                     if *left == 0 {

@@ -81,13 +81,17 @@ impl Module for MultiheadAttention {
         let qkv = x
             .matmul(&self.in_proj_weight.t()?)?
             .add(&self.in_proj_bias)?;
-        // [B, T, C] -> [B, heads, T, C / heads] for each of q, k and v.
-        let head = |i: usize| -> Result<Tensor> {
-            qkv.narrow(2, i * dim, dim)?
-                .reshape(&[b, t, self.heads, dim / self.heads])?
-                .transpose(1, 2)
-        };
-        let attended = head(0)?.scaled_dot_product_attention(&head(1)?, &head(2)?, self.causal)?;
+        // [B, T, C] -> [B, heads, T, C / heads] for each of q, k and v (one `split`, whose
+        // backward writes the three grads into one tensor).
+        let heads = qkv
+            .split(&[dim, dim, dim], 2)?
+            .iter()
+            .map(|part| {
+                part.reshape(&[b, t, self.heads, dim / self.heads])?
+                    .transpose(1, 2)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let attended = heads[0].scaled_dot_product_attention(&heads[1], &heads[2], self.causal)?;
         let merged = attended.transpose(1, 2)?.reshape(&[b, t, dim])?;
         self.out_proj.forward(&merged)
     }

@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::copy::copy_into;
 use crate::tensor::grad_mode::NoGradGuard;
-use crate::tensor::graph::record;
+use crate::tensor::graph::{record, record_outputs};
 use crate::tensor::{checked_numel, Tensor, MAX_RANK};
 
 /// Records an op that only re-shapes `x` (same elements, same order): its grad is the
@@ -66,6 +66,84 @@ impl Tensor {
             let shape = self.shape().to_vec();
             move |g: &Tensor| Ok(vec![Some(pad_into(g, &shape, dim, start)?)])
         }))
+    }
+
+    /// Consecutive pieces of `sizes` elements along `dim`, which must add up to its size
+    /// (views, as PyTorch's `split` with a list of sizes). The pieces are one recorded op, so
+    /// their grads come back as one tensor written piece by piece (a `cat`, with zeros for
+    /// pieces no grad reached), not as one zero-padded grad per piece summed up.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Tensor};
+    /// let dev = Device::new()?;
+    /// let qkv = Tensor::from_slice(&[0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11.], &[2, 6], &dev)?;
+    /// let parts = qkv.split(&[2, 2, 2], 1)?;
+    /// assert_eq!(parts[1].to_vec()?, vec![2.0, 3.0, 8.0, 9.0]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn split(&self, sizes: &[usize], dim: usize) -> Result<Vec<Tensor>> {
+        const OP: &str = "split";
+        self.layout().check_dim(OP, dim)?;
+        let total = self.shape()[dim];
+        if sizes.is_empty()
+            || sizes.iter().try_fold(0usize, |a, &b| a.checked_add(b)) != Some(total)
+        {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "sizes {sizes:?} do not add up to dim {dim} of shape {:?} ({total})",
+                    self.shape()
+                ),
+            });
+        }
+        let mut pieces = Vec::with_capacity(sizes.len());
+        let mut start = 0;
+        for &len in sizes {
+            pieces.push(self.view(self.layout().narrow(OP, dim, start, len)?));
+            start += len;
+        }
+        Ok(record_outputs(OP, pieces, &[self], |pieces| {
+            let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape().to_vec()).collect();
+            let device = self.device().clone();
+            move |grads: &[Option<Tensor>]| {
+                let grads = grads
+                    .iter()
+                    .zip(&shapes)
+                    .map(|(grad, shape)| match grad {
+                        Some(grad) => Ok(grad.clone()),
+                        None => Tensor::zeros(shape, &device),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(vec![Some(Tensor::cat(&grads, dim)?)])
+            }
+        }))
+    }
+
+    /// `chunks` pieces along `dim`, as PyTorch's `chunk`: each of `ceil(size / chunks)`
+    /// elements but the last, which holds the rest (so there may be fewer than `chunks`
+    /// pieces; a dim of size 0 gives one empty piece). Views, recorded as [`Tensor::split`].
+    pub fn chunk(&self, chunks: usize, dim: usize) -> Result<Vec<Tensor>> {
+        const OP: &str = "chunk";
+        self.layout().check_dim(OP, dim)?;
+        if chunks == 0 {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!("chunks must be at least 1 (shape {:?})", self.shape()),
+            });
+        }
+        let total = self.shape()[dim];
+        let size = total.div_ceil(chunks);
+        let sizes: Vec<usize> = if total == 0 {
+            vec![0]
+        } else {
+            (0..total)
+                .step_by(size)
+                .map(|start| size.min(total - start))
+                .collect()
+        };
+        self.split(&sizes, dim)
     }
 
     /// Broadcasts to `shape` by NumPy rules, repeating along size-1 and new leading dims with
