@@ -192,8 +192,10 @@ impl Tensor {
         Ok(record_reshape("squeeze", self.view(layout), self))
     }
 
-    /// The same elements in row-major order under another shape of equal size: a view when
-    /// `self` is contiguous, else a copy.
+    /// The same elements in row-major order under another shape of equal size: a view where
+    /// the strides allow it (as PyTorch's `view`: dims laid out densely after one another may
+    /// be split or merged, so splitting the last dim of a narrowed or transposed tensor is a
+    /// view), else a copy.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         let numel = checked_numel("reshape", shape)?;
         if numel != self.numel() {

@@ -200,20 +200,53 @@ impl Layout {
         })
     }
 
-    /// The same elements under `shape` without a copy, when the strides allow it (always for
-    /// the same shape).
+    /// The same elements under `shape` (of the same size) without a copy, when the strides
+    /// allow it, as PyTorch's `view`: each run of dims that lie densely after one another in
+    /// memory may be split or merged, whatever the strides between runs (splitting the last
+    /// dim of a transposed or narrowed view into heads is a view).
     pub fn reshape_view(&self, shape: &[usize]) -> Option<Layout> {
+        let view = |strides: Vec<usize>| Layout {
+            shape: shape.to_vec(),
+            strides,
+            offset: self.offset,
+        };
         if shape == self.shape.as_slice() {
             return Some(self.clone());
         }
-        if self.is_contiguous() {
-            return Some(Layout {
-                shape: shape.to_vec(),
-                strides: row_major_strides(shape),
-                offset: self.offset,
-            });
+        // No two elements to place apart (or none at all): any strides will do.
+        if self.is_contiguous() || self.numel() <= 1 {
+            return Some(view(row_major_strides(shape)));
         }
-        None
+        // Walk both shapes from the last dim: a chunk of old dims ends where the next one up
+        // is not laid out densely on top of it; the new dims that cover exactly that chunk's
+        // elements take strides within it.
+        let (old, old_strides) = (&self.shape, &self.strides);
+        let mut strides = vec![0; shape.len()];
+        let mut new_d = shape.len();
+        let mut chunk_stride = *old_strides.last()?;
+        let (mut chunk_numel, mut view_numel) = (1, 1);
+        for d in (0..old.len()).rev() {
+            chunk_numel *= old[d];
+            let chunk_ends =
+                d == 0 || (old[d - 1] != 1 && old_strides[d - 1] != chunk_numel * chunk_stride);
+            if !chunk_ends {
+                continue;
+            }
+            while new_d > 0 && (view_numel < chunk_numel || shape[new_d - 1] == 1) {
+                new_d -= 1;
+                strides[new_d] = view_numel * chunk_stride;
+                view_numel *= shape[new_d];
+            }
+            if view_numel != chunk_numel {
+                return None;
+            }
+            if d > 0 {
+                chunk_stride = old_strides[d - 1];
+                chunk_numel = 1;
+                view_numel = 1;
+            }
+        }
+        (new_d == 0).then(|| view(strides))
     }
 }
 
@@ -272,6 +305,46 @@ mod tests {
         assert_eq!(rank, 2);
         assert_eq!(&shape[4..], &[2, 3]);
         assert_eq!(&strides[1][4..], &[0, 1]);
+    }
+
+    fn layout(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
+        Layout {
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+        }
+    }
+
+    #[test]
+    fn reshape_view_splits_and_merges_dense_runs_of_a_strided_layout() {
+        // The second third of the last dim of [2, 3, 12] (a split q of a packed qkv), as
+        // [2, 3, 2, 2] heads: a view with the row strides kept.
+        let piece = layout(&[2, 3, 4], &[36, 12, 1], 4);
+        let heads = piece.reshape_view(&[2, 3, 2, 2]).unwrap();
+        assert_eq!(heads.strides, vec![36, 12, 2, 1]);
+        assert_eq!(heads.offset, 4);
+        // Merging the batch dims of a transposed [3, 2, 4] (rows of 4 stay dense).
+        let t = layout(&[2, 3, 4], &[4, 8, 1], 0);
+        assert_eq!(
+            t.reshape_view(&[2, 3, 2, 2]).unwrap().strides,
+            vec![4, 8, 2, 1]
+        );
+        assert!(
+            t.reshape_view(&[6, 4]).is_none(),
+            "rows of different batches interleave"
+        );
+        // Size-1 dims go anywhere.
+        let col = layout(&[3, 1], &[5, 1], 2);
+        assert_eq!(col.reshape_view(&[1, 3, 1]).unwrap().strides[1], 5);
+        // A broadcast view splits only along its repeated runs.
+        let wide = layout(&[3, 4], &[1, 0], 0);
+        assert_eq!(
+            wide.reshape_view(&[3, 2, 2]).unwrap().strides,
+            vec![1, 0, 0]
+        );
+        assert!(wide.reshape_view(&[12]).is_none());
+        // A transpose does not flatten.
+        assert!(layout(&[4, 3], &[1, 4], 0).reshape_view(&[12]).is_none());
     }
 
     #[test]
