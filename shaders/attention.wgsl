@@ -4,8 +4,11 @@
 // it. Params: `AttentionParams` (src/ops/attention.rs). Head h (of batch x heads) has Tq
 // query rows and Tk key rows; q, k, v and the out grad are read in place through their
 // strides (a head's rows start at offset + (h / inner_len) outer_stride + (h % inner_len)
-// inner_stride, rows row_stride apart, features adjacent); the outputs are contiguous.
-// ALIGNED (offsets and strides multiples of 4, D and Dv too) reads four features per load.
+// inner_stride, rows row_stride apart, features adjacent), and the outputs (the forward's,
+// the query and key grads, the value grad) are written through such strides too: the host
+// lays each out in the order of the input it follows, so that a [B, T, H, D] memory order
+// stays one and merging the heads back is a view. ALIGNED (offsets and strides multiples of
+// 4, D and Dv too) reads four features per load.
 //
 // One invocation owns one query row (forward, query grad) or one key row (key and value
 // grads) and loops over the other side in spans of `span` rows, so that no invocation runs
@@ -23,9 +26,9 @@
 // forward: [splits, rows, 2] running (max, sum), or [rows, 2] (log-sum-exp, 0) when
 // splits == 1. backward: [rows, 2] (log-sum-exp, rowsum(out grad * out)).
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
-// query grad [Tq rows, d]; key grad [Tk rows, d].
+// query grad (rows like q's); key grad (like k's). Through the out layout.
 @group(0) @binding(6) var<storage, read_write> grad_a: array<f32>;
-// value grad [Tk rows, dv].
+// value grad (rows like v's), through the second out layout.
 @group(0) @binding(7) var<storage, read_write> grad_b: array<f32>;
 
 // Four-feature groups per q/k row and per v row: spliced in per head size, so the row arrays
@@ -185,7 +188,7 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         }
         m = m_new;
     }
-    let out_base = (s * rows + row) * dv;
+    let out_base = select((s * rows + row) * dv, row_start(h, row % t_q, ATTENTION_OUT_LAYOUT), splits == 1u);
     // A row with no key (causal, Tq > Tk) has l = 0: its output is 0, as a 0 / 0 would not be.
     var inv = 1.0;
     if (splits == 1u) {
@@ -231,13 +234,15 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         l = l + k_at(at + 1u) * select(0.0, exp(k_at(at) - m), k_at(at + 1u) > 0.0);
     }
     let inv = select(0.0, 1.0 / l, l > 0.0);
+    let t_q = pu(ATTENTION_T_Q);
+    let out_base = row_start(row / t_q, row % t_q, ATTENTION_OUT_LAYOUT);
     for (var c = 0u; c < dv; c = c + 1u) {
         var sum = 0.0;
         for (var s = 0u; s < splits; s = s + 1u) {
             let at = 2u * (s * rows + row);
             sum = sum + v_at((s * rows + row) * dv + c) * select(0.0, exp(k_at(at) - m), k_at(at + 1u) > 0.0);
         }
-        let out_at = row * dv + c;
+        let out_at = out_base + c;
         o[out_at / 4u][out_at % 4u] = sum * inv;
     }
     stats[2u * row] = m + log(l);
@@ -299,7 +304,7 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             grad[c] = grad[c] + ds * k4(k_row, c, d);
         }
     }
-    let base = row * d;
+    let base = row_start(h, row % t_q, ATTENTION_OUT_LAYOUT);
     for (var c = 0u; c < d4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, d); e = e + 1u) {
             let at = base + 4u * c + e;
@@ -369,15 +374,17 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             grad_key[c] = grad_key[c] + ds * q4(q_row, c, d);
         }
     }
+    let key_base = row_start(h, row % t_k, ATTENTION_OUT_LAYOUT);
+    let value_base = row_start(h, row % t_k, ATTENTION_OUT2_LAYOUT);
     for (var c = 0u; c < d4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, d); e = e + 1u) {
-            let at = row * d + 4u * c + e;
+            let at = key_base + 4u * c + e;
             grad_a[at] = select((grad_key[c])[e], grad_a[at] + (grad_key[c])[e], s > 0u);
         }
     }
     for (var c = 0u; c < dv4; c = c + 1u) {
         for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
-            let at = row * dv + 4u * c + e;
+            let at = value_base + 4u * c + e;
             grad_b[at] = select((grad_value[c])[e], grad_b[at] + (grad_value[c])[e], s > 0u);
         }
     }
@@ -529,7 +536,7 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     if (owned.ghost) {
         return;
     }
-    let out_base = (s * rows + row) * dv;
+    let out_base = select((s * rows + row) * dv, row_start(h, i, ATTENTION_OUT_LAYOUT), splits == 1u);
     var inv = 1.0;
     if (splits == 1u) {
         inv = select(0.0, 1.0 / l, l > 0.0);
@@ -615,7 +622,7 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
         return;
     }
     for (var c = 0u; c < d4; c = c + 1u) {
-        add_grad_a(row * d + 4u * c, group_of_d(&grad, c), lanes(c, d), s > 0u);
+        add_grad_a(row_start(h, i, ATTENTION_OUT_LAYOUT) + 4u * c, group_of_d(&grad, c), lanes(c, d), s > 0u);
     }
 }
 
@@ -691,10 +698,10 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         return;
     }
     for (var c = 0u; c < d4; c = c + 1u) {
-        add_grad_a(row * d + 4u * c, group_of_d(&grad_key, c), lanes(c, d), s > 0u);
+        add_grad_a(row_start(h, j, ATTENTION_OUT_LAYOUT) + 4u * c, group_of_d(&grad_key, c), lanes(c, d), s > 0u);
     }
     for (var c = 0u; c < dv4; c = c + 1u) {
-        add_grad_b(row * dv + 4u * c, group_of_dv(&grad_value, c), lanes(c, dv), s > 0u);
+        add_grad_b(row_start(h, j, ATTENTION_OUT2_LAYOUT) + 4u * c, group_of_dv(&grad_value, c), lanes(c, dv), s > 0u);
     }
 }
 

@@ -288,3 +288,156 @@ fn sdpa_reads_heads_of_a_packed_projection_in_place() {
         .collect();
     assert_close(&got, &want, 1e-5, "heads of a packed projection");
 }
+
+/// Heads split from a packed projection, as MultiheadAttention makes them: the output is laid
+/// out as q is ([B, T, H, D] in memory), so merging its heads back is a view, and the grads
+/// of the packed projection equal those through contiguous copies.
+#[test]
+fn sdpa_output_and_grads_follow_the_inputs_layout() {
+    let (b, t, heads, dh) = (2, 7, 2, 4);
+    let c = heads * dh;
+    let (values, _) = random_tensor(&[b, t, 3 * c], 9);
+    let values = values.to_vec().unwrap();
+    let run = |dense: bool| -> (Vec<f32>, Vec<f32>, bool) {
+        let qkv = Tensor::from_slice(&values, &[b, t, 3 * c], device())
+            .unwrap()
+            .requires_grad_(true);
+        let parts: Vec<Tensor> = qkv
+            .split(&[c, c, c], 2)
+            .unwrap()
+            .iter()
+            .map(|p| {
+                let h = p
+                    .reshape(&[b, t, heads, dh])
+                    .unwrap()
+                    .transpose(1, 2)
+                    .unwrap();
+                if dense {
+                    h.contiguous().unwrap()
+                } else {
+                    h
+                }
+            })
+            .collect();
+        let out = parts[0]
+            .scaled_dot_product_attention(&parts[1], &parts[2], true)
+            .unwrap();
+        let merged = out.transpose(1, 2).unwrap().reshape(&[b, t, c]).unwrap();
+        let is_view = merged.storage_id() == out.storage_id();
+        let (weights, _) = random_tensor(&[b, t, c], 10);
+        merged
+            .mul(&weights)
+            .unwrap()
+            .sum()
+            .unwrap()
+            .backward()
+            .unwrap();
+        (
+            merged.to_vec().unwrap(),
+            qkv.grad().unwrap().to_vec().unwrap(),
+            is_view,
+        )
+    };
+    let (out, grad, is_view) = run(false);
+    let (want_out, want_grad, _) = run(true);
+    assert!(is_view, "merging the heads of the output copied it");
+    let as_f64 = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    assert_close(&out, &as_f64(&want_out), 1e-5, "output");
+    assert_close(
+        &grad,
+        &as_f64(&want_grad),
+        1e-5,
+        "grad of the packed projection",
+    );
+}
+
+#[test]
+fn sdpa_of_views_launches_no_copies() {
+    // A device of its own: the dispatch counter is shared by every test on a device.
+    let dev = Device::new().unwrap();
+    let (b, t, heads, dh) = (2, 8, 2, 4);
+    let c = heads * dh;
+    let qkv = Tensor::from_slice(&random_vec(b * t * 3 * c, 11), &[b, t, 3 * c], &dev)
+        .unwrap()
+        .requires_grad_(true);
+    let parts: Vec<Tensor> = qkv
+        .split(&[c, c, c], 2)
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p.reshape(&[b, t, heads, dh])
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        })
+        .collect();
+    dev.synchronize().unwrap();
+    let before = dev.stats().dispatches;
+    let out = parts[0]
+        .scaled_dot_product_attention(&parts[1], &parts[2], false)
+        .unwrap();
+    let merged = out.transpose(1, 2).unwrap().reshape(&[b, t, c]).unwrap();
+    dev.synchronize().unwrap();
+    // The forward kernel alone: q, k, v read in place, the output written in q's order.
+    assert_eq!(dev.stats().dispatches - before, 1);
+    let weights = Tensor::from_slice(&random_vec(b * t * c, 12), &[b, t, c], &dev).unwrap();
+    let loss = merged.mul(&weights).unwrap().sum().unwrap();
+    dev.synchronize().unwrap();
+    let before = dev.stats().dispatches;
+    loss.backward().unwrap();
+    dev.synchronize().unwrap();
+    let backward = dev.stats().dispatches - before;
+    // The root's ones, mul's backward (two launches), delta (a mul and a row sum, and its cat
+    // with the log-sum-exp: two copies), the query and the key kernels, and split's cat of the
+    // three grads (three copies): no copy of a head permute.
+    assert!(backward <= 12, "the backward took {backward} dispatches");
+}
+
+/// The split paths (a forward joined by `combine`, backward launches per span) write through
+/// the inputs' layouts too: heads read from `[T, H, D]` memory give what contiguous heads give.
+#[test]
+fn sdpa_split_paths_write_in_the_inputs_layout() {
+    let (heads, tq, tk, d) = (2, 3, 12_000, 4);
+    let memory = |t: usize, seed: u64| {
+        let (x, _) = random_tensor(&[t, heads, d], seed);
+        x.requires_grad_(true)
+    };
+    for long_keys in [true, false] {
+        let (tq, tk) = if long_keys { (tq, tk) } else { (tk, tq) };
+        let (q, k, v, g) = (
+            memory(tq, 21),
+            memory(tk, 22),
+            memory(tk, 23),
+            memory(tq, 24),
+        );
+        let heads_of = |x: &Tensor| x.transpose(0, 1).unwrap();
+        let run = |dense: bool| -> Vec<Vec<f32>> {
+            let view = |x: &Tensor| {
+                let h = heads_of(x);
+                if dense {
+                    h.contiguous().unwrap()
+                } else {
+                    h
+                }
+            };
+            let out = view(&q)
+                .scaled_dot_product_attention(&view(&k), &view(&v), false)
+                .unwrap();
+            let grads = wgrad::autograd::grad(
+                std::slice::from_ref(&out),
+                &[q.clone(), k.clone(), v.clone()],
+                Some(&[heads_of(&g).detach()]),
+                false,
+            )
+            .unwrap();
+            std::iter::once(out.to_vec().unwrap())
+                .chain(grads.iter().map(|g| g.as_ref().unwrap().to_vec().unwrap()))
+                .collect()
+        };
+        let (got, want) = (run(false), run(true));
+        for (what, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+            assert_close(got, &want, 1e-5, &format!("{what}, long keys {long_keys}"));
+        }
+    }
+}

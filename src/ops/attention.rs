@@ -18,7 +18,8 @@ crate::kernel_params! {
     /// `dv`. `rows` counts the rows the entry owns (query rows, or key rows for
     /// `backward_key`), each looping over the other side in `splits` spans of `span` rows
     /// (the backward runs one launch per span: `split` names it). Each `*_layout` is a
-    /// [`HeadLayout`] of q, k, v and the out grad.
+    /// [`HeadLayout`]: of q, k, v and the out grad, read; of the output the entry writes (the
+    /// forward's out, the query or key grad) and of the value grad.
     pub(crate) struct AttentionParams {
         rows: u32,
         t_q: u32,
@@ -34,6 +35,8 @@ crate::kernel_params! {
         k_layout: [u32; 5],
         v_layout: [u32; 5],
         o_layout: [u32; 5],
+        out_layout: [u32; 5],
+        out2_layout: [u32; 5],
     }
 }
 
@@ -108,6 +111,60 @@ impl HeadLayout {
         .iter()
         .all(|x| x.is_multiple_of(4))
     }
+}
+
+/// The dims of `t` from the largest stride to the smallest (ties in dim order): the order its
+/// elements lie in memory.
+fn memory_order(t: &Tensor) -> Vec<usize> {
+    let strides = &t.layout().strides;
+    let mut order: Vec<usize> = (0..t.rank()).collect();
+    order.sort_by_key(|&d| std::cmp::Reverse(strides[d]));
+    order
+}
+
+/// The permutation that undoes `order`.
+fn inverse(order: &[usize]) -> Vec<usize> {
+    let mut back = vec![0; order.len()];
+    for (i, &d) in order.iter().enumerate() {
+        back[d] = i;
+    }
+    back
+}
+
+/// A new tensor of `shape` whose dims lie in memory in `like`'s order, as PyTorch's
+/// `empty_like`: an output that follows q laid out `[B, T, H, D]` under a `[B, H, T, D]` view
+/// is laid out so too, and merging its heads back is a view.
+fn empty_in_order_of(op: &'static str, shape: &[usize], like: &Tensor) -> Result<Tensor> {
+    let order = memory_order(like);
+    let stored: Vec<usize> = order.iter().map(|&d| shape[d]).collect();
+    Tensor::empty(op, &stored, DType::F32, like.device())?.permute(&inverse(&order))
+}
+
+/// An output of `shape` for the kernels to write, laid out in `like`'s order where they can
+/// write that layout (its batch dims merge into two), else contiguous; with its layout.
+fn written_like(op: &'static str, shape: &[usize], like: &Tensor) -> Result<(Tensor, HeadLayout)> {
+    let out = empty_in_order_of(op, shape, like)?;
+    if let Some(layout) = HeadLayout::of(&out) {
+        return Ok((out, layout));
+    }
+    let out = Tensor::empty(op, shape, DType::F32, like.device())?;
+    let layout = HeadLayout::of(&out).expect("a contiguous tensor is writable");
+    Ok((out, layout))
+}
+
+/// `rowsum(g * out)` of each query row, `[.., Tq, 1]` (flash-attention's delta). Where the out
+/// grad lies in memory as the output does (the usual case: both follow q), both are multiplied
+/// in that order, as contiguous tensors.
+fn row_dots(g: &Tensor, out: &Tensor) -> Result<Tensor> {
+    let r = out.rank();
+    let order = memory_order(out);
+    if g.layout().strides != out.layout().strides || order[r - 1] != r - 1 {
+        return g.mul(out)?.sum_dims(&[r - 1], true);
+    }
+    g.permute(&order)?
+        .mul(&out.permute(&order)?)?
+        .sum_dims(&[r - 1], true)?
+        .permute(&inverse(&order))
 }
 
 /// q, k, v (and, backward, the out grad) as the kernels read them.
@@ -234,12 +291,15 @@ impl Shape {
         (span, len.div_ceil(span).max(1))
     }
 
+    /// Params for `rows` rows reading through `l` and writing through `written` (the output
+    /// and, for the key grads' entry, the value grad).
     fn params(
         &self,
         rows: usize,
         span: usize,
         splits: usize,
         l: &[HeadLayout; 4],
+        written: [&HeadLayout; 2],
     ) -> AttentionParams {
         AttentionParams {
             rows: rows as u32,
@@ -256,6 +316,8 @@ impl Shape {
             k_layout: l[1].slots(),
             v_layout: l[2].slots(),
             o_layout: l[3].slots(),
+            out_layout: written[0].slots(),
+            out2_layout: written[1].slots(),
         }
     }
 }
@@ -308,22 +370,23 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Shape> {
     })
 }
 
-/// The forward: `(out [heads Tq, Dv], stats [heads Tq, 2])` with the log-sum-exp of each row
-/// in `stats[.., 0]`. `ops.tensors[3]` is unused (any tensor).
-fn forward(s: &Shape, ops: &Operands) -> Result<(Tensor, Tensor)> {
+/// The forward: `(out [.., Tq, Dv], stats [heads Tq, 2])` with the log-sum-exp of each row
+/// in `stats[.., 0]`; `out` laid out in q's order (see [`empty_in_order_of`]).
+/// `ops.tensors[3]` is unused (any tensor).
+fn forward(s: &Shape, ops: &Operands, out_shape: &[usize]) -> Result<(Tensor, Tensor)> {
     const OP: &str = "scaled_dot_product_attention";
     let [q, k, v, _] = &ops.tensors;
     let [lq, lk, lv, _] = &ops.layouts;
     let dev = q.device();
     let rows = s.heads * s.t_q;
-    let out = Tensor::empty(OP, &[rows, s.dv], DType::F32, dev)?;
+    let (out, lo) = written_like(OP, out_shape, q)?;
     let stats = Tensor::empty(OP, &[rows, 2], DType::F32, dev)?;
     if rows == 0 {
         return Ok((out, stats));
     }
     let (span, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
-    let params = s.params(rows, span, splits, &ops.layouts);
-    let read = [lq, lk, lv];
+    let params = s.params(rows, span, splits, &ops.layouts, [&lo, &lo]);
+    let read = [lq, lk, lv, &lo];
     let (entry, invocations) = if has_shared_entries(dev) {
         ("forward_shared", shared_invocations(s.heads, s.t_q))
     } else {
@@ -339,7 +402,7 @@ fn forward(s: &Shape, ops: &Operands) -> Result<(Tensor, Tensor)> {
     let bound = [(1, q), (2, k), (3, v), (4, &partial), (5, &partial_stats)];
     run(entry, &read, s, &bound, &params, invocations * splits)?;
     let bound = [(2, &partial_stats), (3, &partial), (4, &out), (5, &stats)];
-    run("combine", &[], s, &bound, &params, rows)?;
+    run("combine", &[&lo], s, &bound, &params, rows)?;
     Ok((out, stats))
 }
 
@@ -356,12 +419,15 @@ fn backward(
     const OP: &str = "scaled_dot_product_attention";
     let dev = q.device();
     let (rows_q, rows_k) = (s.heads * s.t_q, s.heads * s.t_k);
+    // (log-sum-exp, delta = rowsum(g * out)) per query row, joined as [.., Tq, 2] views so
+    // that delta is copied once, from whatever order it was summed in.
+    let delta = row_dots(g, out)?;
+    let lse = stats.narrow(1, 0, 1)?.reshape(delta.shape())?;
+    let last = delta.rank() - 1;
+    let stats = Tensor::cat(&[lse, delta], last)?.reshape(&[rows_q, 2])?;
     let ops = operands([q, k, v, g])?;
     let [q, k, v, g] = &ops.tensors;
-    // (log-sum-exp, delta = rowsum(g * out)) per query row.
-    let delta = g.reshape(&[rows_q, s.dv])?.mul(out)?.sum_dims(&[1], true)?;
-    let stats = Tensor::cat(&[stats.narrow(1, 0, 1)?, delta], 1)?;
-    let all: Vec<&HeadLayout> = ops.layouts.iter().collect();
+    let read: Vec<&HeadLayout> = ops.layouts.iter().collect();
     let (d4, dv4) = (s.d.div_ceil(4), s.dv.div_ceil(4));
     let mut grads = [None, None, None];
     // One launch per span of the other side, each adding to the grads the earlier wrote.
@@ -375,23 +441,24 @@ fn backward(
         })
     };
     if need[0] {
-        let grad_q = Tensor::empty(OP, &[rows_q, s.d], DType::F32, dev)?;
-        let base = s.params(rows_q, 0, 1, &ops.layouts);
+        let (grad_q, lq) = written_like(OP, q.shape(), q)?;
+        let base = s.params(rows_q, 0, 1, &ops.layouts, [&lq, &lq]);
         let bound = [(1, q), (2, k), (3, v), (4, g), (5, &stats), (6, &grad_q)];
         let (entry, invocations) = if has_shared_entries(dev) {
             ("backward_query_shared", shared_invocations(s.heads, s.t_q))
         } else {
             ("backward_query", rows_q)
         };
+        let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lq]).collect();
         for params in spans(s.t_k, base) {
-            run(entry, &all, s, &bound, &params, invocations)?;
+            run(entry, &layouts, s, &bound, &params, invocations)?;
         }
         grads[0] = Some(grad_q);
     }
     if need[1] || need[2] {
-        let grad_k = Tensor::empty(OP, &[rows_k, s.d], DType::F32, dev)?;
-        let grad_v = Tensor::empty(OP, &[rows_k, s.dv], DType::F32, dev)?;
-        let base = s.params(rows_k, 0, 1, &ops.layouts);
+        let (grad_k, lk) = written_like(OP, k.shape(), k)?;
+        let (grad_v, lv) = written_like(OP, v.shape(), v)?;
+        let base = s.params(rows_k, 0, 1, &ops.layouts, [&lk, &lv]);
         let bound = [
             (1, q),
             (2, k),
@@ -406,8 +473,9 @@ fn backward(
         } else {
             ("backward_key", rows_k)
         };
+        let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lk, &lv]).collect();
         for params in spans(s.t_q, base) {
-            run(entry, &all, s, &bound, &params, invocations)?;
+            run(entry, &layouts, s, &bound, &params, invocations)?;
         }
         grads[1] = need[1].then_some(grad_k);
         grads[2] = need[2].then_some(grad_v);
@@ -476,28 +544,19 @@ impl Tensor {
             ));
         }
         let ops = operands([self, k, v, self])?;
-        let (out, stats) = forward(&shape, &ops)?;
-        let result = out.reshape(&out_shape)?;
+        let (result, stats) = forward(&shape, &ops, &out_shape)?;
+        let out = result.clone();
         Ok(record(
             "scaled_dot_product_attention",
             result,
             &[self, k, v],
             |_| {
                 let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
-                let shapes = [
-                    self.shape().to_vec(),
-                    k.shape().to_vec(),
-                    v.shape().to_vec(),
-                ];
                 let [q, k, v, _] = ops.tensors.map(|t| t.detach());
                 let out = out.detach();
                 move |g: &Tensor| {
                     let grads = backward(&shape, &q, &k, &v, (&out, &stats), g, need)?;
-                    grads
-                        .into_iter()
-                        .zip(&shapes)
-                        .map(|(grad, s)| grad.map(|t| t.reshape(s)).transpose())
-                        .collect()
+                    Ok(grads.into_iter().collect())
                 }
             },
         ))
