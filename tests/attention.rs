@@ -289,6 +289,25 @@ fn sdpa_reads_heads_of_a_packed_projection_in_place() {
     assert_close(&got, &want, 1e-5, "heads of a packed projection");
 }
 
+/// q, k and v `[B, heads, T, C / heads]` split from a packed `[B, T, 3 C]` projection, as
+/// MultiheadAttention makes them (views).
+fn heads_of_packed(qkv: &Tensor, heads: usize) -> Vec<Tensor> {
+    let &[b, t, c3] = qkv.shape() else {
+        panic!("a [B, T, 3 C] projection")
+    };
+    let c = c3 / 3;
+    qkv.split(&[c, c, c], 2)
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p.reshape(&[b, t, heads, c / heads])
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        })
+        .collect()
+}
+
 /// Heads split from a packed projection, as MultiheadAttention makes them: the output is laid
 /// out as q is ([B, T, H, D] in memory), so merging its heads back is a view, and the grads
 /// of the packed projection equal those through contiguous copies.
@@ -302,22 +321,9 @@ fn sdpa_output_and_grads_follow_the_inputs_layout() {
         let qkv = Tensor::from_slice(&values, &[b, t, 3 * c], device())
             .unwrap()
             .requires_grad_(true);
-        let parts: Vec<Tensor> = qkv
-            .split(&[c, c, c], 2)
-            .unwrap()
-            .iter()
-            .map(|p| {
-                let h = p
-                    .reshape(&[b, t, heads, dh])
-                    .unwrap()
-                    .transpose(1, 2)
-                    .unwrap();
-                if dense {
-                    h.contiguous().unwrap()
-                } else {
-                    h
-                }
-            })
+        let parts: Vec<Tensor> = heads_of_packed(&qkv, heads)
+            .into_iter()
+            .map(|h| if dense { h.contiguous().unwrap() } else { h })
             .collect();
         let out = parts[0]
             .scaled_dot_product_attention(&parts[1], &parts[2], true)
@@ -360,17 +366,7 @@ fn sdpa_of_views_launches_no_copies() {
     let qkv = Tensor::from_slice(&random_vec(b * t * 3 * c, 11), &[b, t, 3 * c], &dev)
         .unwrap()
         .requires_grad_(true);
-    let parts: Vec<Tensor> = qkv
-        .split(&[c, c, c], 2)
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p.reshape(&[b, t, heads, dh])
-                .unwrap()
-                .transpose(1, 2)
-                .unwrap()
-        })
-        .collect();
+    let parts = heads_of_packed(&qkv, heads);
     dev.synchronize().unwrap();
     let before = dev.stats().dispatches;
     let out = parts[0]
