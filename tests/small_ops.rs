@@ -349,3 +349,43 @@ fn split_and_chunk_reject_bad_sizes_naming_the_shape() {
         Err(Error::Shape { op: "chunk", .. })
     ));
 }
+
+#[test]
+fn unbind_gives_each_slice_and_its_grad_lands_in_place() {
+    let (x, xv) = random_tensor(&[3, 4], 37);
+    let x = x.requires_grad_(true);
+    let rows = x.unbind(0).unwrap();
+    assert_eq!(rows.len(), 3);
+    for (r, row) in rows.iter().enumerate() {
+        assert_eq!(row.shape(), &[4]);
+        let want: Vec<f64> = xv[r * 4..r * 4 + 4].iter().map(|&v| v as f64).collect();
+        assert_close(&row.to_vec().unwrap(), &want, 0.0, "unbind row");
+    }
+    // Only the last row reaches the loss, scaled by 5.
+    rows[2]
+        .mul_scalar(5.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let want: Vec<f64> = (0..12).map(|i| if i >= 8 { 5.0 } else { 0.0 }).collect();
+    assert_close(
+        &x.grad().unwrap().to_vec().unwrap(),
+        &want,
+        0.0,
+        "unbind grad",
+    );
+    let columns = x.unbind(1).unwrap();
+    assert_eq!(columns.len(), 4);
+    assert_eq!(columns[0].shape(), &[3]);
+    assert!(Tensor::zeros(&[0, 2], device())
+        .unwrap()
+        .unbind(0)
+        .unwrap()
+        .is_empty());
+    assert!(matches!(
+        x.unbind(2),
+        Err(Error::Shape { op: "unbind", .. })
+    ));
+}

@@ -146,6 +146,20 @@ impl Tensor {
         self.split(&sizes, dim)
     }
 
+    /// The slices along `dim`, each without that dim (views, as PyTorch's `unbind`): a
+    /// [`Tensor::split`] into pieces of one, squeezed.
+    pub fn unbind(&self, dim: usize) -> Result<Vec<Tensor>> {
+        self.layout().check_dim("unbind", dim)?;
+        let n = self.shape()[dim];
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.split(&vec![1; n], dim)?
+            .iter()
+            .map(|piece| piece.squeeze(dim))
+            .collect()
+    }
+
     /// Broadcasts to `shape` by NumPy rules, repeating along size-1 and new leading dims with
     /// stride 0 (a view).
     pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
