@@ -389,3 +389,39 @@ fn unbind_gives_each_slice_and_its_grad_lands_in_place() {
         Err(Error::Shape { op: "unbind", .. })
     ));
 }
+
+#[test]
+fn pieces_of_one_split_can_be_the_roots_of_one_backward() {
+    let (x, _) = random_tensor(&[2, 5], 38);
+    let x = x.requires_grad_(true);
+    let p = x.split(&[2, 3], 1).unwrap();
+    let (g0, g0v) = random_tensor(&[2, 2], 39);
+    let (g1, g1v) = random_tensor(&[2, 3], 40);
+    let grads = wgrad::autograd::grad(&p, std::slice::from_ref(&x), Some(&[g0, g1]), true).unwrap();
+    let want: Vec<f64> = (0..2)
+        .flat_map(|r| {
+            let (a, b) = (&g0v[r * 2..r * 2 + 2], &g1v[r * 3..r * 3 + 3]);
+            a.iter().chain(b).map(|&v| v as f64).collect::<Vec<_>>()
+        })
+        .collect();
+    let got = grads[0].as_ref().unwrap().to_vec().unwrap();
+    assert_close(&got, &want, 0.0, "grads of both pieces as roots");
+    // The graph was retained: a second backward through the same split adds up (S-8).
+    let loss = p[1].sum().unwrap();
+    for _ in 0..2 {
+        loss.backward_with(wgrad::BackwardOptions {
+            retain_graph: true,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    let want: Vec<f64> = (0..10)
+        .map(|i| if i % 5 >= 2 { 2.0 } else { 0.0 })
+        .collect();
+    assert_close(
+        &x.grad().unwrap().to_vec().unwrap(),
+        &want,
+        0.0,
+        "two backwards",
+    );
+}
