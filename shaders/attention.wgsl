@@ -249,6 +249,29 @@ fn combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     stats[2u * row + 1u] = 0.0;
 }
 
+// The backward's stats of each query row, (log-sum-exp, delta = dout_i . out_i): one
+// invocation per row. Reads the forward's stats from `k`, the output from `v` through the v
+// layout and the out grad from `o` through the o layout; writes `stats`.
+@compute @workgroup_size(64)
+fn backward_stats(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg) * 64u + lid;
+    if (row >= pu(ATTENTION_ROWS)) {
+        return;
+    }
+    let t_q = pu(ATTENTION_T_Q);
+    let h = row / t_q;
+    let dv = pu(ATTENTION_DV);
+    let o_at = row_start(h, row % t_q, ATTENTION_O_LAYOUT);
+    let out_at = row_start(h, row % t_q, ATTENTION_V_LAYOUT);
+    var delta = 0.0;
+    for (var c = 0u; c < (dv + 3u) / 4u; c = c + 1u) {
+        delta = delta + dot(dout4(o_at, c, dv), v4(out_at, c, dv));
+    }
+    stats[2u * row] = k_at(2u * row);
+    stats[2u * row + 1u] = delta;
+}
+
 // The query grad: dq_i = scale * sum_j p_ij (dout_i . v_j - delta_i) k_j, where
 // p_ij = exp(scale q_i . k_j - lse_i) and delta_i = dout_i . out_i.
 @compute @workgroup_size(64)

@@ -152,21 +152,6 @@ fn written_like(op: &'static str, shape: &[usize], like: &Tensor) -> Result<(Ten
     Ok((out, layout))
 }
 
-/// `rowsum(g * out)` of each query row, `[.., Tq, 1]` (flash-attention's delta). Where the out
-/// grad lies in memory as the output does (the usual case: both follow q), both are multiplied
-/// in that order, as contiguous tensors.
-fn row_dots(g: &Tensor, out: &Tensor) -> Result<Tensor> {
-    let r = out.rank();
-    let order = memory_order(out);
-    if g.layout().strides != out.layout().strides || order[r - 1] != r - 1 {
-        return g.mul(out)?.sum_dims(&[r - 1], true);
-    }
-    g.permute(&order)?
-        .mul(&out.permute(&order)?)?
-        .sum_dims(&[r - 1], true)?
-        .permute(&inverse(&order))
-}
-
 /// q, k, v (and, backward, the out grad) as the kernels read them.
 struct Operands {
     tensors: [Tensor; 4],
@@ -419,15 +404,19 @@ fn backward(
     const OP: &str = "scaled_dot_product_attention";
     let dev = q.device();
     let (rows_q, rows_k) = (s.heads * s.t_q, s.heads * s.t_k);
-    // (log-sum-exp, delta = rowsum(g * out)) per query row, joined as [.., Tq, 2] views so
-    // that delta is copied once, from whatever order it was summed in.
-    let delta = row_dots(g, out)?;
-    let lse = stats.narrow(1, 0, 1)?.reshape(delta.shape())?;
-    let last = delta.rank() - 1;
-    let stats = Tensor::cat(&[lse, delta], last)?.reshape(&[rows_q, 2])?;
     let ops = operands([q, k, v, g])?;
     let [q, k, v, g] = &ops.tensors;
     let read: Vec<&HeadLayout> = ops.layouts.iter().collect();
+    // (log-sum-exp, delta = rowsum(g * out)) per query row, in one launch.
+    let stats = {
+        let lo = HeadLayout::of(out).expect("written by the forward, readable");
+        let lg = &ops.layouts[3];
+        let with_stats = Tensor::empty(OP, &[rows_q, 2], DType::F32, dev)?;
+        let params = s.params(rows_q, 0, 1, &[lo, lo, lo, *lg], [&lo, &lo]);
+        let bound = [(2, stats), (3, out), (4, g), (5, &with_stats)];
+        run("backward_stats", &[&lo, lg], s, &bound, &params, rows_q)?;
+        with_stats
+    };
     let (d4, dv4) = (s.d.div_ceil(4), s.dv.div_ceil(4));
     let mut grads = [None, None, None];
     // One launch per span of the other side, each adding to the grads the earlier wrote.
