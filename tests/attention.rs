@@ -437,3 +437,32 @@ fn sdpa_split_paths_write_in_the_inputs_layout() {
         }
     }
 }
+
+/// No query rows, or no key rows: empty outputs and grads of the inputs' shapes (zeros where
+/// there is nothing to attend to), forward and backward, no error.
+#[test]
+fn sdpa_with_no_rows_on_either_side_gives_empty_or_zero_results() {
+    let dev = device();
+    for (b, tq, tk) in [(2, 0, 3), (2, 3, 0), (2, 0, 0), (0, 3, 3)] {
+        let q = Tensor::zeros(&[b, tq, 4], dev)
+            .unwrap()
+            .requires_grad_(true);
+        let k = Tensor::ones(&[b, tk, 4], dev).unwrap().requires_grad_(true);
+        let v = Tensor::ones(&[b, tk, 4], dev).unwrap().requires_grad_(true);
+        let out = q.scaled_dot_product_attention(&k, &v, false).unwrap();
+        assert_eq!(out.shape(), &[b, tq, 4]);
+        assert!(
+            out.to_vec().unwrap().iter().all(|&x| x == 0.0),
+            "tq {tq} tk {tk}"
+        );
+        out.sum().unwrap().backward().unwrap();
+        for (t, n) in [(&q, tq), (&k, tk), (&v, tk)] {
+            let grad = t.grad().unwrap();
+            assert_eq!(grad.shape(), &[b, n, 4]);
+            assert!(
+                grad.to_vec().unwrap().iter().all(|&x| x == 0.0),
+                "tq {tq} tk {tk}"
+            );
+        }
+    }
+}

@@ -54,10 +54,20 @@ struct HeadLayout {
 
 impl HeadLayout {
     /// The layout of `t` as it is, or `None` when its features are not adjacent or its
-    /// batch dims do not merge into two.
+    /// batch dims do not merge into two. An empty tensor has nothing to read or write: any
+    /// layout will do (its strides may be a broadcast's, which no copy would change).
     fn of(t: &Tensor) -> Option<HeadLayout> {
         let (shape, strides) = (t.shape(), &t.layout().strides);
         let r = t.rank();
+        if t.numel() == 0 {
+            return Some(HeadLayout {
+                offset: 0,
+                outer_stride: 0,
+                inner_stride: 0,
+                inner_len: 1,
+                row_stride: 0,
+            });
+        }
         if shape[r - 1] > 1 && strides[r - 1] != 1 {
             return None;
         }
