@@ -43,12 +43,17 @@ fn tensor_key(t: &Tensor) -> usize {
     Arc::as_ptr(&t.inner) as usize
 }
 
+/// `grad` added to the engine-owned sum `slot` holds, if any; the slot is left empty.
+fn summed(slot: &mut Option<Tensor>, grad: Tensor) -> Result<Tensor> {
+    match slot.take() {
+        Some(previous) => previous.add(&grad),
+        None => Ok(grad),
+    }
+}
+
 /// Adds `grad` to the engine-owned sum under `key`.
 fn add_to(sums: &mut HashMap<usize, Tensor>, key: usize, grad: Tensor) -> Result<()> {
-    let sum = match sums.remove(&key) {
-        Some(previous) => previous.add(&grad)?,
-        None => grad,
-    };
+    let sum = summed(&mut sums.remove(&key), grad)?;
     sums.insert(key, sum);
     Ok(())
 }
@@ -63,10 +68,7 @@ fn add_to_output(
     let slots = sums
         .entry(node_key(node))
         .or_insert_with(|| vec![None; node.outputs.len()]);
-    slots[index] = Some(match slots[index].take() {
-        Some(previous) => previous.add(&grad)?,
-        None => grad,
-    });
+    slots[index] = Some(summed(&mut slots[index], grad)?);
     Ok(())
 }
 

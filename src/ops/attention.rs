@@ -10,7 +10,7 @@ use crate::kernel::{
 };
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
-use crate::tensor::layout::merge_dims;
+use crate::tensor::layout::{inverse_permutation, merge_dims};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -132,22 +132,13 @@ fn memory_order(t: &Tensor) -> Vec<usize> {
     order
 }
 
-/// The permutation that undoes `order`.
-fn inverse(order: &[usize]) -> Vec<usize> {
-    let mut back = vec![0; order.len()];
-    for (i, &d) in order.iter().enumerate() {
-        back[d] = i;
-    }
-    back
-}
-
 /// A new tensor of `shape` whose dims lie in memory in `like`'s order, as PyTorch's
 /// `empty_like`: an output that follows q laid out `[B, T, H, D]` under a `[B, H, T, D]` view
 /// is laid out so too, and merging its heads back is a view.
 fn empty_in_order_of(op: &'static str, shape: &[usize], like: &Tensor) -> Result<Tensor> {
     let order = memory_order(like);
     let stored: Vec<usize> = order.iter().map(|&d| shape[d]).collect();
-    Tensor::empty(op, &stored, DType::F32, like.device())?.permute(&inverse(&order))
+    Tensor::empty(op, &stored, DType::F32, like.device())?.permute(&inverse_permutation(&order))
 }
 
 /// An output of `shape` for the kernels to write, laid out in `like`'s order where they can
@@ -543,13 +534,12 @@ impl Tensor {
             ));
         }
         let ops = operands([self, k, v, self])?;
-        let (result, stats) = forward(&shape, &ops, &out_shape)?;
-        let out = result.clone();
+        let (out, stats) = forward(&shape, &ops, &out_shape)?;
         Ok(record(
             "scaled_dot_product_attention",
-            result,
+            out,
             &[self, k, v],
-            |_| {
+            |out| {
                 let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
                 let [q, k, v, _] = ops.tensors.map(|t| t.detach());
                 let out = out.detach();

@@ -6,6 +6,7 @@ use crate::ops::binary::sum_to_shape;
 use crate::ops::copy::copy_into;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::{record, record_outputs};
+use crate::tensor::layout::inverse_permutation;
 use crate::tensor::{checked_numel, Tensor, MAX_RANK};
 
 /// Records an op that only re-shapes `x` (same elements, same order): its grad is the
@@ -51,10 +52,7 @@ impl Tensor {
     pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
         let out = self.view(self.layout().permute("permute", dims)?);
         Ok(record("permute", out, &[self], |_| {
-            let mut inverse = vec![0; dims.len()];
-            for (i, &d) in dims.iter().enumerate() {
-                inverse[d] = i;
-            }
+            let inverse = inverse_permutation(dims);
             move |g: &Tensor| Ok(vec![Some(g.permute(&inverse)?)])
         }))
     }

@@ -20,6 +20,16 @@ pub(crate) fn row_major_strides(shape: &[usize]) -> Vec<usize> {
     strides
 }
 
+/// The permutation that undoes `dims` (dim `dims[i]` goes back to place `i`): what turns a
+/// `permute(dims)` view back.
+pub(crate) fn inverse_permutation(dims: &[usize]) -> Vec<usize> {
+    let mut inverse = vec![0; dims.len()];
+    for (i, &d) in dims.iter().enumerate() {
+        inverse[d] = i;
+    }
+    inverse
+}
+
 /// The NumPy broadcast of two shapes, or `None` when they do not broadcast.
 pub(crate) fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let rank = a.len().max(b.len());
