@@ -22,6 +22,11 @@ use plan::{InputSignature, Plan};
 /// How often a signature may fail to capture before its calls stay eager.
 const MAX_CAPTURE_ATTEMPTS: u32 = 3;
 
+/// How many plans a [`Step`] keeps. A plan holds its arena (every intermediate of the step)
+/// on the device, so plans for input shapes not seen lately are dropped, least recently
+/// replayed first, and their arenas freed; a dropped shape that comes back is captured again.
+pub const MAX_PLANS: usize = 4;
+
 /// What a [`Step`] has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepStats {
@@ -31,7 +36,7 @@ pub struct StepStats {
     pub captures: u64,
     /// Calls that replayed a plan.
     pub replays: u64,
-    /// Plans kept, one per input signature.
+    /// Plans kept, one per input signature, at most [`MAX_PLANS`].
     pub plans: usize,
     /// Launches the fuser merged away in the latest plan.
     pub fused_away: usize,
@@ -77,6 +82,7 @@ pub struct StepStats {
 pub struct Step<F> {
     closure: F,
     fusion: bool,
+    /// Most recently replayed or captured first.
     plans: Vec<Plan>,
     /// Calls seen per signature, and failed captures.
     seen: HashMap<InputSignature, (u64, u32)>,
@@ -125,11 +131,13 @@ where
         }
         let started = std::time::Instant::now();
         let signature = InputSignature::of(inputs);
-        for plan in &mut self.plans {
+        for i in 0..self.plans.len() {
+            let plan = &mut self.plans[i];
             if let Some(loss) = plan.replay(inputs, &signature, started)? {
                 self.stats.replays += 1;
                 self.stats.replays_encoded_ahead += u64::from(plan.last_encoded_ahead());
                 self.stats.last_replay_to_submit = plan.last_to_submit();
+                self.plans[..=i].rotate_right(1);
                 return Ok(loss);
             }
         }
@@ -162,8 +170,10 @@ where
             Ok(plan) => {
                 self.stats.fused_away = fused_away;
                 self.stats.replay_dispatches = plan.dispatches();
-                // Older plans whose guards no longer pass are kept: a later call may match them.
-                self.plans.push(plan);
+                // Older plans whose guards no longer pass are kept, a few: a later call may
+                // match them.
+                self.plans.insert(0, plan);
+                self.plans.truncate(MAX_PLANS);
                 self.stats.plans = self.plans.len();
             }
             Err(reason) => {

@@ -24,11 +24,12 @@ use crate::error::{Error, Result};
 use crate::tensor::tape::{Fusion, HostBytes, MergeSite, ReplayHook, SlotEvent, Tape, TapeEntry};
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
-/// What a captured step's inputs looked like: a replay needs the same, since shapes, strides
-/// and label bounds are baked into the plan's kernel params.
+/// What a captured step's inputs looked like: a replay needs the same, since shapes and
+/// strides are baked into the plan's kernel params. Index values are not part of it: the
+/// plan's [`IndexGuard`] admits them.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct InputSignature {
-    inputs: Vec<(Layout, DType, Option<u32>, bool)>,
+    inputs: Vec<(Layout, DType, bool)>,
     grad_enabled: bool,
 }
 
@@ -37,17 +38,57 @@ impl InputSignature {
         InputSignature {
             inputs: inputs
                 .iter()
-                .map(|t| {
-                    (
-                        t.layout().clone(),
-                        t.dtype(),
-                        t.index_bound(),
-                        t.requires_grad(),
-                    )
-                })
+                .map(|t| (t.layout().clone(), t.dtype(), t.requires_grad()))
                 .collect(),
             grad_enabled: is_grad_enabled(),
         }
+    }
+}
+
+/// Which index inputs a plan admits: per input, the bound every index must stay below, or
+/// `None` where the step checked none of its values.
+///
+/// A check on an input itself (or a view of it) admits what the consumer admits (an
+/// embedding's rows, a loss's classes), so batches of random tokens share one plan. A check
+/// on a u32 tensor the step derived (a copy, a `cat`) cannot be traced to one input; since a
+/// derived tensor's bound never exceeds its sources', such a check bounds every index input by
+/// its bound at capture, which is still valid, if narrower. Bounds are known where a tensor
+/// is created, so the guard reads nothing back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IndexGuard {
+    limits: Vec<Option<u32>>,
+}
+
+impl IndexGuard {
+    fn of(inputs: &[Tensor], checks: &[(u64, usize)]) -> IndexGuard {
+        let mut limits: Vec<Option<u32>> = vec![None; inputs.len()];
+        let mut derived = false;
+        for &(storage, size) in checks {
+            let size = u32::try_from(size).unwrap_or(u32::MAX);
+            match inputs.iter().position(|t| t.storage_id() == storage) {
+                Some(i) => limits[i] = Some(limits[i].map_or(size, |l| l.min(size))),
+                None => derived = true,
+            }
+        }
+        if derived {
+            for (limit, input) in limits.iter_mut().zip(inputs) {
+                if let (DType::U32, Some(bound)) = (input.dtype(), input.index_bound()) {
+                    *limit = Some(limit.map_or(bound, |l| l.min(bound)));
+                }
+            }
+        }
+        IndexGuard { limits }
+    }
+
+    /// Whether every index of `inputs` is below its limit.
+    fn admits(&self, inputs: &[Tensor]) -> bool {
+        self.limits
+            .iter()
+            .zip(inputs)
+            .all(|(limit, t)| match limit {
+                None => true,
+                Some(limit) => t.numel() == 0 || t.index_bound().is_some_and(|b| b <= *limit),
+            })
     }
 }
 
@@ -208,6 +249,7 @@ enum Step {
 pub(crate) struct Plan {
     device: Device,
     pub signature: InputSignature,
+    index_guard: IndexGuard,
     flags: Vec<(Arc<AtomicBool>, bool)>,
     requires_grad: Vec<(Weak<TensorInner>, bool)>,
     slots: Vec<Slot>,
@@ -487,6 +529,7 @@ pub(crate) fn draft(
         Shell {
             device: tape.device,
             signature: InputSignature::of(inputs),
+            index_guard: IndexGuard::of(inputs, &tape.index_limits),
             flags: tape.flags,
             requires_grad: tape.requires_grad,
             slots,
@@ -499,6 +542,7 @@ pub(crate) fn draft(
 pub(crate) struct Shell {
     device: Device,
     signature: InputSignature,
+    index_guard: IndexGuard,
     flags: Vec<(Arc<AtomicBool>, bool)>,
     requires_grad: Vec<(Weak<TensorInner>, bool)>,
     slots: Vec<Slot>,
@@ -646,6 +690,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     Ok(Plan {
         device,
         signature: shell.signature,
+        index_guard: shell.index_guard,
         flags: shell.flags,
         requires_grad: shell.requires_grad,
         slots: shell.slots,
@@ -738,7 +783,7 @@ impl Plan {
     /// grads the step clears that nothing else holds (a replay writes its outputs into them,
     /// as the eager step's pool would have reused them).
     fn check(&self, inputs: &[Tensor], signature: &InputSignature) -> Option<Resolved> {
-        if *signature != self.signature {
+        if *signature != self.signature || !self.index_guard.admits(inputs) {
             return None;
         }
         // Inputs that share a buffer were refused at capture; at replay they would alias.

@@ -11,6 +11,7 @@ use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::KERNEL_RANK;
+use crate::tensor::tape;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -175,17 +176,35 @@ fn check_bound(
     x: &Tensor,
     dim: usize,
 ) -> Result<()> {
+    expect_indices_below(op, indices, size, |index| {
+        format!(
+            "index {index} is out of range for dim {dim} of size {size} (shape {:?})",
+            x.shape()
+        )
+    })
+}
+
+/// Errors unless every value of the u32 `indices` is below `size`, known from the bound the
+/// tensor carries from its creation (no read-back); `out_of_range` words the error for the
+/// largest index. A captured step notes `size` as the bound its plan admits indices under.
+pub(crate) fn expect_indices_below(
+    op: &'static str,
+    indices: &Tensor,
+    size: usize,
+    out_of_range: impl FnOnce(u32) -> String,
+) -> Result<()> {
     indices.expect_dtype(op, DType::U32)?;
+    if indices.numel() == 0 {
+        return Ok(());
+    }
     match indices.index_bound() {
-        Some(bound) if bound as usize <= size => Ok(()),
-        _ if indices.numel() == 0 => Ok(()),
+        Some(bound) if bound as usize <= size => {
+            tape::note_index_limit(indices, size);
+            Ok(())
+        }
         Some(bound) => Err(Error::Index {
             op,
-            msg: format!(
-                "index {} is out of range for dim {dim} of size {size} (shape {:?})",
-                bound - 1,
-                x.shape()
-            ),
+            msg: out_of_range(bound - 1),
         }),
         None => Err(Error::Index {
             op,

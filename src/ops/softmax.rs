@@ -4,6 +4,7 @@
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
+use crate::ops::index::expect_indices_below;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -205,17 +206,12 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
             msg: format!("needs at least one class, got logits {:?}", logits.shape()),
         });
     }
-    let bound = labels.index_bound().unwrap_or(u32::MAX);
-    if n > 0 && bound as usize > c {
-        return Err(Error::Index {
-            op: OP,
-            msg: format!(
-                "label {} is out of range for {c} classes (logits {:?})",
-                bound - 1,
-                logits.shape()
-            ),
-        });
-    }
+    expect_indices_below(OP, labels, c, |label| {
+        format!(
+            "label {label} is out of range for {c} classes (logits {:?})",
+            logits.shape()
+        )
+    })?;
     let (dense_logits, dense_labels, loss) = {
         let _no_grad = NoGradGuard::new();
         let dense_logits = logits.contiguous()?;

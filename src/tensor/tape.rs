@@ -147,6 +147,9 @@ pub(crate) struct Tape {
     pub flags: Vec<(Arc<AtomicBool>, bool)>,
     /// `requires_grad` of each tensor from outside the step that a launch read.
     pub requires_grad: Vec<(Weak<TensorInner>, bool)>,
+    /// Index checks that passed: the storage of the u32 tensor checked, and the size its
+    /// indices had to be below (an embedding's rows, a loss's classes).
+    pub index_limits: Vec<(u64, usize)>,
     /// Why the step cannot be replayed, when the step did something a plan cannot hold.
     pub refused: Option<String>,
 }
@@ -162,6 +165,7 @@ pub(crate) fn open(device: &Device) {
             released: HashSet::new(),
             flags: Vec::new(),
             requires_grad: Vec::new(),
+            index_limits: Vec::new(),
             refused: None,
         })
     });
@@ -300,6 +304,12 @@ pub(crate) fn observe_flag(flag: &Arc<AtomicBool>) {
                 .push((flag.clone(), flag.load(Ordering::Relaxed)));
         }
     });
+}
+
+/// Notes that an op checked every index of `indices` to be below `size`: a plan may replay
+/// any batch whose indices stay below it, since its kernels hold nothing else of the indices.
+pub(crate) fn note_index_limit(indices: &Tensor, size: usize) {
+    with_tape(|tape| tape.index_limits.push((indices.storage_id(), size)));
 }
 
 pub(crate) fn note_slot(event: impl FnOnce() -> SlotEvent) {
