@@ -91,6 +91,16 @@ fn nan_max(a: f32, b: f32) -> f32 {
     return select(max(a, b), a + b, is_nan(a) || is_nan(b));
 }
 
+// The smaller of a and b, NaN when either is.
+fn nan_min(a: f32, b: f32) -> f32 {
+    return select(min(a, b), a + b, is_nan(a) || is_nan(b));
+}
+
+// A u32 mask element (0 or 1) as the f32 bits it is stored as through an f32 binding.
+fn mask_bits(c: bool) -> f32 {
+    return bitcast<f32>(select(0u, 1u, c));
+}
+
 fn nan_max4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(nan_max(a.x, b.x), nan_max(a.y, b.y), nan_max(a.z, b.z), nan_max(a.w, b.w));
 }

@@ -569,3 +569,49 @@ fn replayed_cnn_steps_equal_eager_steps() {
     assert_eq!(step.stats().replays, 6);
     assert_same_parameters(&eager_model, captured_model.as_ref());
 }
+
+/// A step through every elementwise op of the ops issue (sin, cos, rsqrt, silu, softplus,
+/// leaky_relu, minimum, pow, comparisons, where_cond, casts): a replay equals the eager step.
+fn modern_elementwise_step(
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<Tensor> {
+    opt.zero_grad();
+    let h = model.forward(x)?;
+    let gate = h.silu()?.mul(&h.sin()?.add(&h.cos()?)?)?;
+    let smooth = h.softplus()?.add_scalar(0.5)?;
+    let scaled = smooth.rsqrt()?.mul(&smooth.pow(&h.tanh()?)?)?;
+    let picked = h.gt_scalar(0.0)?.where_cond(&gate, &h.leaky_relu(0.1)?)?;
+    let mixed = picked.minimum(&scaled)?;
+    // A mask cast to f32 and back weighs the rows (no grad through it).
+    let weight = h
+        .ge(&h.neg()?)?
+        .to_dtype(wgrad::DType::F32)?
+        .add_scalar(1.0)?;
+    let loss = nn::loss::cross_entropy(&mixed.mul(&weight)?, y)?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+#[test]
+fn replayed_steps_through_the_new_elementwise_ops_equal_eager_steps() {
+    let eager_model = mlp();
+    let captured_model = twin(&eager_model, || Box::new(mlp()));
+    let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
+    let mut opt = Adam::new(captured_model.parameters(), AdamConfig::default());
+    let mut step = Step::new(|b: &[Tensor]| {
+        modern_elementwise_step(captured_model.as_ref(), &mut opt, &b[0], &b[1])
+    });
+    for i in 0..6 {
+        let (x, y) = batch(9, 400 + i % 2);
+        let want = modern_elementwise_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
+        let got = step.run(&[x, y]).unwrap();
+        assert_same_loss(&got, &want);
+    }
+    assert_eq!(step.stats().replays, 4);
+    assert!(step.stats().fused_away > 0, "{:?}", step.stats());
+    assert_same_parameters(&eager_model, captured_model.as_ref());
+}

@@ -75,6 +75,49 @@ fn unary_cases() -> Vec<UnaryCase> {
         ),
         ("erf", Tensor::erf, erf, 1e-6),
         ("clamp", |t| t.clamp(-0.3, 0.5), |x| x.clamp(-0.3, 0.5), 0.0),
+        (
+            "sin",
+            |t| t.mul_scalar(4.0)?.sin(),
+            |x| (4.0 * x).sin(),
+            1e-6,
+        ),
+        (
+            "cos",
+            |t| t.mul_scalar(4.0)?.cos(),
+            |x| (4.0 * x).cos(),
+            1e-6,
+        ),
+        (
+            "rsqrt",
+            |t| t.add_scalar(1.5)?.rsqrt(),
+            |x| 1.0 / (x + 1.5).sqrt(),
+            1e-6,
+        ),
+        (
+            "silu",
+            |t| t.mul_scalar(8.0)?.silu(),
+            |x| 8.0 * x / (1.0 + (-8.0 * x).exp()),
+            1e-6,
+        ),
+        (
+            "softplus",
+            |t| t.mul_scalar(30.0)?.softplus(),
+            |x| {
+                let x = 30.0 * x;
+                if x > 20.0 {
+                    x
+                } else {
+                    x.exp().ln_1p()
+                }
+            },
+            1e-6,
+        ),
+        (
+            "leaky_relu",
+            |t| t.leaky_relu(0.1),
+            |x| if x > 0.0 { x } else { 0.1 * x },
+            1e-7,
+        ),
     ]
 }
 
@@ -168,6 +211,7 @@ fn binary_cases() -> Vec<BinaryCase> {
             |a, b| a / (b + 3.0),
         ),
         ("maximum", Tensor::maximum, f64::max),
+        ("minimum", Tensor::minimum, f64::min),
     ]
 }
 
@@ -409,4 +453,167 @@ fn clamp_keeps_nan_and_rejects_crossed_bounds() {
     assert_eq!(&y[1..], &[-1.0, 1.0]);
     let err = x.clamp(1.0, -1.0).unwrap_err().to_string();
     assert!(err.contains("clamp") && err.contains("min 1"), "{err}");
+}
+
+#[test]
+fn pow_with_a_tensor_exponent_matches_reference_and_broadcasts() {
+    for &n in &[1usize, 7, 4097, 70001] {
+        let (a, da) = random_tensor(&[n], 300);
+        let (b, db) = random_tensor(&[n], 301);
+        let got = a
+            .add_scalar(1.5)
+            .unwrap()
+            .pow(&b.mul_scalar(2.0).unwrap())
+            .unwrap();
+        let want: Vec<f64> = da
+            .iter()
+            .zip(&db)
+            .map(|(&a, &b)| (a as f64 + 1.5).powf(2.0 * b as f64))
+            .collect();
+        assert_close(&got.to_vec().unwrap(), &want, 2e-6, &format!("pow n={n}"));
+    }
+    // Negative bases with integral exponents, 0^0, and an exponent row broadcast over rows.
+    let a = Tensor::from_vec(vec![-2.0, 0.0, 3.0, -1.5, 0.0, 2.0], &[2, 3], device()).unwrap();
+    let e = Tensor::from_vec(vec![3.0, 0.0, 0.5], &[3], device()).unwrap();
+    let got = a.pow(&e).unwrap().to_vec().unwrap();
+    let want = [-8.0, 1.0, 3f64.sqrt(), -3.375, 1.0, 2f64.sqrt()];
+    assert_close(&got, &want, 1e-6, "pow broadcast");
+}
+
+/// A comparison's name, the op, and its host reference.
+type CompareCase<Op> = (&'static str, Op, fn(f32, f32) -> bool);
+type Compare = fn(&Tensor, &Tensor) -> wgrad::Result<Tensor>;
+type CompareScalar = fn(&Tensor, f32) -> wgrad::Result<Tensor>;
+
+#[test]
+fn comparisons_give_u32_masks_that_broadcast() {
+    let a = Tensor::from_vec(vec![1.0, 2.0, 3.0, f32::NAN, 2.0, -1.0], &[2, 3], device()).unwrap();
+    let b = Tensor::from_vec(vec![2.0, 2.0, 2.0], &[3], device()).unwrap();
+    let cases: [CompareCase<Compare>; 6] = [
+        ("eq", Tensor::eq, |a, b| a == b),
+        ("ne", Tensor::ne, |a, b| a != b),
+        ("lt", Tensor::lt, |a, b| a < b),
+        ("le", Tensor::le, |a, b| a <= b),
+        ("gt", Tensor::gt, |a, b| a > b),
+        ("ge", Tensor::ge, |a, b| a >= b),
+    ];
+    let av = a.to_vec().unwrap();
+    for (name, op, reference) in cases {
+        let mask = op(&a, &b).unwrap();
+        assert_eq!(mask.dtype(), wgrad::DType::U32, "{name}");
+        assert_eq!(mask.shape(), &[2, 3], "{name}");
+        let want: Vec<u32> = av.iter().map(|&x| reference(x, 2.0) as u32).collect();
+        assert_eq!(mask.to_vec_u32().unwrap(), want, "{name}");
+    }
+}
+
+#[test]
+fn scalar_comparisons_match_the_tensor_forms() {
+    let (x, data) = random_tensor(&[70001], 310);
+    let cases: [CompareCase<CompareScalar>; 6] = [
+        ("eq_scalar", Tensor::eq_scalar, |a, b| a == b),
+        ("ne_scalar", Tensor::ne_scalar, |a, b| a != b),
+        ("lt_scalar", Tensor::lt_scalar, |a, b| a < b),
+        ("le_scalar", Tensor::le_scalar, |a, b| a <= b),
+        ("gt_scalar", Tensor::gt_scalar, |a, b| a > b),
+        ("ge_scalar", Tensor::ge_scalar, |a, b| a >= b),
+    ];
+    let s = data[17];
+    for (name, op, reference) in cases {
+        let want: Vec<u32> = data.iter().map(|&x| reference(x, s) as u32).collect();
+        assert_eq!(op(&x, s).unwrap().to_vec_u32().unwrap(), want, "{name}");
+    }
+}
+
+#[test]
+fn where_cond_picks_by_mask_and_keeps_nan_out_of_the_branch_not_taken() {
+    let dev = device();
+    let mask = Tensor::from_vec_u32(vec![1, 0, 1], &[3], dev).unwrap();
+    let a = Tensor::from_vec(
+        vec![1.0, f32::NAN, f32::INFINITY, 4.0, f32::NAN, 6.0],
+        &[2, 3],
+        dev,
+    )
+    .unwrap()
+    .requires_grad_(true);
+    let b = Tensor::from_vec(vec![f32::NAN], &[1], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let y = mask.where_cond(&a, &b).unwrap();
+    let got = y.to_vec().unwrap();
+    assert_eq!(got[0], 1.0);
+    assert!(got[1].is_nan(), "b's NaN where the mask is 0");
+    assert_eq!(got[2], f32::INFINITY);
+    assert_eq!(got[3], 4.0);
+    assert!(got[4].is_nan());
+    assert_eq!(got[5], 6.0);
+    y.sum().unwrap().backward().unwrap();
+    assert_eq!(
+        a.grad().unwrap().to_vec().unwrap(),
+        vec![1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    );
+    // b was broadcast to both rows' middle element: its grad sums them.
+    assert_eq!(b.grad().unwrap().to_vec().unwrap(), vec![2.0]);
+}
+
+#[test]
+fn where_cond_with_shapes_that_do_not_broadcast_names_op_and_shapes() {
+    let dev = device();
+    let mask = Tensor::from_vec_u32(vec![1, 0, 1], &[3], dev).unwrap();
+    let err = mask
+        .where_cond(
+            &Tensor::zeros(&[2], dev).unwrap(),
+            &Tensor::zeros(&[3], dev).unwrap(),
+        )
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("where_cond") && msg.contains("[3]") && msg.contains("[2]"),
+        "{msg}"
+    );
+    let f32_mask = Tensor::zeros(&[3], dev).unwrap();
+    assert!(matches!(
+        f32_mask.where_cond(&f32_mask, &f32_mask),
+        Err(Error::DType { .. })
+    ));
+}
+
+#[test]
+fn to_dtype_casts_f32_and_u32_both_ways() {
+    let dev = device();
+    let x = Tensor::from_vec(vec![2.9, -0.5, -3.7, 0.0, 7.0, f32::NAN, 1e10], &[7], dev).unwrap();
+    let u = x.to_dtype(wgrad::DType::U32).unwrap();
+    assert_eq!(u.dtype(), wgrad::DType::U32);
+    // Toward zero; negatives and NaN to 0, past u32::MAX to the largest f32 below it.
+    assert_eq!(
+        u.to_vec_u32().unwrap(),
+        vec![2, 0, 0, 0, 7, 0, 4_294_967_040]
+    );
+    let labels = Tensor::from_vec_u32(vec![0, 3, 16_777_217, 5], &[4], dev).unwrap();
+    let f = labels.to_dtype(wgrad::DType::F32).unwrap();
+    assert_eq!(f.to_vec().unwrap(), vec![0.0, 3.0, 16_777_216.0, 5.0]);
+    // The same dtype is the tensor itself.
+    assert!(Tensor::same(&x.to_dtype(wgrad::DType::F32).unwrap(), &x));
+    // Accuracy without the host: argmax == labels, as f32, averaged.
+    let logits = Tensor::from_vec(vec![0.1, 0.9, 0.8, 0.2, 0.3, 0.7], &[3, 2], dev).unwrap();
+    let labels = Tensor::from_vec_u32(vec![1, 0, 0], &[3], dev).unwrap();
+    let hits = logits
+        .argmax(1, false)
+        .unwrap()
+        .to_dtype(wgrad::DType::F32)
+        .unwrap()
+        .eq(&labels.to_dtype(wgrad::DType::F32).unwrap())
+        .unwrap();
+    let accuracy = hits.to_dtype(wgrad::DType::F32).unwrap().mean().unwrap();
+    assert!((accuracy.item().unwrap() - 2.0 / 3.0).abs() < 1e-6);
+}
+
+#[test]
+fn minimum_propagates_nan_as_torch() {
+    let dev = device();
+    let a = Tensor::from_vec(vec![f32::NAN, 1.0, 2.0], &[3], dev).unwrap();
+    let b = Tensor::from_vec(vec![0.0, f32::NAN, -1.0], &[3], dev).unwrap();
+    let got = a.minimum(&b).unwrap().to_vec().unwrap();
+    assert!(got[0].is_nan() && got[1].is_nan());
+    assert_eq!(got[2], -1.0);
 }

@@ -47,6 +47,53 @@ fn unary_ops() {
     gradcheck("erf", &x(), |t| t[0].erf());
     // spread values are multiples of 0.37, away from the bounds
     gradcheck("clamp", &[spread(&[8], 9)], |t| t[0].clamp(-1.0, 1.5));
+    gradcheck("sin", &x(), |t| t[0].mul_scalar(3.0)?.sin());
+    gradcheck("cos", &x(), |t| t[0].mul_scalar(3.0)?.cos());
+    gradcheck("rsqrt", &[positive(&[5], 10)], |t| t[0].rsqrt());
+    gradcheck("silu", &[input(&[7], 11)], |t| t[0].mul_scalar(4.0)?.silu());
+    gradcheck("softplus", &[input(&[7], 12)], |t| {
+        t[0].mul_scalar(4.0)?.softplus()
+    });
+    gradcheck("softplus past its threshold", &[positive(&[3], 13)], |t| {
+        t[0].add_scalar(20.0)?.softplus()
+    });
+    gradcheck("leaky_relu", &[spread(&[6], 14)], |t| t[0].leaky_relu(0.2));
+}
+
+#[test]
+fn new_elementwise_ops_on_batches_of_one_and_three_and_transposed_views() {
+    for batch in [1usize, 3] {
+        let x = || vec![input(&[batch, 5], 60 + batch as u64)];
+        // `t()` makes a transposed, non-contiguous input.
+        gradcheck("sin of a view", &x(), |t| t[0].t()?.mul_scalar(2.0)?.sin());
+        gradcheck("silu of a view", &x(), |t| {
+            t[0].t()?.mul_scalar(3.0)?.silu()
+        });
+        gradcheck("softplus of a view", &x(), |t| t[0].t()?.softplus());
+        gradcheck("leaky_relu of a view", &[spread(&[batch, 5], 61)], |t| {
+            t[0].t()?.leaky_relu(0.05)
+        });
+        let pair = || vec![input(&[batch, 5], 62), input(&[5], 63)];
+        gradcheck(
+            "minimum broadcast",
+            &[spread(&[batch, 5], 64), spread(&[5], 65)],
+            |t| t[0].minimum(&t[1]),
+        );
+        gradcheck(
+            "pow base and exponent",
+            &[positive(&[batch, 5], 66), input(&[5], 67)],
+            |t| t[0].pow(&t[1].mul_scalar(2.0)?),
+        );
+        gradcheck(
+            "pow of a view",
+            &[positive(&[5, batch], 68), input(&[batch, 5], 69)],
+            |t| t[0].t()?.pow(&t[1]),
+        );
+        gradcheck("where_cond", &pair(), |t| {
+            let mask = t[1].gt_scalar(0.0)?;
+            mask.where_cond(&t[0].t()?.t()?, &t[1].mul_scalar(3.0)?)
+        });
+    }
 }
 
 #[test]

@@ -68,11 +68,32 @@ pub(crate) enum BinaryOp {
     ErfBackward,
     /// `a`, or the params' scalar where the u32 mask `b` is nonzero.
     MaskedFill,
+    Minimum,
+    /// 1 where a < b, 0.5 where a == b, 0 elsewhere: how `minimum` splits its grad.
+    MinimumShare,
+    /// `a^b` as C's powf (negative bases with integral exponents).
+    Pow,
+    /// `log(a)`, or 0 where `a` is 0 and `b >= 0`: the exponent's grad factor of `a^b`, as
+    /// torch (0^b has grad 0 in b there).
+    PowLogBase,
+    /// Comparisons: u32 masks of 0/1, stored through the f32 binding as bits.
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    SinBackward,
+    CosBackward,
+    RsqrtBackward,
+    SiluBackward,
+    SoftplusBackward,
+    LeakyReluBackward,
 }
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 14] = [
+    const ALL: [BinaryOp; 30] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -87,6 +108,22 @@ impl BinaryOp {
         BinaryOp::SqrtBackward,
         BinaryOp::ErfBackward,
         BinaryOp::MaskedFill,
+        BinaryOp::Minimum,
+        BinaryOp::MinimumShare,
+        BinaryOp::Pow,
+        BinaryOp::PowLogBase,
+        BinaryOp::Eq,
+        BinaryOp::Ne,
+        BinaryOp::Lt,
+        BinaryOp::Le,
+        BinaryOp::Gt,
+        BinaryOp::Ge,
+        BinaryOp::SinBackward,
+        BinaryOp::CosBackward,
+        BinaryOp::RsqrtBackward,
+        BinaryOp::SiluBackward,
+        BinaryOp::SoftplusBackward,
+        BinaryOp::LeakyReluBackward,
     ];
 
     fn name(self) -> &'static str {
@@ -105,6 +142,22 @@ impl BinaryOp {
             BinaryOp::SqrtBackward => "sqrt_backward",
             BinaryOp::ErfBackward => "erf_backward",
             BinaryOp::MaskedFill => "masked_fill",
+            BinaryOp::Minimum => "minimum",
+            BinaryOp::MinimumShare => "minimum_share",
+            BinaryOp::Pow => "pow",
+            BinaryOp::PowLogBase => "pow_log_base",
+            BinaryOp::Eq => "eq",
+            BinaryOp::Ne => "ne",
+            BinaryOp::Lt => "lt",
+            BinaryOp::Le => "le",
+            BinaryOp::Gt => "gt",
+            BinaryOp::Ge => "ge",
+            BinaryOp::SinBackward => "sin_backward",
+            BinaryOp::CosBackward => "cos_backward",
+            BinaryOp::RsqrtBackward => "rsqrt_backward",
+            BinaryOp::SiluBackward => "silu_backward",
+            BinaryOp::SoftplusBackward => "softplus_backward",
+            BinaryOp::LeakyReluBackward => "leaky_relu_backward",
         }
     }
 
@@ -129,11 +182,46 @@ impl BinaryOp {
             BinaryOp::ErfBackward => "a * 1.1283791670955126 * exp(-b * b)",
             // The mask's u32 bits, read through the f32 binding unchanged.
             BinaryOp::MaskedFill => "select(a, pf(BINARY_SCALAR), bitcast<u32>(b) != 0u)",
+            BinaryOp::Minimum => "nan_min(a, b)",
+            BinaryOp::MinimumShare => "select(select(0.0, 0.5, a == b), 1.0, a < b)",
+            BinaryOp::Pow => "pow_exact(a, b)",
+            BinaryOp::PowLogBase => "select(log(a), 0.0, a == 0.0 && b >= 0.0)",
+            BinaryOp::Eq => "mask_bits(a == b)",
+            // Tested on the bits too: drivers may compile `!=` as an ordered comparison.
+            BinaryOp::Ne => "mask_bits(a != b || is_nan(a) || is_nan(b))",
+            BinaryOp::Lt => "mask_bits(a < b)",
+            BinaryOp::Le => "mask_bits(a <= b)",
+            BinaryOp::Gt => "mask_bits(a > b)",
+            BinaryOp::Ge => "mask_bits(a >= b)",
+            BinaryOp::SinBackward => "a * cos(b)",
+            BinaryOp::CosBackward => "-a * sin(b)",
+            // b is the output y = x^(-1/2): dy/dx = -y^3 / 2
+            BinaryOp::RsqrtBackward => "a * -0.5 * b * b * b",
+            // d/dx x s(x) = s(x) (1 + x (1 - s(x))), s the sigmoid
+            BinaryOp::SiluBackward => {
+                "a * (1.0 / (1.0 + exp(-b))) * (1.0 + b * (1.0 - 1.0 / (1.0 + exp(-b))))"
+            }
+            BinaryOp::SoftplusBackward => "select(a / (1.0 + exp(-b)), a, b > 20.0)",
+            BinaryOp::LeakyReluBackward => "select(a * pf(BINARY_SCALAR), a, b > 0.0)",
         }
     }
 
     fn source(self) -> String {
         BINARY.source(&[("BINARY_EXPR", self.expr())])
+    }
+
+    /// The dtype of the op's operand `b` and of its output (`a` is always f32).
+    fn dtypes(self) -> (DType, DType) {
+        match self {
+            BinaryOp::MaskedFill => (DType::U32, DType::F32),
+            BinaryOp::Eq
+            | BinaryOp::Ne
+            | BinaryOp::Lt
+            | BinaryOp::Le
+            | BinaryOp::Gt
+            | BinaryOp::Ge => (DType::F32, DType::U32),
+            _ => (DType::F32, DType::F32),
+        }
     }
 }
 
@@ -172,16 +260,13 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
     binary_with(a, b, op, 0.0)
 }
 
-/// As [`binary`], for the ops that read a scalar (masked_fill's value). `b` is a u32 mask for
-/// `MaskedFill`, else f32.
-fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tensor> {
+/// As [`binary`], for the ops that read a scalar (masked_fill's value, leaky_relu's slope).
+/// `b` is a u32 mask for `MaskedFill`, else f32.
+pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tensor> {
     let name = op.name();
     a.expect_same_device(name, b)?;
     a.expect_dtype(name, DType::F32)?;
-    let b_dtype = match op {
-        BinaryOp::MaskedFill => DType::U32,
-        _ => DType::F32,
-    };
+    let (b_dtype, out_dtype) = op.dtypes();
     b.expect_dtype(name, b_dtype)?;
     let shape = broadcast_shapes(a.shape(), b.shape()).ok_or_else(|| Error::Shape {
         op: name,
@@ -191,7 +276,7 @@ fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tens
             b.shape()
         ),
     })?;
-    let out = Tensor::empty(name, &shape, DType::F32, a.device())?;
+    let out = Tensor::empty(name, &shape, out_dtype, a.device())?;
     if out.numel() == 0 {
         return Ok(out);
     }
@@ -354,6 +439,111 @@ impl Tensor {
             Ok((g.mul(&share_a)?, g.mul(&share_b)?))
         }))
     }
+}
+
+/// Comparisons, `minimum`, `pow` and `where_cond`: the ops of masks and selections.
+impl Tensor {
+    /// Elementwise minimum, broadcast; NaN where either is NaN. Where both are equal, each
+    /// gets half the grad (as `maximum`).
+    pub fn minimum(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary(self, other, BinaryOp::Minimum)?;
+        Ok(record_binary("minimum", out, self, other, |g, a, b| {
+            let share_a = binary(a, b, BinaryOp::MinimumShare)?;
+            let share_b = binary(b, a, BinaryOp::MinimumShare)?;
+            Ok((g.mul(&share_a)?, g.mul(&share_b)?))
+        }))
+    }
+
+    /// `self^exponent` elementwise, broadcast, as torch's `pow` with a tensor exponent:
+    /// negative bases with integral exponents keep their sign, `0^0 = 1`. The exponent's
+    /// grad is `a^b log(a)`, 0 where `a` is 0 and `b >= 0`.
+    pub fn pow(&self, exponent: &Tensor) -> Result<Tensor> {
+        let out = binary(self, exponent, BinaryOp::Pow)?;
+        Ok(record("pow", out, &[self, exponent], |out| {
+            let (a, b, y) = (self.detach(), exponent.detach(), out.detach());
+            move |g: &Tensor| {
+                // d/da a^b = b a^(b - 1); d/db a^b = a^b log(a)
+                let ga = g.mul(&b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?)?;
+                let gb = g.mul(&y.mul(&binary(&a, &b, BinaryOp::PowLogBase)?)?)?;
+                Ok(vec![
+                    Some(sum_to_shape(&ga, a.shape())?),
+                    Some(sum_to_shape(&gb, b.shape())?),
+                ])
+            }
+        }))
+    }
+
+    /// `self == other` elementwise, broadcast: a u32 mask of 0/1 (NaN equals nothing).
+    pub fn eq(&self, other: &Tensor) -> Result<Tensor> {
+        compare(self, other, BinaryOp::Eq)
+    }
+
+    /// `self != other` elementwise, broadcast: a u32 mask of 0/1.
+    pub fn ne(&self, other: &Tensor) -> Result<Tensor> {
+        compare(self, other, BinaryOp::Ne)
+    }
+
+    /// `self < other` elementwise, broadcast: a u32 mask of 0/1.
+    pub fn lt(&self, other: &Tensor) -> Result<Tensor> {
+        compare(self, other, BinaryOp::Lt)
+    }
+
+    /// `self <= other` elementwise, broadcast: a u32 mask of 0/1.
+    pub fn le(&self, other: &Tensor) -> Result<Tensor> {
+        compare(self, other, BinaryOp::Le)
+    }
+
+    /// `self > other` elementwise, broadcast: a u32 mask of 0/1.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Tensor};
+    /// let dev = Device::new()?;
+    /// let x = Tensor::from_vec(vec![1.0, -2.0, 3.0], &[3], &dev)?;
+    /// let positive = x.gt(&Tensor::zeros(&[1], &dev)?)?;
+    /// let y = positive.where_cond(&x, &x.neg()?)?; // |x|
+    /// assert_eq!(y.to_vec()?, vec![1.0, 2.0, 3.0]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn gt(&self, other: &Tensor) -> Result<Tensor> {
+        compare(self, other, BinaryOp::Gt)
+    }
+
+    /// `self >= other` elementwise, broadcast: a u32 mask of 0/1.
+    pub fn ge(&self, other: &Tensor) -> Result<Tensor> {
+        compare(self, other, BinaryOp::Ge)
+    }
+
+    /// `a` where this u32 mask is nonzero, else `b`, all three broadcast together, as
+    /// torch's `where(mask, a, b)`. Grads reach `a` where the mask is set and `b` where it is
+    /// not; a NaN or inf in the branch not taken does not leak into the value or the grads.
+    pub fn where_cond(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        const OP: &str = "where_cond";
+        self.expect_dtype(OP, DType::U32)?;
+        let shape = broadcast_shapes(self.shape(), a.shape())
+            .and_then(|s| broadcast_shapes(&s, b.shape()))
+            .ok_or_else(|| Error::Shape {
+                op: OP,
+                msg: format!(
+                    "mask {:?}, a {:?} and b {:?} do not broadcast",
+                    self.shape(),
+                    a.shape(),
+                    b.shape()
+                ),
+            })?;
+        // Two masked fills and an add: elementwise, so a captured step fuses them into one
+        // kernel. Each fill replaces the branch not taken (NaN included) with 0.
+        let unset = crate::ops::unary::mask_not(self)?;
+        let taken_a = a.expand(&shape)?.masked_fill(&unset, 0.0)?;
+        let taken_b = b.expand(&shape)?.masked_fill(self, 0.0)?;
+        taken_a.add(&taken_b)
+    }
+}
+
+/// A broadcasting comparison: a u32 mask (bound 2, so it may index) that records no grad.
+fn compare(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
+    Ok(binary(a, b, op)?.with_index_bound(Some(2)))
 }
 
 macro_rules! impl_std_op {

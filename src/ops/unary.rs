@@ -6,7 +6,7 @@ use crate::kernel::{
     groups, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
-use crate::ops::binary::{binary, BinaryOp};
+use crate::ops::binary::{binary, binary_with, BinaryOp};
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
 use crate::tensor::tape::{Elementwise, Fusion};
@@ -55,11 +55,31 @@ pub(crate) enum UnaryOp {
     Clamp,
     /// 1 where `s <= x <= t`, else 0: where clamp passes its grad.
     InRange,
+    Sin,
+    Cos,
+    Rsqrt,
+    Silu,
+    Softplus,
+    /// `x` where positive, else `s x`.
+    LeakyRelu,
+    /// Comparisons with the scalar: u32 masks of 0/1 (stored through the f32 binding as bits).
+    EqScalar,
+    NeScalar,
+    LtScalar,
+    LeScalar,
+    GtScalar,
+    GeScalar,
+    /// Casts: f32 to u32 truncates toward zero (negatives and NaN to 0, saturating), u32 to
+    /// f32 rounds.
+    F32ToU32,
+    U32ToF32,
+    /// 1 where the u32 `x` is 0, else 0: a mask's complement.
+    MaskNot,
 }
 
 impl UnaryOp {
     #[cfg(test)]
-    const ALL: [UnaryOp; 17] = [
+    const ALL: [UnaryOp; 32] = [
         UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Log,
@@ -77,6 +97,21 @@ impl UnaryOp {
         UnaryOp::Erf,
         UnaryOp::Clamp,
         UnaryOp::InRange,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Rsqrt,
+        UnaryOp::Silu,
+        UnaryOp::Softplus,
+        UnaryOp::LeakyRelu,
+        UnaryOp::EqScalar,
+        UnaryOp::NeScalar,
+        UnaryOp::LtScalar,
+        UnaryOp::LeScalar,
+        UnaryOp::GtScalar,
+        UnaryOp::GeScalar,
+        UnaryOp::F32ToU32,
+        UnaryOp::U32ToF32,
+        UnaryOp::MaskNot,
     ];
 
     fn name(self) -> &'static str {
@@ -98,6 +133,37 @@ impl UnaryOp {
             UnaryOp::Erf => "erf",
             UnaryOp::Clamp => "clamp",
             UnaryOp::InRange => "in_range",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Softplus => "softplus",
+            UnaryOp::LeakyRelu => "leaky_relu",
+            UnaryOp::EqScalar => "eq_scalar",
+            UnaryOp::NeScalar => "ne_scalar",
+            UnaryOp::LtScalar => "lt_scalar",
+            UnaryOp::LeScalar => "le_scalar",
+            UnaryOp::GtScalar => "gt_scalar",
+            UnaryOp::GeScalar => "ge_scalar",
+            UnaryOp::F32ToU32 => "to_dtype_u32",
+            UnaryOp::U32ToF32 => "to_dtype_f32",
+            UnaryOp::MaskNot => "mask_not",
+        }
+    }
+
+    /// The dtypes of the op's input and output.
+    fn dtypes(self) -> (DType, DType) {
+        match self {
+            UnaryOp::EqScalar
+            | UnaryOp::NeScalar
+            | UnaryOp::LtScalar
+            | UnaryOp::LeScalar
+            | UnaryOp::GtScalar
+            | UnaryOp::GeScalar
+            | UnaryOp::F32ToU32 => (DType::F32, DType::U32),
+            UnaryOp::U32ToF32 => (DType::U32, DType::F32),
+            UnaryOp::MaskNot => (DType::U32, DType::U32),
+            _ => (DType::F32, DType::F32),
         }
     }
 
@@ -123,6 +189,27 @@ impl UnaryOp {
             UnaryOp::Erf => "erf_approx(x)",
             UnaryOp::Clamp => "select(clamp(x, s, pf(UNARY_SCALAR2)), x, is_nan(x))",
             UnaryOp::InRange => "select(0.0, 1.0, x >= s && x <= pf(UNARY_SCALAR2))",
+            UnaryOp::Sin => "sin(x)",
+            UnaryOp::Cos => "cos(x)",
+            // Not inverseSqrt: WGSL leaves its value at 0 to the driver (torch: inf).
+            UnaryOp::Rsqrt => "1.0 / sqrt(x)",
+            UnaryOp::Silu => "x / (1.0 + exp(-x))",
+            // torch's softplus (beta 1, threshold 20): x past the threshold, else a form that
+            // neither overflows for large x nor loses small values.
+            UnaryOp::Softplus => "select(max(x, 0.0) + log(1.0 + exp(-abs(x))), x, x > 20.0)",
+            UnaryOp::LeakyRelu => "select(x * s, x, x > 0.0)",
+            UnaryOp::EqScalar => "mask_bits(x == s)",
+            UnaryOp::NeScalar => "mask_bits(x != s || is_nan(x) || is_nan(s))",
+            UnaryOp::LtScalar => "mask_bits(x < s)",
+            UnaryOp::LeScalar => "mask_bits(x <= s)",
+            UnaryOp::GtScalar => "mask_bits(x > s)",
+            UnaryOp::GeScalar => "mask_bits(x >= s)",
+            // Clamped before converting: GLSL leaves out-of-range conversions undefined.
+            UnaryOp::F32ToU32 => {
+                "bitcast<f32>(u32(clamp(select(trunc(x), 0.0, is_nan(x)), 0.0, 4294967040.0)))"
+            }
+            UnaryOp::U32ToF32 => "f32(bitcast<u32>(x))",
+            UnaryOp::MaskNot => "mask_bits(bitcast<u32>(x) == 0u)",
         }
     }
 
@@ -147,8 +234,9 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
 /// As [`unary`], for the ops with a second scalar `t` (clamp's upper bound).
 fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tensor> {
     let name = op.name();
-    x.expect_dtype(name, DType::F32)?;
-    let out = Tensor::empty(name, x.shape(), DType::F32, x.device())?;
+    let (in_dtype, out_dtype) = op.dtypes();
+    x.expect_dtype(name, in_dtype)?;
+    let out = Tensor::empty(name, x.shape(), out_dtype, x.device())?;
     if x.numel() == 0 {
         return Ok(out);
     }
@@ -403,4 +491,111 @@ impl Tensor {
             move |g, x| g.mul(&unary_with(x, UnaryOp::InRange, min, max)?),
         ))
     }
+
+    /// Sine.
+    pub fn sin(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Sin, 0.0)?;
+        Ok(record_unary("sin", out, self, Saved::Input, |g, x| {
+            binary(g, x, BinaryOp::SinBackward)
+        }))
+    }
+
+    /// Cosine.
+    pub fn cos(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Cos, 0.0)?;
+        Ok(record_unary("cos", out, self, Saved::Input, |g, x| {
+            binary(g, x, BinaryOp::CosBackward)
+        }))
+    }
+
+    /// `1 / sqrt(x)` (inf at 0, as torch).
+    pub fn rsqrt(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Rsqrt, 0.0)?;
+        Ok(record_unary("rsqrt", out, self, Saved::Output, |g, y| {
+            binary(g, y, BinaryOp::RsqrtBackward)
+        }))
+    }
+
+    /// `x * sigmoid(x)` (SiLU, "swish"): one kernel forward and one backward.
+    pub fn silu(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Silu, 0.0)?;
+        Ok(record_unary("silu", out, self, Saved::Input, |g, x| {
+            binary(g, x, BinaryOp::SiluBackward)
+        }))
+    }
+
+    /// `log(1 + e^x)`, as torch's `softplus` with beta 1 and threshold 20 (`x` above it).
+    pub fn softplus(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::Softplus, 0.0)?;
+        Ok(record_unary("softplus", out, self, Saved::Input, |g, x| {
+            binary(g, x, BinaryOp::SoftplusBackward)
+        }))
+    }
+
+    /// `x` where positive, else `negative_slope * x`; the grad at 0 is `negative_slope`, as
+    /// torch.
+    pub fn leaky_relu(&self, negative_slope: f32) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::LeakyRelu, negative_slope)?;
+        Ok(record_unary(
+            "leaky_relu",
+            out,
+            self,
+            Saved::Input,
+            move |g, x| binary_with(g, x, BinaryOp::LeakyReluBackward, negative_slope),
+        ))
+    }
+
+    /// The tensor as `dtype`: f32 to u32 truncates toward zero (negatives and NaN become 0,
+    /// values past the largest u32 an f32 holds become that, 4,294,967,040, as WGSL
+    /// converts), u32 to f32 rounds to the nearest f32. The same dtype returns this tensor. A cast
+    /// records no grad (a u32 has none). A u32 made by a cast has no known index bound, so
+    /// index ops refuse it (they check bounds without reading the device).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let op = match (self.dtype(), dtype) {
+            (DType::F32, DType::F32) | (DType::U32, DType::U32) => return Ok(self.clone()),
+            (DType::F32, DType::U32) => UnaryOp::F32ToU32,
+            (DType::U32, DType::F32) => UnaryOp::U32ToF32,
+        };
+        unary(self, op, 0.0)
+    }
+
+    /// `self == s` elementwise, as a u32 mask of 0/1 (NaN equals nothing).
+    pub fn eq_scalar(&self, s: f32) -> Result<Tensor> {
+        compare_scalar(self, UnaryOp::EqScalar, s)
+    }
+
+    /// `self != s` elementwise, as a u32 mask of 0/1 (NaN differs from everything).
+    pub fn ne_scalar(&self, s: f32) -> Result<Tensor> {
+        compare_scalar(self, UnaryOp::NeScalar, s)
+    }
+
+    /// `self < s` elementwise, as a u32 mask of 0/1.
+    pub fn lt_scalar(&self, s: f32) -> Result<Tensor> {
+        compare_scalar(self, UnaryOp::LtScalar, s)
+    }
+
+    /// `self <= s` elementwise, as a u32 mask of 0/1.
+    pub fn le_scalar(&self, s: f32) -> Result<Tensor> {
+        compare_scalar(self, UnaryOp::LeScalar, s)
+    }
+
+    /// `self > s` elementwise, as a u32 mask of 0/1.
+    pub fn gt_scalar(&self, s: f32) -> Result<Tensor> {
+        compare_scalar(self, UnaryOp::GtScalar, s)
+    }
+
+    /// `self >= s` elementwise, as a u32 mask of 0/1.
+    pub fn ge_scalar(&self, s: f32) -> Result<Tensor> {
+        compare_scalar(self, UnaryOp::GeScalar, s)
+    }
+}
+
+/// 1 where the u32 `mask` is 0, else 0.
+pub(crate) fn mask_not(mask: &Tensor) -> Result<Tensor> {
+    compare_scalar(mask, UnaryOp::MaskNot, 0.0)
+}
+
+/// A comparison with a scalar: a u32 mask (bound 2, so it may index) that records no grad.
+fn compare_scalar(x: &Tensor, op: UnaryOp, s: f32) -> Result<Tensor> {
+    Ok(unary(x, op, s)?.with_index_bound(Some(2)))
 }
