@@ -1,4 +1,6 @@
-// LayerNorm over the last dim, fused: one invocation per row. Params: `NormParams`
+// LayerNorm and RMSNorm over the last dim, fused: one invocation per row. RMSNorm
+// (NORM_CENTER 0) is LayerNorm without the mean and without a bias (the host binds the
+// weight in the bias's place and the kernel reads none). Params: `NormParams`
 // (src/ops/norm.rs). x, the out grad and every output are contiguous [rows, len]. Rows are
 // read four features at a time: with ALIGNED (len and every offset multiples of 4) as one
 // vec4 load each, else element by element, zero past the row's end. (Element loads cost a
@@ -14,7 +16,8 @@ const ALIGNED: bool = NORM_ALIGNED;
 // forward: the output. backward: the input grad. Both written a vec4 per four features
 // where ALIGNED (software adapters pay per store, as per load).
 @group(0) @binding(4) var<storage, read_write> out: array<vec4<f32>>;
-// [rows, 2]: mean and 1 / sqrt(var + eps) of each row (written forward, read backward).
+// [rows, 2]: mean (0 for RMSNorm) and 1 / sqrt(var + eps) of each row (written forward,
+// read backward); RMSNorm's "var" is the mean square.
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
 // backward: the out grad.
 @group(0) @binding(6) var<storage, read> grad: array<vec4<f32>>;
@@ -103,8 +106,9 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let groups = (len + 3u) / 4u;
     let base = pu(NORM_X_OFFSET) + row * len;
     let end = base + len;
+    let center = pu(NORM_CENTER) == 1u;
     var sum = vec4<f32>(0.0);
-    for (var c = 0u; c < groups; c = c + 1u) {
+    for (var c = 0u; c < select(0u, groups, center); c = c + 1u) {
         sum = sum + x4(base + 4u * c, end);
     }
     let mean = sum4(sum) / f32(len);
@@ -121,7 +125,10 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let b_at = pu(NORM_BIAS_OFFSET);
     for (var c = 0u; c < groups; c = c + 1u) {
         let w = weight4(w_at + 4u * c, w_at + len);
-        let b = bias4(b_at + 4u * c, b_at + len);
+        var b = vec4<f32>(0.0);
+        if (center) {
+            b = bias4(b_at + 4u * c, b_at + len);
+        }
         let y = (x4(base + 4u * c, end) - mean) * rstd * w + b;
         let o = row * len + 4u * c;
         if (ALIGNED) {
@@ -145,7 +152,8 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 }
 
 // dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) with gw = grad * weight and
-// xhat = (x - mean) * rstd; also grad * xhat, for the weight grad.
+// xhat = (x - mean) * rstd (RMSNorm: no mean(gw) term, mean 0); also grad * xhat, for the
+// weight grad.
 @compute @workgroup_size(64)
 fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -187,7 +195,7 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             grad_xhat[(o + 3u) / 4u][(o + 3u) % 4u] = gx.w;
         }
     }
-    let mean_gw = sum4(sum_gw) / f32(len);
+    let mean_gw = select(0.0, sum4(sum_gw) / f32(len), pu(NORM_CENTER) == 1u);
     let mean_gw_xhat = sum4(sum_gw_xhat) / f32(len);
     for (var c = 0u; c < groups; c = c + 1u) {
         let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;

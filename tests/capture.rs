@@ -570,7 +570,7 @@ fn replayed_cnn_steps_equal_eager_steps() {
     assert_same_parameters(&eager_model, captured_model.as_ref());
 }
 
-/// A step through every elementwise op of the ops issue (sin, cos, rsqrt, silu, softplus,
+/// A step through RMSNorm and every elementwise op of the ops issue (sin, cos, rsqrt, silu, softplus,
 /// leaky_relu, minimum, pow, comparisons, where_cond, casts): a replay equals the eager step.
 fn modern_elementwise_step(
     model: &dyn Module,
@@ -579,7 +579,7 @@ fn modern_elementwise_step(
     y: &Tensor,
 ) -> Result<Tensor> {
     opt.zero_grad();
-    let h = model.forward(x)?;
+    let h = model.forward(x)?.rms_norm(&Tensor::full(&[OUT], 1.5, x.device())?, 1e-5)?;
     let gate = h.silu()?.mul(&h.sin()?.add(&h.cos()?)?)?;
     let smooth = h.softplus()?.add_scalar(0.5)?;
     let scaled = smooth.rsqrt()?.mul(&smooth.pow(&h.tanh()?)?)?;

@@ -450,3 +450,107 @@ fn batch_norm_2d_buffers_round_trip_through_a_checkpoint() {
         .unwrap_err();
     assert!(err.to_string().contains("BatchNorm2d"), "{err}");
 }
+
+/// RMSNorm of rows of `len` on the host, scaled by `w`.
+fn rms_norm_reference(x: &[f32], len: usize, w: &[f32], eps: f64) -> Vec<f64> {
+    x.chunks(len)
+        .flat_map(|row| {
+            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / len as f64;
+            let scale = 1.0 / (ms + eps).sqrt();
+            row.iter()
+                .enumerate()
+                .map(move |(i, &v)| v as f64 * scale * w[i] as f64)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn rms_norm_matches_reference_at_any_row_length_and_offset() {
+    // Rows read four at a time (offsets 0, 8), element by element (offset 5, rows of 131),
+    // the longest fused rows, and rows past them (the composed ops).
+    let (flat, data) = random_tensor(&[5 + 2 * 20_000], 70);
+    let cases = [
+        (0, 6, 8),
+        (8, 5, 8),
+        (5, 6, 8),
+        (0, 3, 131),
+        (0, 1, 1),
+        (1, 2, 16_383),
+        (0, 2, 20_000),
+    ];
+    for (offset, rows, len) in cases {
+        let x = flat
+            .narrow(0, offset, rows * len)
+            .unwrap()
+            .reshape(&[rows, len])
+            .unwrap();
+        let (w, ws) = random_tensor(&[len], 71);
+        let want = rms_norm_reference(&data[offset..offset + rows * len], len, &ws, 1e-6);
+        let got = x.rms_norm(&w, 1e-6).unwrap().to_vec().unwrap();
+        assert_close(
+            &got,
+            &want,
+            1e-4,
+            &format!("rms_norm rows of {len} at {offset}"),
+        );
+    }
+}
+
+#[test]
+fn rms_norm_grads_check() {
+    for (shape, len) in [(vec![1, 5], 5), (vec![3, 8], 8), (vec![2, 3, 7], 7)] {
+        let n: usize = shape.iter().product();
+        gradcheck(
+            &format!("rms_norm {shape:?}"),
+            &[
+                (shape.clone(), values_in(n, -1.0, 1.0, 72)),
+                (vec![len], values_in(len, 0.5, 1.5, 73)),
+            ],
+            |t| t[0].rms_norm(&t[1], 1e-5),
+        );
+    }
+    // A transposed (non-contiguous) input.
+    gradcheck(
+        "rms_norm of a view",
+        &[
+            (vec![6, 3], values_in(18, -1.0, 1.0, 74)),
+            (vec![6], values_in(6, 0.5, 1.5, 75)),
+        ],
+        |t| t[0].t()?.rms_norm(&t[1], 1e-5),
+    );
+    // Past the fused length: the composed ops' grads agree with the fused rule's shape.
+    let x = Tensor::ones(&[1, 20_000], device())
+        .unwrap()
+        .requires_grad_(true);
+    let w = Tensor::ones(&[20_000], device())
+        .unwrap()
+        .requires_grad_(true);
+    x.rms_norm(&w, 1e-6)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(w.grad().unwrap().shape(), &[20_000]);
+}
+
+#[test]
+fn rms_norm_module_has_one_weight_and_names_bad_shapes() {
+    let norm = nn::RmsNorm::new(4, 1e-6, device()).unwrap();
+    let names: Vec<String> = norm
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, vec!["weight"]);
+    let err = norm
+        .forward(&Tensor::zeros(&[2, 3], device()).unwrap())
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("rms_norm") && msg.contains("[2, 3]") && msg.contains("[4]"),
+        "{msg}"
+    );
+    assert!(nn::RmsNorm::new(4, f32::NAN, device()).is_err());
+}

@@ -44,3 +44,37 @@ impl Module for LayerNorm {
         ]
     }
 }
+
+/// Scales the last dim to unit root mean square, then by `weight` (initialised to ones), as
+/// PyTorch's `RMSNorm` and Llama's: no mean is subtracted and there is no bias.
+pub struct RmsNorm {
+    /// `[dim]`.
+    pub weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// RMSNorm over a last dim of size `dim`, with `eps` added to the mean square.
+    pub fn new(dim: usize, eps: f32, device: &Device) -> Result<RmsNorm> {
+        if !(eps >= 0.0 && eps.is_finite()) {
+            return Err(Error::InvalidArgument {
+                op: "RmsNorm::new",
+                msg: format!("eps must be finite and >= 0, got {eps}"),
+            });
+        }
+        Ok(RmsNorm {
+            weight: Tensor::ones(&[dim], device)?.requires_grad_(true),
+            eps,
+        })
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.rms_norm(&self.weight, self.eps)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        vec![("weight".to_string(), self.weight.clone())]
+    }
+}

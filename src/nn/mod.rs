@@ -16,7 +16,7 @@ pub use batch_norm::BatchNorm2d;
 pub use conv::{AvgPool2d, Conv2d, Flatten, MaxPool2d};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
-pub use layer_norm::LayerNorm;
+pub use layer_norm::{LayerNorm, RmsNorm};
 pub use linear::Linear;
 pub use sequential::Sequential;
 pub use transformer::{MultiheadAttention, TransformerBlock};

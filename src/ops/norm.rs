@@ -1,7 +1,7 @@
-//! LayerNorm over the last dim as one fused row kernel forward and one backward
-//! (`shaders/norm.wgsl`), saving each row's mean and inverse deviation. Rows longer than
-//! [`FUSED_MAX_LEN`] (whose loops would pass llvmpipe's iteration limit) are normalised by
-//! the composed ops instead.
+//! LayerNorm and RMSNorm over the last dim, each one fused row kernel forward and one backward
+//! (`shaders/norm.wgsl`, one family: RMSNorm is LayerNorm without the mean and the bias),
+//! saving each row's mean and inverse deviation. Rows longer than [`FUSED_MAX_LEN`] (whose
+//! loops would pass llvmpipe's iteration limit) are normalised by the composed ops instead.
 
 use crate::error::{Error, Result};
 use crate::kernel::{
@@ -13,7 +13,8 @@ use crate::tensor::tape::{EpilogueSite, Fusion};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `rows` rows of `len` elements of x; weight and bias have `len` elements.
+    /// `rows` rows of `len` elements of x; weight and bias have `len` elements. `center`: 1
+    /// for LayerNorm, 0 for RMSNorm (no mean, no bias).
     pub(crate) struct NormParams {
         rows: u32,
         len: u32,
@@ -22,6 +23,7 @@ crate::kernel_params! {
         weight_offset: u32,
         bias_offset: u32,
         grad_offset: u32,
+        center: u32,
     }
 }
 
@@ -59,28 +61,57 @@ const FUSED_MAX_LEN: usize = MAX_LOOP_LEN;
 
 const NORM_WORKGROUP: usize = 64;
 
-fn check(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<usize> {
-    const OP: &str = "layer_norm";
-    for t in [weight, bias] {
-        x.expect_same_device(OP, t)?;
-        t.expect_dtype(OP, DType::F32)?;
+/// Which normalisation a row kernel runs.
+#[derive(Clone, Copy)]
+enum Norm {
+    /// Zero mean, unit variance, then weight and bias.
+    Layer,
+    /// Unit root mean square, then weight.
+    Rms,
+}
+
+impl Norm {
+    fn op(self) -> &'static str {
+        match self {
+            Norm::Layer => "layer_norm",
+            Norm::Rms => "rms_norm",
+        }
     }
-    x.expect_dtype(OP, DType::F32)?;
+}
+
+/// The row length, after checking `x`, `weight` (and `bias`, LayerNorm's) and `eps`.
+fn check(
+    norm: Norm,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<usize> {
+    let op = norm.op();
+    for t in std::iter::once(weight).chain(bias) {
+        x.expect_same_device(op, t)?;
+        t.expect_dtype(op, DType::F32)?;
+    }
+    x.expect_dtype(op, DType::F32)?;
     let len = x.shape().last().copied().unwrap_or(0);
-    if x.rank() == 0 || weight.shape() != [len] || bias.shape() != [len] {
-        return Err(Error::Shape {
-            op: OP,
-            msg: format!(
-                "input {:?} needs weight and bias of shape [last dim], got {:?} and {:?}",
-                x.shape(),
+    let fits = |t: &Tensor| t.shape() == [len];
+    if x.rank() == 0 || !fits(weight) || !bias.is_none_or(fits) {
+        let what = match bias {
+            Some(b) => format!(
+                "weight and bias of shape [last dim], got {:?} and {:?}",
                 weight.shape(),
-                bias.shape()
+                b.shape()
             ),
+            None => format!("a weight of shape [last dim], got {:?}", weight.shape()),
+        };
+        return Err(Error::Shape {
+            op,
+            msg: format!("input {:?} needs {what}", x.shape()),
         });
     }
     if !(eps >= 0.0 && eps.is_finite()) {
         return Err(Error::InvalidArgument {
-            op: OP,
+            op,
             msg: format!("eps must be finite and >= 0, got {eps}"),
         });
     }
@@ -96,88 +127,142 @@ fn composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tens
     normed.mul(weight)?.add(bias)
 }
 
+/// The composed RMSNorm, for rows too long for the fused kernels.
+fn composed_rms(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    let last = x.rank() - 1;
+    let mean_square = x.mul(x)?.mean_dims(&[last], true)?;
+    x.mul(&mean_square.add_scalar(eps)?.rsqrt()?)?.mul(weight)
+}
+
 impl Tensor {
     /// Normalises the last dim to zero mean and unit (biased) variance, then scales by
     /// `weight` and shifts by `bias` (both `[last dim]`), as PyTorch's `layer_norm`.
     pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
-        const OP: &str = "layer_norm";
-        let len = check(self, weight, bias, eps)?;
+        let len = check(Norm::Layer, self, weight, Some(bias), eps)?;
         if len > FUSED_MAX_LEN {
             return composed(self, weight, bias, eps);
         }
-        let rows = self.numel().checked_div(len).unwrap_or(0);
-        let dev = self.device();
-        let (x, weight_c, bias_c) = {
-            let _no_grad = NoGradGuard::new();
-            (self.contiguous()?, weight.contiguous()?, bias.contiguous()?)
-        };
-        let out = Tensor::empty(OP, self.shape(), DType::F32, dev)?;
-        let stats = Tensor::empty(OP, &[rows, 2], DType::F32, dev)?;
-        let params = NormParams {
-            rows: rows as u32,
-            len: len as u32,
-            eps,
-            x_offset: x.layout().offset as u32,
-            weight_offset: weight_c.layout().offset as u32,
-            bias_offset: bias_c.layout().offset as u32,
-            grad_offset: 0,
-        };
-        // Rows read as vec4s when every row and every tensor starts on a multiple of 4.
-        let aligned = len % 4 == 0
-            && [&x, &weight_c, &bias_c]
-                .iter()
-                .all(|t| t.layout().offset % 4 == 0);
-        let source = move || norm_source(aligned);
-        if rows > 0 && len > 0 {
-            let bound = [
-                (1, &x),
-                (2, &weight_c),
-                (3, &bias_c),
-                (4, &out),
-                (5, &stats),
-            ];
-            let kernel = Kernel::specialised(&NORM, "forward", norm_variant(aligned), &source);
-            let site = || {
-                Fusion::Epilogue(EpilogueSite {
-                    entry: "forward",
-                    output: 4,
-                    numel: rows * len,
-                    vec4_output: true,
-                })
-            };
-            let workgroups = groups(rows, NORM_WORKGROUP);
-            launch_fusible(OP, &kernel, &bound, &params, workgroups, site)?;
-        }
-        Ok(record(OP, out, &[self, weight, bias], |_| {
-            let (x, weight_c) = (x.detach(), weight_c.detach());
-            move |g: &Tensor| {
-                let g = g.contiguous()?;
-                let dev = g.device();
-                let grad_x = Tensor::empty(OP, x.shape(), DType::F32, dev)?;
-                let grad_xhat = Tensor::empty(OP, &[rows, len], DType::F32, dev)?;
-                let aligned = aligned && g.layout().offset % 4 == 0;
-                let source = || norm_source(aligned);
-                if rows > 0 && len > 0 {
-                    let params = NormParams {
-                        grad_offset: g.layout().offset as u32,
-                        ..params
-                    };
-                    let bound = [
-                        (1, &x),
-                        (2, &weight_c),
-                        (4, &grad_x),
-                        (5, &stats),
-                        (6, &g),
-                        (7, &grad_xhat),
-                    ];
-                    let variant = norm_variant(aligned);
-                    let kernel = Kernel::specialised(&NORM, "backward", variant, &source);
-                    launch_at(OP, &kernel, &bound, &params, groups(rows, NORM_WORKGROUP))?;
-                }
-                let grad_weight = grad_xhat.sum_dims(&[0], false)?;
-                let grad_bias = g.reshape(&[rows, len])?.sum_dims(&[0], false)?;
-                Ok(vec![Some(grad_x), Some(grad_weight), Some(grad_bias)])
-            }
-        }))
+        fused_norm(Norm::Layer, self, weight, Some(bias), eps, len)
     }
+
+    /// Scales the last dim to unit root mean square, `x / sqrt(mean(x^2) + eps) * weight`
+    /// (`weight`: `[last dim]`), as PyTorch's `rms_norm` and Llama's RMSNorm: one row kernel
+    /// forward and one backward.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Tensor};
+    /// let dev = Device::new()?;
+    /// let x = Tensor::from_vec(vec![3.0, 4.0], &[1, 2], &dev)?;
+    /// let y = x.rms_norm(&Tensor::ones(&[2], &dev)?, 0.0)?; // rms of [3, 4] is sqrt(12.5)
+    /// let want = [3.0 / 12.5f32.sqrt(), 4.0 / 12.5f32.sqrt()];
+    /// assert!(y.to_vec()?.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn rms_norm(&self, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        let len = check(Norm::Rms, self, weight, None, eps)?;
+        if len > FUSED_MAX_LEN {
+            return composed_rms(self, weight, eps);
+        }
+        fused_norm(Norm::Rms, self, weight, None, eps, len)
+    }
+}
+
+/// The fused row kernels of `norm` over rows of `len` (checked), and its backward rule:
+/// the grads of x, the weight and (LayerNorm's) bias.
+fn fused_norm(
+    norm: Norm,
+    input: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f32,
+    len: usize,
+) -> Result<Tensor> {
+    let op = norm.op();
+    let rows = input.numel().checked_div(len).unwrap_or(0);
+    let dev = input.device();
+    let (x, weight_c, bias_c) = {
+        let _no_grad = NoGradGuard::new();
+        let weight_c = weight.contiguous()?;
+        // RMSNorm reads no bias: the weight is bound in its place.
+        let bias_c = match bias {
+            Some(b) => b.contiguous()?,
+            None => weight_c.clone(),
+        };
+        (input.contiguous()?, weight_c, bias_c)
+    };
+    let out = Tensor::empty(op, input.shape(), DType::F32, dev)?;
+    let stats = Tensor::empty(op, &[rows, 2], DType::F32, dev)?;
+    let params = NormParams {
+        rows: rows as u32,
+        len: len as u32,
+        eps,
+        x_offset: x.layout().offset as u32,
+        weight_offset: weight_c.layout().offset as u32,
+        bias_offset: bias_c.layout().offset as u32,
+        grad_offset: 0,
+        center: matches!(norm, Norm::Layer) as u32,
+    };
+    // Rows read as vec4s when every row and every tensor starts on a multiple of 4.
+    let aligned = len % 4 == 0
+        && [&x, &weight_c, &bias_c]
+            .iter()
+            .all(|t| t.layout().offset % 4 == 0);
+    let source = move || norm_source(aligned);
+    if rows > 0 && len > 0 {
+        let bound = [
+            (1, &x),
+            (2, &weight_c),
+            (3, &bias_c),
+            (4, &out),
+            (5, &stats),
+        ];
+        let kernel = Kernel::specialised(&NORM, "forward", norm_variant(aligned), &source);
+        let site = || {
+            Fusion::Epilogue(EpilogueSite {
+                entry: "forward",
+                output: 4,
+                numel: rows * len,
+                vec4_output: true,
+            })
+        };
+        let workgroups = groups(rows, NORM_WORKGROUP);
+        launch_fusible(op, &kernel, &bound, &params, workgroups, site)?;
+    }
+    let inputs: Vec<&Tensor> = [input, weight].into_iter().chain(bias).collect();
+    Ok(record(op, out, &inputs, |_| {
+        let (x, weight_c) = (x.detach(), weight_c.detach());
+        move |g: &Tensor| {
+            let g = g.contiguous()?;
+            let dev = g.device();
+            let grad_x = Tensor::empty(op, x.shape(), DType::F32, dev)?;
+            let grad_xhat = Tensor::empty(op, &[rows, len], DType::F32, dev)?;
+            let aligned = aligned && g.layout().offset % 4 == 0;
+            let source = || norm_source(aligned);
+            if rows > 0 && len > 0 {
+                let params = NormParams {
+                    grad_offset: g.layout().offset as u32,
+                    ..params
+                };
+                let bound = [
+                    (1, &x),
+                    (2, &weight_c),
+                    (4, &grad_x),
+                    (5, &stats),
+                    (6, &g),
+                    (7, &grad_xhat),
+                ];
+                let variant = norm_variant(aligned);
+                let kernel = Kernel::specialised(&NORM, "backward", variant, &source);
+                launch_at(op, &kernel, &bound, &params, groups(rows, NORM_WORKGROUP))?;
+            }
+            let grad_weight = grad_xhat.sum_dims(&[0], false)?;
+            let mut grads = vec![Some(grad_x), Some(grad_weight)];
+            if matches!(norm, Norm::Layer) {
+                grads.push(Some(g.reshape(&[rows, len])?.sum_dims(&[0], false)?));
+            }
+            Ok(grads)
+        }
+    }))
 }
