@@ -579,7 +579,9 @@ fn modern_elementwise_step(
     y: &Tensor,
 ) -> Result<Tensor> {
     opt.zero_grad();
-    let h = model.forward(x)?.rms_norm(&Tensor::full(&[OUT], 1.5, x.device())?, 1e-5)?;
+    let h = model
+        .forward(x)?
+        .rms_norm(&Tensor::full(&[OUT], 1.5, x.device())?, 1e-5)?;
     let gate = h.silu()?.mul(&h.sin()?.add(&h.cos()?)?)?;
     let smooth = h.softplus()?.add_scalar(0.5)?;
     let scaled = smooth.rsqrt()?.mul(&smooth.pow(&h.tanh()?)?)?;

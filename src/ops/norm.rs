@@ -205,7 +205,7 @@ fn fused_norm(
         center: matches!(norm, Norm::Layer) as u32,
     };
     // Rows read as vec4s when every row and every tensor starts on a multiple of 4.
-    let aligned = len % 4 == 0
+    let aligned = len.is_multiple_of(4)
         && [&x, &weight_c, &bias_c]
             .iter()
             .all(|t| t.layout().offset % 4 == 0);
