@@ -214,6 +214,66 @@ pub(crate) fn expect_indices_below(
 }
 
 impl Tensor {
+    /// Index of the first minimum along `dim` (removed), as u32.
+    pub fn argmin(&self, dim: usize) -> Result<Tensor> {
+        crate::no_grad(|| self.neg()?.argmax(dim, false))
+    }
+
+    /// A `[.., classes]` u32 tensor of 0/1: 1 at each label's class, as torch's `one_hot`.
+    /// Labels must be below `classes` (an `Error::Index` otherwise).
+    pub fn one_hot(labels: &Tensor, classes: usize) -> Result<Tensor> {
+        const OP: &str = "one_hot";
+        // Compared as f32s, exact below 2^24.
+        if classes > 1 << 24 {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!("supports up to 2^24 classes, got {classes}"),
+            });
+        }
+        expect_indices_below(OP, labels, classes, |label| {
+            format!(
+                "label {label} is out of range for {classes} classes (labels {:?})",
+                labels.shape()
+            )
+        })?;
+        let classes_row = Tensor::arange(classes, labels.device())?;
+        let column = labels.to_dtype(DType::F32)?.unsqueeze(labels.rank())?;
+        column.eq(&classes_row)
+    }
+
+    /// This tensor with `source`'s slices added at `indices` along `dim`, as torch's
+    /// `index_add`: slice `i` of `source` (along `dim`) is added to slice `indices[i]`;
+    /// repeated indices add up. One product with the one-hot matrix of the indices, so the
+    /// grads are the incoming grad (this tensor) and its slices at `indices` (`source`).
+    pub fn index_add(&self, dim: usize, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
+        const OP: &str = "index_add";
+        self.layout().check_dim(OP, dim)?;
+        let mut want = self.shape().to_vec();
+        want[dim] = indices.numel();
+        if indices.rank() != 1 || source.shape() != want.as_slice() {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "needs indices [n] and a source of shape {want:?} for input {:?}, got indices {:?} and source {:?}",
+                    self.shape(),
+                    indices.shape(),
+                    source.shape()
+                ),
+            });
+        }
+        let size = self.shape()[dim];
+        check_bound(OP, indices, size, self, dim)?;
+        // [n, size]: row i is one-hot at indices[i].
+        let scatter = Tensor::one_hot(indices, size)?.to_dtype(DType::F32)?;
+        let last = self.rank() - 1;
+        // Move `dim` last, multiply by the one-hot, move it back.
+        let added = source
+            .transpose(dim, last)?
+            .matmul(&scatter)?
+            .transpose(dim, last)?;
+        self.add(&added)
+    }
+
     /// Index of the first maximum along `dim`, as u32.
     pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
         // u32 indices have no grad: argmax records nothing, and neither do its internals.

@@ -481,3 +481,61 @@ impl Tensor {
         reduce_op("max", ReduceOp::Max, self, dims, keepdim, false)
     }
 }
+
+/// Reductions built from the fused ones above: their grads come from the ops they are made
+/// of.
+impl Tensor {
+    /// Minimum over `dims`; `keepdim` keeps them as size 1. NaN wins, as torch's `amin`; the
+    /// grad is split evenly among ties.
+    pub fn min_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        self.neg()?.max_dims(dims, keepdim)?.neg()
+    }
+
+    /// `log(sum(exp(x)))` over `dims`, stable: the max of each slice is taken out first (an
+    /// infinite max is taken out as 0, so rows of -inf give -inf and a +inf gives +inf, as
+    /// torch). Its grad is the softmax over `dims`.
+    pub fn logsumexp(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        let shift = crate::no_grad(|| {
+            let max = self.max_dims(dims, true)?;
+            let infinite = max.abs()?.eq_scalar(f32::INFINITY)?;
+            max.masked_fill(&infinite, 0.0)
+        })?;
+        let summed = self.sub(&shift)?.exp()?.sum_dims(dims, true)?;
+        let out = summed.log()?.add(&shift)?;
+        if keepdim {
+            return Ok(out);
+        }
+        out.reshape(&reduced_shape(self.shape(), dims, false))
+    }
+
+    /// Variance over `dims` with `correction` subtracted from the count (1: the unbiased
+    /// estimate, torch's default; 0: the population variance). Where the count is not above
+    /// `correction` the result is NaN or inf, as torch.
+    pub fn var_dims(&self, dims: &[usize], correction: usize, keepdim: bool) -> Result<Tensor> {
+        for &d in dims {
+            self.layout().check_dim("var_dims", d)?;
+        }
+        let count: usize = dims.iter().map(|&d| self.shape()[d]).product();
+        let centred = self.sub(&self.mean_dims(dims, true)?)?;
+        let squares = centred.mul(&centred)?.sum_dims(dims, keepdim)?;
+        squares.div_scalar(count as f32 - correction as f32)
+    }
+
+    /// Standard deviation over `dims`: the square root of [`Tensor::var_dims`].
+    pub fn std_dims(&self, dims: &[usize], correction: usize, keepdim: bool) -> Result<Tensor> {
+        self.var_dims(dims, correction, keepdim)?.sqrt()
+    }
+
+    /// Running sums along `dim`: element `i` holds the sum of elements `0..=i`, as torch's
+    /// `cumsum`. One product with a triangle of ones (`[K, K]` for a dim of size `K`), so its
+    /// grad is the reversed running sum.
+    pub fn cumsum(&self, dim: usize) -> Result<Tensor> {
+        self.layout().check_dim("cumsum", dim)?;
+        let k = self.shape()[dim];
+        let last = self.rank() - 1;
+        let triangle = Tensor::ones(&[k, k], self.device())?.triu(0)?;
+        self.transpose(dim, last)?
+            .matmul(&triangle)?
+            .transpose(dim, last)
+    }
+}

@@ -242,3 +242,48 @@ impl Tensor {
         self.reshape(&shape)
     }
 }
+
+/// Shape ops built from views and indexing; their grads come from what they are made of.
+impl Tensor {
+    /// This tensor with the order of elements along each of `dims` reversed, as torch's
+    /// `flip`.
+    pub fn flip(&self, dims: &[usize]) -> Result<Tensor> {
+        let mut out = self.clone();
+        for &d in dims {
+            self.layout().check_dim("flip", d)?;
+            let n = self.shape()[d] as u32;
+            let reversed =
+                Tensor::from_vec_u32((0..n).rev().collect(), &[n as usize], self.device())?;
+            out = out.index_select(d, &reversed)?;
+        }
+        Ok(out)
+    }
+
+    /// This tensor tiled `repeats[d]` times along each dim, as torch's `repeat`; `repeats`
+    /// may be longer than the rank (new leading dims).
+    pub fn repeat(&self, repeats: &[usize]) -> Result<Tensor> {
+        if repeats.len() < self.rank() {
+            return Err(Error::Shape {
+                op: "repeat",
+                msg: format!(
+                    "needs at least one repeat per dim of shape {:?}, got {repeats:?}",
+                    self.shape()
+                ),
+            });
+        }
+        let lead = repeats.len() - self.rank();
+        let shape: Vec<usize> = std::iter::repeat_n(1, lead)
+            .chain(self.shape().iter().copied())
+            .collect();
+        // [.., 1, s, ..] expanded to [.., r, s, ..], then merged to [.., r s, ..].
+        let paired: Vec<usize> = shape.iter().flat_map(|&s| [1, s]).collect();
+        let expanded: Vec<usize> = shape
+            .iter()
+            .zip(repeats)
+            .flat_map(|(&s, &r)| [r, s])
+            .collect();
+        let out: Vec<usize> = shape.iter().zip(repeats).map(|(&s, &r)| s * r).collect();
+        checked_numel("repeat", &out)?;
+        self.reshape(&paired)?.expand(&expanded)?.reshape(&out)
+    }
+}

@@ -107,6 +107,35 @@ impl Tensor {
         )
     }
 
+    /// The `[n, n]` identity matrix.
+    pub fn eye(n: usize, device: &Device) -> Result<Tensor> {
+        let numel = checked_numel("eye", &[n, n])?;
+        let mut data = vec![0.0f32; numel];
+        for i in 0..n {
+            data[i * n + i] = 1.0;
+        }
+        Tensor::from_vec(data, &[n, n], device)
+    }
+
+    /// `start, start + step, ..` up to `end` (excluded), as torch's float `arange`:
+    /// `ceil((end - start) / step)` elements.
+    pub fn arange_f(start: f32, end: f32, step: f32, device: &Device) -> Result<Tensor> {
+        let count = ((end as f64 - start as f64) / step as f64).ceil();
+        if step == 0.0 || !count.is_finite() || count < 0.0 || count > u32::MAX as f64 {
+            return Err(Error::InvalidArgument {
+                op: "arange_f",
+                msg: format!(
+                    "needs a nonzero step toward end, got start {start}, end {end}, step {step}"
+                ),
+            });
+        }
+        let data: Vec<f32> = (0..count as usize)
+            .map(|i| (start as f64 + i as f64 * step as f64) as f32)
+            .collect();
+        let n = data.len();
+        Tensor::from_vec(data, &[n], device)
+    }
+
     /// A u32 tensor of `shape` (indices for `index_select` and `gather`).
     pub fn from_vec_u32(data: Vec<u32>, shape: &[usize], device: &Device) -> Result<Tensor> {
         check_len("from_vec_u32", data.len(), shape)?;

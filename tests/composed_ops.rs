@@ -1,0 +1,244 @@
+//! Reductions, shape ops, indexing and creation of the ops issue that are built from other
+//! ops (min_dims, argmin, logsumexp, var/std, cumsum, flip, repeat, one_hot, index_add, eye,
+//! arange_f): values against f64 host references, grads against finite differences.
+
+mod common;
+use common::*;
+use wgrad::{DType, Error, Tensor};
+
+/// `x` of `[rows, cols]` reduced along dim 1 by `f` on the host.
+fn rows_ref(x: &[f32], cols: usize, f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+    x.chunks(cols)
+        .map(|r| f(&r.iter().map(|&v| v as f64).collect::<Vec<_>>()))
+        .collect()
+}
+
+#[test]
+fn min_dims_and_argmin_match_the_host() {
+    let (x, xs) = random_tensor(&[7, 13], 1);
+    let want = rows_ref(&xs, 13, |r| r.iter().cloned().fold(f64::INFINITY, f64::min));
+    assert_close(
+        &x.min_dims(&[1], false).unwrap().to_vec().unwrap(),
+        &want,
+        0.0,
+        "min_dims",
+    );
+    let want_idx: Vec<u32> = xs
+        .chunks(13)
+        .map(|r| {
+            let m = r.iter().cloned().fold(f32::INFINITY, f32::min);
+            r.iter().position(|&v| v == m).unwrap() as u32
+        })
+        .collect();
+    assert_eq!(x.argmin(1).unwrap().to_vec_u32().unwrap(), want_idx);
+    gradcheck(
+        "min_dims",
+        &[(vec![3, 5], values_in(15, -1.0, 1.0, 2))],
+        |t| t[0].t()?.min_dims(&[0], true),
+    );
+}
+
+#[test]
+fn logsumexp_is_stable_and_its_grad_is_the_softmax() {
+    let (x, xs) = random_tensor(&[5, 9], 3);
+    let big = x.mul_scalar(100.0).unwrap();
+    let want = rows_ref(&xs, 9, |r| {
+        let m = r
+            .iter()
+            .map(|v| v * 100.0)
+            .fold(f64::NEG_INFINITY, f64::max);
+        m + r.iter().map(|v| (v * 100.0 - m).exp()).sum::<f64>().ln()
+    });
+    let got = big.logsumexp(&[1], false).unwrap();
+    assert_eq!(got.shape(), &[5]);
+    assert_close(&got.to_vec().unwrap(), &want, 1e-6, "logsumexp");
+    let rows = Tensor::from_vec(
+        vec![
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            0.0,
+            f32::NAN,
+            1.0,
+        ],
+        &[3, 2],
+        device(),
+    )
+    .unwrap();
+    let got = rows.logsumexp(&[1], true).unwrap();
+    assert_eq!(got.shape(), &[3, 1]);
+    let got = got.to_vec().unwrap();
+    assert_eq!(got[0], f32::NEG_INFINITY);
+    assert_eq!(got[1], f32::INFINITY);
+    assert!(got[2].is_nan());
+    for batch in [1, 3] {
+        gradcheck(
+            "logsumexp",
+            &[(vec![batch, 6], values_in(batch * 6, -2.0, 2.0, 4))],
+            |t| t[0].t()?.logsumexp(&[0], false),
+        );
+    }
+}
+
+#[test]
+fn var_and_std_take_a_correction() {
+    let (x, xs) = random_tensor(&[4, 11], 5);
+    for correction in [0usize, 1] {
+        let var = |r: &[f64]| {
+            let mean = r.iter().sum::<f64>() / r.len() as f64;
+            r.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (r.len() - correction) as f64
+        };
+        let want = rows_ref(&xs, 11, var);
+        let got = x
+            .var_dims(&[1], correction, false)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_close(&got, &want, 1e-5, "var_dims");
+        let want: Vec<f64> = want.iter().map(|v| v.sqrt()).collect();
+        let got = x.std_dims(&[1], correction, true).unwrap();
+        assert_eq!(got.shape(), &[4, 1]);
+        assert_close(&got.to_vec().unwrap(), &want, 1e-5, "std_dims");
+    }
+    gradcheck(
+        "var_dims",
+        &[(vec![3, 4], values_in(12, -1.0, 1.0, 6))],
+        |t| t[0].var_dims(&[0, 1], 1, false),
+    );
+    gradcheck(
+        "std_dims",
+        &[(vec![3, 4], values_in(12, -1.0, 1.0, 7))],
+        |t| t[0].t()?.std_dims(&[1], 0, false),
+    );
+    assert!(x.var_dims(&[2], 1, false).is_err());
+}
+
+#[test]
+fn cumsum_runs_along_any_dim() {
+    let (x, xs) = random_tensor(&[3, 4, 5], 8);
+    let got = x.cumsum(1).unwrap();
+    assert_eq!(got.shape(), &[3, 4, 5]);
+    let mut want = vec![0f64; 60];
+    for a in 0..3 {
+        for c in 0..5 {
+            let mut run = 0.0;
+            for b in 0..4 {
+                run += xs[a * 20 + b * 5 + c] as f64;
+                want[a * 20 + b * 5 + c] = run;
+            }
+        }
+    }
+    assert_close(&got.to_vec().unwrap(), &want, 1e-6, "cumsum");
+    gradcheck(
+        "cumsum",
+        &[(vec![2, 5], values_in(10, -1.0, 1.0, 9))],
+        |t| t[0].cumsum(1),
+    );
+    gradcheck(
+        "cumsum dim 0",
+        &[(vec![1, 4], values_in(4, -1.0, 1.0, 10))],
+        |t| t[0].cumsum(0),
+    );
+}
+
+#[test]
+fn flip_and_repeat_move_elements_as_torch() {
+    let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], device()).unwrap();
+    assert_eq!(
+        x.flip(&[1]).unwrap().to_vec().unwrap(),
+        vec![3.0, 2.0, 1.0, 6.0, 5.0, 4.0]
+    );
+    assert_eq!(
+        x.flip(&[0, 1]).unwrap().to_vec().unwrap(),
+        vec![6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    );
+    let r = x.repeat(&[2, 2]).unwrap();
+    assert_eq!(r.shape(), &[4, 6]);
+    assert_eq!(
+        r.to_vec().unwrap()[..12],
+        [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 4.0, 5.0, 6.0]
+    );
+    assert_eq!(x.repeat(&[3, 1, 1]).unwrap().shape(), &[3, 2, 3]);
+    assert!(matches!(
+        x.repeat(&[2]),
+        Err(Error::Shape { op: "repeat", .. })
+    ));
+    gradcheck("flip", &[(vec![3, 4], values_in(12, -1.0, 1.0, 11))], |t| {
+        t[0].flip(&[0, 1])
+    });
+    gradcheck(
+        "repeat",
+        &[(vec![2, 3], values_in(6, -1.0, 1.0, 12))],
+        |t| t[0].repeat(&[2, 1, 3]),
+    );
+}
+
+#[test]
+fn one_hot_and_index_add_scatter_by_index() {
+    let dev = device();
+    let labels = Tensor::from_vec_u32(vec![2, 0, 2], &[3], dev).unwrap();
+    let hot = Tensor::one_hot(&labels, 4).unwrap();
+    assert_eq!(hot.dtype(), DType::U32);
+    assert_eq!(
+        hot.to_vec_u32().unwrap(),
+        vec![0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0]
+    );
+    assert!(matches!(
+        Tensor::one_hot(&labels, 2),
+        Err(Error::Index { op: "one_hot", .. })
+    ));
+
+    let base = Tensor::zeros(&[4, 2], dev).unwrap();
+    let src = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2], dev).unwrap();
+    let out = base.index_add(0, &labels, &src).unwrap();
+    assert_eq!(
+        out.to_vec().unwrap(),
+        vec![3.0, 4.0, 0.0, 0.0, 6.0, 8.0, 0.0, 0.0]
+    );
+    let cols = Tensor::from_vec_u32(vec![1, 1], &[2], dev).unwrap();
+    let out = Tensor::zeros(&[3, 2], dev)
+        .unwrap()
+        .index_add(
+            1,
+            &cols,
+            &src.t().unwrap().t().unwrap().narrow(1, 0, 2).unwrap(),
+        )
+        .unwrap();
+    assert_eq!(out.to_vec().unwrap(), vec![0.0, 3.0, 0.0, 7.0, 0.0, 11.0]);
+    assert!(matches!(
+        base.index_add(0, &labels, &base),
+        Err(Error::Shape {
+            op: "index_add",
+            ..
+        })
+    ));
+    gradcheck(
+        "index_add",
+        &[
+            (vec![4, 2], values_in(8, -1.0, 1.0, 13)),
+            (vec![3, 2], values_in(6, -1.0, 1.0, 14)),
+        ],
+        |t| t[0].index_add(0, &labels, &t[1]),
+    );
+}
+
+#[test]
+fn eye_and_arange_f_build_as_torch() {
+    let dev = device();
+    assert_eq!(
+        Tensor::eye(2, dev).unwrap().to_vec().unwrap(),
+        vec![1.0, 0.0, 0.0, 1.0]
+    );
+    assert_eq!(Tensor::eye(0, dev).unwrap().shape(), &[0, 0]);
+    let r = Tensor::arange_f(0.5, 2.0, 0.5, dev).unwrap();
+    assert_eq!(r.to_vec().unwrap(), vec![0.5, 1.0, 1.5]);
+    let down = Tensor::arange_f(1.0, 0.0, -0.3, dev).unwrap();
+    assert_close(
+        &down.to_vec().unwrap(),
+        &[1.0, 0.7, 0.4, 0.1],
+        1e-6,
+        "arange_f down",
+    );
+    assert!(Tensor::arange_f(0.0, 1.0, 0.0, dev).is_err());
+    assert!(Tensor::arange_f(0.0, 1.0, -1.0, dev).is_err());
+}
