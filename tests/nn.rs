@@ -247,11 +247,7 @@ fn layer_norm_reads_rows_whole_or_element_by_element_alike() {
         (1, 2, 16_383),
     ];
     for (offset, rows, len) in cases {
-        let x = flat
-            .narrow(0, offset, rows * len)
-            .unwrap()
-            .reshape(&[rows, len])
-            .unwrap();
+        let x = rows_of(&flat, offset, rows, len);
         let (w, ws) = random_tensor(&[len], 22);
         let (b, bs) = random_tensor(&[len], 23);
         let want = layer_norm_reference(&data[offset..offset + rows * len], len, &ws, &bs);
@@ -451,6 +447,14 @@ fn batch_norm_2d_buffers_round_trip_through_a_checkpoint() {
     assert!(err.to_string().contains("BatchNorm2d"), "{err}");
 }
 
+/// `rows` rows of `len` elements of the 1-d `flat`, from `offset` on.
+fn rows_of(flat: &Tensor, offset: usize, rows: usize, len: usize) -> Tensor {
+    flat.narrow(0, offset, rows * len)
+        .unwrap()
+        .reshape(&[rows, len])
+        .unwrap()
+}
+
 /// RMSNorm of rows of `len` on the host, scaled by `w`.
 fn rms_norm_reference(x: &[f32], len: usize, w: &[f32], eps: f64) -> Vec<f64> {
     x.chunks(len)
@@ -480,11 +484,7 @@ fn rms_norm_matches_reference_at_any_row_length_and_offset() {
         (0, 2, 20_000),
     ];
     for (offset, rows, len) in cases {
-        let x = flat
-            .narrow(0, offset, rows * len)
-            .unwrap()
-            .reshape(&[rows, len])
-            .unwrap();
+        let x = rows_of(&flat, offset, rows, len);
         let (w, ws) = random_tensor(&[len], 71);
         let want = rms_norm_reference(&data[offset..offset + rows * len], len, &ws, 1e-6);
         let got = x.rms_norm(&w, 1e-6).unwrap().to_vec().unwrap();

@@ -1,4 +1,4 @@
-//! `LayerNorm` over the last dim.
+//! `LayerNorm` and `RmsNorm` over the last dim.
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -18,12 +18,7 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// LayerNorm over a last dim of size `dim`, with `eps` added to the variance.
     pub fn new(dim: usize, eps: f32, device: &Device) -> Result<LayerNorm> {
-        if !(eps >= 0.0 && eps.is_finite()) {
-            return Err(Error::InvalidArgument {
-                op: "LayerNorm::new",
-                msg: format!("eps must be finite and >= 0, got {eps}"),
-            });
-        }
+        check_eps("LayerNorm::new", eps)?;
         Ok(LayerNorm {
             weight: Tensor::ones(&[dim], device)?.requires_grad_(true),
             bias: Tensor::zeros(&[dim], device)?.requires_grad_(true),
@@ -56,12 +51,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// RMSNorm over a last dim of size `dim`, with `eps` added to the mean square.
     pub fn new(dim: usize, eps: f32, device: &Device) -> Result<RmsNorm> {
-        if !(eps >= 0.0 && eps.is_finite()) {
-            return Err(Error::InvalidArgument {
-                op: "RmsNorm::new",
-                msg: format!("eps must be finite and >= 0, got {eps}"),
-            });
-        }
+        check_eps("RmsNorm::new", eps)?;
         Ok(RmsNorm {
             weight: Tensor::ones(&[dim], device)?.requires_grad_(true),
             eps,
@@ -77,4 +67,15 @@ impl Module for RmsNorm {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         vec![("weight".to_string(), self.weight.clone())]
     }
+}
+
+/// Errors unless `eps` is finite and not negative.
+fn check_eps(op: &'static str, eps: f32) -> Result<()> {
+    if !(eps >= 0.0 && eps.is_finite()) {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!("eps must be finite and >= 0, got {eps}"),
+        });
+    }
+    Ok(())
 }
