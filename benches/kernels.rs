@@ -82,10 +82,39 @@ fn memory_bound(c: &mut Criterion, dev: &Device) {
     group.finish();
 }
 
+/// RMSNorm forward + backward over a Llama-sized activation, fused against the same math
+/// composed of elementwise ops and reductions (the ops issue's bar: fused at most 0.5x).
+fn rms_norm(c: &mut Criterion, dev: &Device) {
+    let x = Tensor::randn(&[2048, 512], 5, dev)
+        .unwrap()
+        .requires_grad_(true);
+    let w = Tensor::ones(&[512], dev).unwrap().requires_grad_(true);
+    let mut group = c.benchmark_group("rms_norm_fwd_bwd_2048x512");
+    let run = |f: &dyn Fn() -> wgrad::Result<Tensor>| {
+        x.zero_grad();
+        w.zero_grad();
+        f().unwrap().sum().unwrap().backward().unwrap();
+        dev.synchronize().unwrap();
+    };
+    group.bench_function("fused", |bench| {
+        bench.iter(|| run(&|| x.rms_norm(&w, 1e-6)))
+    });
+    group.bench_function("composed", |bench| {
+        bench.iter(|| {
+            run(&|| {
+                let mean_square = x.mul(&x)?.mean_dims(&[1], true)?;
+                x.mul(&mean_square.add_scalar(1e-6)?.rsqrt()?)?.mul(&w)
+            })
+        })
+    });
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let dev = device();
     matmul(c, &dev);
     memory_bound(c, &dev);
+    rms_norm(c, &dev);
 }
 
 criterion_group! {
