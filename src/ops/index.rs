@@ -216,7 +216,8 @@ pub(crate) fn expect_indices_below(
 impl Tensor {
     /// Index of the first minimum along `dim` (removed), as u32.
     pub fn argmin(&self, dim: usize) -> Result<Tensor> {
-        crate::no_grad(|| self.neg()?.argmax(dim, false))
+        let _no_grad = NoGradGuard::new();
+        self.neg()?.argmax(dim, false)
     }
 
     /// A `[.., classes]` u32 tensor of 0/1: 1 at each label's class, as torch's `one_hot`.

@@ -495,11 +495,12 @@ impl Tensor {
     /// infinite max is taken out as 0, so rows of -inf give -inf and a +inf gives +inf, as
     /// torch). Its grad is the softmax over `dims`.
     pub fn logsumexp(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
-        let shift = crate::no_grad(|| {
+        let shift = {
+            let _no_grad = NoGradGuard::new();
             let max = self.max_dims(dims, true)?;
             let infinite = max.abs()?.eq_scalar(f32::INFINITY)?;
-            max.masked_fill(&infinite, 0.0)
-        })?;
+            max.masked_fill(&infinite, 0.0)?
+        };
         let summed = self.sub(&shift)?.exp()?.sum_dims(dims, true)?;
         let out = summed.log()?.add(&shift)?;
         if keepdim {
