@@ -242,3 +242,91 @@ fn eye_and_arange_f_build_as_torch() {
     assert!(Tensor::arange_f(0.0, 1.0, 0.0, dev).is_err());
     assert!(Tensor::arange_f(0.0, 1.0, -1.0, dev).is_err());
 }
+
+#[test]
+fn l1_smooth_l1_bce_and_nll_losses_match_the_host() {
+    use wgrad::nn::loss;
+    let dev = device();
+    let (p, ps) = random_tensor(&[4, 5], 20);
+    let (t, ts) = random_tensor(&[4, 5], 21);
+    let pairs: Vec<(f64, f64)> = ps
+        .iter()
+        .zip(&ts)
+        .map(|(&a, &b)| (a as f64, b as f64))
+        .collect();
+    let mean =
+        |f: &dyn Fn(f64, f64) -> f64| pairs.iter().map(|&(a, b)| f(a, b)).sum::<f64>() / 20.0;
+    let l1 = loss::l1(&p, &t).unwrap().item().unwrap();
+    assert_close(&[l1], &[mean(&|a, b| (a - b).abs())], 1e-6, "l1");
+    let huber = |a: f64, b: f64| {
+        let d = (a - b).abs();
+        if d < 0.5 {
+            0.5 * d * d / 0.5
+        } else {
+            d - 0.25
+        }
+    };
+    let got = loss::smooth_l1(&p, &t, 0.5).unwrap().item().unwrap();
+    assert_close(&[got], &[mean(&huber)], 1e-6, "smooth_l1");
+    let y = t.add_scalar(1.0).unwrap().mul_scalar(0.5).unwrap(); // targets in [0, 1]
+    let logits = p.mul_scalar(30.0).unwrap(); // large logits stay finite
+    let bce = |x: f64, t: f64| {
+        let (x, y) = (30.0 * x, (t + 1.0) * 0.5);
+        x.max(0.0) - x * y + (-x.abs()).exp().ln_1p()
+    };
+    let got = loss::binary_cross_entropy_with_logits(&logits, &y)
+        .unwrap()
+        .item()
+        .unwrap();
+    assert_close(
+        &[got],
+        &[mean(&bce)],
+        1e-5,
+        "binary_cross_entropy_with_logits",
+    );
+    let log_probs = p.log_softmax(1).unwrap();
+    let targets = Tensor::from_vec_u32(vec![4, 0, 2, 2], &[4], dev).unwrap();
+    let lp = log_probs.to_vec().unwrap();
+    let want = -(lp[4] + lp[5] + lp[12] + lp[17]) as f64 / 4.0;
+    assert_close(
+        &[loss::nll(&log_probs, &targets).unwrap().item().unwrap()],
+        &[want],
+        1e-6,
+        "nll",
+    );
+    // nll of a log_softmax is cross_entropy.
+    let ce = loss::cross_entropy(&p, &targets).unwrap().item().unwrap();
+    assert_close(&[ce], &[want], 1e-6, "nll vs cross_entropy");
+    assert!(matches!(
+        loss::l1(&p, &targets),
+        Err(Error::Shape { op: "l1", .. })
+    ));
+    assert!(matches!(
+        loss::nll(&p, &p),
+        Err(Error::Shape { op: "nll", .. })
+    ));
+    assert!(loss::smooth_l1(&p, &t, -1.0).is_err());
+}
+
+#[test]
+fn loss_grads_check() {
+    use wgrad::nn::loss;
+    let pair = || {
+        vec![
+            (vec![3, 4], values_in(12, -1.0, 1.0, 30)),
+            (vec![3, 4], values_in(12, -1.0, 1.0, 31)),
+        ]
+    };
+    gradcheck("l1", &pair(), |t| loss::l1(&t[0], &t[1]));
+    gradcheck("smooth_l1", &pair(), |t| loss::smooth_l1(&t[0], &t[1], 0.7));
+    gradcheck("bce_with_logits", &pair(), |t| {
+        loss::binary_cross_entropy_with_logits(
+            &t[0].mul_scalar(3.0)?,
+            &t[1].add_scalar(1.0)?.mul_scalar(0.5)?,
+        )
+    });
+    let targets = Tensor::from_vec_u32(vec![1, 3, 0], &[3], device()).unwrap();
+    gradcheck("nll", &[(vec![3, 4], values_in(12, -1.0, 1.0, 32))], |t| {
+        loss::nll(&t[0].log_softmax(1)?, &targets)
+    });
+}
