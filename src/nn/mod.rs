@@ -8,6 +8,7 @@ mod embedding;
 mod layer_norm;
 mod linear;
 pub mod loss;
+mod rotary;
 mod sequential;
 mod transformer;
 
@@ -18,6 +19,7 @@ pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use layer_norm::{LayerNorm, RmsNorm};
 pub use linear::Linear;
+pub use rotary::RotaryEmbedding;
 pub use sequential::Sequential;
 pub use transformer::{MultiheadAttention, TransformerBlock};
 

@@ -11,6 +11,7 @@ pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod pool;
 pub(crate) mod reduce;
+pub(crate) mod rope;
 pub(crate) mod softmax;
 pub(crate) mod unary;
 pub(crate) mod view;

@@ -1,0 +1,152 @@
+//! Rotary position embeddings (RoPE), the Hugging Face Llama convention: one kernel forward
+//! and one backward (`shaders/rope.wgsl`), reading cos/sin tables built on the device once.
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
+use crate::tensor::{DType, Tensor};
+
+crate::kernel_params! {
+    /// `positions` x `half` table entries; `rows` rows of `2 half` features, row `r` at
+    /// position `first + r % seq`; `sign` 1 forward, -1 backward.
+    pub(crate) struct RopeParams {
+        positions: u32,
+        half: u32,
+        theta: f32,
+        rows: u32,
+        seq: u32,
+        first: u32,
+        x_offset: u32,
+        sign: f32,
+    }
+}
+
+static ROPE: ShaderFamily = ShaderFamily {
+    name: "rope",
+    wgsl: include_str!("../../shaders/rope.wgsl"),
+    params: &[&RopeParams::LAYOUT],
+};
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("rope".into(), ROPE.source(&[]))]
+}
+
+/// The cos and sin of every position's angle per frequency, `[2, positions, head_dim / 2]`.
+pub(crate) struct RopeTable {
+    table: Tensor,
+    positions: usize,
+    head_dim: usize,
+}
+
+impl RopeTable {
+    /// Builds the table on the device: one launch.
+    pub fn new(
+        head_dim: usize,
+        positions: usize,
+        theta: f32,
+        device: &Device,
+    ) -> Result<RopeTable> {
+        const OP: &str = "RotaryEmbedding::new";
+        if head_dim == 0 || head_dim % 2 == 1 || !(theta > 0.0 && theta.is_finite()) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!(
+                    "needs an even head_dim and a finite theta > 0, got head_dim {head_dim} and theta {theta}"
+                ),
+            });
+        }
+        let half = head_dim / 2;
+        let table = Tensor::empty(OP, &[2, positions, half], DType::F32, device)?;
+        let params = RopeParams {
+            positions: positions as u32,
+            half: half as u32,
+            theta,
+            ..Default::default()
+        };
+        if positions > 0 {
+            let kernel = Kernel::plain(&ROPE, "build_table");
+            let workgroups = groups(positions * half, WORKGROUP);
+            launch_at(OP, &kernel, &[(1, &table)], &params, workgroups)?;
+        }
+        Ok(RopeTable {
+            table,
+            positions,
+            head_dim,
+        })
+    }
+
+    /// `x` (`[.., T, head_dim]`) with each position `first + t` turned by its angles.
+    pub fn apply(&self, x: &Tensor, first: usize) -> Result<Tensor> {
+        const OP: &str = "rotary_embedding";
+        x.expect_dtype(OP, DType::F32)?;
+        let (seq, dim) = match x.shape() {
+            [.., seq, dim] => (*seq, *dim),
+            _ => (0, 0),
+        };
+        if x.rank() < 2 || dim != self.head_dim {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("needs [.., T, {}], got {:?}", self.head_dim, x.shape()),
+            });
+        }
+        if first + seq > self.positions {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "positions {first}..{} of input {:?} pass the table's {} positions",
+                    first + seq,
+                    x.shape(),
+                    self.positions
+                ),
+            });
+        }
+        let rows = x.numel() / dim.max(1);
+        let params = RopeParams {
+            positions: self.positions as u32,
+            half: (dim / 2) as u32,
+            rows: rows as u32,
+            seq: seq.max(1) as u32,
+            first: first as u32,
+            sign: 1.0,
+            ..Default::default()
+        };
+        let out = self.turn(x, params)?;
+        let table = RopeTable {
+            table: self.table.clone(),
+            ..*self
+        };
+        Ok(record(OP, out, &[x], move |_| {
+            move |g: &Tensor| {
+                let back = RopeParams {
+                    sign: -1.0,
+                    ..params
+                };
+                Ok(vec![Some(table.turn(g, back)?)])
+            }
+        }))
+    }
+
+    /// One `apply` launch over `x` (made contiguous) into a new tensor.
+    fn turn(&self, x: &Tensor, params: RopeParams) -> Result<Tensor> {
+        const OP: &str = "rotary_embedding";
+        let x = {
+            let _no_grad = NoGradGuard::new();
+            x.contiguous()?
+        };
+        let out = Tensor::empty(OP, x.shape(), DType::F32, x.device())?;
+        let pairs = params.rows as usize * params.half as usize;
+        if pairs > 0 {
+            let params = RopeParams {
+                x_offset: x.layout().offset as u32,
+                ..params
+            };
+            let kernel = Kernel::plain(&ROPE, "apply");
+            let bound = [(1, &self.table), (2, &x), (3, &out)];
+            launch_at(OP, &kernel, &bound, &params, groups(pairs, WORKGROUP))?;
+        }
+        Ok(out)
+    }
+}
