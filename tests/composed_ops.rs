@@ -330,3 +330,58 @@ fn loss_grads_check() {
         loss::nll(&t[0].log_softmax(1)?, &targets)
     });
 }
+
+/// torch's adaptive average pooling of one `[h, w]` image on the host.
+fn adaptive_ref(x: &[f32], h: usize, w: usize, oh: usize, ow: usize) -> Vec<f64> {
+    let mut out = Vec::new();
+    for i in 0..oh {
+        let (r0, r1) = (i * h / oh, ((i + 1) * h).div_ceil(oh));
+        for j in 0..ow {
+            let (c0, c1) = (j * w / ow, ((j + 1) * w).div_ceil(ow));
+            let mut sum = 0.0;
+            for r in r0..r1 {
+                for c in c0..c1 {
+                    sum += x[r * w + c] as f64;
+                }
+            }
+            out.push(sum / ((r1 - r0) * (c1 - c0)) as f64);
+        }
+    }
+    out
+}
+
+#[test]
+fn adaptive_avg_pool2d_uses_torchs_bins() {
+    let (x, xs) = random_tensor(&[2, 3, 7, 5], 40);
+    for (oh, ow) in [(1, 1), (3, 2), (7, 5), (4, 4)] {
+        let got = x.adaptive_avg_pool2d((oh, ow)).unwrap();
+        assert_eq!(got.shape(), &[2, 3, oh, ow]);
+        let want: Vec<f64> = xs
+            .chunks(35)
+            .flat_map(|image| adaptive_ref(image, 7, 5, oh, ow))
+            .collect();
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-6,
+            &format!("adaptive ({oh}, {ow})"),
+        );
+    }
+    gradcheck(
+        "adaptive_avg_pool2d",
+        &[(vec![1, 2, 5, 3], values_in(30, -1.0, 1.0, 41))],
+        |t| t[0].adaptive_avg_pool2d((2, 2)),
+    );
+    assert!(matches!(
+        x.adaptive_avg_pool2d((0, 1)),
+        Err(Error::Shape {
+            op: "adaptive_avg_pool2d",
+            ..
+        })
+    ));
+    assert!(x
+        .reshape(&[6, 35])
+        .unwrap()
+        .adaptive_avg_pool2d((1, 1))
+        .is_err());
+}

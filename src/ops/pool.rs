@@ -192,3 +192,44 @@ impl Tensor {
         pool(self, Pool::Avg, kernel, stride)
     }
 }
+
+/// `[out, size]`: row `i` averages input positions `floor(i size / out) .. ceil((i + 1) size /
+/// out)`, PyTorch's adaptive pooling bins.
+fn adaptive_bins(out: usize, size: usize, device: &crate::device::Device) -> Result<Tensor> {
+    let mut weights = vec![0.0f32; out * size];
+    for i in 0..out {
+        let (start, end) = (i * size / out, ((i + 1) * size).div_ceil(out));
+        for w in &mut weights[i * size + start..i * size + end] {
+            *w = 1.0 / (end - start) as f32;
+        }
+    }
+    Tensor::from_vec(weights, &[out, size], device)
+}
+
+impl Tensor {
+    /// Average pooling of NCHW images to `(out_h, out_w)` whatever their size, as torch's
+    /// `adaptive_avg_pool2d` (`(1, 1)`: global average pooling). A bin's average is a row
+    /// average then a column average, so it runs as two products with bin matrices; grads come
+    /// through them.
+    pub fn adaptive_avg_pool2d(&self, (out_h, out_w): (usize, usize)) -> Result<Tensor> {
+        const OP: &str = "adaptive_avg_pool2d";
+        let [_, _, h, w] = *self.shape() else {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("needs NCHW images, got {:?}", self.shape()),
+            });
+        };
+        if out_h == 0 || out_w == 0 || h == 0 || w == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "needs nonzero image and output sizes, got input {:?} and output ({out_h}, {out_w})",
+                    self.shape()
+                ),
+            });
+        }
+        let rows = adaptive_bins(out_h, h, self.device())?;
+        let cols = adaptive_bins(out_w, w, self.device())?;
+        rows.matmul(self)?.matmul(&cols.t()?)
+    }
+}
