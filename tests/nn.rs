@@ -554,3 +554,24 @@ fn rms_norm_module_has_one_weight_and_names_bad_shapes() {
     );
     assert!(nn::RmsNorm::new(4, f32::NAN, device()).is_err());
 }
+
+#[test]
+fn embedding_padding_rows_read_as_zeros_and_get_no_grad() {
+    let emb = nn::Embedding::with_padding_idx(5, 3, 2, device()).unwrap();
+    let w = emb.weight.to_vec().unwrap();
+    assert_eq!(w[6..9], [0.0, 0.0, 0.0]);
+    assert!(w[..6].iter().any(|&v| v != 0.0));
+    let tokens = Tensor::from_vec_u32(vec![2, 1, 2, 4], &[2, 2], device()).unwrap();
+    let out = emb.forward(&tokens).unwrap();
+    assert_eq!(out.shape(), &[2, 2, 3]);
+    let values = out.to_vec().unwrap();
+    assert_eq!(values[..3], [0.0, 0.0, 0.0]);
+    assert_eq!(values[3..6], w[3..6]);
+    out.sum().unwrap().backward().unwrap();
+    let grad = emb.weight.grad().unwrap().to_vec().unwrap();
+    assert_eq!(
+        grad,
+        [0., 0., 0., 1., 1., 1., 0., 0., 0., 0., 0., 0., 1., 1., 1.]
+    );
+    assert!(nn::Embedding::with_padding_idx(5, 3, 5, device()).is_err());
+}

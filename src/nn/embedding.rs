@@ -1,16 +1,20 @@
 //! `Embedding`: a lookup table of vectors.
 
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::seed::next_seed;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Maps each u32 index to a row of `weight` (`[num, dim]`, standard normal as PyTorch):
 /// input of any shape, output that shape plus `[dim]`.
 pub struct Embedding {
     /// `[num, dim]`.
     pub weight: Tensor,
+    /// A row that reads as zeros and gets no grad (padding tokens), as torch's
+    /// `padding_idx`. Its lookups are multiplied by 0, so the row's own values never show
+    /// (torch returns them; both start at zeros).
+    pub padding_idx: Option<usize>,
 }
 
 impl Embedding {
@@ -18,6 +22,32 @@ impl Embedding {
     pub fn new(num: usize, dim: usize, device: &Device) -> Result<Embedding> {
         Ok(Embedding {
             weight: Tensor::randn(&[num, dim], next_seed(), device)?.requires_grad_(true),
+            padding_idx: None,
+        })
+    }
+
+    /// As [`Embedding::new`], with row `padding_idx` zeroed and kept out of the grads.
+    pub fn with_padding_idx(
+        num: usize,
+        dim: usize,
+        padding_idx: usize,
+        device: &Device,
+    ) -> Result<Embedding> {
+        if padding_idx >= num {
+            return Err(Error::InvalidArgument {
+                op: "Embedding::with_padding_idx",
+                msg: format!("padding_idx {padding_idx} is out of range for {num} rows"),
+            });
+        }
+        let mut is_padding = vec![0u32; num];
+        is_padding[padding_idx] = 1;
+        let is_padding = Tensor::from_vec_u32(is_padding, &[num, 1], device)?;
+        let weight = crate::no_grad(|| {
+            Tensor::randn(&[num, dim], next_seed(), device)?.masked_fill(&is_padding, 0.0)
+        })?;
+        Ok(Embedding {
+            weight: weight.requires_grad_(true),
+            padding_idx: Some(padding_idx),
         })
     }
 }
@@ -25,7 +55,15 @@ impl Embedding {
 impl Module for Embedding {
     fn forward(&self, indices: &Tensor) -> Result<Tensor> {
         let flat = indices.reshape(&[indices.numel()])?;
-        let rows = self.weight.index_select(0, &flat)?;
+        let mut rows = self.weight.index_select(0, &flat)?;
+        if let Some(padding) = self.padding_idx {
+            // 0 for padding tokens: their rows read as zeros and pass no grad back.
+            let keep = flat
+                .to_dtype(DType::F32)?
+                .ne_scalar(padding as f32)?
+                .to_dtype(DType::F32)?;
+            rows = rows.mul(&keep.unsqueeze(1)?)?;
+        }
         rows.reshape(&[indices.shape(), &[self.weight.shape()[1]]].concat())
     }
 
