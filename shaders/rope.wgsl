@@ -2,7 +2,7 @@
 // two halves, and feature j < half turns with feature j + half by the angle
 // position * theta^(-2 j / dim) ("rotate_half"). Params: `RopeParams` (src/ops/rope.rs).
 
-// table: [max_positions, half] cosines, then as many sines (built once by `table`).
+// table: [max_positions, half] cosines, then as many sines (built once by `build_table`).
 @group(0) @binding(1) var<storage, read_write> table: array<f32>;
 // apply: x and out are contiguous [rows, dim]; row r is at position first + r % seq.
 @group(0) @binding(2) var<storage, read> x: array<f32>;

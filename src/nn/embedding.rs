@@ -12,7 +12,7 @@ pub struct Embedding {
     /// `[num, dim]`.
     pub weight: Tensor,
     /// A row that reads as zeros and gets no grad (padding tokens), as torch's
-    /// `padding_idx`. Its lookups are multiplied by 0, so the row's own values never show
+    /// `padding_idx`. Its lookups are filled with 0, so the row's own values never show
     /// (torch returns them; both start at zeros).
     pub padding_idx: Option<usize>,
 }
@@ -57,12 +57,9 @@ impl Module for Embedding {
         let flat = indices.reshape(&[indices.numel()])?;
         let mut rows = self.weight.index_select(0, &flat)?;
         if let Some(padding) = self.padding_idx {
-            // 0 for padding tokens: their rows read as zeros and pass no grad back.
-            let keep = flat
-                .to_dtype(DType::F32)?
-                .ne_scalar(padding as f32)?
-                .to_dtype(DType::F32)?;
-            rows = rows.mul(&keep.unsqueeze(1)?)?;
+            // Padding tokens' rows read as zeros, and masked_fill passes no grad back there.
+            let is_padding = flat.to_dtype(DType::F32)?.eq_scalar(padding as f32)?;
+            rows = rows.masked_fill(&is_padding.unsqueeze(1)?, 0.0)?;
         }
         rows.reshape(&[indices.shape(), &[self.weight.shape()[1]]].concat())
     }

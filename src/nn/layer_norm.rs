@@ -1,8 +1,9 @@
 //! `LayerNorm` and `RmsNorm` over the last dim.
 
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::nn::Module;
+use crate::ops::norm::check_eps;
 use crate::tensor::Tensor;
 
 /// Normalises the last dim to zero mean and unit variance (biased, as PyTorch), then scales
@@ -67,15 +68,4 @@ impl Module for RmsNorm {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         vec![("weight".to_string(), self.weight.clone())]
     }
-}
-
-/// Errors unless `eps` is finite and not negative.
-fn check_eps(op: &'static str, eps: f32) -> Result<()> {
-    if !(eps >= 0.0 && eps.is_finite()) {
-        return Err(Error::InvalidArgument {
-            op,
-            msg: format!("eps must be finite and >= 0, got {eps}"),
-        });
-    }
-    Ok(())
 }

@@ -55,7 +55,8 @@ pub(crate) enum BinaryOp {
     Mul,
     Div,
     Maximum,
-    /// 1 where a > b, 0.5 where a == b, 0 elsewhere: how `maximum` splits its grad.
+    /// 1 where a > b, 0.5 where a == b, 0 elsewhere: how `maximum` splits its grad (and,
+    /// with its operands swapped, `minimum`).
     MaximumShare,
     /// 1 where a == b, else 0 (which elements a `max` reduction picked).
     Equal,
@@ -69,8 +70,6 @@ pub(crate) enum BinaryOp {
     /// `a`, or the params' scalar where the u32 mask `b` is nonzero.
     MaskedFill,
     Minimum,
-    /// 1 where a < b, 0.5 where a == b, 0 elsewhere: how `minimum` splits its grad.
-    MinimumShare,
     /// `a^b` as C's powf (negative bases with integral exponents).
     Pow,
     /// `log(a)`, or 0 where `a` is 0 and `b >= 0`: the exponent's grad factor of `a^b`, as
@@ -93,7 +92,7 @@ pub(crate) enum BinaryOp {
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 30] = [
+    const ALL: [BinaryOp; 29] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -109,7 +108,6 @@ impl BinaryOp {
         BinaryOp::ErfBackward,
         BinaryOp::MaskedFill,
         BinaryOp::Minimum,
-        BinaryOp::MinimumShare,
         BinaryOp::Pow,
         BinaryOp::PowLogBase,
         BinaryOp::Eq,
@@ -143,7 +141,6 @@ impl BinaryOp {
             BinaryOp::ErfBackward => "erf_backward",
             BinaryOp::MaskedFill => "masked_fill",
             BinaryOp::Minimum => "minimum",
-            BinaryOp::MinimumShare => "minimum_share",
             BinaryOp::Pow => "pow",
             BinaryOp::PowLogBase => "pow_log_base",
             BinaryOp::Eq => "eq",
@@ -183,7 +180,6 @@ impl BinaryOp {
             // The mask's u32 bits, read through the f32 binding unchanged.
             BinaryOp::MaskedFill => "select(a, pf(BINARY_SCALAR), bitcast<u32>(b) != 0u)",
             BinaryOp::Minimum => "nan_min(a, b)",
-            BinaryOp::MinimumShare => "select(select(0.0, 0.5, a == b), 1.0, a < b)",
             BinaryOp::Pow => "pow_exact(a, b)",
             BinaryOp::PowLogBase => "select(log(a), 0.0, a == 0.0 && b >= 0.0)",
             BinaryOp::Eq => "mask_bits(a == b)",
@@ -448,8 +444,9 @@ impl Tensor {
     pub fn minimum(&self, other: &Tensor) -> Result<Tensor> {
         let out = binary(self, other, BinaryOp::Minimum)?;
         Ok(record_binary("minimum", out, self, other, |g, a, b| {
-            let share_a = binary(a, b, BinaryOp::MinimumShare)?;
-            let share_b = binary(b, a, BinaryOp::MinimumShare)?;
+            // a's share of the grad is where b is the larger: maximum's share, swapped.
+            let share_a = binary(b, a, BinaryOp::MaximumShare)?;
+            let share_b = binary(a, b, BinaryOp::MaximumShare)?;
             Ok((g.mul(&share_a)?, g.mul(&share_b)?))
         }))
     }

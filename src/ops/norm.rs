@@ -109,13 +109,19 @@ fn check(
             msg: format!("input {:?} needs {what}", x.shape()),
         });
     }
+    check_eps(op, eps)?;
+    Ok(len)
+}
+
+/// Errors unless a norm's `eps` is finite and not negative (the ops and the nn layers' `new`).
+pub(crate) fn check_eps(op: &'static str, eps: f32) -> Result<()> {
     if !(eps >= 0.0 && eps.is_finite()) {
         return Err(Error::InvalidArgument {
             op,
             msg: format!("eps must be finite and >= 0, got {eps}"),
         });
     }
-    Ok(len)
+    Ok(())
 }
 
 /// The composed LayerNorm, for rows too long for the fused kernels.

@@ -35,6 +35,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 }
 
 /// The cos and sin of every position's angle per frequency, `[2, positions, head_dim / 2]`.
+#[derive(Clone)]
 pub(crate) struct RopeTable {
     table: Tensor,
     positions: usize,
@@ -114,10 +115,7 @@ impl RopeTable {
             ..Default::default()
         };
         let out = self.turn(x, params)?;
-        let table = RopeTable {
-            table: self.table.clone(),
-            ..*self
-        };
+        let table = self.clone();
         Ok(record(OP, out, &[x], move |_| {
             move |g: &Tensor| {
                 let back = RopeParams {
