@@ -3,13 +3,16 @@
 //! T 64, D 32) and at a long one (B 2, H 8, T 1024, D 64), and one training step of the GPT
 //! example's configuration (4 pre-norm blocks, 4 heads, width 128, block 64, batch 12, AdamW).
 //! Each iteration waits for the device. Before the step bench it prints the step's phases.
+//! `sdpa_options` times the options against the plain causal call in the same run: a padding
+//! keep-mask (bar: at most 1.2x unmasked) and grouped-query heads, H_kv = H / 4 (bar: not
+//! slower than H_kv = H).
 
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, Optimizer};
-use wgrad::{Device, Tensor};
+use wgrad::{Device, SdpaOptions, Tensor};
 
 fn sdpa(c: &mut Criterion) {
     let dev = Device::new().unwrap();
@@ -32,6 +35,50 @@ fn sdpa(c: &mut Criterion) {
                         x.zero_grad();
                     }
                     let out = q.scaled_dot_product_attention(&k, &v, true).unwrap();
+                    out.sum().unwrap().backward().unwrap();
+                    dev.synchronize().unwrap();
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+fn sdpa_options(c: &mut Criterion) {
+    let dev = Device::new().unwrap();
+    let mut group = c.benchmark_group("sdpa options");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+    let (b, h, t, d) = (2, 8, 256, 64);
+    // Batch row 1 padded over its last quarter, as a padded batch of two lengths.
+    let keep: Vec<u32> = (0..b * t).map(|i| u32::from(i < t + 3 * t / 4)).collect();
+    let keep = Tensor::from_vec_u32(keep, &[b, 1, 1, t], &dev).unwrap();
+    for (name, kv_heads, mask) in [
+        ("causal", h, None),
+        ("causal + padding mask", h, Some(&keep)),
+        ("causal, H_kv = H / 4", h / 4, None),
+    ] {
+        let make = |heads: usize, seed| {
+            Tensor::randn(&[b, heads, t, d], seed, &dev)
+                .unwrap()
+                .requires_grad_(true)
+        };
+        let (q, k, v) = (make(h, 1), make(kv_heads, 2), make(kv_heads, 3));
+        let opts = SdpaOptions {
+            causal: true,
+            mask,
+            scale: None,
+        };
+        group.bench_function(
+            format!("{name} forward+backward B{b} H{h} T{t} D{d}"),
+            |bench| {
+                bench.iter(|| {
+                    for x in [&q, &k, &v] {
+                        x.zero_grad();
+                    }
+                    let out = q.scaled_dot_product_attention_with(&k, &v, &opts).unwrap();
                     out.sum().unwrap().backward().unwrap();
                     dev.synchronize().unwrap();
                 })
@@ -151,5 +198,5 @@ fn gpt_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, sdpa, gpt_step);
+criterion_group!(benches, sdpa, sdpa_options, gpt_step);
 criterion_main!(benches);

@@ -30,6 +30,12 @@
 @group(0) @binding(6) var<storage, read_write> grad_a: array<f32>;
 // value grad (rows like v's), through the second out layout.
 @group(0) @binding(7) var<storage, read_write> grad_b: array<f32>;
+// The mask, read through the mask layout (see `masked_score`); any buffer when there is none.
+@group(0) @binding(8) var<storage, read> mask: array<f32>;
+
+// What the mask is: 0 none, 1 an F32 mask added to the scores, 2 a U32 keep-mask (nonzero:
+// attend). Spliced in per call, so that the unmasked kernels read no mask.
+const MASK_KIND: u32 = MASK_CODEu;
 
 // Four-feature groups per q/k row and per v row: spliced in per head size, so the row arrays
 // below are exactly that long (a fixed maximum of 64 made LLVM compile for seconds). Their
@@ -38,6 +44,32 @@
 // took 2 s to compile instead of 0.8 s, and ran no faster.
 const D4: u32 = HEAD_VEC4Su;
 const DV4: u32 = VALUE_VEC4Su;
+
+fn neg_inf() -> f32 {
+    return bitcast<f32>(0xff800000u);
+}
+
+// The score of query `i` of q head `h` against key `j`, with the mask applied: plus the F32
+// mask, or -inf where the keep-mask is 0. Every caller skips a key whose score is -inf (its
+// weight is 0), so a row whose keys are all masked has output 0 and no grad, as a causal row
+// with no key. The mask layout is (offset, outer stride, inner stride, inner len, row stride,
+// key stride) over q's heads, strides 0 where the mask broadcasts.
+fn masked_score(score: f32, h: u32, i: u32, j: u32) -> f32 {
+    if (MASK_KIND == 0u) {
+        return score;
+    }
+    let at = head_start(h, ATTENTION_MASK_LAYOUT) + i * pu(ATTENTION_MASK_LAYOUT + 4u) + j * pu(ATTENTION_MASK_LAYOUT + 5u);
+    if (MASK_KIND == 1u) {
+        return score + mask[at];
+    }
+    return select(neg_inf(), score, bitcast<u32>(mask[at]) != 0u);
+}
+
+// The k and v head that q head `h` reads: grouped-query attention shares each k/v head
+// among `group` consecutive q heads (group 1 without).
+fn kv_head(h: u32) -> u32 {
+    return h / pu(ATTENTION_GROUP);
+}
 
 // 1 for the lanes of features i..i+4 inside a row of `len`, else 0.
 fn masked(i: u32, len: u32) -> vec4<f32> {
@@ -159,9 +191,9 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
     let q_at = row_start(h, row % t_q, ATTENTION_Q_LAYOUT);
-    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
     let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
     let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, D4>;
     for (var c = 0u; c < d4; c = c + 1u) {
@@ -178,6 +210,10 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         var score = 0.0;
         for (var c = 0u; c < d4; c = c + 1u) {
             score = score + dot(query[c], k4(k_head + j * k_rs, c, d));
+        }
+        score = masked_score(score, h, row % t_q, j);
+        if (score == neg_inf()) {
+            continue;
         }
         let m_new = max(m, score);
         let correction = exp(m - m_new);
@@ -295,9 +331,9 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let scale = pf(ATTENTION_SCALE);
     let q_at = row_start(h, row % t_q, ATTENTION_Q_LAYOUT);
     let o_at = row_start(h, row % t_q, ATTENTION_O_LAYOUT);
-    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
     let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
     let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, D4>;
     var grad: array<vec4<f32>, D4>;
@@ -318,6 +354,10 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         for (var c = 0u; c < d4; c = c + 1u) {
             score = score + dot(query[c], k4(k_row, c, d));
         }
+        score = masked_score(score, h, row % t_q, j);
+        if (score == neg_inf()) {
+            continue;
+        }
         var dp = 0.0;
         for (var c = 0u; c < dv4; c = c + 1u) {
             dp = dp + dot(dout[c], v4(v_head + j * v_rs, c, dv));
@@ -337,7 +377,8 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 }
 
 // The key and value grads: dk_j = scale * sum_i p_ij (dout_i . v_j - delta_i) q_i and
-// dv_j = sum_i p_ij dout_i. `rows` counts key rows here.
+// dv_j = sum_i p_ij dout_i, the sums over the queries of every q head that reads this k/v
+// head (`group` of them). `rows` counts key rows here.
 @compute @workgroup_size(64)
 fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
@@ -360,10 +401,9 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let scale = pf(ATTENTION_SCALE);
     let k_at_row = row_start(h, row % t_k, ATTENTION_K_LAYOUT);
     let v_at_row = row_start(h, row % t_k, ATTENTION_V_LAYOUT);
-    let q_head = head_start(h, ATTENTION_Q_LAYOUT);
     let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
-    let o_head = head_start(h, ATTENTION_O_LAYOUT);
     let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
+    let group = pu(ATTENTION_GROUP);
     var key: array<vec4<f32>, D4>;
     var grad_key: array<vec4<f32>, D4>;
     for (var c = 0u; c < d4; c = c + 1u) {
@@ -377,24 +417,32 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         grad_value[c] = vec4<f32>(0.0);
     }
     let queries = query_range(row % t_k, s);
-    for (var i = queries.x; i < queries.y; i = i + 1u) {
-        let q_row = q_head + i * q_rs;
-        let o_row = o_head + i * o_rs;
-        let stat = 2u * (h * t_q + i);
-        var score = 0.0;
-        for (var c = 0u; c < d4; c = c + 1u) {
-            score = score + dot(key[c], q4(q_row, c, d));
-        }
-        let p = exp(score - stats[stat]);
-        var dp = 0.0;
-        for (var c = 0u; c < dv4; c = c + 1u) {
-            let g = dout4(o_row, c, dv);
-            dp = dp + dot(g, value[c]);
-            grad_value[c] = grad_value[c] + p * g;
-        }
-        let ds = p * (dp - stats[stat + 1u]) * scale;
-        for (var c = 0u; c < d4; c = c + 1u) {
-            grad_key[c] = grad_key[c] + ds * q4(q_row, c, d);
+    for (var hq = h * group; hq < (h + 1u) * group; hq = hq + 1u) {
+        let q_head = head_start(hq, ATTENTION_Q_LAYOUT);
+        let o_head = head_start(hq, ATTENTION_O_LAYOUT);
+        for (var i = queries.x; i < queries.y; i = i + 1u) {
+            let q_row = q_head + i * q_rs;
+            let o_row = o_head + i * o_rs;
+            let stat = 2u * (hq * t_q + i);
+            var score = 0.0;
+            for (var c = 0u; c < d4; c = c + 1u) {
+                score = score + dot(key[c], q4(q_row, c, d));
+            }
+            score = masked_score(score, hq, i, row % t_k);
+            if (score == neg_inf()) {
+                continue;
+            }
+            let p = exp(score - stats[stat]);
+            var dp = 0.0;
+            for (var c = 0u; c < dv4; c = c + 1u) {
+                let g = dout4(o_row, c, dv);
+                dp = dp + dot(g, value[c]);
+                grad_value[c] = grad_value[c] + p * g;
+            }
+            let ds = p * (dp - stats[stat + 1u]) * scale;
+            for (var c = 0u; c < d4; c = c + 1u) {
+                grad_key[c] = grad_key[c] + ds * q4(q_row, c, d);
+            }
         }
     }
     let key_base = row_start(h, row % t_k, ATTENTION_OUT_LAYOUT);
@@ -519,9 +567,9 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let dv4 = (dv + 3u) / 4u;
     let scale = pf(ATTENTION_SCALE);
     let q_at = row_start(h, i, ATTENTION_Q_LAYOUT);
-    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
     let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
     let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, D8>;
     for (var c = 0u; c < D8; c = c + 1u) {
@@ -534,7 +582,6 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     // The subgroup's first row starts earliest and its last ends latest.
     let shared_keys = vec2<u32>(key_range(owned.first, s).x, key_range(owned.last, s).y);
     for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
-        let live = j >= keys.x && j < keys.y;
         let k_row = k_head + j * k_rs;
         var score = 0.0;
         for (var g = 0u; g < D8; g = g + 8u) {
@@ -543,6 +590,8 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
                 score = score + dot(query[g + e], kg[e]);
             }
         }
+        score = masked_score(score, h, i, j);
+        let live = j >= keys.x && j < keys.y && score != neg_inf();
         let m_new = select(m, max(m, score), live);
         let correction = select(1.0, exp(m - m_new), live);
         let p = select(0.0, exp(score - m_new), live);
@@ -596,9 +645,9 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     let scale = pf(ATTENTION_SCALE);
     let q_at = row_start(h, i, ATTENTION_Q_LAYOUT);
     let o_at = row_start(h, i, ATTENTION_O_LAYOUT);
-    let k_head = head_start(h, ATTENTION_K_LAYOUT);
+    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
     let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(h, ATTENTION_V_LAYOUT);
+    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
     let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
     var query: array<vec4<f32>, D8>;
     var grad: array<vec4<f32>, D8>;
@@ -614,7 +663,6 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     let keys = key_range(i, s);
     let shared_keys = vec2<u32>(key_range(owned.first, s).x, key_range(owned.last, s).y);
     for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
-        let live = j >= keys.x && j < keys.y;
         let k_row = k_head + j * k_rs;
         let v_row = v_head + j * v_rs;
         var score = 0.0;
@@ -631,6 +679,8 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
                 dp = dp + dot(dout[g + e], vg[e]);
             }
         }
+        score = masked_score(score, h, i, j);
+        let live = j >= keys.x && j < keys.y && score != neg_inf();
         let ds = select(0.0, exp(score - lse) * (dp - delta) * scale, live);
         // Key row j again: one load and 8 broadcasts per lane, which measured no slower than
         // keeping the row from the score loop (a fourth register array).
@@ -670,10 +720,9 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let scale = pf(ATTENTION_SCALE);
     let k_at_row = row_start(h, j, ATTENTION_K_LAYOUT);
     let v_at_row = row_start(h, j, ATTENTION_V_LAYOUT);
-    let q_head = head_start(h, ATTENTION_Q_LAYOUT);
     let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
-    let o_head = head_start(h, ATTENTION_O_LAYOUT);
     let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
+    let group = pu(ATTENTION_GROUP);
     var key: array<vec4<f32>, D8>;
     var grad_key: array<vec4<f32>, D8>;
     for (var c = 0u; c < D8; c = c + 1u) {
@@ -687,33 +736,38 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let queries = query_range(j, s);
     // The subgroup's first key row is attended to by the most queries (causal: from itself on).
     let shared_queries = query_range(owned.first, s);
-    for (var i = shared_queries.x; i < shared_queries.y; i = i + 1u) {
-        let live = i >= queries.x && i < queries.y;
-        let q_row = q_head + i * q_rs;
-        let o_row = o_head + i * o_rs;
-        let stat = 2u * (h * t_q + i);
-        var score = 0.0;
-        for (var g = 0u; g < D8; g = g + 8u) {
-            let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
-            for (var e = 0u; e < 8u; e = e + 1u) {
-                score = score + dot(key[g + e], qg[e]);
+    for (var hq = h * group; hq < (h + 1u) * group; hq = hq + 1u) {
+        let q_head = head_start(hq, ATTENTION_Q_LAYOUT);
+        let o_head = head_start(hq, ATTENTION_O_LAYOUT);
+        for (var i = shared_queries.x; i < shared_queries.y; i = i + 1u) {
+            let q_row = q_head + i * q_rs;
+            let o_row = o_head + i * o_rs;
+            let stat = 2u * (hq * t_q + i);
+            var score = 0.0;
+            for (var g = 0u; g < D8; g = g + 8u) {
+                let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
+                for (var e = 0u; e < 8u; e = e + 1u) {
+                    score = score + dot(key[g + e], qg[e]);
+                }
             }
-        }
-        let p = select(0.0, exp(score - stats[stat]), live);
-        var dp = 0.0;
-        for (var g = 0u; g < DV8; g = g + 8u) {
-            let og = groups8(dout4(o_row, lane_group(g, lane, dv4), dv));
-            for (var e = 0u; e < 8u; e = e + 1u) {
-                dp = dp + dot(og[e], value[g + e]);
-                grad_value[g + e] = grad_value[g + e] + p * og[e];
+            score = masked_score(score, hq, i, j);
+            let live = i >= queries.x && i < queries.y && score != neg_inf();
+            let p = select(0.0, exp(score - stats[stat]), live);
+            var dp = 0.0;
+            for (var g = 0u; g < DV8; g = g + 8u) {
+                let og = groups8(dout4(o_row, lane_group(g, lane, dv4), dv));
+                for (var e = 0u; e < 8u; e = e + 1u) {
+                    dp = dp + dot(og[e], value[g + e]);
+                    grad_value[g + e] = grad_value[g + e] + p * og[e];
+                }
             }
-        }
-        let ds = p * (dp - stats[stat + 1u]) * scale;
-        // Query row i again, as backward_query_shared reloads its key row.
-        for (var g = 0u; g < D8; g = g + 8u) {
-            let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
-            for (var e = 0u; e < 8u; e = e + 1u) {
-                grad_key[g + e] = grad_key[g + e] + ds * qg[e];
+            let ds = p * (dp - stats[stat + 1u]) * scale;
+            // Query row i again, as backward_query_shared reloads its key row.
+            for (var g = 0u; g < D8; g = g + 8u) {
+                let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
+                for (var e = 0u; e < 8u; e = e + 1u) {
+                    grad_key[g + e] = grad_key[g + e] + ds * qg[e];
+                }
             }
         }
     }

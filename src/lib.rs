@@ -33,6 +33,7 @@ mod tensor;
 pub use autograd::{no_grad, BackwardOptions};
 pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
 pub use error::{Error, Result};
+pub use ops::attention::SdpaOptions;
 pub use ops::conv::Conv2dOptions;
 pub use seed::manual_seed;
 pub use tensor::{DType, Tensor};

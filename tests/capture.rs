@@ -617,3 +617,61 @@ fn replayed_steps_through_the_new_elementwise_ops_equal_eager_steps() {
     assert!(step.stats().fused_away > 0, "{:?}", step.stats());
     assert_same_parameters(&eager_model, captured_model.as_ref());
 }
+
+/// A step through grouped-query attention (4 q heads, 1 k/v head) with a padding keep-mask
+/// and an explicit scale; the mask is a step input, so each batch brings its own padding.
+fn masked_gqa_step(
+    params: &[Tensor],
+    opt: &mut dyn Optimizer,
+    x: &Tensor,
+    keep: &Tensor,
+) -> Result<Tensor> {
+    opt.zero_grad();
+    let (b, t) = (x.shape()[0], x.shape()[1]);
+    let heads = |w: &Tensor, h: usize| -> Result<Tensor> {
+        x.matmul(w)?.reshape(&[b, t, h, 4])?.transpose(1, 2)
+    };
+    let (q, kv) = (heads(&params[0], 4)?, heads(&params[1], 1)?);
+    let opts = wgrad::SdpaOptions {
+        causal: true,
+        mask: Some(keep),
+        scale: Some(0.3),
+    };
+    let out = q.scaled_dot_product_attention_with(&kv, &kv, &opts)?;
+    let loss = out.mul(&out)?.mean()?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+#[test]
+fn replayed_masked_grouped_query_attention_steps_equal_eager_steps() {
+    let weights = |seed| {
+        let (w, _) = random_tensor(&[8, 16], seed);
+        let (kv, _) = random_tensor(&[8, 4], seed + 1);
+        [w, kv].map(|p| p.requires_grad_(true))
+    };
+    let (eager, captured) = (weights(700), weights(700));
+    let config = SgdConfig {
+        lr: 0.5,
+        ..Default::default()
+    };
+    let mut eager_opt = Sgd::new(eager.to_vec(), config);
+    let mut opt = Sgd::new(captured.to_vec(), config);
+    let mut step = Step::new(|b: &[Tensor]| masked_gqa_step(&captured, &mut opt, &b[0], &b[1]));
+    for i in 0..6 {
+        let (x, _) = random_tensor(&[2, 5, 8], 710 + i);
+        // Batch row 1 keeps its first 5 - i % 3 tokens.
+        let keep: Vec<u32> = (0..10)
+            .map(|at| u32::from(at < 5 || at - 5 < 5 - i as usize % 3))
+            .collect();
+        let keep = Tensor::from_vec_u32(keep, &[2, 1, 1, 5], device()).unwrap();
+        let want = masked_gqa_step(&eager, &mut eager_opt, &x, &keep).unwrap();
+        let got = step.run(&[x, keep]).unwrap();
+        assert_same_loss(&got, &want);
+    }
+    assert_eq!(step.stats().replays, 4);
+    for (a, b) in values(&eager).iter().zip(&values(&captured)) {
+        assert_rel_close(b, a, 1e-5, "parameter");
+    }
+}

@@ -2,6 +2,11 @@
 //! (`shaders/attention.wgsl`) that never store the `Tq x Tk` scores: the forward keeps a
 //! running max and sum per query row (online softmax) and saves each row's log-sum-exp, and
 //! the backward recomputes the scores from it. Device memory grows linearly in T.
+//!
+//! Options ([`SdpaOptions`]): a mask read in place through broadcast strides (never
+//! expanded to `[.., Tq, Tk]`), an explicit scale, and grouped-query attention, where each k/v
+//! head serves `group` consecutive q heads: the kernels map a q head to its k/v head, so k and
+//! v are never copied out to H heads.
 
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
@@ -10,7 +15,7 @@ use crate::kernel::{
 };
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
-use crate::tensor::layout::{inverse_permutation, merge_dims};
+use crate::tensor::layout::{broadcast_shapes, inverse_permutation, merge_dims};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -31,13 +36,29 @@ crate::kernel_params! {
         span: u32,
         splits: u32,
         split: u32,
+        group: u32,
         q_layout: [u32; 5],
         k_layout: [u32; 5],
         v_layout: [u32; 5],
         o_layout: [u32; 5],
         out_layout: [u32; 5],
         out2_layout: [u32; 5],
+        mask_layout: [u32; 6],
     }
+}
+
+/// How [`Tensor::scaled_dot_product_attention_with`] attends, as PyTorch's
+/// `scaled_dot_product_attention` arguments.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SdpaOptions<'a> {
+    /// Query `i` attends to keys `0..=i` only (PyTorch's `is_causal`, aligned top-left).
+    pub causal: bool,
+    /// An F32 mask added to the scaled scores (`-inf` drops a key), or a U32 keep-mask
+    /// (nonzero: attend), broadcastable to `[.., Tq, Tk]` over q's batch dims. It takes no
+    /// grad. A query row whose keys are all dropped gives zeros (PyTorch: NaN).
+    pub mask: Option<&'a Tensor>,
+    /// The factor on `q k^T`; `None` is `1 / sqrt(D)`.
+    pub scale: Option<f32>,
 }
 
 /// Where the rows of a `[.., T, features]` tensor lie, read in place: head `h` (of the batch
@@ -166,8 +187,9 @@ static ATTENTION: ShaderFamily = ShaderFamily {
 };
 
 /// The module for heads of `d` q/k features and `dv` v features, reading four features per
-/// load when `aligned`, with the `*_shared` entries where the device has `subgroups` 8 wide.
-fn source(d: usize, dv: usize, aligned: bool, subgroups: bool) -> String {
+/// load when `aligned`, with the `*_shared` entries where the device has `subgroups` 8 wide,
+/// for a mask of `mask_kind` (see [`MaskKind`]).
+fn source(d: usize, dv: usize, aligned: bool, subgroups: bool, mask_kind: u32) -> String {
     let wgsl = if subgroups {
         ATTENTION.wgsl.to_string()
     } else {
@@ -179,6 +201,7 @@ fn source(d: usize, dv: usize, aligned: bool, subgroups: bool) -> String {
             ("ALIGNED", if aligned { "true" } else { "false" }),
             ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
             ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
+            ("MASK_CODE", &mask_kind.to_string()),
         ],
     )
 }
@@ -186,16 +209,16 @@ fn source(d: usize, dv: usize, aligned: bool, subgroups: bool) -> String {
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     let mut all = Vec::new();
-    for (d, dv, aligned) in [
-        (32, 32, true),
-        (6, 3, false),
-        (256, 256, true),
-        (64, 40, true),
+    for (d, dv, aligned, mask) in [
+        (32, 32, true, MaskKind::None),
+        (6, 3, false, MaskKind::Additive),
+        (256, 256, true, MaskKind::Keep),
+        (64, 40, true, MaskKind::None),
     ] {
         for subgroups in [false, true] {
             all.push((
-                format!("attention/{d}x{dv}/{aligned}/{subgroups}"),
-                source(d, dv, aligned, subgroups),
+                format!("attention/{d}x{dv}/{aligned}/{subgroups}/{mask:?}"),
+                source(d, dv, aligned, subgroups, mask as u32),
             ));
         }
     }
@@ -229,9 +252,10 @@ fn run(
         && s.dv.is_multiple_of(4)
         && operands.iter().all(|layout| layout.aligned());
     let subgroups = has_shared_entries(dev);
-    let specialise = || source(s.d, s.dv, aligned, subgroups);
+    let mask = s.mask_kind;
+    let specialise = || source(s.d, s.dv, aligned, subgroups, mask);
     let variant = format!(
-        "{}x{}/{aligned}/{subgroups}",
+        "{}x{}/{aligned}/{subgroups}/{mask}",
         s.d.div_ceil(4),
         s.dv.div_ceil(4)
     );
@@ -256,15 +280,32 @@ const LOOP_BUDGET: usize = 50_000;
 /// Invocations per workgroup of every attention entry.
 const ATTENTION_WORKGROUP: usize = 64;
 
-/// The shapes of one attention call, with the batch dims flattened into `heads`.
+/// What the kernels' `MASK_KIND` says the mask binding holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+enum MaskKind {
+    None = 0,
+    /// F32, added to the scores.
+    Additive = 1,
+    /// U32, nonzero where a key is attended to.
+    Keep = 2,
+}
+
+/// The shapes of one attention call, with q's batch dims flattened into `heads` (k and v
+/// have `heads / group` heads), and its options.
 #[derive(Debug, Clone, Copy)]
 struct Shape {
     heads: usize,
+    group: usize,
     t_q: usize,
     t_k: usize,
     d: usize,
     dv: usize,
     causal: bool,
+    scale: f32,
+    mask_kind: u32,
+    /// Where the mask's element for (q head, query, key) lies: see `masked_score` in the WGSL.
+    mask_layout: [u32; 6],
 }
 
 impl Shape {
@@ -294,23 +335,28 @@ impl Shape {
             d: self.d as u32,
             dv: self.dv as u32,
             causal: self.causal as u32,
-            scale: 1.0 / (self.d as f32).sqrt(),
+            scale: self.scale,
             span: span as u32,
             splits: splits as u32,
             split: 0,
+            group: self.group as u32,
             q_layout: l[0].slots(),
             k_layout: l[1].slots(),
             v_layout: l[2].slots(),
             o_layout: l[3].slots(),
             out_layout: written[0].slots(),
             out2_layout: written[1].slots(),
+            mask_layout: self.mask_layout,
         }
     }
 }
 
-/// Checks q `[.., Tq, D]`, k `[.., Tk, D]` and v `[.., Tk, Dv]` with equal batch dims.
-fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Shape> {
-    const OP: &str = "scaled_dot_product_attention";
+const OP: &str = "scaled_dot_product_attention";
+
+/// Checks q `[.., Tq, D]`, k `[.., Tk, D]` and v `[.., Tk, Dv]`, whose batch dims are equal
+/// but for dim -3 (the heads), where q's may be a multiple of k's and v's (grouped-query);
+/// and the mask, which [`mask_operand`] returns as the kernels read it.
+fn check(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<(Shape, MaskOperand)> {
     for t in [k, v] {
         q.expect_same_device(OP, t)?;
     }
@@ -322,16 +368,39 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Shape> {
     let fits = r >= 2
         && k.rank() == r
         && v.rank() == r
-        && q.shape()[..r - 2] == k.shape()[..r - 2]
-        && q.shape()[..r - 2] == v.shape()[..r - 2]
+        && k.shape()[..r - 2] == v.shape()[..r - 2]
         && k.shape()[r - 2] == v.shape()[r - 2]
         && q.shape()[r - 1] == k.shape()[r - 1];
-    if !fits {
+    // Batch dims above the heads (dim -3) equal; the heads equal, or q's a multiple of k's.
+    let outer = r.saturating_sub(3);
+    let batch_fits = fits && q.shape()[..outer] == k.shape()[..outer];
+    if !batch_fits {
         return Err(Error::Shape {
             op: OP,
             msg: format!(
                 "needs q [.., Tq, D], k [.., Tk, D] and v [.., Tk, Dv] with the same batch \
-                 dims, got {}",
+                 dims (q may have a multiple of k's heads on dim -3), got {}",
+                shapes()
+            ),
+        });
+    }
+    let (heads_q, heads_kv) = if r >= 3 {
+        (q.shape()[r - 3], k.shape()[r - 3])
+    } else {
+        (1, 1)
+    };
+    let group = match (heads_q, heads_kv) {
+        (0, 0) => 1,
+        (_, 0) => 0,
+        (hq, hkv) if hq % hkv == 0 => hq / hkv,
+        _ => 0,
+    };
+    if group == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "grouped-query attention needs q's heads (dim -3, {heads_q}) to be a multiple \
+                 of k's and v's ({heads_kv}), got {}",
                 shapes()
             ),
         });
@@ -346,21 +415,128 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Shape> {
             ),
         });
     }
-    Ok(Shape {
+    if let Some(scale) = opts.scale {
+        if !scale.is_finite() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!("scale must be finite, got {scale}"),
+            });
+        }
+    }
+    let t_k = k.shape()[r - 2];
+    let mask = mask_operand(opts.mask, q, t_k)?;
+    let shape = Shape {
         heads: q.shape()[..r - 2].iter().product(),
+        group,
         t_q: q.shape()[r - 2],
-        t_k: k.shape()[r - 2],
+        t_k,
         d,
         dv,
-        causal,
+        causal: opts.causal,
+        scale: opts.scale.unwrap_or(1.0 / (d as f32).sqrt()),
+        mask_kind: mask.kind as u32,
+        mask_layout: mask.layout,
+    };
+    Ok((shape, mask))
+}
+
+/// The mask as the kernels read it: its kind, the tensor to bind (q when there is no mask:
+/// the binding needs a buffer) and where its element for (q head, query, key) lies.
+struct MaskOperand {
+    kind: MaskKind,
+    tensor: Option<Tensor>,
+    layout: [u32; 6],
+}
+
+impl MaskOperand {
+    /// The tensor to bind at the mask's binding: the mask, or `q` where there is none.
+    fn bound<'a>(&'a self, q: &'a Tensor) -> &'a Tensor {
+        self.tensor.as_ref().unwrap_or(q)
+    }
+}
+
+/// Checks `mask` against q `[.., Tq, D]` and `t_k` keys and lays it out: a view expanded to
+/// `[q batch.., Tq, Tk]` (broadcast dims have stride 0), copied only where its batch dims do
+/// not merge into two.
+fn mask_operand(mask: Option<&Tensor>, q: &Tensor, t_k: usize) -> Result<MaskOperand> {
+    let Some(mask) = mask else {
+        return Ok(MaskOperand {
+            kind: MaskKind::None,
+            tensor: None,
+            layout: [0, 0, 0, 1, 0, 0],
+        });
+    };
+    q.expect_same_device(OP, mask)?;
+    // Exhaustive, so that a new dtype must say whether it can be a mask.
+    let kind = match mask.dtype() {
+        DType::F32 => MaskKind::Additive,
+        DType::U32 => MaskKind::Keep,
+    };
+    if mask.requires_grad() {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: "the mask takes no grad: pass mask.detach()".to_string(),
+        });
+    }
+    let r = q.rank();
+    let mut full = q.shape()[..r - 2].to_vec();
+    full.extend([q.shape()[r - 2], t_k]);
+    if broadcast_shapes(mask.shape(), &full).as_deref() != Some(&full[..]) {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "the mask of shape {:?} does not broadcast to [.., Tq, Tk] = {full:?} (q {:?})",
+                mask.shape(),
+                q.shape()
+            ),
+        });
+    }
+    let _no_grad = NoGradGuard::new();
+    let layout_of = |m: &Tensor| -> Option<[u32; 6]> {
+        let strides = &m.layout().strides;
+        let n = strides.len();
+        if m.numel() == 0 {
+            return Some([0, 0, 0, 1, 0, 0]);
+        }
+        let (rank, merged, merged_strides) = merge_dims(&full[..n - 2], &[&strides[..n - 2]])?;
+        if rank > 2 {
+            return None;
+        }
+        let s = &merged_strides[0];
+        Some([
+            m.layout().offset as u32,
+            s[4],
+            s[5],
+            merged[5].max(1),
+            strides[n - 2] as u32,
+            strides[n - 1] as u32,
+        ])
+    };
+    let expanded = mask.expand(&full)?;
+    let (tensor, layout) = match layout_of(&expanded) {
+        Some(layout) => (expanded, layout),
+        None => {
+            let dense = expanded.contiguous()?;
+            let layout = layout_of(&dense).expect("a contiguous mask's batch dims merge");
+            (dense, layout)
+        }
+    };
+    Ok(MaskOperand {
+        kind,
+        tensor: Some(tensor),
+        layout,
     })
 }
 
 /// The forward: `(out [.., Tq, Dv], stats [heads Tq, 2])` with the log-sum-exp of each row
 /// in `stats[.., 0]`; `out` laid out in q's order (see [`empty_in_order_of`]).
-/// `ops.tensors[3]` is unused (any tensor).
-fn forward(s: &Shape, ops: &Operands, out_shape: &[usize]) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "scaled_dot_product_attention";
+/// `ops.tensors[3]` is unused (any tensor); `mask` is bound at the mask's binding.
+fn forward(
+    s: &Shape,
+    ops: &Operands,
+    mask: &Tensor,
+    out_shape: &[usize],
+) -> Result<(Tensor, Tensor)> {
     let [q, k, v, _] = &ops.tensors;
     let [lq, lk, lv, _] = &ops.layouts;
     let dev = q.device();
@@ -379,32 +555,41 @@ fn forward(s: &Shape, ops: &Operands, out_shape: &[usize]) -> Result<(Tensor, Te
         ("forward", rows)
     };
     if splits == 1 {
-        let bound = [(1, q), (2, k), (3, v), (4, &out), (5, &stats)];
+        let bound = [(1, q), (2, k), (3, v), (4, &out), (5, &stats), (8, mask)];
         run(entry, &read, s, &bound, &params, invocations)?;
         return Ok((out, stats));
     }
     let partial = Tensor::empty(OP, &[splits, rows, s.dv], DType::F32, dev)?;
     let partial_stats = Tensor::empty(OP, &[splits, rows, 2], DType::F32, dev)?;
-    let bound = [(1, q), (2, k), (3, v), (4, &partial), (5, &partial_stats)];
+    let bound = [
+        (1, q),
+        (2, k),
+        (3, v),
+        (4, &partial),
+        (5, &partial_stats),
+        (8, mask),
+    ];
     run(entry, &read, s, &bound, &params, invocations * splits)?;
     let bound = [(2, &partial_stats), (3, &partial), (4, &out), (5, &stats)];
     run("combine", &[&lo], s, &bound, &params, rows)?;
     Ok((out, stats))
 }
 
-/// The grads of q, k and v (each `None` unless `need` says so) from the out grad `g`.
+/// The grads of q, k and v (each `None` unless `need` says so) from the out grad `g`; `mask`
+/// is bound at the mask's binding.
+#[allow(clippy::too_many_arguments)]
 fn backward(
     s: &Shape,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    mask: &Tensor,
     (out, stats): (&Tensor, &Tensor),
     g: &Tensor,
     need: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
-    const OP: &str = "scaled_dot_product_attention";
     let dev = q.device();
-    let (rows_q, rows_k) = (s.heads * s.t_q, s.heads * s.t_k);
+    let (rows_q, rows_k) = (s.heads * s.t_q, s.heads / s.group * s.t_k);
     let ops = operands([q, k, v, g])?;
     let [q, k, v, g] = &ops.tensors;
     let read: Vec<&HeadLayout> = ops.layouts.iter().collect();
@@ -420,9 +605,10 @@ fn backward(
     };
     let (d4, dv4) = (s.d.div_ceil(4), s.dv.div_ceil(4));
     let mut grads = [None, None, None];
-    // One launch per span of the other side, each adding to the grads the earlier wrote.
-    let spans = |len: usize, params: AttentionParams| {
-        let (span, splits) = s.split(len, 2 * d4 + dv4 + 1);
+    // One launch per span of the other side, each adding to the grads the earlier wrote. A
+    // key row's loop runs over the queries of each of its `group` q heads.
+    let spans = |len: usize, heads_per_row: usize, params: AttentionParams| {
+        let (span, splits) = s.split(len, heads_per_row * (2 * d4 + dv4 + 1));
         (0..splits).map(move |split| AttentionParams {
             span: span as u32,
             splits: 1,
@@ -433,14 +619,22 @@ fn backward(
     if need[0] {
         let (grad_q, lq) = written_like(OP, q.shape(), q)?;
         let base = s.params(rows_q, 0, 1, &ops.layouts, [&lq, &lq]);
-        let bound = [(1, q), (2, k), (3, v), (4, g), (5, &stats), (6, &grad_q)];
+        let bound = [
+            (1, q),
+            (2, k),
+            (3, v),
+            (4, g),
+            (5, &stats),
+            (6, &grad_q),
+            (8, mask),
+        ];
         let (entry, invocations) = if has_shared_entries(dev) {
             ("backward_query_shared", shared_invocations(s.heads, s.t_q))
         } else {
             ("backward_query", rows_q)
         };
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lq]).collect();
-        for params in spans(s.t_k, base) {
+        for params in spans(s.t_k, 1, base) {
             run(entry, &layouts, s, &bound, &params, invocations)?;
         }
         grads[0] = Some(grad_q);
@@ -457,14 +651,18 @@ fn backward(
             (5, &stats),
             (6, &grad_k),
             (7, &grad_v),
+            (8, mask),
         ];
         let (entry, invocations) = if has_shared_entries(dev) {
-            ("backward_key_shared", shared_invocations(s.heads, s.t_k))
+            (
+                "backward_key_shared",
+                shared_invocations(s.heads / s.group, s.t_k),
+            )
         } else {
             ("backward_key", rows_k)
         };
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lk, &lv]).collect();
-        for params in spans(s.t_q, base) {
+        for params in spans(s.t_q, s.group, base) {
             run(entry, &layouts, s, &bound, &params, invocations)?;
         }
         grads[1] = need[1].then_some(grad_k);
@@ -487,7 +685,8 @@ impl Tensor {
     /// `softmax(q k^T / sqrt(D)) v` for q `[.., Tq, D]`, k `[.., Tk, D]` and v `[.., Tk, Dv]`
     /// (the same batch dims): `[.., Tq, Dv]`. With `causal`, query `i` attends to keys
     /// `0..=i` only (PyTorch's `is_causal`, aligned top-left). Fused: the `Tq x Tk` scores
-    /// are never stored, forward or backward, so memory grows linearly in T.
+    /// are never stored, forward or backward, so memory grows linearly in T. For masks, a
+    /// scale or grouped-query heads see [`Tensor::scaled_dot_product_attention_with`].
     ///
     /// ```
     /// # fn main() -> wgrad::Result<()> {
@@ -505,7 +704,43 @@ impl Tensor {
         v: &Tensor,
         causal: bool,
     ) -> Result<Tensor> {
-        let shape = check(self, k, v, causal)?;
+        self.scaled_dot_product_attention_with(
+            k,
+            v,
+            &SdpaOptions {
+                causal,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// Attention as [`Tensor::scaled_dot_product_attention`], with PyTorch's options: a mask
+    /// (F32 added to the scores, or U32 keep-mask, broadcastable to `[.., Tq, Tk]`: a padding
+    /// mask `[B, 1, 1, Tk]` is read in place, never expanded), a scale, and grouped-query
+    /// attention: k and v may have fewer heads than q on dim -3 (q's a multiple of theirs),
+    /// each k/v head serving consecutive q heads, read in place without copies.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, SdpaOptions, Tensor};
+    /// let dev = Device::new()?;
+    /// let q = Tensor::randn(&[2, 8, 5, 16], 0, &dev)?; // 8 query heads
+    /// let kv = Tensor::randn(&[2, 2, 5, 16], 1, &dev)?; // 2 key/value heads
+    /// // Batch row 1 has two padding tokens at the end: 1 = attend.
+    /// let keep = Tensor::from_vec_u32(vec![1, 1, 1, 1, 1, 1, 1, 1, 0, 0], &[2, 1, 1, 5], &dev)?;
+    /// let opts = SdpaOptions { causal: true, mask: Some(&keep), scale: None };
+    /// let o = q.scaled_dot_product_attention_with(&kv, &kv, &opts)?;
+    /// assert_eq!(o.shape(), &[2, 8, 5, 16]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn scaled_dot_product_attention_with(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &SdpaOptions,
+    ) -> Result<Tensor> {
+        let (shape, mask) = check(self, k, v, opts)?;
         let r = self.rank();
         let mut out_shape = self.shape().to_vec();
         out_shape[r - 1] = shape.dv;
@@ -513,41 +748,32 @@ impl Tensor {
             // No key to attend to: PyTorch gives NaN rows; wgrad gives zeros, as a row with
             // every key masked does.
             let zeros = Tensor::zeros(&out_shape, self.device())?;
-            return Ok(record(
-                "scaled_dot_product_attention",
-                zeros,
-                &[self, k, v],
-                |_| {
-                    let shapes = [
-                        self.shape().to_vec(),
-                        k.shape().to_vec(),
-                        v.shape().to_vec(),
-                    ];
-                    let dev = self.device().clone();
-                    move |_g: &Tensor| {
-                        shapes
-                            .iter()
-                            .map(|s| Tensor::zeros(s, &dev).map(Some))
-                            .collect()
-                    }
-                },
-            ));
+            return Ok(record(OP, zeros, &[self, k, v], |_| {
+                let shapes = [
+                    self.shape().to_vec(),
+                    k.shape().to_vec(),
+                    v.shape().to_vec(),
+                ];
+                let dev = self.device().clone();
+                move |_g: &Tensor| {
+                    shapes
+                        .iter()
+                        .map(|s| Tensor::zeros(s, &dev).map(Some))
+                        .collect()
+                }
+            }));
         }
         let ops = operands([self, k, v, self])?;
-        let (out, stats) = forward(&shape, &ops, &out_shape)?;
-        Ok(record(
-            "scaled_dot_product_attention",
-            out,
-            &[self, k, v],
-            |out| {
-                let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
-                let [q, k, v, _] = ops.tensors.map(|t| t.detach());
-                let out = out.detach();
-                move |g: &Tensor| {
-                    let grads = backward(&shape, &q, &k, &v, (&out, &stats), g, need)?;
-                    Ok(grads.into_iter().collect())
-                }
-            },
-        ))
+        let (out, stats) = forward(&shape, &ops, mask.bound(self), &out_shape)?;
+        Ok(record(OP, out, &[self, k, v], |out| {
+            let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
+            let [q, k, v, _] = ops.tensors.map(|t| t.detach());
+            let mask = mask.tensor.clone().unwrap_or_else(|| q.clone());
+            let out = out.detach();
+            move |g: &Tensor| {
+                let grads = backward(&shape, &q, &k, &v, &mask, (&out, &stats), g, need)?;
+                Ok(grads.into_iter().collect())
+            }
+        }))
     }
 }
