@@ -6,12 +6,16 @@
 // when K and the offset are multiples of 4.
 // The backward entries are fused the same way: softmax_backward takes the forward's output y
 // and the incoming grad g; cross_entropy_backward recomputes the row's softmax from the logits.
+// The cross-entropy entries take torch's options (class weights, ignore_index,
+// label_smoothing) and write one loss per row, which the host reduces.
 // Params: `SoftmaxParams` (src/ops/softmax.rs).
 
 @group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> labels: array<u32>;
 @group(0) @binding(4) var<storage, read> grad: array<vec4<f32>>;
+// cross_entropy: the class weights (any buffer when unweighted).
+@group(0) @binding(5) var<storage, read> class_weight: array<f32>;
 
 const WG: u32 = 64u;
 const NEG_INF: f32 = -3.40282347e38;
@@ -133,7 +137,38 @@ fn softmax_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
 }
 
-// dst[row] = logsumexp(row) - row[label]: the row's negative log-likelihood.
+// The cross-entropy of each row (`*_serial`, `*_rows`), as torch's `cross_entropy` with
+// `weight`, `ignore_index` and `label_smoothing` (eps) per element, before any reduction:
+//   (1 - eps) w[y] (lse - x[y]) + eps / K (lse W - sum_c w[c] x[c]),  W = sum_c w[c],
+// lse = logsumexp(row), w = 1 unweighted; 0 for a row whose label is ignore_index.
+// The reduction (mean, sum) is the host's, through ops whose grads reach `grad` per row.
+
+fn weight_of(c: u32) -> f32 {
+    if (pu(SOFTMAX_WEIGHTED) == 1u) {
+        return class_weight[c];
+    }
+    return 1.0;
+}
+
+fn ignored(label: u32) -> bool {
+    return pu(SOFTMAX_IGNORE) == 1u && label == pu(SOFTMAX_IGNORE_INDEX);
+}
+
+// A row's loss from its stats (max, log-sum-exp of the shifted row), its label's logit and,
+// under smoothing, (W, sum_c w[c] x[c]).
+fn row_loss(stats: vec2<f32>, label: u32, x_label: f32, sums: vec2<f32>) -> f32 {
+    if (ignored(label)) {
+        return 0.0;
+    }
+    let lse = stats.x + stats.y;
+    let eps = pf(SOFTMAX_SMOOTHING);
+    var loss = (1.0 - eps) * weight_of(label) * (lse - x_label);
+    if (eps > 0.0) {
+        loss = loss + eps / f32(pu(SOFTMAX_LEN)) * (lse * sums.x - sums.y);
+    }
+    return loss;
+}
+
 @compute @workgroup_size(64)
 fn cross_entropy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) lid: u32) {
@@ -144,9 +179,19 @@ fn cross_entropy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_workgroup(base, k_len, lid);
+    var sums = vec2<f32>(0.0);
+    if (pf(SOFTMAX_SMOOTHING) > 0.0) {
+        var w = 0.0;
+        var wx = 0.0;
+        for (var k = lid; k < k_len; k = k + WG) {
+            w = w + weight_of(k);
+            wx = wx + weight_of(k) * src_at(base + k);
+        }
+        sums = vec2<f32>(workgroup_reduce(lid, w, false), workgroup_reduce(lid, wx, false));
+    }
     if (lid == 0u) {
         let label = min(labels[pu(SOFTMAX_LABELS_OFFSET) + row], k_len - 1u);
-        set_dst(row, stats.x + stats.y - src_at(base + label));
+        set_dst(row, row_loss(stats, label, src_at(base + label), sums));
     }
 }
 
@@ -160,8 +205,14 @@ fn cross_entropy_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_serial(base, k_len);
+    var sums = vec2<f32>(0.0);
+    if (pf(SOFTMAX_SMOOTHING) > 0.0) {
+        for (var k = 0u; k < k_len; k = k + 1u) {
+            sums = sums + vec2<f32>(1.0, src_at(base + k)) * weight_of(k);
+        }
+    }
     let label = min(labels[pu(SOFTMAX_LABELS_OFFSET) + row], k_len - 1u);
-    set_dst(row, stats.x + stats.y - src_at(base + label));
+    set_dst(row, row_loss(stats, label, src_at(base + label), sums));
 }
 
 // The grad of softmax (or log_softmax) for one element, given the row's sum: for softmax
@@ -217,11 +268,21 @@ fn softmax_backward_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     }
 }
 
-// d loss / d logits for loss = mean(cross_entropy): (softmax - one_hot(label)) g / M, with g
-// the loss's grad (one element of `grad`).
-fn cross_entropy_grad_value(x: f32, stats: vec2<f32>, is_label: bool) -> f32 {
+// d loss_row / d x[c] times the row's incoming grad g (`grad` read through its offset and
+// row stride, 0 when the grad is one value broadcast):
+//   g ((1 - eps) w[y] (p[c] - [c == y]) + eps / K (p[c] W - w[c])),  p = softmax(row);
+// 0 for an ignored row.
+fn cross_entropy_grad_value(x: f32, c: u32, stats: vec2<f32>, label: u32, row: u32, w_sum: f32) -> f32 {
+    if (ignored(label)) {
+        return 0.0;
+    }
     let p = exp(x - stats.x - stats.y);
-    return (p - select(0.0, 1.0, is_label)) * grad_at(0u) * pf(SOFTMAX_SCALE);
+    let eps = pf(SOFTMAX_SMOOTHING);
+    var d = (1.0 - eps) * weight_of(label) * (p - select(0.0, 1.0, c == label));
+    if (eps > 0.0) {
+        d = d + eps / f32(pu(SOFTMAX_LEN)) * (p * w_sum - weight_of(c));
+    }
+    return d * grad_at(row * pu(SOFTMAX_GRAD_STRIDE));
 }
 
 @compute @workgroup_size(64)
@@ -234,9 +295,17 @@ fn cross_entropy_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(n
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_workgroup(base, k_len, lid);
+    var w_sum = f32(k_len);
+    if (pu(SOFTMAX_WEIGHTED) == 1u && pf(SOFTMAX_SMOOTHING) > 0.0) {
+        var w = 0.0;
+        for (var k = lid; k < k_len; k = k + WG) {
+            w = w + weight_of(k);
+        }
+        w_sum = workgroup_reduce(lid, w, false);
+    }
     let label = labels[pu(SOFTMAX_LABELS_OFFSET) + row];
     for (var k = lid; k < k_len; k = k + WG) {
-        set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), stats, k == label));
+        set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), k, stats, label, row, w_sum));
     }
 }
 
@@ -250,8 +319,15 @@ fn cross_entropy_backward_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_serial(base, k_len);
+    var w_sum = f32(k_len);
+    if (pu(SOFTMAX_WEIGHTED) == 1u && pf(SOFTMAX_SMOOTHING) > 0.0) {
+        w_sum = 0.0;
+        for (var k = 0u; k < k_len; k = k + 1u) {
+            w_sum = w_sum + weight_of(k);
+        }
+    }
     let label = labels[pu(SOFTMAX_LABELS_OFFSET) + row];
     for (var k = 0u; k < k_len; k = k + 1u) {
-        set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), stats, k == label));
+        set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), k, stats, label, row, w_sum));
     }
 }

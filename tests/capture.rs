@@ -598,24 +598,32 @@ fn modern_elementwise_step(
     Ok(loss)
 }
 
-#[test]
-fn replayed_steps_through_the_new_elementwise_ops_equal_eager_steps() {
+/// A training step of the MLP on batches of 9 rows, seeds from `seed`.
+type MlpStep = fn(&dyn Module, &mut dyn Optimizer, &Tensor, &Tensor) -> Result<Tensor>;
+
+/// Six calls of `train` captured (1 eager, 1 recorded, 4 replays) give the losses and the
+/// parameters of six eager calls on a twin model.
+fn assert_replays_equal_eager(train: MlpStep, seed: u64) -> wgrad::capture::StepStats {
     let eager_model = mlp();
     let captured_model = twin(&eager_model, || Box::new(mlp()));
     let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
     let mut opt = Adam::new(captured_model.parameters(), AdamConfig::default());
-    let mut step = Step::new(|b: &[Tensor]| {
-        modern_elementwise_step(captured_model.as_ref(), &mut opt, &b[0], &b[1])
-    });
+    let mut step = Step::new(|b: &[Tensor]| train(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
     for i in 0..6 {
-        let (x, y) = batch(9, 400 + i % 2);
-        let want = modern_elementwise_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
+        let (x, y) = batch(9, seed + i % 2);
+        let want = train(&eager_model, &mut eager_opt, &x, &y).unwrap();
         let got = step.run(&[x, y]).unwrap();
         assert_same_loss(&got, &want);
     }
     assert_eq!(step.stats().replays, 4);
-    assert!(step.stats().fused_away > 0, "{:?}", step.stats());
     assert_same_parameters(&eager_model, captured_model.as_ref());
+    step.stats()
+}
+
+#[test]
+fn replayed_steps_through_the_new_elementwise_ops_equal_eager_steps() {
+    let stats = assert_replays_equal_eager(modern_elementwise_step, 400);
+    assert!(stats.fused_away > 0, "{stats:?}");
 }
 
 /// A step through grouped-query attention (4 q heads, 1 k/v head) with a padding keep-mask
@@ -674,4 +682,31 @@ fn replayed_masked_grouped_query_attention_steps_equal_eager_steps() {
     for (a, b) in values(&eager).iter().zip(&values(&captured)) {
         assert_rel_close(b, a, 1e-5, "parameter");
     }
+}
+
+/// A step whose loss takes every option of `cross_entropy_with`: a replay equals the eager
+/// step, with each batch ignoring other rows.
+fn weighted_smoothed_step(
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<Tensor> {
+    opt.zero_grad();
+    let weight = Tensor::from_slice(&values_in(OUT, 0.5, 1.5, 5), &[OUT], x.device())?;
+    let opts = nn::loss::CrossEntropyOptions {
+        ignore_index: Some(1),
+        label_smoothing: 0.1,
+        weight: Some(&weight),
+        reduction: nn::loss::Reduction::Mean,
+    };
+    let loss = nn::loss::cross_entropy_with(&model.forward(x)?, y, &opts)?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+#[test]
+fn replayed_steps_through_cross_entropy_options_equal_eager_steps() {
+    assert_replays_equal_eager(weighted_smoothed_step, 500);
 }

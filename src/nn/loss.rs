@@ -1,13 +1,174 @@
 //! Loss functions.
 
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::ops::softmax::RowLoss;
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::{DType, Tensor};
 
 /// Mean over the batch of the negative log-likelihood of `labels` under
 /// `log_softmax(logits)`: `logits` is `[N, C]` f32, `labels` a `[N]` u32 tensor
 /// ([`Tensor::from_labels`]) with values below `C`. Fused: one row kernel and one mean.
+/// [`cross_entropy_with`] takes torch's options.
 pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-    crate::ops::softmax::cross_entropy(logits, labels)
+    cross_entropy_with(logits, labels, &CrossEntropyOptions::default())
+}
+
+/// How a loss reduces its per-element values, as torch's `reduction`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Reduction {
+    /// The (weighted) mean.
+    #[default]
+    Mean,
+    /// The sum.
+    Sum,
+    /// No reduction: one value per element, shaped as the targets.
+    None,
+}
+
+/// The options of [`cross_entropy_with`], as torch's `cross_entropy` arguments.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CrossEntropyOptions<'a> {
+    /// Targets equal to it contribute 0 and count for nothing in the mean. It must be a class
+    /// index (below C): U32 targets have no -100, so use e.g. the padding token's id. With
+    /// every target ignored the mean is 0 / 0 = NaN, as in torch.
+    pub ignore_index: Option<u32>,
+    /// In `[0, 1]`: the target becomes `(1 - s) one_hot + s / C`.
+    pub label_smoothing: f32,
+    /// F32 `[C]` weights per class (no grad); the mean divides by the targets' weights.
+    pub weight: Option<&'a Tensor>,
+    /// Mean (default), sum or none.
+    pub reduction: Reduction,
+}
+
+/// Cross-entropy with torch's options: `logits` `[N, C]` or `[N, C, d1, ..]` (images,
+/// sequences), `targets` u32 `[N]` or `[N, d1, ..]` below C. Per element
+/// `(1 - s) w[y] (lse - x[y]) + s / C sum_c w[c] (lse - x[c])`, reduced as `reduction` says
+/// (the mean divides by the sum of `w[y]` over targets not ignored, as torch). One fused row
+/// kernel forward and one backward, the reduction a sum or two on top.
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::nn::loss::{cross_entropy_with, CrossEntropyOptions};
+/// use wgrad::{Device, Tensor};
+/// let dev = Device::new()?;
+/// let logits = Tensor::randn(&[4, 10], 0, &dev)?; // 4 tokens, 10 classes
+/// let targets = Tensor::from_labels(vec![3, 0, 0, 7], &dev)?; // 0 marks padding
+/// let opts = CrossEntropyOptions { ignore_index: Some(0), label_smoothing: 0.1, ..Default::default() };
+/// let loss = cross_entropy_with(&logits, &targets, &opts)?; // the mean over tokens 0 and 3
+/// assert_eq!(loss.shape(), &[] as &[usize]);
+/// # Ok(())
+/// # }
+/// ```
+pub fn cross_entropy_with(
+    logits: &Tensor,
+    targets: &Tensor,
+    opts: &CrossEntropyOptions,
+) -> Result<Tensor> {
+    const OP: &str = "cross_entropy";
+    let r = logits.rank();
+    let mut want_targets = logits.shape().to_vec();
+    if r >= 2 {
+        want_targets.remove(1);
+    }
+    if r < 2 || targets.shape() != want_targets {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "needs logits [N, C] or [N, C, d1, ..] and targets [N] or [N, d1, ..], got {:?} \
+                 and {:?}",
+                logits.shape(),
+                targets.shape()
+            ),
+        });
+    }
+    let c = logits.shape()[1];
+    let s = opts.label_smoothing;
+    if !(0.0..=1.0).contains(&s) {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!("label_smoothing must be in [0, 1], got {s}"),
+        });
+    }
+    if let Some(ignore) = opts.ignore_index {
+        // The mean's count compares targets as f32s, exact below 2^24.
+        if c > 1 << 24 {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!("ignore_index supports up to 2^24 classes, got {c}"),
+            });
+        }
+        if ignore as usize >= c {
+            return Err(Error::Index {
+                op: OP,
+                msg: format!(
+                    "ignore_index {ignore} must be a class index, below {c} (logits {:?})",
+                    logits.shape()
+                ),
+            });
+        }
+    }
+    if let Some(w) = opts.weight {
+        logits.expect_same_device(OP, w)?;
+        w.expect_dtype(OP, DType::F32)?;
+        if w.shape() != [c] {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "weight must be [C] = [{c}], got {:?} (logits {:?})",
+                    w.shape(),
+                    logits.shape()
+                ),
+            });
+        }
+        if w.requires_grad() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: "weight takes no grad: pass weight.detach()".into(),
+            });
+        }
+    }
+    // Rows [M, C] with the classes last, and their targets [M].
+    let m = targets.numel();
+    let rows = if r == 2 {
+        logits.clone()
+    } else {
+        let mut order: Vec<usize> = (0..r).filter(|&d| d != 1).collect();
+        order.push(1);
+        logits.permute(&order)?.reshape(&[m, c])?
+    };
+    let flat_targets = targets.reshape(&[m])?;
+    let losses = crate::ops::softmax::cross_entropy_rows(
+        &rows,
+        &flat_targets,
+        RowLoss {
+            ignore_index: opts.ignore_index,
+            weight: opts.weight.cloned(),
+            label_smoothing: s,
+        },
+    )?;
+    match opts.reduction {
+        Reduction::None => losses.reshape(targets.shape()),
+        Reduction::Sum => losses.sum(),
+        Reduction::Mean if opts.weight.is_none() && opts.ignore_index.is_none() => losses.mean(),
+        Reduction::Mean => {
+            // Divided by the weight of the targets that count (their number unweighted).
+            let denominator = {
+                let _no_grad = NoGradGuard::new();
+                let mut counted = match opts.weight {
+                    Some(w) => w.index_select(0, &flat_targets)?,
+                    None => Tensor::ones(&[m], logits.device())?,
+                };
+                if let Some(ignore) = opts.ignore_index {
+                    let ignored = flat_targets
+                        .to_dtype(DType::F32)?
+                        .eq_scalar(ignore as f32)?;
+                    counted = counted.masked_fill(&ignored, 0.0)?;
+                }
+                counted.sum()?
+            };
+            losses.sum()?.div(&denominator)
+        }
+    }
 }
 
 /// Mean squared error: `mean((prediction - target)^2)`; the shapes must match.

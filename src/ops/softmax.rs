@@ -11,8 +11,8 @@ use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
     /// Every row kernel: `rows` rows of `len` elements from `offset`. `log`: 1 for
-    /// log_softmax. `vec4` (`serial` only): four-wide reads. `scale` (cross_entropy_backward):
-    /// 1 / rows, the mean's factor.
+    /// log_softmax. `vec4` (`serial` only): four-wide reads. The cross-entropy entries: the
+    /// options of [`RowLoss`], and `grad_stride`, the distance between rows' grads.
     pub(crate) struct SoftmaxParams {
         rows: u32,
         len: u32,
@@ -21,7 +21,11 @@ crate::kernel_params! {
         log: u32,
         vec4: u32,
         grad_offset: u32,
-        scale: f32,
+        grad_stride: u32,
+        ignore: u32,
+        ignore_index: u32,
+        weighted: u32,
+        smoothing: f32,
     }
 }
 
@@ -65,14 +69,27 @@ impl Family {
 }
 
 /// One pass of a row kernel over `m` rows of `k` elements of contiguous `src`, writing `dst`.
+/// `grad` is read from its offset, rows `grad_stride` apart (the cross-entropy's per-row
+/// grads) or densely (softmax's).
 struct RowPass<'a> {
     family: Family,
     src: &'a Tensor,
     dst: &'a Tensor,
     labels: Option<&'a Tensor>,
     grad: Option<&'a Tensor>,
+    grad_stride: usize,
     log: bool,
-    scale: f32,
+    loss: &'a RowLoss,
+}
+
+/// How the cross-entropy weighs each row, as torch's `cross_entropy` options: rows whose
+/// label is `ignore_index` give 0, `weight` (F32 `[C]`) weighs each class, and
+/// `label_smoothing` mixes in the uniform distribution over the classes.
+#[derive(Clone, Default)]
+pub(crate) struct RowLoss {
+    pub ignore_index: Option<u32>,
+    pub weight: Option<Tensor>,
+    pub label_smoothing: f32,
 }
 
 /// Longest row one invocation walks (several passes each).
@@ -108,7 +125,11 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
         log: pass.log as u32,
         vec4: vec4 as u32,
         grad_offset: grad_offset as u32,
-        scale: pass.scale,
+        grad_stride: pass.grad_stride as u32,
+        ignore: pass.loss.ignore_index.is_some() as u32,
+        ignore_index: pass.loss.ignore_index.unwrap_or(0),
+        weighted: pass.loss.weight.is_some() as u32,
+        smoothing: pass.loss.label_smoothing,
     };
     let workgroups = if serial {
         groups(m, SERIAL_ROWS_PER_GROUP)
@@ -119,6 +140,10 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     let mut bindings = vec![(1, pass.src), (2, pass.dst)];
     bindings.extend(pass.labels.map(|l| (3, l)));
     bindings.extend(pass.grad.map(|g| (4, g)));
+    if pass.labels.is_some() {
+        // The class weights' binding needs a buffer when there are none: the logits.
+        bindings.push((5, pass.loss.weight.as_ref().unwrap_or(pass.src)));
+    }
     launch_at(op, &kernel, &bindings, &params, workgroups)
 }
 
@@ -140,8 +165,9 @@ fn along_dim(op: &'static str, log: bool, x: &Tensor, dim: usize) -> Result<Tens
             dst: &out,
             labels: None,
             grad: None,
+            grad_stride: 0,
             log,
-            scale: 1.0,
+            loss: &RowLoss::default(),
         };
         run_rows(op, pass, m, k)?;
         out.transpose(dim, last)?
@@ -160,8 +186,9 @@ fn along_dim(op: &'static str, log: bool, x: &Tensor, dim: usize) -> Result<Tens
                 dst: &dx,
                 labels: None,
                 grad: Some(&g_rows),
+                grad_stride: 0,
                 log,
-                scale: 1.0,
+                loss: &RowLoss::default(),
             };
             run_rows(op, pass, m, k)?;
             Ok(vec![Some(dx.transpose(dim, last)?)])
@@ -181,10 +208,15 @@ impl Tensor {
     }
 }
 
-/// Mean over the batch of `-log_softmax(logits)[i, labels[i]]`, fused: one row kernel and one
-/// mean. `logits` is `[N, C]` f32, `labels` is `[N]` u32 with values below `C`. Its backward
-/// is one fused row kernel: `(softmax(logits) - one_hot(labels)) * grad / N`.
-pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+/// The cross-entropy of each row of `logits` `[M, C]` f32 against `labels` `[M]` u32, weighed
+/// by `loss` (see [`RowLoss`]; the caller checks its weight and ignore_index): `[M]`, 0 on
+/// ignored rows. One fused row kernel forward and one backward, which recomputes each row's
+/// softmax and reads the rows' grads in place (a mean's broadcast grad included).
+pub(crate) fn cross_entropy_rows(
+    logits: &Tensor,
+    labels: &Tensor,
+    loss: RowLoss,
+) -> Result<Tensor> {
     const OP: &str = "cross_entropy";
     logits.expect_same_device(OP, labels)?;
     logits.expect_dtype(OP, DType::F32)?;
@@ -212,7 +244,7 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
             logits.shape()
         )
     })?;
-    let (dense_logits, dense_labels, loss) = {
+    let (dense_logits, dense_labels, losses) = {
         let _no_grad = NoGradGuard::new();
         let dense_logits = logits.contiguous()?;
         let dense_labels = labels.contiguous()?;
@@ -223,26 +255,33 @@ pub(crate) fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
             dst: &losses,
             labels: Some(&dense_labels),
             grad: None,
+            grad_stride: 0,
             log: false,
-            scale: 1.0,
+            loss: &loss,
         };
         run_rows(OP, pass, n, c)?;
-        (dense_logits, dense_labels, losses.mean()?)
+        (dense_logits, dense_labels, losses)
     };
-    Ok(record(OP, loss, &[logits], |_| {
+    Ok(record(OP, losses, &[logits], |_| {
         let (x, labels) = (dense_logits.detach(), dense_labels);
         move |g: &Tensor| {
-            let g = g.contiguous()?;
+            // A rank-1 grad is read through its stride (0 for a mean's broadcast one).
+            let g = if g.rank() == 1 {
+                g.clone()
+            } else {
+                g.contiguous()?
+            };
+            let grad_stride = g.layout().strides.first().copied().unwrap_or(0);
             let dx = Tensor::empty(OP, x.shape(), DType::F32, x.device())?;
-            let scale = 1.0 / n as f32;
             let pass = RowPass {
                 family: Family::CrossEntropyBackward,
                 src: &x,
                 dst: &dx,
                 labels: Some(&labels),
                 grad: Some(&g),
+                grad_stride,
                 log: false,
-                scale,
+                loss: &loss,
             };
             run_rows(OP, pass, n, c)?;
             Ok(vec![Some(dx)])

@@ -1,0 +1,337 @@
+//! `nn::loss::cross_entropy_with`: ignore_index, label smoothing, class weights, the three
+//! reductions and logits `[N, C, d1, ..]`, against an f64 CPU reference of torch's formula
+//! (loss and grad) on both kernel flavours, against finite differences, and its errors.
+
+mod common;
+use common::*;
+use wgrad::nn::loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions, Reduction};
+use wgrad::{Device, Error, KernelFlavor, Tensor};
+
+/// Torch's options on the host side.
+#[derive(Clone, Default)]
+struct Options {
+    ignore_index: Option<u32>,
+    label_smoothing: f64,
+    weight: Option<Vec<f32>>,
+    reduction: Reduction,
+}
+
+/// Per-row losses and their grads (d row loss / d logits) of `x` `[m, c]` for `y`, torch's
+/// formula: `(1 - s) w[y] (lse - x[y]) + s / c sum_k w[k] (lse - x[k])`, 0 when ignored.
+fn rows_reference(x: &[f32], y: &[u32], c: usize, o: &Options) -> (Vec<f64>, Vec<f64>) {
+    let w = |k: usize| o.weight.as_ref().map_or(1.0, |w| w[k] as f64);
+    let s = o.label_smoothing;
+    let mut losses = vec![0.0; y.len()];
+    let mut grads = vec![0.0; x.len()];
+    for (i, &label) in y.iter().enumerate() {
+        if o.ignore_index == Some(label) {
+            continue;
+        }
+        let row: Vec<f64> = x[i * c..(i + 1) * c].iter().map(|&v| v as f64).collect();
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        let t = label as usize;
+        let w_sum: f64 = (0..c).map(w).sum();
+        losses[i] = (1.0 - s) * w(t) * (lse - row[t])
+            + s / c as f64 * (0..c).map(|k| w(k) * (lse - row[k])).sum::<f64>();
+        for k in 0..c {
+            let p = (row[k] - lse).exp();
+            let one = if k == t { 1.0 } else { 0.0 };
+            grads[i * c + k] = (1.0 - s) * w(t) * (p - one) + s / c as f64 * (p * w_sum - w(k));
+        }
+    }
+    (losses, grads)
+}
+
+/// The loss and the logits' grad of `x` `[m, c]` under the reduction: what `sum`/`mean` of
+/// the rows give, the grad of `None` taken against an out grad of `g`.
+fn reference(x: &[f32], y: &[u32], c: usize, o: &Options, g: &[f32]) -> (Vec<f64>, Vec<f64>) {
+    let (losses, row_grads) = rows_reference(x, y, c, o);
+    let w = |k: u32| o.weight.as_ref().map_or(1.0, |w| w[k as usize] as f64);
+    let per_row: Vec<f64> = match o.reduction {
+        Reduction::None => g.iter().map(|&v| v as f64).collect(),
+        Reduction::Sum => vec![1.0; y.len()],
+        Reduction::Mean => {
+            let total: f64 = y
+                .iter()
+                .filter(|&&t| o.ignore_index != Some(t))
+                .map(|&t| w(t))
+                .sum();
+            vec![1.0 / total; y.len()]
+        }
+    };
+    let grads = row_grads
+        .iter()
+        .enumerate()
+        .map(|(at, d)| d * per_row[at / c])
+        .collect();
+    let loss = match o.reduction {
+        Reduction::None => losses,
+        _ => vec![losses.iter().zip(&per_row).map(|(l, f)| l * f).sum()],
+    };
+    (loss, grads)
+}
+
+/// Checks one call on `dev` of logits `[n, c]` against the reference.
+fn check(dev: &Device, n: usize, c: usize, o: &Options, what: &str) {
+    let what = format!("{what} n {n} c {c} flavor {:?}", dev.kernel_flavor());
+    let xv: Vec<f32> = random_vec(n * c, 11).iter().map(|v| v * 3.0).collect();
+    let labels: Vec<u32> = (0..n).map(|i| ((i * 3 + 1) % c) as u32).collect();
+    let x = Tensor::from_slice(&xv, &[n, c], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let y = Tensor::from_vec_u32(labels.clone(), &[n], dev).unwrap();
+    let weight = o
+        .weight
+        .as_ref()
+        .map(|w| Tensor::from_slice(w, &[c], dev).unwrap());
+    let opts = CrossEntropyOptions {
+        ignore_index: o.ignore_index,
+        label_smoothing: o.label_smoothing as f32,
+        weight: weight.as_ref(),
+        reduction: o.reduction,
+    };
+    let loss = cross_entropy_with(&x, &y, &opts).unwrap();
+    let gv = random_vec(n, 12);
+    if o.reduction == Reduction::None {
+        assert_eq!(loss.shape(), &[n], "{what}");
+        loss.mul(&Tensor::from_slice(&gv, &[n], dev).unwrap())
+            .unwrap()
+            .sum()
+            .unwrap()
+            .backward()
+            .unwrap();
+    } else {
+        assert_eq!(loss.shape(), &[] as &[usize], "{what}");
+        loss.backward().unwrap();
+    }
+    let (want_loss, want_grad) = reference(&xv, &labels, c, o, &gv);
+    assert_close(
+        &loss.to_vec().unwrap(),
+        &want_loss,
+        1e-5,
+        &format!("loss, {what}"),
+    );
+    let grad = x.grad().unwrap().to_vec().unwrap();
+    assert_close(&grad, &want_grad, 1e-5, &format!("grad, {what}"));
+}
+
+/// The calls on the shared device (the serial row kernels past 64 rows on lavapipe) and on one
+/// forced to the GPU flavour (a workgroup per row).
+fn on_both_flavours(calls: impl Fn(&Device)) {
+    calls(device());
+    let gpu = Device::software().unwrap();
+    gpu.set_kernel_flavor(KernelFlavor::Gpu);
+    calls(&gpu);
+}
+
+fn weights(c: usize) -> Vec<f32> {
+    values_in(c, 0.2, 2.0, 13)
+}
+
+#[test]
+fn ignore_index_drops_rows_from_the_loss_and_the_mean() {
+    on_both_flavours(|dev| {
+        for n in [5, 70] {
+            let o = Options {
+                ignore_index: Some(0),
+                ..Default::default()
+            };
+            check(dev, n, 7, &o, "ignore_index");
+        }
+    });
+}
+
+#[test]
+fn label_smoothing_matches_torch_formula() {
+    on_both_flavours(|dev| {
+        for n in [3, 70] {
+            let o = Options {
+                label_smoothing: 0.1,
+                ..Default::default()
+            };
+            check(dev, n, 9, &o, "label_smoothing");
+        }
+        let o = Options {
+            label_smoothing: 1.0,
+            ..Default::default()
+        };
+        check(dev, 4, 5, &o, "label_smoothing 1");
+    });
+}
+
+#[test]
+fn class_weights_weigh_rows_and_the_mean() {
+    on_both_flavours(|dev| {
+        for n in [6, 70] {
+            let o = Options {
+                weight: Some(weights(6)),
+                ..Default::default()
+            };
+            check(dev, n, 6, &o, "weight");
+        }
+    });
+}
+
+#[test]
+fn every_option_together_under_each_reduction() {
+    on_both_flavours(|dev| {
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            for n in [1, 9, 70] {
+                let o = Options {
+                    ignore_index: Some(2),
+                    label_smoothing: 0.2,
+                    weight: Some(weights(5)),
+                    reduction,
+                };
+                check(dev, n, 5, &o, &format!("all options {reduction:?}"));
+            }
+        }
+    });
+}
+
+#[test]
+fn plain_cross_entropy_is_the_default_options() {
+    let dev = device();
+    let (x, _) = random_tensor(&[10, 4], 20);
+    let y = Tensor::from_vec_u32(vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1], &[10], dev).unwrap();
+    let plain = cross_entropy(&x, &y).unwrap().item().unwrap();
+    let with = cross_entropy_with(&x, &y, &CrossEntropyOptions::default())
+        .unwrap()
+        .item()
+        .unwrap();
+    assert_eq!(plain, with);
+    let o = Options::default();
+    let (want, _) = reference(&x.to_vec().unwrap(), &y.to_vec_u32().unwrap(), 4, &o, &[]);
+    assert_close(&[plain], &want, 1e-6, "plain cross_entropy");
+}
+
+/// `[N, C, H, W]` logits (segmentation) with `[N, H, W]` targets give what the rows with the
+/// classes last give; `None` keeps the targets' shape.
+#[test]
+fn logits_with_extra_dims_take_classes_on_dim_1() {
+    let dev = device();
+    let (n, c, h, w) = (2, 3, 4, 5);
+    let (x, xv) = random_tensor(&[n, c, h, w], 21);
+    let labels: Vec<u32> = (0..n * h * w).map(|i| (i % c) as u32).collect();
+    let y = Tensor::from_vec_u32(labels.clone(), &[n, h, w], dev).unwrap();
+    let opts = CrossEntropyOptions {
+        ignore_index: Some(1),
+        label_smoothing: 0.05,
+        reduction: Reduction::None,
+        ..Default::default()
+    };
+    let got = cross_entropy_with(&x, &y, &opts).unwrap();
+    assert_eq!(got.shape(), &[n, h, w]);
+    // The same logits with the classes moved last, on the host.
+    let mut rows = vec![0.0; xv.len()];
+    for b in 0..n {
+        for k in 0..c {
+            for p in 0..h * w {
+                rows[(b * h * w + p) * c + k] = xv[(b * c + k) * h * w + p];
+            }
+        }
+    }
+    let o = Options {
+        ignore_index: Some(1),
+        label_smoothing: 0.05,
+        ..Default::default()
+    };
+    let (want, _) = rows_reference(&rows, &labels, c, &o);
+    assert_close(&got.to_vec().unwrap(), &want, 1e-5, "[N, C, H, W]");
+}
+
+#[test]
+fn cross_entropy_with_options_passes_gradcheck() {
+    let dev = device();
+    for (n, extra) in [(1, vec![]), (3, vec![2])] {
+        let mut shape = vec![n, 4];
+        shape.extend(&extra);
+        let m: usize = n * extra.iter().product::<usize>();
+        let mut target_shape = vec![n];
+        target_shape.extend(&extra);
+        let labels: Vec<u32> = (0..m).map(|i| (i * 3 % 4) as u32).collect();
+        let weight = Tensor::from_slice(&weights(4), &[4], dev).unwrap();
+        gradcheck(
+            &format!("cross_entropy_with {shape:?}"),
+            &[(shape.clone(), values_in(n * 4 * m / n, -2.0, 2.0, 30))],
+            |x| {
+                let y = Tensor::from_vec_u32(labels.clone(), &target_shape, device())?;
+                let opts = CrossEntropyOptions {
+                    ignore_index: Some(3),
+                    label_smoothing: 0.1,
+                    weight: Some(&weight),
+                    reduction: Reduction::Mean,
+                };
+                cross_entropy_with(&x[0], &y, &opts)
+            },
+        );
+    }
+}
+
+/// With every target ignored the mean is 0 / 0: NaN, as torch gives; the sum is 0.
+#[test]
+fn every_target_ignored_gives_nan_mean_and_zero_sum() {
+    let dev = device();
+    let (x, _) = random_tensor(&[3, 4], 40);
+    let x = x.requires_grad_(true);
+    let y = Tensor::from_vec_u32(vec![2, 2, 2], &[3], dev).unwrap();
+    let mut opts = CrossEntropyOptions {
+        ignore_index: Some(2),
+        ..Default::default()
+    };
+    let mean = cross_entropy_with(&x, &y, &opts).unwrap();
+    assert!(mean.item().unwrap().is_nan());
+    opts.reduction = Reduction::Sum;
+    let sum = cross_entropy_with(&x, &y, &opts).unwrap();
+    assert_eq!(sum.item().unwrap(), 0.0);
+    sum.backward().unwrap();
+    assert!(x
+        .grad()
+        .unwrap()
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|&g| g == 0.0));
+}
+
+fn expect_error(result: wgrad::Result<Tensor>, needle: &str) -> Error {
+    match result {
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.contains("cross_entropy"), "{msg}");
+            assert!(msg.contains(needle), "{msg} lacks {needle}");
+            e
+        }
+        Ok(t) => panic!("expected an error, got a tensor of shape {:?}", t.shape()),
+    }
+}
+
+#[test]
+fn bad_options_are_errors_naming_the_shapes() {
+    let dev = device();
+    let x = Tensor::zeros(&[2, 3, 4], dev).unwrap();
+    let y = Tensor::from_vec_u32(vec![0; 8], &[2, 4], dev).unwrap();
+    let with = |x: &Tensor, y: &Tensor, opts: CrossEntropyOptions| cross_entropy_with(x, y, &opts);
+    let bad_y = Tensor::from_vec_u32(vec![0; 6], &[2, 3], dev).unwrap();
+    expect_error(with(&x, &bad_y, Default::default()), "[2, 3]");
+    let too_far = CrossEntropyOptions {
+        ignore_index: Some(3),
+        ..Default::default()
+    };
+    expect_error(with(&x, &y, too_far), "ignore_index 3");
+    let smoothing = CrossEntropyOptions {
+        label_smoothing: 1.5,
+        ..Default::default()
+    };
+    expect_error(with(&x, &y, smoothing), "label_smoothing");
+    let w = Tensor::ones(&[4], dev).unwrap();
+    let short = CrossEntropyOptions {
+        weight: Some(&w),
+        ..Default::default()
+    };
+    expect_error(with(&x, &y, short), "[4]");
+    let out_of_range = Tensor::from_vec_u32(vec![5; 8], &[2, 4], dev).unwrap();
+    let e = expect_error(with(&x, &out_of_range, Default::default()), "label 5");
+    assert!(matches!(e, Error::Index { .. }));
+}
