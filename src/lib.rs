@@ -35,5 +35,6 @@ pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
 pub use error::{Error, Result};
 pub use ops::attention::SdpaOptions;
 pub use ops::conv::Conv2dOptions;
+pub use ops::pool::Interpolate;
 pub use seed::manual_seed;
 pub use tensor::{DType, Tensor};

@@ -1,10 +1,12 @@
 //! Reductions, shape ops, indexing and creation of the ops issue that are built from other
 //! ops (min_dims, argmin, logsumexp, var/std, cumsum, flip, repeat, one_hot, index_add, eye,
-//! arange_f): values against f64 host references, grads against finite differences.
+//! arange_f, adaptive pooling, interpolate): values against f64 host references, grads against
+//! finite differences.
 
 mod common;
 use common::*;
-use wgrad::{DType, Error, Tensor};
+use wgrad::nn::{self, Module};
+use wgrad::{DType, Error, Interpolate, Tensor};
 
 /// `x` of `[rows, cols]` reduced along dim 1 by `f` on the host.
 fn rows_ref(x: &[f32], cols: usize, f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
@@ -384,4 +386,133 @@ fn adaptive_avg_pool2d_uses_torchs_bins() {
         .unwrap()
         .adaptive_avg_pool2d((1, 1))
         .is_err());
+}
+
+/// torch's source position and weights along one axis for output `i` of `out` from `size`:
+/// `(lo, hi, weight of hi)`, in f64.
+fn torch_axis(mode: Interpolate, i: usize, out: usize, size: usize) -> (usize, usize, f64) {
+    let scale = size as f64 / out as f64;
+    match mode {
+        Interpolate::Nearest => {
+            let src = ((i as f64 * scale).floor() as usize).min(size - 1);
+            (src, src, 0.0)
+        }
+        Interpolate::Bilinear => {
+            let src = ((i as f64 + 0.5) * scale - 0.5).max(0.0);
+            let lo = (src.floor() as usize).min(size - 1);
+            (lo, (lo + 1).min(size - 1), src - lo as f64)
+        }
+    }
+}
+
+/// torch's `interpolate` of one `[h, w]` image to `[oh, ow]` on the host, pixel by pixel.
+fn interpolate_ref(
+    x: &[f32],
+    (h, w): (usize, usize),
+    (oh, ow): (usize, usize),
+    mode: Interpolate,
+) -> Vec<f64> {
+    let at = |r: usize, c: usize| x[r * w + c] as f64;
+    let mut out = Vec::new();
+    for i in 0..oh {
+        let (r0, r1, tr) = torch_axis(mode, i, oh, h);
+        for j in 0..ow {
+            let (c0, c1, tc) = torch_axis(mode, j, ow, w);
+            let top = at(r0, c0) * (1.0 - tc) + at(r0, c1) * tc;
+            let bottom = at(r1, c0) * (1.0 - tc) + at(r1, c1) * tc;
+            out.push(top * (1.0 - tr) + bottom * tr);
+        }
+    }
+    out
+}
+
+#[test]
+fn interpolate_matches_torchs_pixel_rule_up_and_down() {
+    let (x, xs) = random_tensor(&[2, 3, 7, 5], 42);
+    for mode in [Interpolate::Nearest, Interpolate::Bilinear] {
+        for (oh, ow) in [(14, 10), (3, 2), (7, 5), (9, 13), (1, 1)] {
+            let got = x.interpolate((oh, ow), mode).unwrap();
+            assert_eq!(got.shape(), &[2, 3, oh, ow]);
+            let want: Vec<f64> = xs
+                .chunks(35)
+                .flat_map(|image| interpolate_ref(image, (7, 5), (oh, ow), mode))
+                .collect();
+            let what = format!("{mode:?} to ({oh}, {ow})");
+            assert_close(&got.to_vec().unwrap(), &want, 1e-5, &what);
+        }
+    }
+}
+
+/// torch.nn.functional.interpolate(torch.tensor([[[[1., 2.], [3., 4.]]]]), size=(4, 4),
+/// mode="bilinear", align_corners=False)[0, 0, 0] is [1.0, 1.25, 1.75, 2.0].
+#[test]
+fn bilinear_upsampling_gives_torchs_values() {
+    let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[1, 1, 2, 2], device()).unwrap();
+    let up = x
+        .interpolate((4, 4), Interpolate::Bilinear)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(&up[..4], &[1.0, 1.25, 1.75, 2.0]);
+    assert_eq!(&up[4..8], &[1.5, 1.75, 2.25, 2.5]);
+}
+
+#[test]
+fn interpolate_gradcheck_both_modes_and_a_view() {
+    for mode in [Interpolate::Nearest, Interpolate::Bilinear] {
+        for n in [1, 3] {
+            gradcheck(
+                &format!("interpolate {mode:?} batch {n}"),
+                &[(vec![n, 2, 3, 4], values_in(n * 24, -1.0, 1.0, 43))],
+                |t| t[0].interpolate((5, 7), mode),
+            );
+        }
+        // A transposed (non-contiguous) image.
+        gradcheck(
+            &format!("interpolate {mode:?} of a view"),
+            &[(vec![1, 1, 4, 3], values_in(12, -1.0, 1.0, 44))],
+            |t| t[0].transpose(2, 3)?.interpolate((2, 6), mode),
+        );
+    }
+}
+
+#[test]
+fn interpolate_rejects_zero_sizes_and_other_ranks() {
+    let (x, _) = random_tensor(&[1, 2, 3, 3], 45);
+    for size in [(0, 4), (4, 0)] {
+        let e = x.interpolate(size, Interpolate::Bilinear).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Shape {
+                    op: "interpolate",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("[1, 2, 3, 3]"), "{e}");
+    }
+    let flat = x.reshape(&[2, 9]).unwrap();
+    assert!(flat.interpolate((2, 2), Interpolate::Nearest).is_err());
+    assert!(nn::Upsample::new(2, Interpolate::Nearest)
+        .forward(&flat)
+        .is_err());
+}
+
+#[test]
+fn upsample_scales_by_its_factor_or_to_its_size() {
+    let (x, _) = random_tensor(&[2, 3, 4, 5], 46);
+    let up = nn::Upsample::new(2, Interpolate::Bilinear)
+        .forward(&x)
+        .unwrap();
+    let want = x.interpolate((8, 10), Interpolate::Bilinear).unwrap();
+    assert_eq!(up.to_vec().unwrap(), want.to_vec().unwrap());
+    let sized = nn::Upsample::to_size((3, 3), Interpolate::Nearest)
+        .forward(&x)
+        .unwrap();
+    assert_eq!(sized.shape(), &[2, 3, 3, 3]);
+    assert!(nn::Upsample::new(2, Interpolate::Nearest)
+        .parameters()
+        .is_empty());
 }

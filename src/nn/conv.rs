@@ -1,10 +1,11 @@
-//! Image layers: `Conv2d`, `MaxPool2d`, `AvgPool2d` and `Flatten`.
+//! Image layers: `Conv2d`, `MaxPool2d`, `AvgPool2d`, `Upsample` and `Flatten`.
 
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::linear::uniform_parameter;
 use crate::nn::Module;
 use crate::ops::conv::Conv2dOptions;
+use crate::ops::pool::Interpolate;
 use crate::tensor::Tensor;
 
 /// A 2-d convolution over `[N, C_in, H, W]`: weight `[C_out, C_in, k, k]`, bias `[C_out]`.
@@ -128,5 +129,49 @@ pub struct Flatten;
 impl Module for Flatten {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.flatten(1)
+    }
+}
+
+/// Resamples NCHW images by an integer factor or to a size, as torch's `nn.Upsample` (no
+/// parameters): the U-Net decoder's upsampling.
+#[derive(Debug, Clone, Copy)]
+pub struct Upsample {
+    /// Output `(height, width)`; `None` scales by `scale_factor`.
+    pub size: Option<(usize, usize)>,
+    /// Output sides are the input's times this (when `size` is `None`).
+    pub scale_factor: usize,
+    /// Nearest or bilinear.
+    pub mode: Interpolate,
+}
+
+impl Upsample {
+    /// Images scaled by `scale_factor` in both directions.
+    pub fn new(scale_factor: usize, mode: Interpolate) -> Upsample {
+        Upsample {
+            size: None,
+            scale_factor,
+            mode,
+        }
+    }
+
+    /// Images resampled to `(height, width)`.
+    pub fn to_size(size: (usize, usize), mode: Interpolate) -> Upsample {
+        Upsample {
+            size: Some(size),
+            scale_factor: 1,
+            mode,
+        }
+    }
+}
+
+impl Module for Upsample {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let size = match (self.size, x.shape()) {
+            (Some(size), _) => size,
+            (None, [_, _, h, w]) => (h * self.scale_factor, w * self.scale_factor),
+            // interpolate names the shape.
+            (None, _) => (0, 0),
+        };
+        x.interpolate(size, self.mode)
     }
 }

@@ -14,7 +14,7 @@ mod transformer;
 
 pub use activation::{Gelu, Relu, Tanh};
 pub use batch_norm::BatchNorm2d;
-pub use conv::{AvgPool2d, Conv2d, Flatten, MaxPool2d};
+pub use conv::{AvgPool2d, Conv2d, Flatten, MaxPool2d, Upsample};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use layer_norm::{LayerNorm, RmsNorm};

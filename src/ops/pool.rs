@@ -1,6 +1,8 @@
 //! 2-d max and average pooling (NCHW, no padding) and their backward passes
 //! (`shaders/pool.wgsl`). Max pooling keeps each window's arg-max (the first maximum in
-//! row-major window order, as PyTorch) for its backward.
+//! row-major window order, as PyTorch) for its backward. Adaptive pooling and resampling
+//! (`interpolate`) are separable: two products with `[out, in]` weight matrices, one per axis,
+//! whose grads come through the products.
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
@@ -230,6 +232,83 @@ impl Tensor {
         }
         let rows = adaptive_bins(out_h, h, self.device())?;
         let cols = adaptive_bins(out_w, w, self.device())?;
+        rows.matmul(self)?.matmul(&cols.t()?)
+    }
+}
+
+/// How [`Tensor::interpolate`] resamples, as torch's `mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interpolate {
+    /// Each output pixel copies input pixel `floor(i in / out)` (torch's `"nearest"`).
+    Nearest,
+    /// Linear in each axis between the two nearest input pixels, `align_corners=False`
+    /// (torch's `"bilinear"`).
+    Bilinear,
+}
+
+/// `[out, size]`: row `i` holds the weights output position `i` takes from each input
+/// position, as torch computes them (scale `size / out` in f32).
+fn resample_weights(
+    mode: Interpolate,
+    out: usize,
+    size: usize,
+    device: &crate::device::Device,
+) -> Result<Tensor> {
+    let scale = size as f32 / out as f32;
+    let mut weights = vec![0.0f32; out * size];
+    for i in 0..out {
+        let row = &mut weights[i * size..(i + 1) * size];
+        match mode {
+            Interpolate::Nearest => {
+                row[((i as f32 * scale).floor() as usize).min(size - 1)] = 1.0;
+            }
+            Interpolate::Bilinear => {
+                let src = ((i as f32 + 0.5) * scale - 0.5).max(0.0);
+                let lo = (src.floor() as usize).min(size - 1);
+                let hi = (lo + 1).min(size - 1);
+                let t = src - lo as f32;
+                row[lo] += 1.0 - t;
+                row[hi] += t;
+            }
+        }
+    }
+    Tensor::from_vec(weights, &[out, size], device)
+}
+
+impl Tensor {
+    /// NCHW images resampled to `(out_h, out_w)`, as torch's `interpolate(size=..., mode=...)`
+    /// (bilinear with `align_corners=False`). Two products with per-axis weight matrices;
+    /// grads come through them.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Interpolate, Tensor};
+    /// let dev = Device::new()?;
+    /// let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[1, 1, 2, 2], &dev)?;
+    /// let up = x.interpolate((4, 4), Interpolate::Nearest)?;
+    /// assert_eq!(&up.to_vec()?[..4], &[1.0, 1.0, 2.0, 2.0]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn interpolate(&self, (out_h, out_w): (usize, usize), mode: Interpolate) -> Result<Tensor> {
+        const OP: &str = "interpolate";
+        let [_, _, h, w] = *self.shape() else {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("needs NCHW images, got {:?}", self.shape()),
+            });
+        };
+        if out_h == 0 || out_w == 0 || h == 0 || w == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "needs nonzero image and output sizes, got input {:?} and output ({out_h}, {out_w})",
+                    self.shape()
+                ),
+            });
+        }
+        let rows = resample_weights(mode, out_h, h, self.device())?;
+        let cols = resample_weights(mode, out_w, w, self.device())?;
         rows.matmul(self)?.matmul(&cols.t()?)
     }
 }
