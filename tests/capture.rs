@@ -710,3 +710,52 @@ fn weighted_smoothed_step(
 fn replayed_steps_through_cross_entropy_options_equal_eager_steps() {
     assert_replays_equal_eager(weighted_smoothed_step, 500);
 }
+
+/// A U-Net-style stack of the ops issue's layers: conv, GroupNorm, bilinear resampling,
+/// BatchNorm1d (training mode, its running statistics updated in place).
+fn decoder() -> nn::Sequential {
+    let dev = device();
+    nn::Sequential::new()
+        .add(nn::Conv2d::new(1, 4, 3, 1, 1, dev).unwrap())
+        .add(nn::GroupNorm::new(2, 4, 1e-5, dev).unwrap())
+        .add(nn::Upsample::to_size((4, 4), wgrad::Interpolate::Bilinear))
+        .add(nn::Flatten)
+        .add(nn::Linear::new(4 * 4 * 4, OUT, true, dev).unwrap())
+        .add(nn::BatchNorm1d::new(OUT, dev).unwrap())
+}
+
+#[test]
+fn replayed_steps_through_group_norm_resampling_and_batch_norm_1d_equal_eager_steps() {
+    let eager_model = decoder();
+    let captured_model = twin(&eager_model, || Box::new(decoder()));
+    let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
+    let mut opt = Adam::new(captured_model.parameters(), AdamConfig::default());
+    let mut step =
+        Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
+    for i in 0..6 {
+        let (x, _) = random_tensor(&[OUT, 1, 6, 6], 90 + i % 3);
+        let labels: Vec<u32> = (0..OUT as u32)
+            .map(|r| (r + i as u32) % OUT as u32)
+            .collect();
+        let y = Tensor::from_vec_u32(labels, &[OUT], device()).unwrap();
+        let want = train_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
+        let got = step.run(&[x, y]).unwrap();
+        assert_same_loss(&got, &want);
+    }
+    assert_eq!(step.stats().replays, 4);
+    assert_same_parameters(&eager_model, captured_model.as_ref());
+    let buffers = |m: &dyn Module| {
+        values(
+            &m.named_buffers()
+                .into_iter()
+                .map(|(_, t)| t)
+                .collect::<Vec<_>>(),
+        )
+    };
+    for (a, b) in buffers(&eager_model)
+        .iter()
+        .zip(&buffers(captured_model.as_ref()))
+    {
+        assert_rel_close(b, a, 1e-5, "running statistic");
+    }
+}

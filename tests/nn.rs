@@ -575,3 +575,170 @@ fn embedding_padding_rows_read_as_zeros_and_get_no_grad() {
     );
     assert!(nn::Embedding::with_padding_idx(5, 3, 5, device()).is_err());
 }
+
+#[test]
+fn batch_norm_1d_normalises_features_and_sequences_per_channel() {
+    let _s = serial();
+    // [N, C] is [N, C, 1, 1] to the reference, [N, C, L] is [N, C, L, 1].
+    for (shape, as_images) in [(vec![5, 3], [5, 3, 1, 1]), (vec![2, 3, 4], [2, 3, 4, 1])] {
+        let bn = nn::BatchNorm1d::new(3, device()).unwrap();
+        let (x, xs) = random_tensor(&shape, 26);
+        let (want, means, vars) = batch_norm_reference(&xs, as_images);
+        let what = format!("BatchNorm1d {shape:?}");
+        assert_close(
+            &bn.forward(&x).unwrap().to_vec().unwrap(),
+            &want,
+            1e-4,
+            &what,
+        );
+        let running_var: Vec<f64> = vars.iter().map(|v| 0.9 + 0.1 * v).collect();
+        assert_close(&bn.running_var.to_vec().unwrap(), &running_var, 1e-4, &what);
+        let running_mean: Vec<f64> = means.iter().map(|m| 0.1 * m).collect();
+        assert_close(
+            &bn.running_mean.to_vec().unwrap(),
+            &running_mean,
+            1e-4,
+            &what,
+        );
+        assert_eq!(bn.named_buffers().len(), 2);
+    }
+}
+
+#[test]
+fn batch_norm_1d_gradcheck_and_bad_input() {
+    let _s = serial();
+    gradcheck(
+        "BatchNorm1d",
+        &[
+            (vec![3, 2, 3], values_in(18, -1.0, 1.0, 27)),
+            (vec![2], values_in(2, 0.5, 1.5, 28)),
+        ],
+        |t| {
+            let mut bn = nn::BatchNorm1d::new(2, device())?;
+            bn.weight = t[1].clone();
+            bn.forward(&t[0])
+        },
+    );
+    let bn = nn::BatchNorm1d::new(2, device()).unwrap();
+    for shape in [vec![2, 2, 2, 2], vec![4, 3], vec![4]] {
+        let err = bn
+            .forward(&Tensor::zeros(&shape, device()).unwrap())
+            .unwrap_err();
+        assert!(err.to_string().contains("BatchNorm1d"), "{err}");
+        assert!(err.to_string().contains(&format!("{shape:?}")), "{err}");
+    }
+}
+
+/// torch's group_norm on the host: `[n, c, rest]` normalised over each group's channels and
+/// positions, then scaled and shifted per channel.
+fn group_norm_reference(
+    x: &[f32],
+    (n, c, rest): (usize, usize, usize),
+    groups: usize,
+    w: &[f32],
+    b: &[f32],
+) -> Vec<f64> {
+    let per = c / groups * rest;
+    let mut out = vec![0.0; x.len()];
+    for g in 0..n * groups {
+        let values: Vec<f64> = x[g * per..(g + 1) * per]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let mean = values.iter().sum::<f64>() / per as f64;
+        let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / per as f64;
+        for (i, v) in values.iter().enumerate() {
+            let at = g * per + i;
+            let ch = (at / rest) % c;
+            out[at] = (v - mean) / (var + 1e-5).sqrt() * w[ch] as f64 + b[ch] as f64;
+        }
+    }
+    out
+}
+
+#[test]
+fn group_norm_matches_torchs_formula() {
+    let _s = serial();
+    for (shape, groups) in [
+        (vec![2, 6, 3, 4], 3),
+        (vec![1, 4, 5], 2),
+        (vec![3, 4], 4),
+        (vec![2, 6, 2, 2], 1),
+    ] {
+        let c = shape[1];
+        let rest: usize = shape[2..].iter().product();
+        let (x, xs) = random_tensor(&shape, 29);
+        let (w, ws) = random_tensor(&[c], 30);
+        let (b, bs) = random_tensor(&[c], 31);
+        let got = x.group_norm(groups, Some(&w), Some(&b), 1e-5).unwrap();
+        let want = group_norm_reference(&xs, (shape[0], c, rest), groups, &ws, &bs);
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-4,
+            &format!("group_norm {shape:?} / {groups}"),
+        );
+        // The module starts at weight 1, bias 0.
+        let module = nn::GroupNorm::new(groups, c, 1e-5, device()).unwrap();
+        let plain = group_norm_reference(
+            &xs,
+            (shape[0], c, rest),
+            groups,
+            &vec![1.0; c],
+            &vec![0.0; c],
+        );
+        assert_close(
+            &module.forward(&x).unwrap().to_vec().unwrap(),
+            &plain,
+            1e-4,
+            "GroupNorm",
+        );
+        assert_eq!(module.parameters().len(), 2);
+    }
+}
+
+#[test]
+fn group_norm_gradcheck_batch_1_and_3_and_a_view() {
+    let _s = serial();
+    for n in [1, 3] {
+        gradcheck(
+            &format!("group_norm batch {n}"),
+            &[
+                (vec![n, 4, 3], values_in(n * 12, -1.0, 1.0, 32)),
+                (vec![4], values_in(4, 0.5, 1.5, 33)),
+                (vec![4], values_in(4, -0.5, 0.5, 34)),
+            ],
+            |t| t[0].group_norm(2, Some(&t[1]), Some(&t[2]), 1e-5),
+        );
+    }
+    gradcheck(
+        "group_norm of a view",
+        &[(vec![3, 4, 2], values_in(24, -1.0, 1.0, 35))],
+        |t| t[0].permute(&[2, 1, 0])?.group_norm(2, None, None, 1e-5),
+    );
+}
+
+#[test]
+fn group_norm_rejects_groups_that_do_not_divide_channels() {
+    let _s = serial();
+    let x = Tensor::zeros(&[2, 6, 3], device()).unwrap();
+    for groups in [4, 0] {
+        let err = x.group_norm(groups, None, None, 1e-5).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Shape {
+                    op: "group_norm",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("[2, 6, 3]"), "{err}");
+    }
+    let w = Tensor::ones(&[3], device()).unwrap();
+    let err = x.group_norm(3, Some(&w), None, 1e-5).unwrap_err();
+    assert!(err.to_string().contains("[3]"), "{err}");
+    assert!(nn::GroupNorm::new(4, 6, 1e-5, device()).is_err());
+    assert!(x.group_norm(3, None, None, f32::NAN).is_err());
+}

@@ -1,4 +1,7 @@
-//! `BatchNorm2d`: per-channel normalisation of `[N, C, H, W]` with running statistics.
+//! `BatchNorm1d` and `BatchNorm2d`: per-channel normalisation with running statistics, one
+//! type over the two input layouts ([`BatchNormInput`]).
+
+use std::marker::PhantomData;
 
 use crate::autograd::no_grad;
 use crate::device::Device;
@@ -6,12 +9,52 @@ use crate::error::{Error, Result};
 use crate::nn::{Module, TrainingFlag};
 use crate::tensor::Tensor;
 
-/// Normalises each channel of `[N, C, H, W]` over `N`, `H` and `W`, then scales by `weight`
-/// and shifts by `bias` (ones and zeros at first), as PyTorch's `BatchNorm2d` (eps 1e-5,
+/// The inputs a [`BatchNorm`] takes: channels on dim 1, statistics over every other dim.
+pub trait BatchNormInput {
+    /// The module's name, as PyTorch's.
+    const NAME: &'static str;
+    /// The input shapes it takes, for errors.
+    const SHAPES: &'static str;
+    /// Whether it takes inputs of `rank`.
+    fn takes_rank(rank: usize) -> bool;
+}
+
+/// `[N, C]` or `[N, C, L]` (features, sequences).
+#[derive(Debug, Clone, Copy)]
+pub struct Features;
+
+/// `[N, C, H, W]` (images).
+#[derive(Debug, Clone, Copy)]
+pub struct Images;
+
+impl BatchNormInput for Features {
+    const NAME: &'static str = "BatchNorm1d";
+    const SHAPES: &'static str = "[N, C] or [N, C, L]";
+    fn takes_rank(rank: usize) -> bool {
+        rank == 2 || rank == 3
+    }
+}
+
+impl BatchNormInput for Images {
+    const NAME: &'static str = "BatchNorm2d";
+    const SHAPES: &'static str = "[N, C, H, W]";
+    fn takes_rank(rank: usize) -> bool {
+        rank == 4
+    }
+}
+
+/// PyTorch's `BatchNorm1d`: over `[N, C]` or `[N, C, L]`.
+pub type BatchNorm1d = BatchNorm<Features>;
+
+/// PyTorch's `BatchNorm2d`: over `[N, C, H, W]`.
+pub type BatchNorm2d = BatchNorm<Images>;
+
+/// Normalises each channel (dim 1) over every other dim, then scales by `weight` and shifts
+/// by `bias` (ones and zeros at first), as PyTorch's `BatchNorm1d`/`BatchNorm2d` (eps 1e-5,
 /// momentum 0.1). In training mode it uses the batch's statistics and updates
 /// `running_mean` and `running_var` (the unbiased variance); in evaluation mode it uses the
 /// running ones. Checkpoints hold the buffers beside the parameters.
-pub struct BatchNorm2d {
+pub struct BatchNorm<Input: BatchNormInput> {
     /// `[C]`.
     pub weight: Tensor,
     /// `[C]`.
@@ -23,18 +66,19 @@ pub struct BatchNorm2d {
     eps: f32,
     momentum: f32,
     training: TrainingFlag,
+    input: PhantomData<fn() -> Input>,
 }
 
-impl BatchNorm2d {
+impl<Input: BatchNormInput> BatchNorm<Input> {
     /// BatchNorm over `channels` channels.
-    pub fn new(channels: usize, device: &Device) -> Result<BatchNorm2d> {
+    pub fn new(channels: usize, device: &Device) -> Result<BatchNorm<Input>> {
         if channels == 0 {
             return Err(Error::InvalidArgument {
-                op: "BatchNorm2d::new",
+                op: Input::NAME,
                 msg: "needs at least one channel".into(),
             });
         }
-        Ok(BatchNorm2d {
+        Ok(BatchNorm {
             weight: Tensor::ones(&[channels], device)?.requires_grad_(true),
             bias: Tensor::zeros(&[channels], device)?.requires_grad_(true),
             running_mean: Tensor::zeros(&[channels], device)?,
@@ -42,6 +86,7 @@ impl BatchNorm2d {
             eps: 1e-5,
             momentum: 0.1,
             training: TrainingFlag::new(),
+            input: PhantomData,
         })
     }
 
@@ -56,30 +101,38 @@ impl BatchNorm2d {
     }
 }
 
-impl Module for BatchNorm2d {
+impl<Input: BatchNormInput> Module for BatchNorm<Input> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.weight.numel();
-        if x.rank() != 4 || x.shape()[1] != c {
+        if !Input::takes_rank(x.rank()) || x.shape()[1] != c {
             return Err(Error::Shape {
-                op: "BatchNorm2d",
-                msg: format!("needs input [N, {c}, H, W], got {:?}", x.shape()),
+                op: Input::NAME,
+                msg: format!(
+                    "needs input {} with C = {c}, got {:?}",
+                    Input::SHAPES,
+                    x.shape()
+                ),
             });
         }
-        let per_channel = |t: &Tensor| t.reshape(&[1, c, 1, 1]);
+        // Every dim but the channels'.
+        let dims: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
+        let mut channel_shape = vec![1; x.rank()];
+        channel_shape[1] = c;
+        let per_channel = |t: &Tensor| t.reshape(&channel_shape);
         let (mean, var) = if self.training.get() {
             let count = x.numel() / c;
             if count < 2 {
                 return Err(Error::Shape {
-                    op: "BatchNorm2d",
+                    op: Input::NAME,
                     msg: format!(
                         "training needs more than one value per channel, got input {:?}",
                         x.shape()
                     ),
                 });
             }
-            let mean = x.mean_dims(&[0, 2, 3], true)?;
+            let mean = x.mean_dims(&dims, true)?;
             let centred = x.sub(&mean)?;
-            let var = centred.mul(&centred)?.mean_dims(&[0, 2, 3], true)?;
+            let var = centred.mul(&centred)?.mean_dims(&dims, true)?;
             let unbiased = var.mul_scalar(count as f32 / (count - 1) as f32)?;
             self.update(&self.running_mean, &mean.detach().reshape(&[c])?)?;
             self.update(&self.running_var, &unbiased.detach().reshape(&[c])?)?;

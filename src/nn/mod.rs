@@ -13,11 +13,11 @@ mod sequential;
 mod transformer;
 
 pub use activation::{Gelu, Relu, Tanh};
-pub use batch_norm::BatchNorm2d;
+pub use batch_norm::{BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormInput, Features, Images};
 pub use conv::{AvgPool2d, Conv2d, Flatten, MaxPool2d, Upsample};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
-pub use layer_norm::{LayerNorm, RmsNorm};
+pub use layer_norm::{GroupNorm, LayerNorm, RmsNorm};
 pub use linear::Linear;
 pub use rotary::RotaryEmbedding;
 pub use sequential::Sequential;

@@ -140,6 +140,32 @@ fn composed_rms(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     x.mul(&mean_square.add_scalar(eps)?.rsqrt()?)?.mul(weight)
 }
 
+/// Checks an optional per-channel affine parameter of group_norm: `[C]`, on `x`'s device.
+fn check_channel_param(
+    op: &'static str,
+    x: &Tensor,
+    p: Option<&Tensor>,
+    c: usize,
+    what: &str,
+) -> Result<()> {
+    let Some(p) = p else {
+        return Ok(());
+    };
+    x.expect_same_device(op, p)?;
+    p.expect_dtype(op, DType::F32)?;
+    if p.shape() != [c] {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "{what} must be [C] = [{c}], got {:?} (input {:?})",
+                p.shape(),
+                x.shape()
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl Tensor {
     /// Normalises the last dim to zero mean and unit (biased) variance, then scales by
     /// `weight` and shifts by `bias` (both `[last dim]`), as PyTorch's `layer_norm`.
@@ -172,6 +198,52 @@ impl Tensor {
             return composed_rms(self, weight, eps);
         }
         fused_norm(Norm::Rms, self, weight, None, eps, len)
+    }
+
+    /// Normalises `[N, C, *]` over each of `groups` groups of channels (and every position),
+    /// to zero mean and unit (biased) variance, then scales and shifts each channel by
+    /// `weight` and `bias` (`[C]`, when given), as PyTorch's `group_norm`. Composed of
+    /// reductions and elementwise ops, whose grads it takes.
+    pub fn group_norm(
+        &self,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        const OP: &str = "group_norm";
+        self.expect_dtype(OP, DType::F32)?;
+        check_eps(OP, eps)?;
+        let shape = self.shape().to_vec();
+        if shape.len() < 2 || groups == 0 || !shape[1].is_multiple_of(groups) {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "needs input [N, C, *] with C divisible by the {groups} groups, got {shape:?}"
+                ),
+            });
+        }
+        let c = shape[1];
+        check_channel_param(OP, self, weight, c, "weight")?;
+        check_channel_param(OP, self, bias, c, "bias")?;
+        let per_group = self.numel().checked_div(shape[0] * groups).unwrap_or(0);
+        let rows = self.reshape(&[shape[0], groups, per_group])?;
+        let mean = rows.mean_dims(&[2], true)?;
+        let centred = rows.sub(&mean)?;
+        let var = centred.mul(&centred)?.mean_dims(&[2], true)?;
+        let normed = centred
+            .mul(&var.add_scalar(eps)?.rsqrt()?)?
+            .reshape(&shape)?;
+        let mut channel_shape = vec![1; shape.len()];
+        channel_shape[1] = c;
+        let scaled = match weight {
+            Some(w) => normed.mul(&w.reshape(&channel_shape)?)?,
+            None => normed,
+        };
+        match bias {
+            Some(b) => scaled.add(&b.reshape(&channel_shape)?),
+            None => Ok(scaled),
+        }
     }
 }
 
