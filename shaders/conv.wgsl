@@ -24,19 +24,17 @@ fn im2col(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let c_in = pu(CONV_C_IN);
     let h = pu(CONV_HEIGHT);
     let w = pu(CONV_WIDTH);
-    let stride = pu(CONV_STRIDE);
-    let padding = i32(pu(CONV_PADDING));
-    let dilation = pu(CONV_DILATION);
     let oy = row % oh;
     let k = (row / oh) % (c_in * taps);
     let image = row / (oh * c_in * taps);
-    let y = i32(oy * stride + ((k % taps) / kw) * dilation) - padding;
-    let x0 = i32((k % kw) * dilation) - padding;
+    let y = i32(oy * pu(CONV_STRIDE_H) + ((k % taps) / kw) * pu(CONV_DILATION_H)) - i32(pu(CONV_PADDING_H));
+    let x0 = i32((k % kw) * pu(CONV_DILATION_W)) - i32(pu(CONV_PADDING_W));
+    let stride_w = pu(CONV_STRIDE_W);
     let plane_at = pu(CONV_SRC_OFFSET) + (image * c_in + k / taps) * h * w;
     let out_at = row * ow;
     let row_inside = y >= 0 && u32(y) < h;
     for (var ox = 0u; ox < ow; ox = ox + 1u) {
-        let x = x0 + i32(ox * stride);
+        let x = x0 + i32(ox * stride_w);
         var v = 0.0;
         if (row_inside && x >= 0 && u32(x) < w) {
             v = src[plane_at + u32(y) * w + u32(x)];
@@ -45,11 +43,12 @@ fn im2col(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     }
 }
 
-// The first output position whose tap `t` lands on input position `p`, and whether one does:
-// o with o * stride = p + padding - t * dilation.
-fn source_of(p: u32, t: u32, out_len: u32) -> vec2<u32> {
-    let shifted = i32(p + pu(CONV_PADDING)) - i32(t * pu(CONV_DILATION));
-    let s = i32(pu(CONV_STRIDE));
+// The output position whose tap `t` lands on input position `p` along an axis of `out_len`
+// outputs with `stride`, `padding` and `dilation` (`axis`), and whether one does: o with
+// o * stride = p + padding - t * dilation.
+fn source_of(p: u32, t: u32, out_len: u32, axis: vec3<u32>) -> vec2<u32> {
+    let shifted = i32(p + axis.y) - i32(t * axis.z);
+    let s = i32(axis.x);
     if (shifted < 0 || shifted % s != 0 || u32(shifted / s) >= out_len) {
         return vec2<u32>(0u, 0u);
     }
@@ -87,14 +86,16 @@ fn col2im(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let kw = pu(CONV_KERNEL_W);
     let oh = pu(CONV_OUT_H);
     let ow = pu(CONV_OUT_W);
+    let along_h = vec3<u32>(pu(CONV_STRIDE_H), pu(CONV_PADDING_H), pu(CONV_DILATION_H));
+    let along_w = vec3<u32>(pu(CONV_STRIDE_W), pu(CONV_PADDING_W), pu(CONV_DILATION_W));
     var sum = 0.0;
     for (var ty = 0u; ty < kh; ty = ty + 1u) {
-        let oy = source_of(at.y, ty, oh);
+        let oy = source_of(at.y, ty, oh, along_h);
         if (oy.y == 0u) {
             continue;
         }
         for (var tx = 0u; tx < kw; tx = tx + 1u) {
-            let ox = source_of(at.x, tx, ow);
+            let ox = source_of(at.x, tx, ow, along_w);
             if (ox.y == 1u) {
                 sum = sum + src[at.base + (ty * kw + tx) * oh * ow + oy.x * ow + ox.x];
             }
@@ -118,17 +119,15 @@ fn col2im_unit_stride(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let kw = pu(CONV_KERNEL_W);
     let oh = pu(CONV_OUT_H);
     let ow = pu(CONV_OUT_W);
-    let dilation = i32(pu(CONV_DILATION));
-    let padding = i32(pu(CONV_PADDING));
     var sum = 0.0;
     for (var ty = 0u; ty < kh; ty = ty + 1u) {
-        let oy = i32(at.y) + padding - i32(ty) * dilation;
+        let oy = i32(at.y) + i32(pu(CONV_PADDING_H)) - i32(ty * pu(CONV_DILATION_H));
         if (oy < 0 || oy >= i32(oh)) {
             continue;
         }
         let row_at = at.base + ty * kw * oh * ow + u32(oy) * ow;
         for (var tx = 0u; tx < kw; tx = tx + 1u) {
-            let ox = i32(at.x) + padding - i32(tx) * dilation;
+            let ox = i32(at.x) + i32(pu(CONV_PADDING_W)) - i32(tx * pu(CONV_DILATION_W));
             if (ox >= 0 && ox < i32(ow)) {
                 sum = sum + src[row_at + tx * oh * ow + u32(ox)];
             }

@@ -209,7 +209,7 @@ fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
 // strides in B_MODE; or `image`, the column matrix of a 2-d convolution read straight from the
 // input images (an implicit GEMM: no im2col pass writes and reads it). There B[k][n] is input
 // element (image, channel c, y, x) for k = (ty, tx, c), the weight's taps laid out channels
-// innermost, and n = (image, oy, ox); y = oy stride + ty dilation - padding, x likewise, and
+// innermost, and n = (image, oy, ox); y = oy stride_h + ty dilation_h - padding_h, x likewise, and
 // 0 outside the image. The channel and tap of each k are stepped like an odometer (no
 // divisions along k); k is padded to whole 4s with zero weights and zero rows. The product
 // lands in NCHW order.
@@ -259,15 +259,13 @@ fn out_column_matrix(batch: u32, col: u32) -> OutColumn {
 fn b_columns_image(b_base: u32, cols: vec4<u32>) -> BColumns {
     let pixels = pu(MATMUL_CONV_PIXELS);
     let ow = pu(MATMUL_CONV_OUT_W);
-    let stride = pu(MATMUL_CONV_STRIDE);
-    let padding = i32(pu(MATMUL_CONV_PADDING));
     let image = cols / pixels;
     let p = cols - image * pixels;
     let oy = p / ow;
     var c: BColumns;
     c.image_at = vec4<i32>(b_base + image * pu(MATMUL_CONV_C_IN) * pu(MATMUL_CONV_HEIGHT) * pu(MATMUL_CONV_WIDTH));
-    c.y0 = vec4<i32>(oy * stride) - padding;
-    c.x0 = vec4<i32>((p - oy * ow) * stride) - padding;
+    c.y0 = vec4<i32>(oy * pu(MATMUL_CONV_STRIDE_H)) - i32(pu(MATMUL_CONV_PADDING_H));
+    c.x0 = vec4<i32>((p - oy * ow) * pu(MATMUL_CONV_STRIDE_W)) - i32(pu(MATMUL_CONV_PADDING_W));
     return c;
 }
 
@@ -283,15 +281,14 @@ fn image_row(c: BColumns, step: ptr<function, BStep>, live: bool) -> vec4<f32> {
     let inside = vec4<u32>(y) < vec4<u32>(h) & vec4<u32>(x) < vec4<u32>(w) & vec4<bool>(live);
     let at = vec4<u32>(select(c.image_at, c.image_at + s.c_at + y * i32(w) + x, inside));
     let v = vec4<f32>(b_at(at.x), b_at(at.y), b_at(at.z), b_at(at.w));
-    let dilation = i32(pu(MATMUL_CONV_DILATION));
     let next_tap = s.c + 1u == pu(MATMUL_CONV_C_IN);
     let next_row = next_tap && s.tx + 1u == pu(MATMUL_CONV_KERNEL_W);
     var n: BStep;
     n.c = select(s.c + 1u, 0u, next_tap);
     n.c_at = select(s.c_at + i32(h * w), 0, next_tap);
     n.tx = select(s.tx, select(s.tx + 1u, 0u, next_row), next_tap);
-    n.dx = select(s.dx, select(s.dx + dilation, 0, next_row), next_tap);
-    n.dy = select(s.dy, s.dy + dilation, next_row);
+    n.dx = select(s.dx, select(s.dx + i32(pu(MATMUL_CONV_DILATION_W)), 0, next_row), next_tap);
+    n.dy = select(s.dy, s.dy + i32(pu(MATMUL_CONV_DILATION_H)), next_row);
     *step = n;
     return select(vec4<f32>(0.0), v, inside);
 }

@@ -3,7 +3,8 @@
 
 mod common;
 use common::*;
-use wgrad::{Conv2dOptions, Error, Tensor};
+use wgrad::nn::{self, Module};
+use wgrad::{Conv1dOptions, Conv2dOptions, Error, Tensor};
 
 /// PyTorch's conv2d on the CPU: x [n, c_in, h, w], w [c_out, c_in / groups, kh, kw].
 fn conv_reference(
@@ -16,9 +17,11 @@ fn conv_reference(
 ) -> (Vec<f64>, [usize; 4]) {
     let [n, c_in, h, wd] = xs;
     let [c_out, cg, kh, kw] = ws;
-    let span = |k: usize| o.dilation * (k - 1) + 1;
-    let oh = (h + 2 * o.padding - span(kh)) / o.stride + 1;
-    let ow = (wd + 2 * o.padding - span(kw)) / o.stride + 1;
+    let (sh, sw) = o.stride;
+    let (ph, pw) = o.padding;
+    let (dh, dw) = o.dilation;
+    let oh = (h + 2 * ph - (dh * (kh - 1) + 1)) / sh + 1;
+    let ow = (wd + 2 * pw - (dw * (kw - 1) + 1)) / sw + 1;
     let per_group_out = c_out / o.groups;
     let mut out = vec![0.0f64; n * c_out * oh * ow];
     for b in 0..n {
@@ -31,10 +34,8 @@ fn conv_reference(
                         let cin = g * cg + ci;
                         for ky in 0..kh {
                             for kx in 0..kw {
-                                let iy =
-                                    (y * o.stride + ky * o.dilation) as isize - o.padding as isize;
-                                let ix =
-                                    (xo * o.stride + kx * o.dilation) as isize - o.padding as isize;
+                                let iy = (y * sh + ky * dh) as isize - ph as isize;
+                                let ix = (xo * sw + kx * dw) as isize - pw as isize;
                                 if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
                                     continue;
                                 }
@@ -54,10 +55,24 @@ fn conv_reference(
 
 fn options(stride: usize, padding: usize, dilation: usize, groups: usize) -> Conv2dOptions {
     Conv2dOptions {
+        stride: (stride, stride),
+        padding: (padding, padding),
+        dilation: (dilation, dilation),
+        groups,
+    }
+}
+
+/// Options that differ along H and W: `((stride), (padding), (dilation))`.
+fn per_axis(
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+) -> Conv2dOptions {
+    Conv2dOptions {
         stride,
         padding,
         dilation,
-        groups,
+        groups: 1,
     }
 }
 
@@ -94,6 +109,10 @@ fn conv2d_matches_cpu_reference() {
         ([2, 4, 6, 5], [6, 2, 3, 3], options(1, 1, 1, 2)),
         ([1, 3, 28, 28], [8, 3, 5, 5], options(3, 2, 1, 1)),
         ([2, 1, 4, 4], [2, 1, 1, 1], options(1, 0, 1, 1)),
+        // Per-axis options and kernels that are not square (col2im's general entry too).
+        ([2, 2, 7, 9], [3, 2, 1, 3], per_axis((1, 2), (0, 1), (1, 1))),
+        ([1, 3, 6, 8], [2, 3, 3, 2], per_axis((2, 1), (1, 0), (1, 2))),
+        ([2, 2, 5, 5], [2, 2, 3, 1], per_axis((1, 1), (2, 0), (2, 1))),
     ];
     check_against_reference(&cases, 10);
     let x = Tensor::zeros(&[0, 2, 5, 5], dev).unwrap();
@@ -118,6 +137,12 @@ fn conv2d_read_from_the_images_matches_cpu_reference() {
         ([1, 4, 28, 28], [8, 4, 5, 5], options(3, 2, 1, 1)),
         ([6, 4, 14, 14], [33, 4, 3, 3], options(1, 1, 1, 1)),
         ([2, 12, 4, 4], [7, 12, 1, 1], options(1, 0, 1, 1)),
+        ([2, 3, 8, 8], [5, 3, 1, 3], per_axis((1, 1), (0, 1), (1, 1))),
+        (
+            [2, 4, 8, 12],
+            [6, 4, 3, 3],
+            per_axis((2, 1), (1, 2), (1, 2)),
+        ),
     ];
     check_against_reference(&cases, 40);
     let (x, xv) = random_tensor(&[2, 4, 6, 6], 70);
@@ -191,6 +216,23 @@ fn conv2d_gradcheck_with_dilation_and_groups() {
         ],
         |t| t[0].conv2d_with(&t[1], None, options(1, 1, 2, 2)),
     );
+}
+
+#[test]
+fn conv2d_gradcheck_with_per_axis_options() {
+    for (n, o) in [
+        (1, per_axis((2, 1), (1, 0), (1, 2))),
+        (3, per_axis((1, 2), (0, 2), (2, 1))),
+    ] {
+        gradcheck(
+            &format!("conv2d batch {n} {o:?}"),
+            &[
+                (vec![n, 2, 5, 6], values_in(n * 60, -1.0, 1.0, 6)),
+                (vec![3, 2, 2, 3], values_in(36, -1.0, 1.0, 7)),
+            ],
+            |t| t[0].conv2d_with(&t[1], None, o),
+        );
+    }
 }
 
 /// The weight grad's k runs over every output pixel of the batch; past one chunk (4,096
@@ -455,4 +497,136 @@ fn pools_reject_bad_input() {
         "max_pool2d",
         "[4, 4]",
     );
+}
+
+/// PyTorch's conv1d on the CPU: x [n, c_in, l], w [c_out, c_in / groups, k].
+fn conv1d_reference(
+    x: &[f32],
+    [n, c_in, l]: [usize; 3],
+    w: &[f32],
+    [c_out, cg, k]: [usize; 3],
+    o: Conv1dOptions,
+) -> Vec<f64> {
+    let lo = (l + 2 * o.padding - (o.dilation * (k - 1) + 1)) / o.stride + 1;
+    let mut out = vec![0.0; n * c_out * lo];
+    for b in 0..n {
+        for co in 0..c_out {
+            let g = co / (c_out / o.groups);
+            for p in 0..lo {
+                let mut acc = 0.0;
+                for ci in 0..cg {
+                    for t in 0..k {
+                        let at = (p * o.stride + t * o.dilation) as isize - o.padding as isize;
+                        if at >= 0 && (at as usize) < l {
+                            let xv = x[(b * c_in + g * cg + ci) * l + at as usize] as f64;
+                            acc += xv * w[(co * cg + ci) * k + t] as f64;
+                        }
+                    }
+                }
+                out[(b * c_out + co) * lo + p] = acc;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn conv1d_matches_cpu_reference() {
+    for (i, (xs, ws, o)) in [
+        ([2, 3, 11], [4, 3, 3], Conv1dOptions::default()),
+        (
+            [1, 2, 16],
+            [2, 2, 5],
+            Conv1dOptions {
+                stride: 2,
+                padding: 2,
+                ..Default::default()
+            },
+        ),
+        (
+            [3, 4, 9],
+            [6, 2, 3],
+            Conv1dOptions {
+                dilation: 2,
+                padding: 1,
+                groups: 2,
+                stride: 1,
+            },
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (x, xv) = random_tensor(&xs, 80 + i as u64);
+        let (w, wv) = random_tensor(&ws, 90 + i as u64);
+        let got = x.conv1d_with(&w, None, o).unwrap();
+        let want = conv1d_reference(&xv, xs, &wv, ws, o);
+        assert_eq!(got.numel(), want.len(), "case {i}");
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-4,
+            &format!("conv1d case {i}"),
+        );
+    }
+    let (x, _) = random_tensor(&[1, 1, 4], 99);
+    let w = Tensor::ones(&[1, 1, 2], device()).unwrap();
+    assert_eq!(x.conv1d(&w, None, 1, 1).unwrap().shape(), &[1, 1, 5]);
+}
+
+#[test]
+fn conv1d_gradcheck() {
+    for n in [1, 3] {
+        gradcheck(
+            &format!("conv1d batch {n}"),
+            &[
+                (vec![n, 2, 7], values_in(n * 14, -1.0, 1.0, 8)),
+                (vec![3, 2, 3], values_in(18, -1.0, 1.0, 9)),
+                (vec![3], values_in(3, -1.0, 1.0, 10)),
+            ],
+            |t| t[0].conv1d(&t[1], Some(&t[2]), 2, 1),
+        );
+    }
+}
+
+#[test]
+fn conv_modules_take_rectangular_kernels_and_no_bias() {
+    let dev = device();
+    let options = Conv2dOptions {
+        stride: (2, 1),
+        padding: (1, 0),
+        groups: 2,
+        ..Default::default()
+    };
+    let conv = nn::Conv2d::with_options(4, 6, (3, 1), options, false, dev).unwrap();
+    assert_eq!(conv.weight.shape(), &[6, 2, 3, 1]);
+    let names: Vec<String> = conv
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, vec!["weight"]);
+    // Kaiming-uniform bound 1 / sqrt(C_in / groups kH kW) = 1 / sqrt(6).
+    let bound = 1.0 / 6f32.sqrt();
+    assert!(conv
+        .weight
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|w| w.abs() <= bound));
+    let (x, _) = random_tensor(&[2, 4, 5, 3], 100);
+    assert_eq!(conv.forward(&x).unwrap().shape(), &[2, 6, 3, 3]);
+    let conv1 = nn::Conv1d::new(4, 2, 3, 1, 1, dev).unwrap();
+    assert_eq!(conv1.parameters().len(), 2);
+    let seq = x.reshape(&[2, 4, 15]).unwrap();
+    let want = seq
+        .conv1d(&conv1.weight, conv1.bias.as_ref(), 1, 1)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(conv1.forward(&seq).unwrap().to_vec().unwrap(), want);
+    assert!(nn::Conv2d::with_options(3, 4, (3, 3), options, true, dev).is_err());
+    let err = x.conv1d(&conv1.weight, None, 1, 1).unwrap_err();
+    assert!(err.to_string().contains("conv1d"), "{err}");
+    assert!(err.to_string().contains("[2, 4, 5, 3]"), "{err}");
 }

@@ -1,39 +1,46 @@
-//! Image layers: `Conv2d`, `MaxPool2d`, `AvgPool2d`, `Upsample` and `Flatten`.
+//! Image and sequence layers: `Conv2d`, `Conv1d`, `MaxPool2d`, `AvgPool2d`, `Upsample` and
+//! `Flatten`.
 
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::linear::uniform_parameter;
 use crate::nn::Module;
-use crate::ops::conv::Conv2dOptions;
+use crate::ops::conv::{Conv1dOptions, Conv2dOptions};
 use crate::ops::pool::Interpolate;
 use crate::tensor::Tensor;
 
-/// A 2-d convolution over `[N, C_in, H, W]`: weight `[C_out, C_in, k, k]`, bias `[C_out]`.
+/// A 2-d convolution over `[N, C_in, H, W]`: weight `[C_out, C_in / groups, kH, kW]`, bias
+/// `[C_out]` when it has one.
 ///
 /// Initialised as PyTorch does: weight and bias uniform in `[-1/sqrt(fan_in), 1/sqrt(fan_in)]`
-/// with `fan_in = C_in k k`, from the global seed ([`crate::manual_seed`]).
+/// with `fan_in = C_in / groups kH kW`, from the global seed ([`crate::manual_seed`]).
 ///
 /// ```
 /// # fn main() -> wgrad::Result<()> {
-/// use wgrad::{nn::{self, Module}, Device, Tensor};
+/// use wgrad::{nn::{self, Module}, Conv2dOptions, Device, Tensor};
 /// let dev = Device::new()?;
 /// let conv = nn::Conv2d::new(1, 8, 3, 1, 1, &dev)?;
 /// let y = conv.forward(&Tensor::ones(&[2, 1, 28, 28], &dev)?)?;
 /// assert_eq!(y.shape(), &[2, 8, 28, 28]);
+/// // A 1x3 kernel padded along W only, without a bias (a ResNet conv before a BatchNorm).
+/// let options = Conv2dOptions { padding: (0, 1), ..Default::default() };
+/// let conv = nn::Conv2d::with_options(8, 8, (1, 3), options, false, &dev)?;
+/// assert_eq!(conv.forward(&y)?.shape(), &[2, 8, 28, 28]);
 /// # Ok(())
 /// # }
 /// ```
 pub struct Conv2d {
-    /// `[C_out, C_in, k, k]`.
+    /// `[C_out, C_in / groups, kH, kW]`.
     pub weight: Tensor,
-    /// `[C_out]`.
-    pub bias: Tensor,
-    /// Stride and padding (dilation 1, one group).
+    /// `[C_out]`, or none.
+    pub bias: Option<Tensor>,
+    /// Stride, padding, dilation and groups.
     pub options: Conv2dOptions,
 }
 
 impl Conv2d {
-    /// `in_channels -> out_channels` with a square `kernel`, `stride` and `padding`.
+    /// `in_channels -> out_channels` with a square `kernel`, `stride` and `padding`, and a
+    /// bias.
     pub fn new(
         in_channels: usize,
         out_channels: usize,
@@ -42,39 +49,159 @@ impl Conv2d {
         padding: usize,
         device: &Device,
     ) -> Result<Conv2d> {
-        if in_channels == 0 || out_channels == 0 || kernel == 0 || stride == 0 {
-            return Err(Error::InvalidArgument {
-                op: "Conv2d::new",
-                msg: format!(
-                    "needs positive channels, kernel and stride, got {in_channels} -> \
-                     {out_channels}, kernel {kernel}, stride {stride}"
-                ),
-            });
-        }
-        let bound = 1.0 / ((in_channels * kernel * kernel) as f32).sqrt();
-        let shape = [out_channels, in_channels, kernel, kernel];
+        let options = Conv2dOptions::square(stride, padding);
+        Conv2d::with_options(
+            in_channels,
+            out_channels,
+            (kernel, kernel),
+            options,
+            true,
+            device,
+        )
+    }
+
+    /// `in_channels -> out_channels` with a `(kH, kW)` kernel, any [`Conv2dOptions`] and a
+    /// bias or none, as PyTorch's `Conv2d(.., bias=False)`.
+    pub fn with_options(
+        in_channels: usize,
+        out_channels: usize,
+        (kernel_h, kernel_w): (usize, usize),
+        options: Conv2dOptions,
+        bias: bool,
+        device: &Device,
+    ) -> Result<Conv2d> {
+        let strides_positive = options.stride.0 > 0 && options.stride.1 > 0;
+        let shape = [kernel_h, kernel_w];
+        let (weight, bias) = conv_parameters(
+            "Conv2d::new",
+            (in_channels, out_channels, options.groups),
+            &shape,
+            strides_positive,
+            bias,
+            device,
+        )?;
         Ok(Conv2d {
-            weight: uniform_parameter(&shape, bound, device)?,
-            bias: uniform_parameter(&[out_channels], bound, device)?,
-            options: Conv2dOptions {
-                stride,
-                padding,
-                ..Default::default()
-            },
+            weight,
+            bias,
+            options,
         })
     }
 }
 
 impl Module for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.conv2d_with(&self.weight, Some(&self.bias), self.options)
+        x.conv2d_with(&self.weight, self.bias.as_ref(), self.options)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        vec![
-            ("weight".to_string(), self.weight.clone()),
-            ("bias".to_string(), self.bias.clone()),
-        ]
+        let mut params = vec![("weight".to_string(), self.weight.clone())];
+        params.extend(self.bias.iter().map(|b| ("bias".to_string(), b.clone())));
+        params
+    }
+}
+
+/// A convolution's weight `[C_out, C_in / groups, kernel..]` and bias `[C_out]` (when `bias`),
+/// uniform in `[-1/sqrt(fan_in), 1/sqrt(fan_in)]` with `fan_in = C_in / groups prod(kernel)`,
+/// as PyTorch initialises them; an error unless the sizes fit.
+fn conv_parameters(
+    op: &'static str,
+    (in_channels, out_channels, groups): (usize, usize, usize),
+    kernel: &[usize],
+    strides_positive: bool,
+    bias: bool,
+    device: &Device,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let fits = in_channels > 0
+        && out_channels > 0
+        && kernel.iter().all(|&k| k > 0)
+        && groups > 0
+        && in_channels.is_multiple_of(groups)
+        && out_channels.is_multiple_of(groups)
+        && strides_positive;
+    if !fits {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!(
+                "needs positive channels divisible by the {groups} groups, a positive kernel \
+                 and stride, got {in_channels} -> {out_channels}, kernel {kernel:?}"
+            ),
+        });
+    }
+    let fan_in = in_channels / groups * kernel.iter().product::<usize>();
+    let bound = 1.0 / (fan_in as f32).sqrt();
+    let mut shape = vec![out_channels, in_channels / groups];
+    shape.extend(kernel);
+    let weight = uniform_parameter(&shape, bound, device)?;
+    let bias = match bias {
+        true => Some(uniform_parameter(&[out_channels], bound, device)?),
+        false => None,
+    };
+    Ok((weight, bias))
+}
+
+/// A 1-d convolution over `[N, C_in, L]` (audio, sequences): weight `[C_out, C_in / groups,
+/// k]`, bias `[C_out]` when it has one; initialised as [`Conv2d`].
+pub struct Conv1d {
+    /// `[C_out, C_in / groups, k]`.
+    pub weight: Tensor,
+    /// `[C_out]`, or none.
+    pub bias: Option<Tensor>,
+    /// Stride, padding, dilation and groups.
+    pub options: Conv1dOptions,
+}
+
+impl Conv1d {
+    /// `in_channels -> out_channels` with a `kernel`, `stride` and `padding`, and a bias.
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        device: &Device,
+    ) -> Result<Conv1d> {
+        let options = Conv1dOptions {
+            stride,
+            padding,
+            ..Default::default()
+        };
+        Conv1d::with_options(in_channels, out_channels, kernel, options, true, device)
+    }
+
+    /// `in_channels -> out_channels` with any [`Conv1dOptions`] and a bias or none.
+    pub fn with_options(
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        options: Conv1dOptions,
+        bias: bool,
+        device: &Device,
+    ) -> Result<Conv1d> {
+        let (weight, bias) = conv_parameters(
+            "Conv1d::new",
+            (in_channels, out_channels, options.groups),
+            &[kernel],
+            options.stride > 0,
+            bias,
+            device,
+        )?;
+        Ok(Conv1d {
+            weight,
+            bias,
+            options,
+        })
+    }
+}
+
+impl Module for Conv1d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.conv1d_with(&self.weight, self.bias.as_ref(), self.options)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut params = vec![("weight".to_string(), self.weight.clone())];
+        params.extend(self.bias.iter().map(|b| ("bias".to_string(), b.clone())));
+        params
     }
 }
 

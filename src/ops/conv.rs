@@ -29,9 +29,12 @@ crate::kernel_params! {
         kernel_w: u32,
         out_h: u32,
         out_w: u32,
-        stride: u32,
-        padding: u32,
-        dilation: u32,
+        stride_h: u32,
+        stride_w: u32,
+        padding_h: u32,
+        padding_w: u32,
+        dilation_h: u32,
+        dilation_w: u32,
         src_offset: u32,
     }
 }
@@ -50,15 +53,16 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 /// Most elements of one chunk's column matrix (16 MiB).
 const COLS_LIMIT: usize = 1 << 22;
 
-/// Stride, padding, dilation and groups of a convolution, with PyTorch's defaults.
+/// Stride, padding, dilation and groups of a convolution, with PyTorch's defaults; each
+/// `(along H, along W)`, as torch's tuples ([`Conv2dOptions::square`] for equal ones).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Conv2dOptions {
-    /// Step between windows, in both directions (>= 1).
-    pub stride: usize,
-    /// Zeros added on every side of each image.
-    pub padding: usize,
+    /// Step between windows (>= 1).
+    pub stride: (usize, usize),
+    /// Zeros added before and after each image row (H) and column (W).
+    pub padding: (usize, usize),
     /// Step between kernel taps (>= 1).
-    pub dilation: usize,
+    pub dilation: (usize, usize),
     /// Channel groups: input and output channels split into this many independent parts.
     pub groups: usize,
 }
@@ -66,10 +70,57 @@ pub struct Conv2dOptions {
 impl Default for Conv2dOptions {
     fn default() -> Self {
         Conv2dOptions {
+            stride: (1, 1),
+            padding: (0, 0),
+            dilation: (1, 1),
+            groups: 1,
+        }
+    }
+}
+
+impl Conv2dOptions {
+    /// The same stride and padding along both axes, no dilation, one group.
+    pub fn square(stride: usize, padding: usize) -> Conv2dOptions {
+        Conv2dOptions {
+            stride: (stride, stride),
+            padding: (padding, padding),
+            ..Default::default()
+        }
+    }
+}
+
+/// Stride, padding, dilation and groups of a 1-d convolution, with PyTorch's defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv1dOptions {
+    /// Step between windows (>= 1).
+    pub stride: usize,
+    /// Zeros added at both ends of each sequence.
+    pub padding: usize,
+    /// Step between kernel taps (>= 1).
+    pub dilation: usize,
+    /// Channel groups, as in [`Conv2dOptions`].
+    pub groups: usize,
+}
+
+impl Default for Conv1dOptions {
+    fn default() -> Self {
+        Conv1dOptions {
             stride: 1,
             padding: 0,
             dilation: 1,
             groups: 1,
+        }
+    }
+}
+
+impl Conv1dOptions {
+    /// The same convolution over `[N, C, 1, L]`: the options along W, H untouched.
+    pub(crate) fn as_2d(&self) -> Conv2dOptions {
+        Conv2dOptions {
+            stride: (1, self.stride),
+            padding: (0, self.padding),
+            dilation: (1, self.dilation),
+            groups: self.groups,
         }
     }
 }
@@ -101,9 +152,12 @@ impl Geometry {
             kernel_w: c.kernel_w as u32,
             out_h: c.out_h as u32,
             out_w: c.out_w as u32,
-            stride: c.stride as u32,
-            padding: c.padding as u32,
-            dilation: c.dilation as u32,
+            stride_h: c.stride.0 as u32,
+            stride_w: c.stride.1 as u32,
+            padding_h: c.padding.0 as u32,
+            padding_w: c.padding.1 as u32,
+            dilation_h: c.dilation.0 as u32,
+            dilation_w: c.dilation.1 as u32,
             src_offset: src.layout().offset as u32,
         }
     }
@@ -129,11 +183,11 @@ fn geometry(x: &Tensor, w: &Tensor, options: &Conv2dOptions) -> Result<Geometry>
         dilation,
         groups,
     } = *options;
-    if stride == 0 || dilation == 0 || groups == 0 {
+    if stride.0 == 0 || stride.1 == 0 || dilation.0 == 0 || dilation.1 == 0 || groups == 0 {
         return Err(Error::InvalidArgument {
             op: OP,
             msg: format!(
-                "stride ({stride}), dilation ({dilation}) and groups ({groups}) must be >= 1"
+                "stride {stride:?}, dilation {dilation:?} and groups ({groups}) must be >= 1"
             ),
         });
     }
@@ -149,11 +203,12 @@ fn geometry(x: &Tensor, w: &Tensor, options: &Conv2dOptions) -> Result<Geometry>
             w.shape()
         )));
     }
-    let span = |k: usize| dilation * (k.max(1) - 1) + 1;
-    let (padded_h, padded_w) = (height + 2 * padding, width + 2 * padding);
-    if kernel_h == 0 || kernel_w == 0 || span(kernel_h) > padded_h || span(kernel_w) > padded_w {
+    let span = |k: usize, dilation: usize| dilation * (k.max(1) - 1) + 1;
+    let (span_h, span_w) = (span(kernel_h, dilation.0), span(kernel_w, dilation.1));
+    let (padded_h, padded_w) = (height + 2 * padding.0, width + 2 * padding.1);
+    if kernel_h == 0 || kernel_w == 0 || span_h > padded_h || span_w > padded_w {
         return Err(shape_error(format!(
-            "kernel {kernel_h}x{kernel_w} (dilation {dilation}) does not fit the padded input \
+            "kernel {kernel_h}x{kernel_w} (dilation {dilation:?}) does not fit the padded input \
              {padded_h}x{padded_w} of input {:?}",
             x.shape()
         )));
@@ -167,8 +222,8 @@ fn geometry(x: &Tensor, w: &Tensor, options: &Conv2dOptions) -> Result<Geometry>
             width,
             kernel_h,
             kernel_w,
-            out_h: (padded_h - span(kernel_h)) / stride + 1,
-            out_w: (padded_w - span(kernel_w)) / stride + 1,
+            out_h: (padded_h - span_h) / stride.0 + 1,
+            out_w: (padded_w - span_w) / stride.1 + 1,
             stride,
             padding,
             dilation,
@@ -213,7 +268,7 @@ fn col2im(cols_grad: &Tensor, geo: &Geometry) -> Result<Tensor> {
     let n = grad.numel();
     if n > 0 {
         let entry = match geo.cols.stride {
-            1 => "col2im_unit_stride",
+            (1, 1) => "col2im_unit_stride",
             _ => "col2im",
         };
         let kernel = Kernel::plain(&CONV, entry);
@@ -341,12 +396,47 @@ impl Tensor {
         stride: usize,
         padding: usize,
     ) -> Result<Tensor> {
-        let options = Conv2dOptions {
+        self.conv2d_with(weight, bias, Conv2dOptions::square(stride, padding))
+    }
+
+    /// 1-d convolution of `self` `[N, C_in, L]` with `weight` `[C_out, C_in, k]`, plus `bias`
+    /// `[C_out]` if given: `[N, C_out, L_out]`, as PyTorch's `conv1d`.
+    pub fn conv1d(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Tensor> {
+        let options = Conv1dOptions {
             stride,
             padding,
             ..Default::default()
         };
-        self.conv2d_with(weight, bias, options)
+        self.conv1d_with(weight, bias, options)
+    }
+
+    /// [`Tensor::conv1d`] with dilation and groups: the 2-d convolution of `[N, C_in, 1, L]`
+    /// with a `1 x k` kernel.
+    pub fn conv1d_with(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        options: Conv1dOptions,
+    ) -> Result<Tensor> {
+        if self.rank() != 3 || weight.rank() != 3 {
+            return Err(Error::Shape {
+                op: "conv1d",
+                msg: format!(
+                    "needs input [N, C, L] and weight [C_out, C_in / groups, k], got {:?} and {:?}",
+                    self.shape(),
+                    weight.shape()
+                ),
+            });
+        }
+        self.unsqueeze(2)?
+            .conv2d_with(&weight.unsqueeze(2)?, bias, options.as_2d())?
+            .squeeze(2)
     }
 
     /// [`Tensor::conv2d`] with dilation and groups too: `weight` is

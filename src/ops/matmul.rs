@@ -41,9 +41,12 @@ crate::kernel_params! {
         conv_kernel_w: u32,
         conv_out_w: u32,
         conv_pixels: u32,
-        conv_stride: u32,
-        conv_padding: u32,
-        conv_dilation: u32,
+        conv_stride_h: u32,
+        conv_stride_w: u32,
+        conv_padding_h: u32,
+        conv_padding_w: u32,
+        conv_dilation_h: u32,
+        conv_dilation_w: u32,
         conv_k: u32,
     }
 }
@@ -578,9 +581,10 @@ pub(crate) struct ImageColumns {
     pub kernel_w: usize,
     pub out_h: usize,
     pub out_w: usize,
-    pub stride: usize,
-    pub padding: usize,
-    pub dilation: usize,
+    /// `(along H, along W)`, as the three below.
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
 }
 
 impl ImageColumns {
@@ -668,9 +672,12 @@ pub(crate) fn conv_product(
         conv_kernel_w: cols.kernel_w as u32,
         conv_out_w: cols.out_w as u32,
         conv_pixels: cols.pixels() as u32,
-        conv_stride: cols.stride as u32,
-        conv_padding: cols.padding as u32,
-        conv_dilation: cols.dilation as u32,
+        conv_stride_h: cols.stride.0 as u32,
+        conv_stride_w: cols.stride.1 as u32,
+        conv_padding_h: cols.padding.0 as u32,
+        conv_padding_w: cols.padding.1 as u32,
+        conv_dilation_h: cols.dilation.0 as u32,
+        conv_dilation_w: cols.dilation.1 as u32,
         conv_k: cols.k() as u32,
         ..MatmulParams::default()
     };
