@@ -1,15 +1,17 @@
 //! Convolution benches on whatever adapter `Device::new()` picks: the forward of the CNN
 //! example's second conv layer beside a matmul of the same GEMM shape (M = 64 output channels,
 //! N = 64 images x 14 x 14 pixels, K = 32 x 3 x 3), both as FLOP/s; forward + backward of the
-//! CNN's two conv layers at batch 64; and one whole CNN training step (batch 64, Adam). Each
-//! iteration waits for the device.
+//! CNN's two conv layers at batch 64; one whole CNN training step (batch 64, Adam); and a
+//! U-Net up block's `conv_transpose2d` (64 -> 32 channels, 16x16 -> 32x32, batch 8) beside the
+//! stride-2 conv2d with the same GEMMs (32 -> 64, 32x32 -> 16x16), forward + backward (bar:
+//! within 1.5x). Each iteration waits for the device.
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, Optimizer};
-use wgrad::{Device, Tensor};
+use wgrad::{ConvTranspose2dOptions, Device, Tensor};
 
 const BATCH: usize = 64;
 
@@ -104,5 +106,53 @@ fn cnn_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, conv_layers, cnn_step);
+fn conv_transpose(c: &mut Criterion) {
+    let dev = Device::new().unwrap();
+    let mut group = c.benchmark_group("conv_transpose2d");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+    let batch = 8;
+    let make = |shape: &[usize], seed| {
+        Tensor::randn(shape, seed, &dev)
+            .unwrap()
+            .requires_grad_(true)
+    };
+    let small = make(&[batch, 64, 16, 16], 8);
+    let large = make(&[batch, 32, 32, 32], 9);
+    // One weight serves both: [64, 32, 3, 3] is conv2d's [C_out, C_in] and conv_transpose2d's
+    // [C_in, C_out].
+    let w = make(&[64, 32, 3, 3], 10);
+    let up = ConvTranspose2dOptions {
+        stride: 2,
+        padding: 1,
+        output_padding: 1,
+        ..Default::default()
+    };
+    group.bench_function("up block 64->32 16x16->32x32 forward+backward", |b| {
+        b.iter(|| {
+            small.zero_grad();
+            w.zero_grad();
+            let out = small.conv_transpose2d(&w, None, &up).unwrap();
+            out.sum().unwrap().backward().unwrap();
+            dev.synchronize().unwrap();
+        })
+    });
+    group.bench_function(
+        "conv2d 32->64 32x32->16x16 stride 2 forward+backward",
+        |b| {
+            b.iter(|| {
+                large.zero_grad();
+                w.zero_grad();
+                let out = large.conv2d(&w, None, 2, 1).unwrap();
+                out.sum().unwrap().backward().unwrap();
+                dev.synchronize().unwrap();
+            })
+        },
+    );
+    group.finish();
+}
+
+criterion_group!(benches, conv_layers, cnn_step, conv_transpose);
 criterion_main!(benches);

@@ -34,7 +34,7 @@ pub use autograd::{no_grad, BackwardOptions};
 pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
 pub use error::{Error, Result};
 pub use ops::attention::SdpaOptions;
-pub use ops::conv::{Conv1dOptions, Conv2dOptions};
+pub use ops::conv::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions};
 pub use ops::pool::Interpolate;
 pub use seed::manual_seed;
 pub use tensor::{DType, Tensor};

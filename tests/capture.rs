@@ -759,3 +759,46 @@ fn replayed_steps_through_group_norm_resampling_and_batch_norm_1d_equal_eager_st
         assert_rel_close(b, a, 1e-5, "running statistic");
     }
 }
+
+/// A U-Net up block: conv_transpose2d (stride 2, output padding), then a bias-free Conv2d
+/// with a 1x3 kernel padded along W only.
+fn up_block() -> nn::Sequential {
+    let dev = device();
+    let up = wgrad::ConvTranspose2dOptions {
+        stride: 2,
+        padding: 1,
+        output_padding: 1,
+        ..Default::default()
+    };
+    let options = wgrad::Conv2dOptions {
+        padding: (0, 1),
+        ..Default::default()
+    };
+    nn::Sequential::new()
+        .add(nn::ConvTranspose2d::new(2, 3, 3, up, true, dev).unwrap())
+        .add(nn::Conv2d::with_options(3, 2, (1, 3), options, false, dev).unwrap())
+        .add(nn::Flatten)
+        .add(nn::Linear::new(2 * 8 * 8, OUT, true, dev).unwrap())
+}
+
+#[test]
+fn replayed_steps_through_transposed_and_rectangular_convolutions_equal_eager_steps() {
+    let eager_model = up_block();
+    let captured_model = twin(&eager_model, || Box::new(up_block()));
+    let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
+    let mut opt = Adam::new(captured_model.parameters(), AdamConfig::default());
+    let mut step =
+        Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
+    for i in 0..6 {
+        let (x, _) = random_tensor(&[OUT, 2, 4, 4], 150 + i % 3);
+        let labels: Vec<u32> = (0..OUT as u32)
+            .map(|r| (r + i as u32) % OUT as u32)
+            .collect();
+        let y = Tensor::from_vec_u32(labels, &[OUT], device()).unwrap();
+        let want = train_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
+        let got = step.run(&[x, y]).unwrap();
+        assert_same_loss(&got, &want);
+    }
+    assert_eq!(step.stats().replays, 4);
+    assert_same_parameters(&eager_model, captured_model.as_ref());
+}

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 use wgrad::nn::{self, Module};
-use wgrad::{Conv1dOptions, Conv2dOptions, Error, Tensor};
+use wgrad::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, Error, Tensor};
 
 /// PyTorch's conv2d on the CPU: x [n, c_in, h, w], w [c_out, c_in / groups, kh, kw].
 fn conv_reference(
@@ -629,4 +629,195 @@ fn conv_modules_take_rectangular_kernels_and_no_bias() {
     let err = x.conv1d(&conv1.weight, None, 1, 1).unwrap_err();
     assert!(err.to_string().contains("conv1d"), "{err}");
     assert!(err.to_string().contains("[2, 4, 5, 3]"), "{err}");
+}
+
+/// PyTorch's conv_transpose2d on the CPU, by scattering: x [n, c_in, h, w], weight
+/// [c_in, c_out / groups, kh, kw]; input pixel (iy, ix) adds w's taps at output
+/// (iy stride - padding + ky dilation, ...).
+fn conv_transpose_reference(
+    x: &[f32],
+    [n, c_in, h, wd]: [usize; 4],
+    w: &[f32],
+    [_, cg_out, kh, kw]: [usize; 4],
+    o: ConvTranspose2dOptions,
+) -> (Vec<f64>, [usize; 4]) {
+    let out = |size: usize, k: usize| {
+        (size - 1) * o.stride + o.dilation * (k - 1) + o.output_padding + 1 - 2 * o.padding
+    };
+    let (oh, ow) = (out(h, kh), out(wd, kw));
+    let c_out = cg_out * o.groups;
+    let cg_in = c_in / o.groups;
+    let mut y = vec![0.0f64; n * c_out * oh * ow];
+    for b in 0..n {
+        for ci in 0..c_in {
+            let g = ci / cg_in;
+            for iy in 0..h {
+                for ix in 0..wd {
+                    let xv = x[((b * c_in + ci) * h + iy) * wd + ix] as f64;
+                    for co in 0..cg_out {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let oy =
+                                    (iy * o.stride + ky * o.dilation) as isize - o.padding as isize;
+                                let ox =
+                                    (ix * o.stride + kx * o.dilation) as isize - o.padding as isize;
+                                if oy < 0 || ox < 0 || oy >= oh as isize || ox >= ow as isize {
+                                    continue;
+                                }
+                                let wv = w[((ci * cg_out + co) * kh + ky) * kw + kx] as f64;
+                                let at = ((b * c_out + g * cg_out + co) * oh + oy as usize) * ow
+                                    + ox as usize;
+                                y[at] += xv * wv;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (y, [n, c_out, oh, ow])
+}
+
+fn transpose_options(
+    stride: usize,
+    padding: usize,
+    output_padding: usize,
+    dilation: usize,
+    groups: usize,
+) -> ConvTranspose2dOptions {
+    ConvTranspose2dOptions {
+        stride,
+        padding,
+        output_padding,
+        dilation,
+        groups,
+    }
+}
+
+#[test]
+fn conv_transpose2d_matches_cpu_reference() {
+    let cases = [
+        ([1, 1, 3, 3], [1, 1, 3, 3], transpose_options(1, 0, 0, 1, 1)),
+        // A U-Net up block: stride 2, padding 1, output padding 1 doubles the size.
+        ([2, 4, 5, 5], [4, 3, 3, 3], transpose_options(2, 1, 1, 1, 1)),
+        ([2, 3, 4, 6], [3, 2, 2, 2], transpose_options(2, 0, 0, 1, 1)),
+        ([1, 4, 5, 4], [4, 3, 3, 2], transpose_options(3, 2, 1, 2, 1)),
+        ([2, 4, 3, 3], [4, 1, 3, 3], transpose_options(1, 1, 0, 1, 2)),
+        ([3, 6, 4, 4], [6, 2, 4, 4], transpose_options(2, 1, 0, 1, 3)),
+    ];
+    for (i, (xs, ws, o)) in cases.into_iter().enumerate() {
+        let (x, xv) = random_tensor(&xs, 110 + i as u64);
+        let (w, wv) = random_tensor(&ws, 120 + i as u64);
+        let c_out = ws[1] * o.groups;
+        let (b, bv) = random_tensor(&[c_out], 130 + i as u64);
+        let got = x.conv_transpose2d(&w, Some(&b), &o).unwrap();
+        let (mut want, shape) = conv_transpose_reference(&xv, xs, &wv, ws, o);
+        let pixels = shape[2] * shape[3];
+        for (at, v) in want.iter_mut().enumerate() {
+            *v += bv[(at / pixels) % c_out] as f64;
+        }
+        assert_eq!(got.shape(), &shape, "case {i}");
+        assert_close(
+            &got.to_vec().unwrap(),
+            &want,
+            1e-4,
+            &format!("conv_transpose2d case {i}"),
+        );
+    }
+}
+
+#[test]
+fn conv_transpose2d_gradcheck() {
+    for (n, o) in [
+        (1, transpose_options(2, 1, 1, 1, 1)),
+        (3, transpose_options(1, 0, 0, 2, 2)),
+    ] {
+        gradcheck(
+            &format!("conv_transpose2d batch {n} {o:?}"),
+            &[
+                (vec![n, 2, 3, 4], values_in(n * 24, -1.0, 1.0, 11)),
+                (vec![2, 2, 3, 3], values_in(36, -1.0, 1.0, 12)),
+                (vec![2 * o.groups], values_in(2 * o.groups, -1.0, 1.0, 13)),
+            ],
+            |t| t[0].conv_transpose2d(&t[1], Some(&t[2]), &o),
+        );
+    }
+    // A transposed (non-contiguous) input.
+    gradcheck(
+        "conv_transpose2d of a view",
+        &[
+            (vec![1, 2, 4, 3], values_in(24, -1.0, 1.0, 14)),
+            (vec![2, 1, 2, 2], values_in(8, -1.0, 1.0, 15)),
+        ],
+        |t| {
+            t[0].transpose(2, 3)?
+                .conv_transpose2d(&t[1], None, &transpose_options(2, 0, 1, 1, 1))
+        },
+    );
+}
+
+#[test]
+fn conv_transpose2d_undoes_a_stride_2_convolutions_size_and_is_its_input_grad() {
+    let dev = device();
+    let (x, _) = random_tensor(&[2, 3, 9, 9], 140);
+    let (w, _) = random_tensor(&[4, 3, 3, 3], 141);
+    let down = x.conv2d(&w, None, 2, 1).unwrap();
+    let up_options = transpose_options(2, 1, 0, 1, 1);
+    let (g, _) = random_tensor(down.shape(), 142);
+    // conv2d's input grad for out grad g is conv_transpose2d of g with the same weight.
+    let x = x.requires_grad_(true);
+    x.conv2d(&w, None, 2, 1)
+        .unwrap()
+        .mul(&g)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let up = g.conv_transpose2d(&w, None, &up_options).unwrap();
+    assert_eq!(up.shape(), &[2, 3, 9, 9]);
+    let want: Vec<f64> = x
+        .grad()
+        .unwrap()
+        .to_vec()
+        .unwrap()
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
+    assert_close(&up.to_vec().unwrap(), &want, 1e-5, "input grad");
+    let module =
+        nn::ConvTranspose2d::new(4, 2, 3, transpose_options(2, 1, 1, 1, 1), true, dev).unwrap();
+    assert_eq!(module.weight.shape(), &[4, 2, 3, 3]);
+    assert_eq!(module.forward(&down).unwrap().shape(), &[2, 2, 10, 10]);
+    assert_eq!(module.parameters().len(), 2);
+}
+
+#[test]
+fn conv_transpose2d_rejects_bad_options_naming_the_shapes() {
+    let dev = device();
+    let x = Tensor::zeros(&[1, 4, 3, 3], dev).unwrap();
+    let w = Tensor::zeros(&[4, 2, 3, 3], dev).unwrap();
+    let cases = [
+        (transpose_options(2, 0, 2, 1, 1), &w, "output_padding"),
+        (transpose_options(1, 0, 0, 1, 3), &w, "divisible"),
+        (transpose_options(1, 3, 0, 1, 1), &w, "no output"),
+        (transpose_options(0, 0, 0, 1, 1), &w, "stride"),
+    ];
+    for (o, w, needle) in cases {
+        let err = x.conv_transpose2d(w, None, &o).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("conv_transpose2d") && msg.contains(needle),
+            "{msg}"
+        );
+        assert!(msg.contains("[1, 4, 3, 3]"), "{msg}");
+    }
+    let wrong_in = Tensor::zeros(&[3, 2, 3, 3], dev).unwrap();
+    assert!(x
+        .conv_transpose2d(&wrong_in, None, &Default::default())
+        .is_err());
+    let bias = Tensor::zeros(&[3], dev).unwrap();
+    assert!(x
+        .conv_transpose2d(&w, Some(&bias), &Default::default())
+        .is_err());
 }

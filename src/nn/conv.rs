@@ -1,11 +1,11 @@
-//! Image and sequence layers: `Conv2d`, `Conv1d`, `MaxPool2d`, `AvgPool2d`, `Upsample` and
-//! `Flatten`.
+//! Image and sequence layers: `Conv2d`, `ConvTranspose2d`, `Conv1d`, `MaxPool2d`,
+//! `AvgPool2d`, `Upsample` and `Flatten`.
 
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::linear::uniform_parameter;
 use crate::nn::Module;
-use crate::ops::conv::{Conv1dOptions, Conv2dOptions};
+use crate::ops::conv::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions};
 use crate::ops::pool::Interpolate;
 use crate::tensor::Tensor;
 
@@ -137,6 +137,64 @@ fn conv_parameters(
         false => None,
     };
     Ok((weight, bias))
+}
+
+/// A transposed 2-d convolution over `[N, C_in, H, W]` (a U-Net's or a VAE decoder's
+/// upsampling): weight `[C_in, C_out / groups, k, k]` as PyTorch's, bias `[C_out]`, both
+/// uniform in `[-1/sqrt(fan_in), 1/sqrt(fan_in)]` with `fan_in = C_out / groups k k`, as
+/// PyTorch initialises them.
+pub struct ConvTranspose2d {
+    /// `[C_in, C_out / groups, k, k]`.
+    pub weight: Tensor,
+    /// `[C_out]`, or none.
+    pub bias: Option<Tensor>,
+    /// Stride, padding, output padding, dilation and groups.
+    pub options: ConvTranspose2dOptions,
+}
+
+impl ConvTranspose2d {
+    /// `in_channels -> out_channels` with a square `kernel`, the `options` and a bias or
+    /// none.
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        options: ConvTranspose2dOptions,
+        bias: bool,
+        device: &Device,
+    ) -> Result<ConvTranspose2d> {
+        // The weight is a convolution's from out_channels to in_channels.
+        let (weight, _) = conv_parameters(
+            "ConvTranspose2d::new",
+            (out_channels, in_channels, options.groups),
+            &[kernel, kernel],
+            options.stride > 0,
+            false,
+            device,
+        )?;
+        let bound = 1.0 / ((out_channels / options.groups * kernel * kernel) as f32).sqrt();
+        let bias = match bias {
+            true => Some(uniform_parameter(&[out_channels], bound, device)?),
+            false => None,
+        };
+        Ok(ConvTranspose2d {
+            weight,
+            bias,
+            options,
+        })
+    }
+}
+
+impl Module for ConvTranspose2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.conv_transpose2d(&self.weight, self.bias.as_ref(), &self.options)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut params = vec![("weight".to_string(), self.weight.clone())];
+        params.extend(self.bias.iter().map(|b| ("bias".to_string(), b.clone())));
+        params
+    }
 }
 
 /// A 1-d convolution over `[N, C_in, L]` (audio, sequences): weight `[C_out, C_in / groups,

@@ -14,7 +14,7 @@ mod transformer;
 
 pub use activation::{Gelu, Relu, Tanh};
 pub use batch_norm::{BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormInput, Features, Images};
-pub use conv::{AvgPool2d, Conv1d, Conv2d, Flatten, MaxPool2d, Upsample};
+pub use conv::{AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, Flatten, MaxPool2d, Upsample};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use layer_norm::{GroupNorm, LayerNorm, RmsNorm};

@@ -329,6 +329,37 @@ fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     })
 }
 
+/// One group's input grad from the out grad `g` `[N, c_out, out_h, out_w]`: the cols grad
+/// `w^T g` summed back onto the input by col2im, a chunk of images at a time. It is also the
+/// forward of the transposed convolution.
+fn input_grad(g: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
+    let in_rest = [geo.cols.c_in, geo.cols.height, geo.cols.width];
+    by_chunks(g, geo, in_rest, |start, count| {
+        let g_chunk = g
+            .narrow(0, start, count)?
+            .reshape(&[count, geo.c_out, geo.cols.pixels()])?;
+        col2im(&w_mat.t()?.matmul(&g_chunk)?, geo)
+    })
+}
+
+/// One group's weight grad, shaped as `w_shape`, from the input `x` and the out grad `g`: the
+/// sum over chunks of images of `g cols^T`.
+fn weight_grad(x: &Tensor, g: &Tensor, geo: &Geometry, w_shape: &[usize]) -> Result<Tensor> {
+    let part = |start, count| {
+        let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, geo)?;
+        g.narrow(0, start, count)?
+            .reshape(&[count, geo.c_out, geo.cols.pixels()])?
+            .matmul(&cols.transpose(1, 2)?)?
+            .sum_dims(&[0], false)
+    };
+    let sum = match sum_over_chunks(geo.batch, geo.images_per_chunk(), part)? {
+        Some(s) => s,
+        None => Tensor::zeros(&[geo.c_out, geo.cols.k()], x.device())?,
+    };
+    sum.reshape(w_shape)
+}
+
 /// One group's convolution (no bias), recorded with its backward to input and weight.
 fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
     let out = {
@@ -339,37 +370,179 @@ fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
         let (need_x, need_w) = (x.requires_grad(), w.requires_grad());
         let (x, w) = (x.detach(), w.detach());
         move |g: &Tensor| {
-            let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
-            let in_rest = [geo.cols.c_in, geo.cols.height, geo.cols.width];
-            let g_chunk = |start, count| -> Result<Tensor> {
-                g.narrow(0, start, count)?
-                    .reshape(&[count, geo.c_out, geo.cols.pixels()])
-            };
-            let grad_x = match need_x {
-                true => Some(by_chunks(&x, &geo, in_rest, |start, count| {
-                    col2im(&w_mat.t()?.matmul(&g_chunk(start, count)?)?, &geo)
-                })?),
-                false => None,
-            };
-            let grad_w = match need_w {
-                true => {
-                    let part = |start, count| {
-                        let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, &geo)?;
-                        g_chunk(start, count)?
-                            .matmul(&cols.transpose(1, 2)?)?
-                            .sum_dims(&[0], false)
-                    };
-                    let sum = match sum_over_chunks(geo.batch, geo.images_per_chunk(), part)? {
-                        Some(s) => s,
-                        None => Tensor::zeros(&[geo.c_out, geo.cols.k()], w.device())?,
-                    };
-                    Some(sum.reshape(w.shape())?)
-                }
-                false => None,
-            };
+            let grad_x = need_x.then(|| input_grad(g, &w, &geo)).transpose()?;
+            let grad_w = need_w
+                .then(|| weight_grad(&x, g, &geo, w.shape()))
+                .transpose()?;
             Ok(vec![grad_x, grad_w])
         }
     }))
+}
+
+/// One group's transposed convolution of `x` `[N, C_in, H, W]` (no bias): the input grad of
+/// the convolution `geo` describes, which maps `[N, C_out, H_out, W_out]` to `x`'s shape. Its
+/// backward is that convolution's forward (to `x`) and weight grad (to `w`).
+fn conv_transpose_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
+    let out = {
+        let _no_grad = NoGradGuard::new();
+        input_grad(&x.contiguous()?, w, &geo)?
+    };
+    Ok(record("conv_transpose2d", out, &[x, w], |_| {
+        let (need_x, need_w) = (x.requires_grad(), w.requires_grad());
+        let (x, w) = (x.detach(), w.detach());
+        move |g: &Tensor| {
+            let grad_x = need_x.then(|| forward(g, &w, &geo)).transpose()?;
+            let grad_w = need_w
+                .then(|| weight_grad(g, &x, &geo, w.shape()))
+                .transpose()?;
+            Ok(vec![grad_x, grad_w])
+        }
+    }))
+}
+
+/// Stride, padding, output padding, dilation and groups of a transposed convolution, the
+/// same along both axes, with PyTorch's defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvTranspose2dOptions {
+    /// Step between the input pixels' windows in the output (>= 1).
+    pub stride: usize,
+    /// Rows and columns of the full output cut from each side.
+    pub padding: usize,
+    /// Rows and columns added at the bottom and right (below `stride`), to reach the size a
+    /// strided convolution came from.
+    pub output_padding: usize,
+    /// Step between kernel taps (>= 1).
+    pub dilation: usize,
+    /// Channel groups: weight `[C_in, C_out / groups, kH, kW]`.
+    pub groups: usize,
+}
+
+impl Default for ConvTranspose2dOptions {
+    fn default() -> Self {
+        ConvTranspose2dOptions {
+            stride: 1,
+            padding: 0,
+            output_padding: 0,
+            dilation: 1,
+            groups: 1,
+        }
+    }
+}
+
+/// Checks a transposed convolution's shapes and options; returns the geometry of one group
+/// of the convolution it is the input grad of (from the output to `x`).
+fn transpose_geometry(x: &Tensor, w: &Tensor, o: &ConvTranspose2dOptions) -> Result<Geometry> {
+    const OP: &str = "conv_transpose2d";
+    x.expect_same_device(OP, w)?;
+    x.expect_dtype(OP, DType::F32)?;
+    w.expect_dtype(OP, DType::F32)?;
+    let shapes = || format!("input {:?}, weight {:?}, {o:?}", x.shape(), w.shape());
+    if x.rank() != 4 || w.rank() != 4 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "needs input [N, C_in, H, W] and weight [C_in, C_out / groups, kH, kW], got {}",
+                shapes()
+            ),
+        });
+    }
+    if o.stride == 0 || o.dilation == 0 || o.groups == 0 || o.output_padding >= o.stride {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!(
+                "stride, dilation and groups must be >= 1 and output_padding below stride, got {}",
+                shapes()
+            ),
+        });
+    }
+    let (batch, c_in, height, width) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let (w_in, c_out_group, kernel_h, kernel_w) =
+        (w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]);
+    if w_in != c_in || !c_in.is_multiple_of(o.groups) || kernel_h == 0 || kernel_w == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "needs weight [C_in, C_out / groups, kH, kW] with C_in = {c_in} divisible by \
+                 the groups, got {}",
+                shapes()
+            ),
+        });
+    }
+    // The full output, less the padding on each side, plus the output padding.
+    let full = |size: usize, k: usize| (size.max(1) - 1) * o.stride + o.dilation * (k - 1) + 1;
+    let (full_h, full_w) = (full(height, kernel_h), full(width, kernel_w));
+    let out_h = (full_h + o.output_padding).checked_sub(2 * o.padding);
+    let out_w = (full_w + o.output_padding).checked_sub(2 * o.padding);
+    let (Some(out_h), Some(out_w)) = (out_h, out_w) else {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!("the padding leaves no output, got {}", shapes()),
+        });
+    };
+    if out_h == 0 || out_w == 0 || height == 0 || width == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!("needs nonzero image and output sizes, got {}", shapes()),
+        });
+    }
+    Ok(Geometry {
+        batch,
+        c_out: c_in / o.groups,
+        cols: ImageColumns {
+            c_in: c_out_group,
+            height: out_h,
+            width: out_w,
+            kernel_h,
+            kernel_w,
+            out_h: height,
+            out_w: width,
+            stride: (o.stride, o.stride),
+            padding: (o.padding, o.padding),
+            dilation: (o.dilation, o.dilation),
+        },
+    })
+}
+
+/// Errors unless `bias` is `[c_out]` on `x`'s device.
+fn check_bias(
+    op: &'static str,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    c_out: usize,
+) -> Result<()> {
+    let Some(b) = bias else {
+        return Ok(());
+    };
+    x.expect_same_device(op, b)?;
+    if b.shape() != [c_out] {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "bias of shape {:?} for a weight of shape {:?} (needs [{c_out}])",
+                b.shape(),
+                weight.shape()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `f(g)` for each of `groups` channel groups, joined along the channels.
+fn by_groups(groups: usize, f: impl Fn(usize) -> Result<Tensor>) -> Result<Tensor> {
+    if groups == 1 {
+        return f(0);
+    }
+    let parts = (0..groups).map(f).collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 1)
+}
+
+/// `out` plus `bias` `[C]` over its channels, when given.
+fn add_bias(out: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    match bias {
+        Some(b) => out.add(&b.reshape(&[b.numel(), 1, 1])?),
+        None => Ok(out),
+    }
 }
 
 impl Tensor {
@@ -449,35 +622,54 @@ impl Tensor {
         options: Conv2dOptions,
     ) -> Result<Tensor> {
         let geo = geometry(self, weight, &options)?;
-        let c_out = weight.shape()[0];
-        if let Some(b) = bias {
-            self.expect_same_device("conv2d", b)?;
-            if b.shape() != [c_out] {
-                return Err(Error::Shape {
-                    op: "conv2d",
-                    msg: format!(
-                        "bias of shape {:?} for a weight of shape {:?} (needs [{c_out}])",
-                        b.shape(),
-                        weight.shape()
-                    ),
-                });
+        check_bias("conv2d", self, weight, bias, weight.shape()[0])?;
+        let out = by_groups(options.groups, |g| match options.groups {
+            1 => conv_group(self, weight, geo),
+            _ => {
+                let x = self.narrow(1, g * geo.cols.c_in, geo.cols.c_in)?;
+                let w = weight.narrow(0, g * geo.c_out, geo.c_out)?;
+                conv_group(&x, &w, geo)
             }
-        }
-        let out = if options.groups == 1 {
-            conv_group(self, weight, geo)?
-        } else {
-            let parts = (0..options.groups)
-                .map(|g| {
-                    let x = self.narrow(1, g * geo.cols.c_in, geo.cols.c_in)?;
-                    let w = weight.narrow(0, g * geo.c_out, geo.c_out)?;
-                    conv_group(&x, &w, geo)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Tensor::cat(&parts, 1)?
-        };
-        match bias {
-            Some(b) => out.add(&b.reshape(&[c_out, 1, 1])?),
-            None => Ok(out),
-        }
+        })?;
+        add_bias(out, bias)
+    }
+
+    /// The transposed 2-d convolution of `self` `[N, C_in, H, W]` with `weight`
+    /// `[C_in, C_out / groups, kH, kW]` (PyTorch's layout), plus `bias` `[C_out]` if given:
+    /// `[N, C_out, H_out, W_out]` with
+    /// `H_out = (H - 1) stride - 2 padding + dilation (kH - 1) + output_padding + 1`, as
+    /// PyTorch's `conv_transpose2d` (the input grad of a convolution, so a U-Net's up block
+    /// undoes a stride-2 down block's size). It runs the convolution's kernels: col2im
+    /// forward, im2col and the GEMMs backward.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{ConvTranspose2dOptions, Device, Tensor};
+    /// let dev = Device::new()?;
+    /// let x = Tensor::ones(&[1, 4, 8, 8], &dev)?;
+    /// let w = Tensor::ones(&[4, 2, 3, 3], &dev)?;
+    /// let o = ConvTranspose2dOptions { stride: 2, padding: 1, output_padding: 1, ..Default::default() };
+    /// assert_eq!(x.conv_transpose2d(&w, None, &o)?.shape(), &[1, 2, 16, 16]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn conv_transpose2d(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        options: &ConvTranspose2dOptions,
+    ) -> Result<Tensor> {
+        let geo = transpose_geometry(self, weight, options)?;
+        let c_out = geo.cols.c_in * options.groups;
+        check_bias("conv_transpose2d", self, weight, bias, c_out)?;
+        let out = by_groups(options.groups, |g| match options.groups {
+            1 => conv_transpose_group(self, weight, geo),
+            _ => {
+                let x = self.narrow(1, g * geo.c_out, geo.c_out)?;
+                let w = weight.narrow(0, g * geo.c_out, geo.c_out)?;
+                conv_transpose_group(&x, &w, geo)
+            }
+        })?;
+        add_bias(out, bias)
     }
 }
