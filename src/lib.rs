@@ -35,6 +35,6 @@ pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
 pub use error::{Error, Result};
 pub use ops::attention::SdpaOptions;
 pub use ops::conv::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions};
-pub use ops::pool::Interpolate;
+pub use ops::pool::{Interpolate, Pool2dOptions};
 pub use seed::manual_seed;
 pub use tensor::{DType, Tensor};

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 use wgrad::nn::{self, Module};
-use wgrad::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, Error, Tensor};
+use wgrad::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, Error, Pool2dOptions, Tensor};
 
 /// PyTorch's conv2d on the CPU: x [n, c_in, h, w], w [c_out, c_in / groups, kh, kw].
 fn conv_reference(
@@ -819,5 +819,154 @@ fn conv_transpose2d_rejects_bad_options_naming_the_shapes() {
     let bias = Tensor::zeros(&[3], dev).unwrap();
     assert!(x
         .conv_transpose2d(&w, Some(&bias), &Default::default())
+        .is_err());
+}
+
+/// torch's max_pool2d / avg_pool2d of one `[h, w]` plane with padding, ceil mode and
+/// count_include_pad, from its kernels' rules: output sides rounded as `Pool2dOptions` says,
+/// windows clipped to the input, the average's divisor the window clipped to the padded input
+/// (or to the input without count_include_pad).
+fn padded_pool_reference(
+    plane: &[f32],
+    (h, w): (usize, usize),
+    o: Pool2dOptions,
+    max: bool,
+) -> Vec<f64> {
+    let out_len = |size: usize| {
+        let span = size + 2 * o.padding - o.kernel;
+        let mut out = if o.ceil_mode {
+            span.div_ceil(o.stride) + 1
+        } else {
+            span / o.stride + 1
+        };
+        if o.ceil_mode && (out - 1) * o.stride >= size + o.padding {
+            out -= 1;
+        }
+        out
+    };
+    let (oh, ow) = (out_len(h), out_len(w));
+    let p = o.padding as isize;
+    let mut out = Vec::new();
+    for oy in 0..oh {
+        for ox in 0..ow {
+            let y0 = (oy * o.stride) as isize - p;
+            let x0 = (ox * o.stride) as isize - p;
+            let y1 = (y0 + o.kernel as isize).min(h as isize + p);
+            let x1 = (x0 + o.kernel as isize).min(w as isize + p);
+            let pool_size = ((y1 - y0) * (x1 - x0)) as f64;
+            let (ys, xs) = (y0.max(0), x0.max(0));
+            let (ye, xe) = (y1.min(h as isize), x1.min(w as isize));
+            let values: Vec<f64> = (ys..ye)
+                .flat_map(|y| (xs..xe).map(move |x| (y, x)))
+                .map(|(y, x)| plane[y as usize * w + x as usize] as f64)
+                .collect();
+            out.push(if max {
+                values.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+            } else {
+                let divisor = if o.count_include_pad {
+                    pool_size
+                } else {
+                    ((ye - ys) * (xe - xs)) as f64
+                };
+                values.iter().sum::<f64>() / divisor
+            });
+        }
+    }
+    out
+}
+
+fn pool_options(
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    ceil_mode: bool,
+    count_include_pad: bool,
+) -> Pool2dOptions {
+    Pool2dOptions {
+        kernel,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+    }
+}
+
+#[test]
+fn pools_with_padding_and_ceil_mode_match_torchs_rules() {
+    let (h, w) = (7, 6);
+    let (x, xv) = random_tensor(&[2, 3, h, w], 160);
+    for o in [
+        pool_options(3, 2, 1, false, true), // a ResNet stem's max pool
+        pool_options(3, 2, 1, false, false),
+        pool_options(2, 2, 0, true, true),
+        pool_options(3, 2, 0, true, true),
+        pool_options(3, 2, 1, true, true),
+        pool_options(3, 2, 1, true, false),
+        pool_options(4, 3, 2, true, true),
+        pool_options(2, 1, 1, false, true),
+    ] {
+        for max in [true, false] {
+            let got = match max {
+                true => x.max_pool2d_with(&o),
+                false => x.avg_pool2d_with(&o),
+            }
+            .unwrap();
+            let want: Vec<f64> = xv
+                .chunks(h * w)
+                .flat_map(|plane| padded_pool_reference(plane, (h, w), o, max))
+                .collect();
+            assert_eq!(got.numel(), want.len(), "{o:?} max {max}");
+            assert_close(
+                &got.to_vec().unwrap(),
+                &want,
+                1e-5,
+                &format!("{o:?} max {max}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn pools_with_padding_and_ceil_mode_gradcheck() {
+    for n in [1, 3] {
+        let o = pool_options(3, 2, 1, true, false);
+        for max in [true, false] {
+            gradcheck(
+                &format!("pool {o:?} max {max} batch {n}"),
+                &[(vec![n, 2, 5, 4], values_in(n * 40, -1.0, 1.0, 17))],
+                |t| match max {
+                    true => t[0].max_pool2d_with(&o),
+                    false => t[0].avg_pool2d_with(&o),
+                },
+            );
+        }
+    }
+    let o = pool_options(2, 2, 1, true, true);
+    gradcheck(
+        "avg pool of a view",
+        &[(vec![1, 1, 5, 3], values_in(15, -1.0, 1.0, 18))],
+        |t| t[0].transpose(2, 3)?.avg_pool2d_with(&o),
+    );
+}
+
+#[test]
+fn pool_modules_take_options_and_reject_wide_padding() {
+    let (x, _) = random_tensor(&[1, 2, 8, 8], 170);
+    let stem = nn::MaxPool2d::with_options(pool_options(3, 2, 1, false, true));
+    assert_eq!(stem.forward(&x).unwrap().shape(), &[1, 2, 4, 4]);
+    let plain = nn::AvgPool2d::new(2, 2).forward(&x).unwrap();
+    assert_eq!(
+        plain.to_vec().unwrap(),
+        x.avg_pool2d(2, 2).unwrap().to_vec().unwrap()
+    );
+    let err = x
+        .max_pool2d_with(&pool_options(2, 1, 2, false, true))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("max_pool2d") && err.to_string().contains("padding"),
+        "{err}"
+    );
+    assert!(x
+        .avg_pool2d_with(&pool_options(0, 1, 0, false, true))
         .is_err());
 }

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::nn::linear::uniform_parameter;
 use crate::nn::Module;
 use crate::ops::conv::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions};
-use crate::ops::pool::Interpolate;
+use crate::ops::pool::{Interpolate, Pool2dOptions};
 use crate::tensor::Tensor;
 
 /// A 2-d convolution over `[N, C_in, H, W]`: weight `[C_out, C_in / groups, kH, kW]`, bias
@@ -263,47 +263,55 @@ impl Module for Conv1d {
     }
 }
 
-/// Max pooling over `kernel x kernel` windows every `stride` (no parameters).
+/// Max pooling over `kernel x kernel` windows every `stride` (no parameters), with torch's
+/// padding and ceil mode through [`MaxPool2d::with_options`].
 #[derive(Debug, Clone, Copy)]
 pub struct MaxPool2d {
-    /// Window side.
-    pub kernel: usize,
-    /// Step between windows.
-    pub stride: usize,
+    /// The window.
+    pub options: Pool2dOptions,
 }
 
 impl MaxPool2d {
     /// Windows of `kernel x kernel` every `stride`.
     pub fn new(kernel: usize, stride: usize) -> MaxPool2d {
-        MaxPool2d { kernel, stride }
+        MaxPool2d::with_options(Pool2dOptions::new(kernel, stride))
+    }
+
+    /// Windows with padding or ceil mode.
+    pub fn with_options(options: Pool2dOptions) -> MaxPool2d {
+        MaxPool2d { options }
     }
 }
 
 impl Module for MaxPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.max_pool2d(self.kernel, self.stride)
+        x.max_pool2d_with(&self.options)
     }
 }
 
-/// Average pooling over `kernel x kernel` windows every `stride` (no parameters).
+/// Average pooling over `kernel x kernel` windows every `stride` (no parameters), with
+/// torch's padding, ceil mode and `count_include_pad` through [`AvgPool2d::with_options`].
 #[derive(Debug, Clone, Copy)]
 pub struct AvgPool2d {
-    /// Window side.
-    pub kernel: usize,
-    /// Step between windows.
-    pub stride: usize,
+    /// The window.
+    pub options: Pool2dOptions,
 }
 
 impl AvgPool2d {
     /// Windows of `kernel x kernel` every `stride`.
     pub fn new(kernel: usize, stride: usize) -> AvgPool2d {
-        AvgPool2d { kernel, stride }
+        AvgPool2d::with_options(Pool2dOptions::new(kernel, stride))
+    }
+
+    /// Windows with padding, ceil mode or `count_include_pad`.
+    pub fn with_options(options: Pool2dOptions) -> AvgPool2d {
+        AvgPool2d { options }
     }
 }
 
 impl Module for AvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.avg_pool2d(self.kernel, self.stride)
+        x.avg_pool2d_with(&self.options)
     }
 }
 

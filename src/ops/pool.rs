@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
@@ -180,6 +181,124 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
     }))
 }
 
+/// A 2-d pooling's window, as PyTorch's `MaxPool2d`/`AvgPool2d` arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pool2dOptions {
+    /// Window side.
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+    /// Implicit padding on every side (at most half the kernel, as torch): `-inf` for max
+    /// pooling, zeros for average pooling.
+    pub padding: usize,
+    /// Output sides rounded up, so that a last partial window counts (it must start inside
+    /// the input or its left padding, as torch).
+    pub ceil_mode: bool,
+    /// Average pooling divides by the whole window, padding included (torch's default), or
+    /// by the input elements it covers.
+    pub count_include_pad: bool,
+}
+
+impl Pool2dOptions {
+    /// `kernel x kernel` windows every `stride`, no padding, floor mode.
+    pub fn new(kernel: usize, stride: usize) -> Pool2dOptions {
+        Pool2dOptions {
+            kernel,
+            stride,
+            padding: 0,
+            ceil_mode: false,
+            count_include_pad: true,
+        }
+    }
+
+    /// The output side for an input side of `size`, as torch computes it.
+    fn out_len(&self, size: usize) -> usize {
+        let span = size + 2 * self.padding - self.kernel;
+        let mut out = match self.ceil_mode {
+            true => span.div_ceil(self.stride) + 1,
+            false => span / self.stride + 1,
+        };
+        // The last window must start inside the input or its left padding.
+        if self.ceil_mode && (out - 1) * self.stride >= size + self.padding {
+            out -= 1;
+        }
+        out
+    }
+}
+
+/// Pooling with padding or ceil mode as the plain kernels over a padded input: `x` padded by
+/// `padding` before and what the last window needs after (filled with `fill`), then pooled.
+fn padded_pool(x: &Tensor, kind: Pool, o: &Pool2dOptions) -> Result<Tensor> {
+    let op = kind.name();
+    if x.rank() != 4 {
+        return Err(Error::Shape {
+            op,
+            msg: format!("needs input [N, C, H, W], got {:?}", x.shape()),
+        });
+    }
+    let (h, w) = (x.shape()[2], x.shape()[3]);
+    if o.kernel == 0 || o.stride == 0 || 2 * o.padding > o.kernel {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!(
+                "needs kernel and stride >= 1 and padding at most half the kernel, got {o:?} \
+                 for input {:?}",
+                x.shape()
+            ),
+        });
+    }
+    if h + 2 * o.padding < o.kernel || w + 2 * o.padding < o.kernel {
+        return Err(Error::Shape {
+            op,
+            msg: format!("{o:?} does not fit input {:?}", x.shape()),
+        });
+    }
+    let (out_h, out_w) = (o.out_len(h), o.out_len(w));
+    // What the last window reaches past the input, beyond the padding.
+    let after = |size: usize, out: usize| {
+        ((out - 1) * o.stride + o.kernel).saturating_sub(size + o.padding)
+    };
+    let (bottom, right) = (after(h, out_h), after(w, out_w));
+    let sides = (o.padding, right, o.padding, bottom);
+    let fill = match kind {
+        Pool::Max => f32::NEG_INFINITY,
+        Pool::Avg => 0.0,
+    };
+    let pooled = match sides {
+        (0, 0, 0, 0) => pool(x, kind, o.kernel, o.stride)?,
+        _ => pool(&x.pad2d(sides, fill)?, kind, o.kernel, o.stride)?,
+    };
+    // Windows that end inside the padding count every tap, as the plain kernel divides.
+    let counts_every_tap = o.count_include_pad && bottom <= o.padding && right <= o.padding;
+    if kind == Pool::Max || counts_every_tap {
+        return Ok(pooled);
+    }
+    // Average pooling divides by the taps that count: the input's (and the padding's, with
+    // count_include_pad), never the ceil mode's overhang: the average of a 0/1 map of them
+    // over the padded input.
+    let counted = {
+        let _no_grad = NoGradGuard::new();
+        let (total_h, total_w) = (o.padding + h + bottom, o.padding + w + right);
+        let (first, count_h, count_w) = match o.count_include_pad {
+            true => (
+                0,
+                total_h.min(h + 2 * o.padding),
+                total_w.min(w + 2 * o.padding),
+            ),
+            false => (o.padding, h, w),
+        };
+        let ones = Tensor::ones(&[1, 1, count_h, count_w], x.device())?;
+        let sides = (
+            first,
+            total_w - first - count_w,
+            first,
+            total_h - first - count_h,
+        );
+        pool(&ones.pad2d(sides, 0.0)?, Pool::Avg, o.kernel, o.stride)?
+    };
+    pooled.div(&counted)
+}
+
 impl Tensor {
     /// 2-d max pooling of `[N, C, H, W]` over `kernel x kernel` windows every `stride`
     /// (no padding): `[N, C, (H - kernel) / stride + 1, ..]`. The grad goes to each window's
@@ -192,6 +311,29 @@ impl Tensor {
     /// (no padding). The grad is spread evenly over each window.
     pub fn avg_pool2d(&self, kernel: usize, stride: usize) -> Result<Tensor> {
         pool(self, Pool::Avg, kernel, stride)
+    }
+
+    /// Max pooling with torch's padding (`-inf`) and ceil mode, as `F.max_pool2d`: a
+    /// ResNet's stem pools `3x3` windows every 2 with padding 1.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Pool2dOptions, Tensor};
+    /// let dev = Device::new()?;
+    /// let x = Tensor::randn(&[1, 8, 112, 112], 0, &dev)?;
+    /// let o = Pool2dOptions { padding: 1, ..Pool2dOptions::new(3, 2) };
+    /// assert_eq!(x.max_pool2d_with(&o)?.shape(), &[1, 8, 56, 56]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn max_pool2d_with(&self, options: &Pool2dOptions) -> Result<Tensor> {
+        padded_pool(self, Pool::Max, options)
+    }
+
+    /// Average pooling with torch's padding (zeros), ceil mode and `count_include_pad`, as
+    /// `F.avg_pool2d`.
+    pub fn avg_pool2d_with(&self, options: &Pool2dOptions) -> Result<Tensor> {
+        padded_pool(self, Pool::Avg, options)
     }
 }
 
