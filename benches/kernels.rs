@@ -110,11 +110,54 @@ fn rms_norm(c: &mut Criterion, dev: &Device) {
     group.finish();
 }
 
+/// Rotary embeddings forward + backward over a Llama-sized q `[B 4, H 8, T 256, D 64]`, the
+/// fused kernel against the same math composed as Hugging Face writes it, `x cos +
+/// rotate_half(x) sin` with host-free tables (the ops issue's bar: fused at most 0.5x).
+fn rope(c: &mut Criterion, dev: &Device) {
+    let (b, h, t, d) = (4, 8, 256, 64);
+    let x = Tensor::randn(&[b, h, t, d], 6, dev)
+        .unwrap()
+        .requires_grad_(true);
+    let rope = wgrad::nn::RotaryEmbedding::new(d, t, 10000.0, dev).unwrap();
+    // The composition's tables [T, D]: angles position * theta^(-2j / D), the halves repeated.
+    let (cos, sin) = {
+        let half = d / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|j| 10000f32.powf(-((2 * j) as f32) / d as f32))
+            .collect();
+        let angles: Vec<f32> = (0..t)
+            .flat_map(|p| (0..d).map(move |j| (p, j)))
+            .map(|(p, j)| p as f32 * inv_freq[j % half])
+            .collect();
+        let angles = Tensor::from_vec(angles, &[t, d], dev).unwrap();
+        (angles.cos().unwrap(), angles.sin().unwrap())
+    };
+    let mut group = c.benchmark_group("rope_fwd_bwd_4x8x256x64");
+    let run = |f: &dyn Fn() -> wgrad::Result<Tensor>| {
+        x.zero_grad();
+        f().unwrap().sum().unwrap().backward().unwrap();
+        dev.synchronize().unwrap();
+    };
+    group.bench_function("fused", |bench| bench.iter(|| run(&|| rope.apply(&x, 0))));
+    group.bench_function("composed", |bench| {
+        bench.iter(|| {
+            run(&|| {
+                let half = d / 2;
+                let rotated =
+                    Tensor::cat(&[x.narrow(3, half, half)?.neg()?, x.narrow(3, 0, half)?], 3)?;
+                x.mul(&cos)?.add(&rotated.mul(&sin)?)
+            })
+        })
+    });
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let dev = device();
     matmul(c, &dev);
     memory_bound(c, &dev);
     rms_norm(c, &dev);
+    rope(c, &dev);
 }
 
 criterion_group! {

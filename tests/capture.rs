@@ -548,16 +548,23 @@ fn cnn() -> nn::Sequential {
         .add(nn::Linear::new(8 * 4 * 4, OUT, true, dev).unwrap())
 }
 
-#[test]
-fn replayed_cnn_steps_equal_eager_steps() {
-    let eager_model = cnn();
-    let captured_model = twin(&eager_model, || Box::new(cnn()));
+/// `calls` training steps of the image model `make` builds, on batches of `OUT` images of
+/// `image` (`[C, H, W]`) with rotating labels, captured against eager on a twin: equal losses
+/// and parameters after (1 eager call, 1 recorded, the rest replays). Returns both models.
+fn assert_image_replays_equal_eager(
+    make: fn() -> nn::Sequential,
+    image: [usize; 3],
+    calls: usize,
+    seed: u64,
+) -> (nn::Sequential, Box<dyn Module>) {
+    let eager_model = make();
+    let captured_model = twin(&eager_model, || Box::new(make()));
     let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
     let mut opt = Adam::new(captured_model.parameters(), AdamConfig::default());
     let mut step =
         Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
-    for i in 0..8 {
-        let (x, _) = random_tensor(&[OUT, 1, 8, 8], 80 + i % 3);
+    for i in 0..calls {
+        let (x, _) = random_tensor(&[OUT, image[0], image[1], image[2]], seed + i as u64 % 3);
         let labels: Vec<u32> = (0..OUT as u32)
             .map(|r| (r + i as u32) % OUT as u32)
             .collect();
@@ -566,8 +573,15 @@ fn replayed_cnn_steps_equal_eager_steps() {
         let got = step.run(&[x, y]).unwrap();
         assert_same_loss(&got, &want);
     }
-    assert_eq!(step.stats().replays, 6);
+    assert_eq!(step.stats().replays, calls as u64 - 2);
     assert_same_parameters(&eager_model, captured_model.as_ref());
+    drop(step);
+    (eager_model, captured_model)
+}
+
+#[test]
+fn replayed_cnn_steps_equal_eager_steps() {
+    assert_image_replays_equal_eager(cnn, [1, 8, 8], 8, 80);
 }
 
 /// A step through RMSNorm and every elementwise op of the ops issue (sin, cos, rsqrt, silu, softplus,
@@ -726,24 +740,7 @@ fn decoder() -> nn::Sequential {
 
 #[test]
 fn replayed_steps_through_group_norm_resampling_and_batch_norm_1d_equal_eager_steps() {
-    let eager_model = decoder();
-    let captured_model = twin(&eager_model, || Box::new(decoder()));
-    let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
-    let mut opt = Adam::new(captured_model.parameters(), AdamConfig::default());
-    let mut step =
-        Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
-    for i in 0..6 {
-        let (x, _) = random_tensor(&[OUT, 1, 6, 6], 90 + i % 3);
-        let labels: Vec<u32> = (0..OUT as u32)
-            .map(|r| (r + i as u32) % OUT as u32)
-            .collect();
-        let y = Tensor::from_vec_u32(labels, &[OUT], device()).unwrap();
-        let want = train_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
-        let got = step.run(&[x, y]).unwrap();
-        assert_same_loss(&got, &want);
-    }
-    assert_eq!(step.stats().replays, 4);
-    assert_same_parameters(&eager_model, captured_model.as_ref());
+    let (eager, captured) = assert_image_replays_equal_eager(decoder, [1, 6, 6], 6, 90);
     let buffers = |m: &dyn Module| {
         values(
             &m.named_buffers()
@@ -752,10 +749,7 @@ fn replayed_steps_through_group_norm_resampling_and_batch_norm_1d_equal_eager_st
                 .collect::<Vec<_>>(),
         )
     };
-    for (a, b) in buffers(&eager_model)
-        .iter()
-        .zip(&buffers(captured_model.as_ref()))
-    {
+    for (a, b) in buffers(&eager).iter().zip(&buffers(captured.as_ref())) {
         assert_rel_close(b, a, 1e-5, "running statistic");
     }
 }
@@ -783,22 +777,36 @@ fn up_block() -> nn::Sequential {
 
 #[test]
 fn replayed_steps_through_transposed_and_rectangular_convolutions_equal_eager_steps() {
-    let eager_model = up_block();
-    let captured_model = twin(&eager_model, || Box::new(up_block()));
-    let mut eager_opt = Adam::new(eager_model.parameters(), AdamConfig::default());
-    let mut opt = Adam::new(captured_model.parameters(), AdamConfig::default());
-    let mut step =
-        Step::new(|b: &[Tensor]| train_step(captured_model.as_ref(), &mut opt, &b[0], &b[1]));
-    for i in 0..6 {
-        let (x, _) = random_tensor(&[OUT, 2, 4, 4], 150 + i % 3);
-        let labels: Vec<u32> = (0..OUT as u32)
-            .map(|r| (r + i as u32) % OUT as u32)
-            .collect();
-        let y = Tensor::from_vec_u32(labels, &[OUT], device()).unwrap();
-        let want = train_step(&eager_model, &mut eager_opt, &x, &y).unwrap();
-        let got = step.run(&[x, y]).unwrap();
-        assert_same_loss(&got, &want);
-    }
-    assert_eq!(step.stats().replays, 4);
-    assert_same_parameters(&eager_model, captured_model.as_ref());
+    assert_image_replays_equal_eager(up_block, [2, 4, 4], 6, 150);
+}
+
+/// A step through sort, topk and scatter_add: the loss of the top-3 logits, of the sorted
+/// logits weighed by position, and of the logits scattered into 4 buckets.
+fn sorting_step(
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    x: &Tensor,
+    _y: &Tensor,
+) -> Result<Tensor> {
+    opt.zero_grad();
+    let logits = model.forward(x)?;
+    let (top, _) = logits.topk(3, 1)?;
+    let (sorted, _) = logits.sort(1, false)?;
+    let n = logits.shape()[0];
+    let ramp = Tensor::arange_f(0.0, OUT as f32, 1.0, x.device())?;
+    let buckets: Vec<u32> = (0..n * OUT).map(|i| (i % 4) as u32).collect();
+    let buckets = Tensor::from_vec_u32(buckets, &[n, OUT], x.device())?;
+    let scattered = Tensor::zeros(&[n, 4], x.device())?.scatter_add(1, &buckets, &logits)?;
+    let loss = top
+        .mean()?
+        .add(&sorted.mul(&ramp)?.mean()?)?
+        .add(&scattered.mul(&scattered)?.mean()?)?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+#[test]
+fn replayed_steps_through_sort_topk_and_scatter_add_equal_eager_steps() {
+    assert_replays_equal_eager(sorting_step, 600);
 }

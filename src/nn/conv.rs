@@ -94,10 +94,15 @@ impl Module for Conv2d {
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut params = vec![("weight".to_string(), self.weight.clone())];
-        params.extend(self.bias.iter().map(|b| ("bias".to_string(), b.clone())));
-        params
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
+}
+
+/// `"weight"` and, when there is one, `"bias"`: a convolution's parameters.
+fn weight_and_bias(weight: &Tensor, bias: Option<&Tensor>) -> Vec<(String, Tensor)> {
+    let mut params = vec![("weight".to_string(), weight.clone())];
+    params.extend(bias.map(|b| ("bias".to_string(), b.clone())));
+    params
 }
 
 /// A convolution's weight `[C_out, C_in / groups, kernel..]` and bias `[C_out]` (when `bias`),
@@ -191,9 +196,7 @@ impl Module for ConvTranspose2d {
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut params = vec![("weight".to_string(), self.weight.clone())];
-        params.extend(self.bias.iter().map(|b| ("bias".to_string(), b.clone())));
-        params
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
 }
 
@@ -257,9 +260,7 @@ impl Module for Conv1d {
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut params = vec![("weight".to_string(), self.weight.clone())];
-        params.extend(self.bias.iter().map(|b| ("bias".to_string(), b.clone())));
-        params
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
 }
 

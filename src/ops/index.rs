@@ -344,6 +344,47 @@ impl Tensor {
             move |g: &Tensor| Ok(vec![Some(gather_backward(g, dim, &indices, &shape)?)])
         }))
     }
+
+    /// This tensor with `source`'s elements added at `indices` along `dim`, as torch's
+    /// `scatter_add`: for `dim` 1, `out[i][indices[i][j]] += source[i][j]`; repeated indices
+    /// add up. `indices` (U32) and `source` have one shape, no larger than this tensor's but
+    /// along `dim`. It is gather's backward, so the grads are the incoming grad (this tensor)
+    /// and the incoming grad gathered at `indices` (`source`).
+    pub fn scatter_add(&self, dim: usize, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
+        const OP: &str = "scatter_add";
+        self.expect_same_device(OP, source)?;
+        self.expect_same_device(OP, indices)?;
+        for t in [self, source] {
+            t.expect_dtype(OP, DType::F32)?;
+        }
+        self.layout().check_dim(OP, dim)?;
+        let fits = source.shape() == indices.shape()
+            && indices.rank() == self.rank()
+            && self.rank() <= KERNEL_RANK
+            && (0..self.rank()).all(|d| d == dim || indices.shape()[d] <= self.shape()[d]);
+        if !fits {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "needs indices and source of one shape that fits the input but along dim \
+                     {dim}, got input {:?}, indices {:?}, source {:?}",
+                    self.shape(),
+                    indices.shape(),
+                    source.shape()
+                ),
+            });
+        }
+        check_bound(OP, indices, self.shape()[dim], self, dim)?;
+        let scattered = {
+            let _no_grad = NoGradGuard::new();
+            gather_backward(&source.contiguous()?, dim, indices, self.shape())?
+        };
+        let scattered = record(OP, scattered, &[source], |_| {
+            let indices = indices.clone();
+            move |g: &Tensor| Ok(vec![Some(g.gather(dim, &indices)?)])
+        });
+        self.add(&scattered)
+    }
 }
 
 fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor> {

@@ -13,6 +13,7 @@ pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rope;
 pub(crate) mod softmax;
+pub(crate) mod sort;
 pub(crate) mod unary;
 pub(crate) mod view;
 

@@ -337,6 +337,31 @@ impl Tensor {
     }
 }
 
+/// The sides `(H, W)` of NCHW images `x` to be resampled to `out`: an error unless both and
+/// `out` are nonzero.
+fn image_sides(
+    op: &'static str,
+    x: &Tensor,
+    (out_h, out_w): (usize, usize),
+) -> Result<(usize, usize)> {
+    let [_, _, h, w] = *x.shape() else {
+        return Err(Error::Shape {
+            op,
+            msg: format!("needs NCHW images, got {:?}", x.shape()),
+        });
+    };
+    if out_h == 0 || out_w == 0 || h == 0 || w == 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "needs nonzero image and output sizes, got input {:?} and output ({out_h}, {out_w})",
+                x.shape()
+            ),
+        });
+    }
+    Ok((h, w))
+}
+
 /// `[out, size]`: row `i` averages input positions `floor(i size / out) .. ceil((i + 1) size /
 /// out)`, PyTorch's adaptive pooling bins.
 fn adaptive_bins(out: usize, size: usize, device: &crate::device::Device) -> Result<Tensor> {
@@ -356,22 +381,7 @@ impl Tensor {
     /// average then a column average, so it runs as two products with bin matrices; grads come
     /// through them.
     pub fn adaptive_avg_pool2d(&self, (out_h, out_w): (usize, usize)) -> Result<Tensor> {
-        const OP: &str = "adaptive_avg_pool2d";
-        let [_, _, h, w] = *self.shape() else {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!("needs NCHW images, got {:?}", self.shape()),
-            });
-        };
-        if out_h == 0 || out_w == 0 || h == 0 || w == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "needs nonzero image and output sizes, got input {:?} and output ({out_h}, {out_w})",
-                    self.shape()
-                ),
-            });
-        }
+        let (h, w) = image_sides("adaptive_avg_pool2d", self, (out_h, out_w))?;
         let rows = adaptive_bins(out_h, h, self.device())?;
         let cols = adaptive_bins(out_w, w, self.device())?;
         rows.matmul(self)?.matmul(&cols.t()?)
@@ -433,22 +443,7 @@ impl Tensor {
     /// # }
     /// ```
     pub fn interpolate(&self, (out_h, out_w): (usize, usize), mode: Interpolate) -> Result<Tensor> {
-        const OP: &str = "interpolate";
-        let [_, _, h, w] = *self.shape() else {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!("needs NCHW images, got {:?}", self.shape()),
-            });
-        };
-        if out_h == 0 || out_w == 0 || h == 0 || w == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "needs nonzero image and output sizes, got input {:?} and output ({out_h}, {out_w})",
-                    self.shape()
-                ),
-            });
-        }
+        let (h, w) = image_sides("interpolate", self, (out_h, out_w))?;
         let rows = resample_weights(mode, out_h, h, self.device())?;
         let cols = resample_weights(mode, out_w, w, self.device())?;
         rows.matmul(self)?.matmul(&cols.t()?)

@@ -1,0 +1,150 @@
+//! `sort` and `topk` along a dim, forward and backward (`shaders/sort.wgsl`): a rank pass
+//! counts, for each element, the elements of its row that go before it, and a place pass
+//! writes each element at its rank. The ranks are kept for the backward, which gathers each
+//! element's grad from its rank (0 past the k kept). The count is quadratic in the row's
+//! length: right for the dims models sort (a vocabulary's logits for top-k sampling, a few
+//! thousand scores), not for sorting millions.
+
+use crate::error::{Error, Result};
+use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
+use crate::tensor::{DType, Tensor};
+
+crate::kernel_params! {
+    /// `rows` rows of `len` elements; the place pass keeps ranks below `keep`; the count
+    /// pass walks `span` elements from `span_start`.
+    pub(crate) struct SortParams {
+        rows: u32,
+        len: u32,
+        keep: u32,
+        descending: u32,
+        span: u32,
+        span_start: u32,
+    }
+}
+
+static SORT: ShaderFamily = ShaderFamily {
+    name: "sort",
+    wgsl: include_str!("../../shaders/sort.wgsl"),
+    params: &[&SortParams::LAYOUT],
+};
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("sort".into(), SORT.source(&[]))]
+}
+
+/// The first `keep` elements of `x` along `dim` in sorted order, and their positions along
+/// `dim` (U32), both with `dim` of size `keep`.
+fn sorted(
+    op: &'static str,
+    x: &Tensor,
+    dim: usize,
+    descending: bool,
+    keep: usize,
+) -> Result<(Tensor, Tensor)> {
+    x.expect_dtype(op, DType::F32)?;
+    x.layout().check_dim(op, dim)?;
+    let len = x.shape()[dim];
+    if keep > len {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "k = {keep} is larger than dim {dim} of size {len} (shape {:?})",
+                x.shape()
+            ),
+        });
+    }
+    let last = x.rank() - 1;
+    let rows = x.numel().checked_div(len).unwrap_or(0);
+    let dev = x.device();
+    // Rows [rows, len] with `dim` last; results [rows, keep] moved back.
+    let (ranks, values, indices) = {
+        let _no_grad = NoGradGuard::new();
+        let rows_t = x
+            .transpose(dim, last)?
+            .contiguous()?
+            .reshape(&[rows, len])?;
+        let ranks = Tensor::empty(op, &[rows, len], DType::U32, dev)?;
+        let values = Tensor::empty(op, &[rows, keep], DType::F32, dev)?;
+        let indices = Tensor::empty(op, &[rows, keep], DType::U32, dev)?;
+        if rows * len > 0 {
+            let mut params = SortParams {
+                rows: rows as u32,
+                len: len as u32,
+                keep: keep as u32,
+                descending: descending as u32,
+                span: MAX_LOOP_LEN as u32,
+                span_start: 0,
+            };
+            let workgroups = groups(rows * len, WORKGROUP);
+            for span_start in (0..len).step_by(MAX_LOOP_LEN) {
+                params.span_start = span_start as u32;
+                let count = Kernel::plain(&SORT, "count");
+                launch(op, &count, &[&rows_t, &ranks], &params, workgroups)?;
+            }
+            let place = Kernel::plain(&SORT, "place");
+            launch(
+                op,
+                &place,
+                &[&rows_t, &ranks, &values, &indices],
+                &params,
+                workgroups,
+            )?;
+        }
+        // Clamped to `keep` by the place pass.
+        (
+            ranks.with_index_bound(Some(keep as u32 + 1)),
+            values,
+            indices,
+        )
+    };
+    let mut moved = x.shape().to_vec();
+    moved.swap(dim, last);
+    moved[last] = keep;
+    let back = |t: Tensor| t.reshape(&moved)?.transpose(dim, last);
+    let indices = back(indices.with_index_bound(Some(len.max(1) as u32)))?;
+    let values = record(op, values, &[x], |_| {
+        let shape = x.shape().to_vec();
+        move |g: &Tensor| {
+            // Element i's grad is the grad at its rank, 0 where its rank is not kept: the
+            // grads padded with a column of zeros, gathered at min(rank, keep).
+            let g = g.reshape(&[rows, keep])?.pad2d((0, 1, 0, 0), 0.0)?;
+            let grad = g.gather(1, &ranks)?;
+            let mut moved = shape.clone();
+            moved.swap(dim, last);
+            Ok(vec![Some(grad.reshape(&moved)?.transpose(dim, last)?)])
+        }
+    });
+    Ok((back(values)?, indices))
+}
+
+impl Tensor {
+    /// The elements along `dim` in order, ascending or `descending`, and the positions they
+    /// came from (U32), as torch's `sort` (stable: equal elements keep their order; NaN sorts
+    /// as the largest). The grad goes back to each element's position.
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Tensor};
+    /// let dev = Device::new()?;
+    /// let x = Tensor::from_vec(vec![3.0, 1.0, 2.0], &[3], &dev)?;
+    /// let (values, indices) = x.sort(0, false)?;
+    /// assert_eq!(values.to_vec()?, vec![1.0, 2.0, 3.0]);
+    /// assert_eq!(indices.to_vec_u32()?, vec![1, 2, 0]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn sort(&self, dim: usize, descending: bool) -> Result<(Tensor, Tensor)> {
+        let len = self.shape().get(dim).copied().unwrap_or(0);
+        sorted("sort", self, dim, descending, len)
+    }
+
+    /// The `k` largest elements along `dim`, largest first, and their positions (U32), as
+    /// torch's `topk` (ties in position order, NaN the largest): what top-k sampling takes
+    /// from a vocabulary's logits. The grad goes to the `k` positions.
+    pub fn topk(&self, k: usize, dim: usize) -> Result<(Tensor, Tensor)> {
+        sorted("topk", self, dim, true, k)
+    }
+}

@@ -1,0 +1,236 @@
+//! sort, topk and scatter_add against host references (torch's rules: stable ties, NaN the
+//! largest; repeated indices adding up), their grads against finite differences, past the
+//! loop-split length, and their errors.
+
+mod common;
+use common::*;
+use wgrad::{Error, Tensor};
+
+/// torch's stable sort of one row on the host: (values, positions).
+fn sort_ref(row: &[f32], descending: bool) -> (Vec<f32>, Vec<u32>) {
+    let key = |x: f32| if x.is_nan() { f32::INFINITY } else { x };
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (x, y) = (row[a], row[b]);
+        // NaN after +inf ascending (before it descending); then position.
+        let by_value = match (x.is_nan(), y.is_nan()) {
+            (true, false) => std::cmp::Ordering::Greater,
+            (false, true) => std::cmp::Ordering::Less,
+            _ => key(x).partial_cmp(&key(y)).unwrap(),
+        };
+        let by_value = if descending {
+            by_value.reverse()
+        } else {
+            by_value
+        };
+        by_value.then(a.cmp(&b))
+    });
+    (
+        order.iter().map(|&i| row[i]).collect(),
+        order.iter().map(|&i| i as u32).collect(),
+    )
+}
+
+/// The rows of `x` `[a, b, c]` along `dim`, each as the list of its flat positions.
+fn lines(shape: [usize; 3], dim: usize) -> Vec<Vec<usize>> {
+    let st = strides(&shape);
+    let others: Vec<usize> = (0..3).filter(|&d| d != dim).collect();
+    let mut out = Vec::new();
+    for i in 0..shape[others[0]] {
+        for j in 0..shape[others[1]] {
+            let base = i * st[others[0]] + j * st[others[1]];
+            out.push((0..shape[dim]).map(|k| base + k * st[dim]).collect());
+        }
+    }
+    out
+}
+
+/// Values with ties (rounded to tenths) and a NaN, so that stability and NaN order are checked.
+fn tied_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut v: Vec<f32> = random_vec(n, seed)
+        .iter()
+        .map(|x| (x * 10.0).round() / 10.0)
+        .collect();
+    v[n / 2] = f32::NAN;
+    v
+}
+
+#[test]
+fn sort_along_each_dim_is_torchs_stable_sort_with_nan_largest() {
+    let shape = [3, 5, 4];
+    let xv = tied_values(60, 1);
+    let x = Tensor::from_slice(&xv, &shape, device()).unwrap();
+    for dim in 0..3 {
+        for descending in [false, true] {
+            let (values, indices) = x.sort(dim, descending).unwrap();
+            assert_eq!(values.shape(), &shape);
+            let (got_v, got_i) = (values.to_vec().unwrap(), indices.to_vec_u32().unwrap());
+            for line in lines(shape, dim) {
+                let row: Vec<f32> = line.iter().map(|&at| xv[at]).collect();
+                let (want_v, want_i) = sort_ref(&row, descending);
+                let got_row_v: Vec<f32> = line.iter().map(|&at| got_v[at]).collect();
+                let got_row_i: Vec<u32> = line.iter().map(|&at| got_i[at]).collect();
+                let what = format!("dim {dim} descending {descending} row {row:?}");
+                assert_eq!(got_row_i, want_i, "{what}");
+                let same = got_row_v
+                    .iter()
+                    .zip(&want_v)
+                    .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+                assert!(same, "{what}: {got_row_v:?} vs {want_v:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn topk_keeps_the_k_largest_first() {
+    let (x, xv) = random_tensor(&[4, 9], 2);
+    let (values, indices) = x.topk(3, 1).unwrap();
+    assert_eq!(values.shape(), &[4, 3]);
+    let (got_v, got_i) = (values.to_vec().unwrap(), indices.to_vec_u32().unwrap());
+    for r in 0..4 {
+        let (want_v, want_i) = sort_ref(&xv[r * 9..(r + 1) * 9], true);
+        assert_eq!(&got_v[r * 3..(r + 1) * 3], &want_v[..3]);
+        assert_eq!(&got_i[r * 3..(r + 1) * 3], &want_i[..3]);
+    }
+    // Along dim 0, and k = 0 and k = the whole dim.
+    let (v0, _) = x.topk(2, 0).unwrap();
+    assert_eq!(v0.shape(), &[2, 9]);
+    assert_eq!(x.topk(0, 1).unwrap().0.shape(), &[4, 0]);
+    let (all, _) = x.topk(9, 1).unwrap();
+    let (sorted, _) = x.sort(1, true).unwrap();
+    assert_eq!(all.to_vec().unwrap(), sorted.to_vec().unwrap());
+}
+
+/// A row past the count pass's span (16,384) is counted over several launches.
+#[test]
+fn sort_of_a_long_row_matches_the_host() {
+    let n = 40_000;
+    let (x, xv) = random_tensor(&[1, n], 3);
+    let (values, indices) = x.sort(1, false).unwrap();
+    let (want_v, want_i) = sort_ref(&xv, false);
+    assert_eq!(values.to_vec().unwrap(), want_v);
+    assert_eq!(indices.to_vec_u32().unwrap(), want_i);
+    let (top, at) = x.topk(5, 1).unwrap();
+    let (want_v, want_i) = sort_ref(&xv, true);
+    assert_eq!(top.to_vec().unwrap(), want_v[..5].to_vec());
+    assert_eq!(at.to_vec_u32().unwrap(), want_i[..5].to_vec());
+}
+
+#[test]
+fn sort_and_topk_send_grads_to_the_positions_they_took() {
+    for n in [1, 3] {
+        // Distinct values, so that finite differences do not reorder them.
+        let values: Vec<f32> = (0..n * 6)
+            .map(|i| ((i * 7) % (n * 6)) as f32 * 0.3 - 1.0)
+            .collect();
+        gradcheck(
+            &format!("sort batch {n}"),
+            &[(vec![n, 6], values.clone())],
+            |t| Ok(t[0].sort(1, false)?.0),
+        );
+        gradcheck(
+            &format!("topk batch {n}"),
+            &[(vec![n, 6], values.clone())],
+            |t| Ok(t[0].topk(2, 1)?.0),
+        );
+        // A transposed view, sorted along dim 0.
+        gradcheck(
+            &format!("topk of a view {n}"),
+            &[(vec![n, 6], values)],
+            |t| Ok(t[0].t()?.topk(1, 1)?.0),
+        );
+    }
+}
+
+#[test]
+fn sort_and_topk_reject_bad_dims_and_k() {
+    let (x, _) = random_tensor(&[2, 3], 4);
+    let err = x.topk(4, 1).unwrap_err();
+    assert!(matches!(err, Error::Shape { op: "topk", .. }), "{err}");
+    assert!(err.to_string().contains("[2, 3]"), "{err}");
+    assert!(x.sort(2, false).is_err());
+    let labels = Tensor::from_labels(vec![1, 2], device()).unwrap();
+    assert!(matches!(labels.sort(0, false), Err(Error::DType { .. })));
+}
+
+/// torch's scatter_add on the host for `dim` 1 of `[rows, cols]`.
+fn scatter_add_ref(
+    x: &[f32],
+    cols: usize,
+    index: &[u32],
+    src: &[f32],
+    src_cols: usize,
+) -> Vec<f64> {
+    let mut out: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    for (at, (&i, &s)) in index.iter().zip(src).enumerate() {
+        out[(at / src_cols) * cols + i as usize] += s as f64;
+    }
+    out
+}
+
+#[test]
+fn scatter_add_adds_repeated_indices_up() {
+    let dev = device();
+    let (x, xv) = random_tensor(&[3, 5], 5);
+    let (src, sv) = random_tensor(&[3, 4], 6);
+    let index_values = vec![0, 4, 4, 1, 2, 2, 2, 2, 3, 0, 1, 3];
+    let index = Tensor::from_vec_u32(index_values.clone(), &[3, 4], dev).unwrap();
+    let got = x.scatter_add(1, &index, &src).unwrap();
+    let want = scatter_add_ref(&xv, 5, &index_values, &sv, 4);
+    assert_close(&got.to_vec().unwrap(), &want, 1e-6, "scatter_add dim 1");
+    // Along dim 0: out[index[i][j]][j] += src[i][j].
+    let rows = Tensor::from_vec_u32(vec![2, 0, 1, 2, 0, 0, 0, 1], &[2, 4], dev).unwrap();
+    let (src0, s0) = random_tensor(&[2, 4], 7);
+    let got = x.scatter_add(0, &rows, &src0).unwrap().to_vec().unwrap();
+    let mut want: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
+    for (at, &r) in [2u32, 0, 1, 2, 0, 0, 0, 1].iter().enumerate() {
+        want[r as usize * 5 + at % 4] += s0[at] as f64;
+    }
+    assert_close(&got, &want, 1e-6, "scatter_add dim 0");
+}
+
+#[test]
+fn scatter_add_gradcheck() {
+    let dev = device();
+    for n in [1, 3] {
+        let index: Vec<u32> = (0..n * 4).map(|i| (i * 3 % 5) as u32).collect();
+        gradcheck(
+            &format!("scatter_add batch {n}"),
+            &[
+                (vec![n, 5], values_in(n * 5, -1.0, 1.0, 8)),
+                (vec![n, 4], values_in(n * 4, -1.0, 1.0, 9)),
+            ],
+            |t| {
+                let index = Tensor::from_vec_u32(index.clone(), &[n, 4], dev)?;
+                t[0].scatter_add(1, &index, &t[1].t()?.t()?)
+            },
+        );
+    }
+}
+
+#[test]
+fn scatter_add_rejects_bad_indices_and_shapes() {
+    let dev = device();
+    let x = Tensor::zeros(&[2, 3], dev).unwrap();
+    let src = Tensor::ones(&[2, 2], dev).unwrap();
+    let far = Tensor::from_vec_u32(vec![0, 3, 1, 1], &[2, 2], dev).unwrap();
+    let err = x.scatter_add(1, &far, &src).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Index {
+                op: "scatter_add",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let short = Tensor::from_vec_u32(vec![0, 1], &[2, 1], dev).unwrap();
+    let err = x.scatter_add(1, &short, &src).unwrap_err();
+    assert!(err.to_string().contains("[2, 1]"), "{err}");
+    let wide = Tensor::from_vec_u32(vec![0; 8], &[4, 2], dev).unwrap();
+    assert!(x
+        .scatter_add(1, &wide, &Tensor::ones(&[4, 2], dev).unwrap())
+        .is_err());
+}
