@@ -37,4 +37,5 @@ pub use ops::attention::SdpaOptions;
 pub use ops::conv::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions};
 pub use ops::pool::{Interpolate, Pool2dOptions};
 pub use seed::manual_seed;
+pub use tensor::dim::Dim;
 pub use tensor::{DType, Tensor};

@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
+use crate::tensor::dim::Dim;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
 
@@ -414,12 +415,14 @@ impl Tensor {
 
     /// Stacks tensors of one shape along a new dim `dim` (`0..=rank`). Its grad is each
     /// input's slice of the out grad (the backward of `cat`).
-    pub fn stack(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+    pub fn stack(tensors: &[Tensor], dim: impl Dim) -> Result<Tensor> {
         const OP: &str = "stack";
         let first = tensors.first().ok_or_else(|| Error::InvalidArgument {
             op: OP,
             msg: "needs at least one tensor".into(),
         })?;
+        // A new dim: -1 puts it last.
+        let dim = dim.resolve(OP, first.rank() + 1)?;
         if let Some(t) = tensors.iter().find(|t| t.shape() != first.shape()) {
             return Err(Error::Shape {
                 op: OP,
@@ -440,12 +443,13 @@ impl Tensor {
     }
 
     /// Concatenates tensors of one dtype along `dim`; all other dims must agree.
-    pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+    pub fn cat(tensors: &[Tensor], dim: impl Dim) -> Result<Tensor> {
         const OP: &str = "cat";
         let first = tensors.first().ok_or_else(|| Error::InvalidArgument {
             op: OP,
             msg: "needs at least one tensor".into(),
         })?;
+        let dim = dim.resolve(OP, first.rank())?;
         first.layout().check_dim(OP, dim)?;
         let mut shape = first.shape().to_vec();
         shape[dim] = 0;

@@ -8,6 +8,7 @@ use crate::kernel::{
 };
 use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
 use crate::ops::sum_over_chunks;
+use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::KERNEL_RANK;
@@ -215,7 +216,8 @@ pub(crate) fn expect_indices_below(
 
 impl Tensor {
     /// Index of the first minimum along `dim` (removed), as u32.
-    pub fn argmin(&self, dim: usize) -> Result<Tensor> {
+    pub fn argmin(&self, dim: impl Dim) -> Result<Tensor> {
+        let dim = dim.resolve("argmin", self.rank())?;
         let _no_grad = NoGradGuard::new();
         self.neg()?.argmax(dim, false)
     }
@@ -246,7 +248,8 @@ impl Tensor {
     /// `index_add`: slice `i` of `source` (along `dim`) is added to slice `indices[i]`;
     /// repeated indices add up. One product with the one-hot matrix of the indices, so the
     /// grads are the incoming grad (this tensor) and its slices at `indices` (`source`).
-    pub fn index_add(&self, dim: usize, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
+    pub fn index_add(&self, dim: impl Dim, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
+        let dim = dim.resolve("index_add", self.rank())?;
         const OP: &str = "index_add";
         self.layout().check_dim(OP, dim)?;
         let mut want = self.shape().to_vec();
@@ -276,7 +279,8 @@ impl Tensor {
     }
 
     /// Index of the first maximum along `dim`, as u32.
-    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+    pub fn argmax(&self, dim: impl Dim, keepdim: bool) -> Result<Tensor> {
+        let dim = dim.resolve("argmax", self.rank())?;
         // u32 indices have no grad: argmax records nothing, and neither do its internals.
         let _no_grad = NoGradGuard::new();
         const OP: &str = "argmax";
@@ -320,7 +324,8 @@ impl Tensor {
 
     /// The slices `indices[j]` of `dim`, in order: `out` has `dim` of size `indices.len()`.
     /// Its grad adds each slice's grad back at its index (repeated indices add up).
-    pub fn index_select(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
+    pub fn index_select(&self, dim: impl Dim, indices: &Tensor) -> Result<Tensor> {
+        let dim = dim.resolve("index_select", self.rank())?;
         let out = {
             let _no_grad = NoGradGuard::new();
             index_select_forward(self, dim, indices)?
@@ -334,7 +339,8 @@ impl Tensor {
     /// PyTorch's `gather`: `out[i][j] = self[i][indices[i][j]]` for `dim = 1`, and so on.
     /// `indices` has the rank of `self` and no larger size than `self` in the other dims.
     /// Its grad adds each element's grad back at its index.
-    pub fn gather(&self, dim: usize, indices: &Tensor) -> Result<Tensor> {
+    pub fn gather(&self, dim: impl Dim, indices: &Tensor) -> Result<Tensor> {
+        let dim = dim.resolve("gather", self.rank())?;
         let out = {
             let _no_grad = NoGradGuard::new();
             gather_forward(self, dim, indices)?
@@ -350,7 +356,8 @@ impl Tensor {
     /// add up. `indices` (U32) and `source` have one shape, no larger than this tensor's but
     /// along `dim`. It is gather's backward, so the grads are the incoming grad (this tensor)
     /// and the incoming grad gathered at `indices` (`source`).
-    pub fn scatter_add(&self, dim: usize, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
+    pub fn scatter_add(&self, dim: impl Dim, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
+        let dim = dim.resolve("scatter_add", self.rank())?;
         const OP: &str = "scatter_add";
         self.expect_same_device(OP, source)?;
         self.expect_same_device(OP, indices)?;

@@ -9,6 +9,7 @@ use crate::kernel::{
 };
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::copy::fill;
+use crate::tensor::dim::{resolve_dims, Dim};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::merge_dims;
@@ -454,7 +455,8 @@ impl Tensor {
     }
 
     /// Sum over `dims`; `keepdim` keeps them as size 1.
-    pub fn sum_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn sum_dims(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &resolve_dims("sum", dims, self.rank())?[..];
         reduce_op("sum", ReduceOp::Sum, self, dims, keepdim, false)
     }
 
@@ -465,7 +467,8 @@ impl Tensor {
     }
 
     /// Mean over `dims`; `keepdim` keeps them as size 1.
-    pub fn mean_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn mean_dims(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &resolve_dims("mean", dims, self.rank())?[..];
         reduce_op("mean", ReduceOp::Sum, self, dims, keepdim, true)
     }
 
@@ -477,7 +480,8 @@ impl Tensor {
     }
 
     /// Maximum over `dims`; `keepdim` keeps them as size 1.
-    pub fn max_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn max_dims(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &resolve_dims("max", dims, self.rank())?[..];
         reduce_op("max", ReduceOp::Max, self, dims, keepdim, false)
     }
 }
@@ -487,14 +491,16 @@ impl Tensor {
 impl Tensor {
     /// Minimum over `dims`; `keepdim` keeps them as size 1. NaN wins, as torch's `amin`; the
     /// grad is split evenly among ties.
-    pub fn min_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn min_dims(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &resolve_dims("min", dims, self.rank())?[..];
         self.neg()?.max_dims(dims, keepdim)?.neg()
     }
 
     /// `log(sum(exp(x)))` over `dims`, stable: the max of each slice is taken out first (an
     /// infinite max is taken out as 0, so rows of -inf give -inf and a +inf gives +inf, as
     /// torch). Its grad is the softmax over `dims`.
-    pub fn logsumexp(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    pub fn logsumexp(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
+        let dims = &resolve_dims("logsumexp", dims, self.rank())?[..];
         let shift = {
             let _no_grad = NoGradGuard::new();
             let max = self.max_dims(dims, true)?;
@@ -512,7 +518,8 @@ impl Tensor {
     /// Variance over `dims` with `correction` subtracted from the count (1: the unbiased
     /// estimate, torch's default; 0: the population variance). Where the count is not above
     /// `correction` the result is NaN or inf, as torch.
-    pub fn var_dims(&self, dims: &[usize], correction: usize, keepdim: bool) -> Result<Tensor> {
+    pub fn var_dims(&self, dims: &[impl Dim], correction: usize, keepdim: bool) -> Result<Tensor> {
+        let dims = &resolve_dims("var", dims, self.rank())?[..];
         for &d in dims {
             self.layout().check_dim("var_dims", d)?;
         }
@@ -523,14 +530,16 @@ impl Tensor {
     }
 
     /// Standard deviation over `dims`: the square root of [`Tensor::var_dims`].
-    pub fn std_dims(&self, dims: &[usize], correction: usize, keepdim: bool) -> Result<Tensor> {
+    pub fn std_dims(&self, dims: &[impl Dim], correction: usize, keepdim: bool) -> Result<Tensor> {
+        let dims = &resolve_dims("std", dims, self.rank())?[..];
         self.var_dims(dims, correction, keepdim)?.sqrt()
     }
 
     /// Running sums along `dim`: element `i` holds the sum of elements `0..=i`, as torch's
     /// `cumsum`. One product with a triangle of ones (`[K, K]` for a dim of size `K`), so its
     /// grad is the reversed running sum.
-    pub fn cumsum(&self, dim: usize) -> Result<Tensor> {
+    pub fn cumsum(&self, dim: impl Dim) -> Result<Tensor> {
+        let dim = dim.resolve("cumsum", self.rank())?;
         self.layout().check_dim("cumsum", dim)?;
         let k = self.shape()[dim];
         let last = self.rank() - 1;

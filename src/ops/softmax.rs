@@ -5,6 +5,7 @@ use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
 use crate::ops::index::expect_indices_below;
+use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -198,12 +199,14 @@ fn along_dim(op: &'static str, log: bool, x: &Tensor, dim: usize) -> Result<Tens
 
 impl Tensor {
     /// `exp(x) / sum(exp(x))` along `dim`.
-    pub fn softmax(&self, dim: usize) -> Result<Tensor> {
+    pub fn softmax(&self, dim: impl Dim) -> Result<Tensor> {
+        let dim = dim.resolve("softmax", self.rank())?;
         along_dim("softmax", false, self, dim)
     }
 
     /// `x - log(sum(exp(x)))` along `dim`.
-    pub fn log_softmax(&self, dim: usize) -> Result<Tensor> {
+    pub fn log_softmax(&self, dim: impl Dim) -> Result<Tensor> {
+        let dim = dim.resolve("log_softmax", self.rank())?;
         along_dim("log_softmax", true, self, dim)
     }
 }

@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -136,7 +137,8 @@ impl Tensor {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn sort(&self, dim: usize, descending: bool) -> Result<(Tensor, Tensor)> {
+    pub fn sort(&self, dim: impl Dim, descending: bool) -> Result<(Tensor, Tensor)> {
+        let dim = dim.resolve("sort", self.rank())?;
         let len = self.shape().get(dim).copied().unwrap_or(0);
         sorted("sort", self, dim, descending, len)
     }
@@ -144,7 +146,8 @@ impl Tensor {
     /// The `k` largest elements along `dim`, largest first, and their positions (U32), as
     /// torch's `topk` (ties in position order, NaN the largest): what top-k sampling takes
     /// from a vocabulary's logits. The grad goes to the `k` positions.
-    pub fn topk(&self, k: usize, dim: usize) -> Result<(Tensor, Tensor)> {
+    pub fn topk(&self, k: usize, dim: impl Dim) -> Result<(Tensor, Tensor)> {
+        let dim = dim.resolve("topk", self.rank())?;
         sorted("topk", self, dim, true, k)
     }
 }

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::copy::copy_into;
+use crate::tensor::dim::{resolve_dims, Dim};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::{record, record_outputs};
 use crate::tensor::layout::inverse_permutation;
@@ -41,7 +42,11 @@ impl Tensor {
     }
 
     /// Swaps dims `d0` and `d1` (a view).
-    pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor> {
+    pub fn transpose(&self, d0: impl Dim, d1: impl Dim) -> Result<Tensor> {
+        let (d0, d1) = (
+            d0.resolve("transpose", self.rank())?,
+            d1.resolve("transpose", self.rank())?,
+        );
         let out = self.view(self.layout().transpose("transpose", d0, d1)?);
         Ok(record("transpose", out, &[self], |_| {
             move |g: &Tensor| Ok(vec![Some(g.transpose(d0, d1)?)])
@@ -49,7 +54,8 @@ impl Tensor {
     }
 
     /// Reorders dims: dim `i` of the result is dim `dims[i]` of `self` (a view).
-    pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
+    pub fn permute(&self, dims: &[impl Dim]) -> Result<Tensor> {
+        let dims = &resolve_dims("permute", dims, self.rank())?[..];
         let out = self.view(self.layout().permute("permute", dims)?);
         Ok(record("permute", out, &[self], |_| {
             let inverse = inverse_permutation(dims);
@@ -58,7 +64,8 @@ impl Tensor {
     }
 
     /// Elements `start..start + len` along `dim` (a view).
-    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+    pub fn narrow(&self, dim: impl Dim, start: usize, len: usize) -> Result<Tensor> {
+        let dim = dim.resolve("narrow", self.rank())?;
         let out = self.view(self.layout().narrow("narrow", dim, start, len)?);
         Ok(record("narrow", out, &[self], |_| {
             let shape = self.shape().to_vec();
@@ -81,7 +88,8 @@ impl Tensor {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn split(&self, sizes: &[usize], dim: usize) -> Result<Vec<Tensor>> {
+    pub fn split(&self, sizes: &[usize], dim: impl Dim) -> Result<Vec<Tensor>> {
+        let dim = dim.resolve("split", self.rank())?;
         const OP: &str = "split";
         self.layout().check_dim(OP, dim)?;
         let total = self.shape()[dim];
@@ -122,7 +130,8 @@ impl Tensor {
     /// `chunks` pieces along `dim`, as PyTorch's `chunk`: each of `ceil(size / chunks)`
     /// elements but the last, which holds the rest (so there may be fewer than `chunks`
     /// pieces; a dim of size 0 gives one empty piece). Views, recorded as [`Tensor::split`].
-    pub fn chunk(&self, chunks: usize, dim: usize) -> Result<Vec<Tensor>> {
+    pub fn chunk(&self, chunks: usize, dim: impl Dim) -> Result<Vec<Tensor>> {
+        let dim = dim.resolve("chunk", self.rank())?;
         const OP: &str = "chunk";
         self.layout().check_dim(OP, dim)?;
         if chunks == 0 {
@@ -146,7 +155,8 @@ impl Tensor {
 
     /// The slices along `dim`, each without that dim (views, as PyTorch's `unbind`): a
     /// [`Tensor::split`] into pieces of one, squeezed.
-    pub fn unbind(&self, dim: usize) -> Result<Vec<Tensor>> {
+    pub fn unbind(&self, dim: impl Dim) -> Result<Vec<Tensor>> {
+        let dim = dim.resolve("unbind", self.rank())?;
         self.layout().check_dim("unbind", dim)?;
         let n = self.shape()[dim];
         if n == 0 {
@@ -169,7 +179,9 @@ impl Tensor {
     }
 
     /// Inserts a dim of size 1 at `dim` (a view).
-    pub fn unsqueeze(&self, dim: usize) -> Result<Tensor> {
+    pub fn unsqueeze(&self, dim: impl Dim) -> Result<Tensor> {
+        // A new dim: -1 puts it last.
+        let dim = dim.resolve("unsqueeze", self.rank() + 1)?;
         if dim > self.rank() || self.rank() >= MAX_RANK {
             return Err(Error::Shape {
                 op: "unsqueeze",
@@ -190,7 +202,8 @@ impl Tensor {
     }
 
     /// Removes dim `dim`, which must have size 1 (a view).
-    pub fn squeeze(&self, dim: usize) -> Result<Tensor> {
+    pub fn squeeze(&self, dim: impl Dim) -> Result<Tensor> {
+        let dim = dim.resolve("squeeze", self.rank())?;
         self.layout().check_dim("squeeze", dim)?;
         if self.shape()[dim] != 1 {
             return Err(Error::Shape {
@@ -232,7 +245,8 @@ impl Tensor {
 
     /// Dims `start_dim..` merged into one, as PyTorch's `flatten(start_dim)`: `[N, C, H, W]`
     /// with `start_dim` 1 gives `[N, C H W]`. A rank-0 tensor becomes `[1]`.
-    pub fn flatten(&self, start_dim: usize) -> Result<Tensor> {
+    pub fn flatten(&self, start_dim: impl Dim) -> Result<Tensor> {
+        let start_dim = start_dim.resolve("flatten", self.rank())?;
         if self.rank() == 0 {
             return self.reshape(&[1]);
         }
@@ -247,7 +261,8 @@ impl Tensor {
 impl Tensor {
     /// This tensor with the order of elements along each of `dims` reversed, as torch's
     /// `flip`.
-    pub fn flip(&self, dims: &[usize]) -> Result<Tensor> {
+    pub fn flip(&self, dims: &[impl Dim]) -> Result<Tensor> {
+        let dims = &resolve_dims("flip", dims, self.rank())?[..];
         let mut out = self.clone();
         for &d in dims {
             self.layout().check_dim("flip", d)?;

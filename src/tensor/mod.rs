@@ -1,6 +1,7 @@
 //! `Tensor`: a cheap, thread-safe handle to a strided view of a GPU buffer.
 
 pub(crate) mod creation;
+pub(crate) mod dim;
 pub(crate) mod grad_mode;
 pub(crate) mod graph;
 pub(crate) mod layout;
