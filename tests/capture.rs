@@ -810,3 +810,41 @@ fn sorting_step(
 fn replayed_steps_through_sort_topk_and_scatter_add_equal_eager_steps() {
     assert_replays_equal_eager(sorting_step, 600);
 }
+
+/// A ResNet stem's padded max pool, a ceil-mode average pool without the padding counted,
+/// and a 1-d convolution over the pooled rows.
+fn pooled_rows() -> nn::Sequential {
+    let dev = device();
+    let stem = wgrad::Pool2dOptions {
+        padding: 1,
+        ..wgrad::Pool2dOptions::new(3, 2)
+    };
+    let ceil = wgrad::Pool2dOptions {
+        padding: 1,
+        ceil_mode: true,
+        count_include_pad: false,
+        ..wgrad::Pool2dOptions::new(2, 2)
+    };
+    nn::Sequential::new()
+        .add(nn::MaxPool2d::with_options(stem))
+        .add(nn::AvgPool2d::with_options(ceil))
+        .add(nn::Flatten)
+        .add(Rows)
+        .add(nn::Conv1d::new(1, 2, 3, 1, 1, dev).unwrap())
+        .add(nn::Flatten)
+        .add(nn::Linear::new(2 * 2 * 3 * 3, OUT, true, dev).unwrap())
+}
+
+/// `[N, L]` -> `[N, 1, L]`: rows as one-channel sequences.
+struct Rows;
+
+impl Module for Rows {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.unsqueeze(1)
+    }
+}
+
+#[test]
+fn replayed_steps_through_pooling_options_and_conv1d_equal_eager_steps() {
+    assert_image_replays_equal_eager(pooled_rows, [2, 9, 9], 6, 170);
+}
