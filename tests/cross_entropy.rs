@@ -269,6 +269,26 @@ fn cross_entropy_with_options_passes_gradcheck() {
     }
 }
 
+#[test]
+fn cross_entropy_with_options_of_a_view_passes_gradcheck() {
+    let dev = device();
+    let labels = vec![2u32, 0, 1];
+    // Logits [3, 4] read as the transpose of a [4, 3] leaf.
+    gradcheck(
+        "cross_entropy_with of a view",
+        &[(vec![4, 3], values_in(12, -2.0, 2.0, 31))],
+        |x| {
+            let y = Tensor::from_vec_u32(labels.clone(), &[3], dev)?;
+            let opts = CrossEntropyOptions {
+                ignore_index: Some(1),
+                label_smoothing: 0.2,
+                ..Default::default()
+            };
+            cross_entropy_with(&x[0].t()?, &y, &opts)
+        },
+    );
+}
+
 /// With every target ignored the mean is 0 / 0: NaN, as torch gives; the sum is 0.
 #[test]
 fn every_target_ignored_gives_nan_mean_and_zero_sum() {

@@ -1,0 +1,141 @@
+//! The ops of the ops issue give the same values and grads on both kernel flavours: the CPU
+//! flavour (the shared lavapipe device; its results are checked against f64 references in
+//! the ops' own tests) and the GPU flavour (a second software device forced to it, which runs
+//! the kernels GPUs and GL get: no subgroups, workgroup-per-row entries, the matmul without
+//! the implicit GEMM).
+
+mod common;
+use common::*;
+use wgrad::nn::loss::{cross_entropy_with, CrossEntropyOptions};
+use wgrad::{
+    Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, Device, Interpolate, KernelFlavor,
+    Pool2dOptions, Result, Tensor,
+};
+
+/// An op of leaves to run on each device: the loss of its output against a fixed probe.
+type Op = fn(&[Tensor]) -> Result<Tensor>;
+
+/// The output and every leaf's grad of `op` on `dev`, the leaves of `shapes` drawn from seeds.
+fn run(dev: &Device, shapes: &[&[usize]], op: Op) -> Vec<Vec<f32>> {
+    let leaves: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let values = random_vec(s.iter().product(), 10 + i as u64);
+            Tensor::from_slice(&values, s, dev)
+                .unwrap()
+                .requires_grad_(true)
+        })
+        .collect();
+    let out = op(&leaves).unwrap();
+    let probe = Tensor::from_slice(&random_vec(out.numel(), 99), out.shape(), dev).unwrap();
+    out.mul(&probe).unwrap().sum().unwrap().backward().unwrap();
+    let mut results = vec![out.to_vec().unwrap()];
+    results.extend(leaves.iter().map(|l| l.grad().unwrap().to_vec().unwrap()));
+    results
+}
+
+fn assert_flavours_agree(name: &str, shapes: &[&[usize]], op: Op) {
+    let cpu = run(device(), shapes, op);
+    let gpu_device = Device::software().unwrap();
+    gpu_device.set_kernel_flavor(KernelFlavor::Gpu);
+    let gpu = run(&gpu_device, shapes, op);
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+        let want: Vec<f64> = c.iter().map(|&x| x as f64).collect();
+        let what = if i == 0 {
+            format!("{name}: output")
+        } else {
+            format!("{name}: grad {i}")
+        };
+        assert_close(g, &want, 1e-4, &what);
+    }
+}
+
+#[test]
+fn convolutions_agree_across_flavours() {
+    assert_flavours_agree("conv2d per axis", &[&[2, 3, 8, 8], &[4, 3, 3, 1]], |t| {
+        let o = Conv2dOptions {
+            stride: (2, 1),
+            padding: (1, 0),
+            dilation: (1, 2),
+            groups: 1,
+        };
+        t[0].conv2d_with(&t[1], None, o)
+    });
+    assert_flavours_agree(
+        "conv_transpose2d",
+        &[&[2, 4, 4, 4], &[4, 3, 3, 3], &[3]],
+        |t| {
+            let o = ConvTranspose2dOptions {
+                stride: 2,
+                padding: 1,
+                output_padding: 1,
+                ..Default::default()
+            };
+            t[0].conv_transpose2d(&t[1], Some(&t[2]), &o)
+        },
+    );
+    assert_flavours_agree("conv1d", &[&[2, 3, 20], &[4, 3, 5]], |t| {
+        let o = Conv1dOptions {
+            stride: 2,
+            padding: 2,
+            ..Default::default()
+        };
+        t[0].conv1d_with(&t[1], None, o)
+    });
+}
+
+#[test]
+fn norms_rotary_and_resampling_agree_across_flavours() {
+    assert_flavours_agree("rms_norm", &[&[70, 24], &[24]], |t| {
+        t[0].rms_norm(&t[1], 1e-6)
+    });
+    assert_flavours_agree("group_norm", &[&[2, 6, 5], &[6], &[6]], |t| {
+        t[0].group_norm(3, Some(&t[1]), Some(&t[2]), 1e-5)
+    });
+    assert_flavours_agree("rope", &[&[2, 3, 9, 8]], |t| {
+        wgrad::nn::RotaryEmbedding::new(8, 16, 10000.0, t[0].device())?.apply(&t[0], 2)
+    });
+    assert_flavours_agree("interpolate", &[&[2, 2, 5, 3]], |t| {
+        t[0].interpolate((7, 8), Interpolate::Bilinear)
+    });
+    assert_flavours_agree("pools", &[&[2, 2, 7, 6]], |t| {
+        let o = Pool2dOptions {
+            padding: 1,
+            ceil_mode: true,
+            count_include_pad: false,
+            ..Pool2dOptions::new(3, 2)
+        };
+        t[0].max_pool2d_with(&o)?.add(&t[0].avg_pool2d_with(&o)?)
+    });
+}
+
+#[test]
+fn losses_sorting_and_scatter_agree_across_flavours() {
+    assert_flavours_agree("cross_entropy_with", &[&[70, 6]], |t| {
+        let labels: Vec<u32> = (0..70).map(|i| (i % 6) as u32).collect();
+        let y = Tensor::from_labels(labels, t[0].device())?;
+        let weight = Tensor::from_vec(vec![0.5, 1.0, 1.5, 2.0, 1.0, 0.25], &[6], t[0].device())?;
+        let opts = CrossEntropyOptions {
+            ignore_index: Some(2),
+            label_smoothing: 0.1,
+            weight: Some(&weight),
+            ..Default::default()
+        };
+        cross_entropy_with(&t[0], &y, &opts)
+    });
+    assert_flavours_agree("sort and topk", &[&[3, 40]], |t| {
+        t[0].sort(1, false)?
+            .0
+            .narrow(1, 0, 5)?
+            .add(&t[0].topk(5, 1)?.0)
+    });
+    assert_flavours_agree("scatter_add", &[&[3, 5], &[3, 4]], |t| {
+        let idx = Tensor::from_vec_u32(
+            vec![0, 4, 4, 1, 2, 2, 2, 2, 3, 0, 1, 3],
+            &[3, 4],
+            t[0].device(),
+        )?;
+        t[0].scatter_add(1, &idx, &t[1])
+    });
+}
