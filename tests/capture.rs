@@ -848,3 +848,37 @@ impl Module for Rows {
 fn replayed_steps_through_pooling_options_and_conv1d_equal_eager_steps() {
     assert_image_replays_equal_eager(pooled_rows, [2, 9, 9], 6, 170);
 }
+
+/// A step through the composed reductions, indexing and losses of the ops issue: logsumexp,
+/// var/std, cumsum, flip, repeat, min_dims, index_add, one_hot, eye, l1, smooth_l1,
+/// binary_cross_entropy_with_logits and nll.
+fn composed_ops_step(
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<Tensor> {
+    opt.zero_grad();
+    let dev = x.device();
+    let h = model.forward(x)?;
+    let n = h.shape()[0];
+    let spread = h.logsumexp(&[1], true)?.add(&h.var_dims(&[1], 1, true)?)?;
+    let ordered = h.cumsum(1)?.flip(&[1])?.add(&h.repeat(&[1, 1])?)?;
+    let low = h.min_dims(&[1], true)?.add(&h.std_dims(&[1], 0, true)?)?;
+    let rows = Tensor::from_vec_u32((0..n as u32).rev().collect(), &[n], dev)?;
+    let mixed = h.index_add(0, &rows, &ordered.mul_scalar(0.1)?)?;
+    let targets = Tensor::one_hot(y, OUT)?.to_dtype(wgrad::DType::F32)?;
+    let eye = Tensor::eye(OUT, dev)?;
+    let loss = nn::loss::binary_cross_entropy_with_logits(&mixed.matmul(&eye)?, &targets)?
+        .add(&nn::loss::l1(&spread, &low)?)?
+        .add(&nn::loss::smooth_l1(&h, &ordered, 0.5)?)?
+        .add(&nn::loss::nll(&h.log_softmax(-1)?, y)?)?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+#[test]
+fn replayed_steps_through_composed_reductions_indexing_and_losses_equal_eager_steps() {
+    assert_replays_equal_eager(composed_ops_step, 650);
+}
