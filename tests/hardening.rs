@@ -218,16 +218,22 @@ fn save_removes_temporary_files_of_dead_writers() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.safetensors");
     // A pid far above any Linux pid_max: no such writer is alive.
-    let stale = dir.path().join(".model.safetensors.tmp-4294967");
+    let stale = dir.path().join(".wgrad-4294967-a1b2c3.tmp");
     std::fs::write(&stale, b"half a checkpoint").unwrap();
-    let other = dir.path().join(".other.safetensors.tmp-4294967");
+    // A live writer's (this process's) temporary, and a file that only looks like one.
+    let live = dir
+        .path()
+        .join(format!(".wgrad-{}-d4e5f6.tmp", std::process::id()));
+    std::fs::write(&live, b"being written").unwrap();
+    let other = dir.path().join(".wgrad-notes.txt");
     std::fs::write(&other, b"not ours").unwrap();
     let model = nn::Linear::new(2, 2, true, device()).unwrap();
     wgrad::io::save(&path, &model).unwrap();
     if std::path::Path::new("/proc/self").exists() {
         assert!(!stale.exists(), "the dead writer's temporary file is gone");
     }
-    assert!(other.exists(), "another file's temporary is left alone");
+    assert!(live.exists(), "a live writer's temporary is left alone");
+    assert!(other.exists(), "a file that is no temporary is left alone");
     let names: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())

@@ -149,11 +149,12 @@ where
         }
 
         self.stats.captures += 1;
-        tape::open(first.device());
+        // A panic in the closure drops the recording, which closes the tape.
+        let recording = tape::open(first.device());
         // Like a replayed loss, the returned loss has no graph; dropping the graph before the
         // tape closes frees the tensors it saved, which would otherwise outlive the step.
         let result = (self.closure)(inputs).map(|loss| loss.detach());
-        let tape = tape::close().expect("opened above");
+        let tape = recording.finish();
         let loss = result?;
         let device = first.device().clone();
         let fusion = self.fusion;

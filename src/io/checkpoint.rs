@@ -12,27 +12,38 @@ use crate::io::io_error;
 use crate::nn::Module;
 use crate::tensor::Tensor;
 
-/// Removes `PREFIX<pid>` files beside `path` left by writers that died mid-save (their process
-/// is gone). Best effort: a file that cannot be checked or removed is left.
-fn remove_stale_temporaries(path: &Path, prefix: &str) {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+/// The prefix of a writer's temporary files: `.wgrad-<pid>-<random>.tmp` beside the target,
+/// short whatever the target's name (a 255-byte name still saves).
+fn temporary_prefix(pid: u32) -> String {
+    format!(".wgrad-{pid}-")
+}
+
+/// Removes the temporary files beside `path` left by writers that died mid-save (their
+/// process is gone). Best effort: a file that cannot be checked or removed is left.
+fn remove_stale_temporaries(path: &Path) {
+    let dir = directory_of(path);
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(".wgrad-")) else {
             continue;
         };
-        let Ok(pid) = pid.parse::<u32>() else {
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
             continue;
         };
-        if pid != std::process::id() && !process_alive(pid) {
+        if rest.ends_with(".tmp") && pid != std::process::id() && !process_alive(pid) {
             let _ = std::fs::remove_file(entry.path());
         }
+    }
+}
+
+/// The directory `path` is in (`.` for a bare file name).
+fn directory_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
     }
 }
 
@@ -50,16 +61,129 @@ fn process_alive(pid: u32) -> bool {
 /// (Unix; elsewhere the rename's own durability is all there is).
 fn sync_directory(path: &Path) -> std::io::Result<()> {
     #[cfg(unix)]
-    {
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        std::fs::File::open(dir)?.sync_all()?;
-    }
+    std::fs::File::open(directory_of(path))?.sync_all()?;
     #[cfg(not(unix))]
     let _ = path;
     Ok(())
+}
+
+/// Writes `bytes` to `path` atomically: into a temporary file of this writer's own (created
+/// with `O_EXCL` beside `path`), flushed, renamed over `path`, the directory flushed. Writers
+/// racing on one path each rename a complete file, so the file ends as the save whose rename
+/// came last; a failed write removes its temporary and leaves `path` as it was.
+pub(crate) fn write_atomically(op: &'static str, path: &Path, bytes: &[u8]) -> Result<()> {
+    if path.file_name().is_none() {
+        return Err(io_error(op, path, "not a file path"));
+    }
+    remove_stale_temporaries(path);
+    let write = || -> std::io::Result<()> {
+        let mut file = tempfile::Builder::new()
+            .prefix(&temporary_prefix(std::process::id()))
+            .suffix(".tmp")
+            .tempfile_in(directory_of(path))?;
+        file.write_all(bytes)?;
+        file.as_file().sync_all()?;
+        // Dropped unpersisted (an error above), the temporary removes itself.
+        file.persist(path).map_err(|e| e.error)?;
+        sync_directory(path)
+    };
+    write().map_err(|e| io_error(op, path, e))
+}
+
+/// The largest safetensors header read (the safetensors crate's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// A safetensors file's bytes, read no further than its header says it holds: the header's
+/// length checked (against the file's size where it has one) before its bytes are read, its
+/// tensors' extent before theirs, so an endless stream (`/dev/zero`) or a lying header ends in
+/// an error without taking memory. A header naming a tensor twice is an error.
+fn read_safetensors(op: &'static str, path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let fail = |msg: String| io_error(op, path, msg);
+    let file = std::fs::File::open(path).map_err(|e| io_error(op, path, e))?;
+    let size = file
+        .metadata()
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.len());
+    let mut reader = std::io::BufReader::new(file);
+    let mut read_exactly = |bytes: &mut Vec<u8>, n: u64, what: &str| -> Result<()> {
+        let before = bytes.len();
+        (&mut reader)
+            .take(n)
+            .read_to_end(bytes)
+            .map_err(|e| io_error(op, path, e))?;
+        match (bytes.len() - before) as u64 == n {
+            true => Ok(()),
+            false => Err(io_error(
+                op,
+                path,
+                format!("truncated: the file ends inside its {what}"),
+            )),
+        }
+    };
+    let mut bytes = Vec::new();
+    read_exactly(&mut bytes, 8, "header length")?;
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    let too_long = header_len > MAX_HEADER_BYTES || size.is_some_and(|s| 8 + header_len > s);
+    if header_len < 2 || too_long {
+        return Err(fail(format!(
+            "not a valid safetensors file: a header of {header_len} bytes in a file of {}",
+            size.map_or("unknown size".to_string(), |s| format!("{s} bytes"))
+        )));
+    }
+    read_exactly(&mut bytes, header_len, "header")?;
+    let data_len = tensors_extent(&bytes[8..]).map_err(&fail)?;
+    if size.is_some_and(|s| 8 + header_len + data_len > s) {
+        return Err(fail(format!(
+            "truncated: the header places {data_len} bytes of tensors after it, the file has {}",
+            size.unwrap_or(0) - 8 - header_len
+        )));
+    }
+    read_exactly(&mut bytes, data_len, "tensors")?;
+    Ok(bytes)
+}
+
+/// The bytes of tensor data a safetensors header places (its largest end offset), read key by
+/// key so that a tensor named twice is an error (a map would keep the last).
+fn tensors_extent(header: &[u8]) -> std::result::Result<u64, String> {
+    use serde::de::{Deserializer, Error as _, IgnoredAny, MapAccess, Visitor};
+    struct Extent;
+    impl<'de> Visitor<'de> for Extent {
+        type Value = u64;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a map of tensor names to their dtype, shape and data offsets")
+        }
+        fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> std::result::Result<u64, M::Error> {
+            let mut names = std::collections::HashSet::new();
+            let mut end = 0;
+            while let Some(name) = map.next_key::<String>()? {
+                if !names.insert(name.clone()) {
+                    return Err(M::Error::custom(format!(
+                        "the header names tensor {name:?} twice"
+                    )));
+                }
+                if name == "__metadata__" {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+                let info: serde_json::Value = map.next_value()?;
+                let offset = |i: usize| info["data_offsets"][i].as_u64();
+                match (offset(0), offset(1)) {
+                    (Some(_), Some(last)) => end = end.max(last),
+                    _ => {
+                        return Err(M::Error::custom(format!(
+                            "tensor {name:?} has no data offsets"
+                        )))
+                    }
+                }
+            }
+            Ok(end)
+        }
+    }
+    let mut json = serde_json::Deserializer::from_slice(header);
+    json.deserialize_map(Extent)
+        .map_err(|e| format!("not a valid safetensors header: {e}"))
 }
 
 /// What a checkpoint holds: the parameters, then the buffers.
@@ -69,13 +193,22 @@ fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
     state
 }
 
-/// Writes `module`'s named parameters and buffers to `path` as f32 safetensors. The file is written beside
-/// `path` under a temporary name, flushed to disk, then renamed over `path`, so a crash never
-/// leaves a half-written checkpoint.
+/// Writes `module`'s named parameters and buffers to `path` as f32 safetensors, atomically
+/// ([`write_atomically`]): a crash never leaves a half-written checkpoint, and concurrent
+/// saves to one path leave one complete file, the save whose rename came last. A name given
+/// twice by the module is an error naming it.
 pub fn save(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
     const OP: &str = "io::save";
     let path = path.as_ref();
     let params = named_state(module);
+    let mut seen = std::collections::HashSet::new();
+    if let Some((name, _)) = params.iter().find(|(name, _)| !seen.insert(name.as_str())) {
+        return Err(io_error(
+            OP,
+            path,
+            format!("the module names two tensors {name:?}: a checkpoint holds one per name"),
+        ));
+    }
     let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, t) in &params {
         let values = t.to_vec()?;
@@ -97,23 +230,7 @@ pub fn save(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let encoded = safetensors::serialize(views, None::<HashMap<String, String>>)
         .map_err(|e| io_error(OP, path, e))?;
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| io_error(OP, path, "not a file path"))?;
-    let prefix = format!(".{}.tmp-", file_name.to_string_lossy());
-    let temporary = path.with_file_name(format!("{prefix}{}", std::process::id()));
-    remove_stale_temporaries(path, &prefix);
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&temporary)?;
-        file.write_all(&encoded)?;
-        file.sync_all()?;
-        std::fs::rename(&temporary, path)?;
-        sync_directory(path)
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&temporary);
-        io_error(OP, path, e)
-    })
+    write_atomically(OP, path, &encoded)
 }
 
 /// How [`load_with`] treats tensors in the file that the module does not have.
@@ -141,7 +258,7 @@ pub fn load_with(
 ) -> Result<Vec<String>> {
     const OP: &str = "io::load";
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| io_error(OP, path, e))?;
+    let bytes = read_safetensors(OP, path)?;
     let file = SafeTensors::deserialize(&bytes)
         .map_err(|e| io_error(OP, path, format!("not a valid safetensors file: {e}")))?;
     let state = named_state(module);

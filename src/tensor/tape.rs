@@ -154,8 +154,33 @@ pub(crate) struct Tape {
     pub refused: Option<String>,
 }
 
-/// Opens a tape on this thread for work on `device`.
-pub(crate) fn open(device: &Device) {
+/// The open tape of this thread: [`Recording::finish`] closes it and returns it, and a
+/// recording dropped unfinished (the step's closure panicked) closes it too, so the thread
+/// records nothing more and its reads work again.
+pub(crate) struct Recording {
+    finished: bool,
+}
+
+impl Recording {
+    /// Closes the tape and returns what it recorded.
+    pub(crate) fn finish(mut self) -> Tape {
+        self.finished = true;
+        TAPE.with(|t| t.borrow_mut().take())
+            .expect("a recording's tape is open")
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = TAPE.try_with(|t| t.try_borrow_mut().map(|mut tape| tape.take()));
+        }
+    }
+}
+
+/// Opens a tape on this thread for work on `device`, closed when the returned recording is
+/// finished or dropped.
+pub(crate) fn open(device: &Device) -> Recording {
     TAPE.with(|t| {
         *t.borrow_mut() = Some(Tape {
             device: device.clone(),
@@ -169,11 +194,7 @@ pub(crate) fn open(device: &Device) {
             refused: None,
         })
     });
-}
-
-/// Closes this thread's tape and returns it.
-pub(crate) fn close() -> Option<Tape> {
-    TAPE.with(|t| t.borrow_mut().take())
+    Recording { finished: false }
 }
 
 /// True while a tape is open on this thread.

@@ -1,0 +1,278 @@
+//! The second hardening round's findings, one test each: concurrent and long-named
+//! checkpoint writes, readers bounded before they allocate (endless streams, gzip bombs,
+//! overflowing IDX dims, tensors named twice), and a captured step whose closure panics.
+//! The tests run one at a time: two of them measure the process's resident memory.
+
+mod common;
+use common::*;
+use std::io::Write;
+use std::sync::{Mutex, MutexGuard};
+use wgrad::capture::Step;
+use wgrad::nn::{self, Module};
+use wgrad::{Error, Tensor};
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The most memory the process held resident while `f` ran, above what it held when `f`
+/// began (Linux: the peak is reset through `/proc/self/clear_refs`); `None` elsewhere.
+fn peak_growth<T>(f: impl FnOnce() -> T) -> (T, Option<u64>) {
+    let field = |name: &str| -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    };
+    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let before = field("VmRSS:");
+    let out = f();
+    let peak = field("VmHWM:");
+    let growth = match (reset, before, peak) {
+        (true, Some(b), Some(p)) => Some(p.saturating_sub(b)),
+        _ => None,
+    };
+    (out, growth)
+}
+
+/// A linear layer whose every parameter is `value`.
+fn filled(value: f32) -> nn::Linear {
+    let lin = nn::Linear::new(64, 64, true, device()).unwrap();
+    wgrad::no_grad(|| {
+        for p in lin.parameters() {
+            p.copy_(&Tensor::full(p.shape(), value, device())?)?;
+        }
+        wgrad::Result::Ok(())
+    })
+    .unwrap();
+    lin
+}
+
+/// The values of every parameter of the checkpoint at `path`, loaded into a fresh layer.
+fn loaded_values(path: &std::path::Path) -> Vec<f32> {
+    let fresh = filled(0.0);
+    wgrad::io::load(path, &fresh).unwrap();
+    fresh
+        .parameters()
+        .iter()
+        .flat_map(|p| p.to_vec().unwrap())
+        .collect()
+}
+
+#[test]
+fn concurrent_saves_to_one_path_leave_one_complete_checkpoint() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let (a, b) = (filled(1.0), filled(2.0));
+    for round in 0..60 {
+        std::thread::scope(|scope| {
+            let saves = [&a, &b].map(|m| scope.spawn(|| wgrad::io::save(&path, m)));
+            for save in saves {
+                save.join()
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            }
+        });
+        let values = loaded_values(&path);
+        let whole = values.iter().all(|&v| v == 1.0) || values.iter().all(|&v| v == 2.0);
+        assert!(whole, "round {round}: the file is neither checkpoint");
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 1, "temporary files left: {left:?}");
+}
+
+#[test]
+fn a_file_name_of_255_bytes_saves_and_loads() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("{}.safetensors", "m".repeat(255 - ".safetensors".len()));
+    assert_eq!(name.len(), 255);
+    let path = dir.path().join(name);
+    wgrad::io::save(&path, &filled(3.0)).unwrap();
+    assert!(loaded_values(&path).iter().all(|&v| v == 3.0));
+}
+
+#[test]
+fn a_failed_save_leaves_no_temporary_and_the_target_as_it_was() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    // The target is a directory: the rename over it fails after the temporary is written.
+    let target = dir.path().join("taken");
+    std::fs::create_dir(&target).unwrap();
+    std::fs::write(target.join("inside"), b"kept").unwrap();
+    let err = wgrad::io::save(&target, &filled(1.0)).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("taken")]);
+    assert_eq!(std::fs::read(target.join("inside")).unwrap(), b"kept");
+}
+
+/// A module that names two of its tensors alike.
+struct Twice(nn::Linear);
+
+impl Module for Twice {
+    fn forward(&self, x: &Tensor) -> wgrad::Result<Tensor> {
+        self.0.forward(x)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let p = self.0.parameters();
+        vec![("w".into(), p[0].clone()), ("w".into(), p[1].clone())]
+    }
+}
+
+#[test]
+fn saving_a_module_that_repeats_a_name_is_an_error_naming_it() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("twice.safetensors");
+    let err = wgrad::io::save(&path, &Twice(filled(1.0))).unwrap_err();
+    assert!(err.to_string().contains("\"w\""), "{err}");
+    assert!(!path.exists());
+}
+
+/// A safetensors file of `header` (JSON) and `data`.
+fn safetensors_file(header: &str, data: &[u8]) -> Vec<u8> {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    bytes.extend(data);
+    bytes
+}
+
+/// A module of one parameter, `"weight"` `[1]`.
+struct One(Tensor);
+
+impl Module for One {
+    fn forward(&self, x: &Tensor) -> wgrad::Result<Tensor> {
+        x.mul(&self.0)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        vec![("weight".into(), self.0.clone())]
+    }
+}
+
+#[test]
+fn a_header_naming_a_tensor_twice_is_an_error_and_changes_nothing() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("twice.safetensors");
+    // Both entries are valid on their own: a map of them would keep the last, silently.
+    let entry = r#""weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#;
+    let header = format!("{{{entry},{entry}}}");
+    std::fs::write(&path, safetensors_file(&header, &2f32.to_le_bytes())).unwrap();
+    let model = One(Tensor::from_slice(&[5.0], &[1], device()).unwrap());
+    let err = wgrad::io::load(&path, &model).unwrap_err();
+    assert!(err.to_string().contains("twice"), "{err}");
+    assert_eq!(model.0.to_vec().unwrap(), vec![5.0]);
+}
+
+#[test]
+fn loading_an_endless_stream_is_an_error_without_taking_memory() {
+    let _s = serial();
+    if !std::path::Path::new("/dev/zero").exists() {
+        return;
+    }
+    let (result, growth) = peak_growth(|| wgrad::io::load("/dev/zero", &filled(1.0)));
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    if let Some(grown) = growth {
+        assert!(
+            grown < 64 << 20,
+            "resident memory peaked {grown} bytes higher"
+        );
+    }
+}
+
+/// An IDX3 header of `dims`, big-endian.
+fn idx_images_header(dims: [u32; 3]) -> Vec<u8> {
+    let mut bytes = 0x0000_0803u32.to_be_bytes().to_vec();
+    for d in dims {
+        bytes.extend(d.to_be_bytes());
+    }
+    bytes
+}
+
+#[test]
+fn a_gzip_bomb_inflates_no_further_than_its_header_announces() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bomb-idx3-ubyte.gz");
+    // One 1x1 image announced, 256 MiB of zeros behind it.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&idx_images_header([1, 1, 1])).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..256 {
+        gz.write_all(&zeros).unwrap();
+    }
+    std::fs::write(&path, gz.finish().unwrap()).unwrap();
+    let (result, growth) = peak_growth(|| wgrad::io::read_idx_images(&path));
+    let (pixels, count, rows, cols) = result.unwrap();
+    assert_eq!((pixels.len(), count, rows, cols), (1, 1, 1, 1));
+    if let Some(grown) = growth {
+        assert!(
+            grown < 64 << 20,
+            "resident memory peaked {grown} bytes higher"
+        );
+    }
+}
+
+#[test]
+fn idx_dims_whose_product_overflows_are_an_error() {
+    let _s = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("overflow-idx3-ubyte");
+    let mut bytes = idx_images_header([u32::MAX, u32::MAX, u32::MAX]);
+    bytes.extend([0u8; 16]);
+    std::fs::write(&path, bytes).unwrap();
+    let err = wgrad::io::read_idx_images(&path).unwrap_err();
+    assert!(err.to_string().contains("overflow"), "{err}");
+    // A product that fits but that the file is too short for fails before reading it.
+    let short = dir.path().join("short-idx3-ubyte");
+    let mut bytes = idx_images_header([1 << 20, 1 << 10, 1]);
+    bytes.extend([0u8; 16]);
+    std::fs::write(&short, bytes).unwrap();
+    let err = wgrad::io::read_idx_images(&short).unwrap_err();
+    assert!(err.to_string().contains("truncated"), "{err}");
+}
+
+#[test]
+fn a_panic_while_capturing_leaves_the_thread_and_the_step_usable() {
+    let _s = serial();
+    let p = Tensor::from_slice(&[1.0, 2.0], &[2], device())
+        .unwrap()
+        .requires_grad_(true);
+    let calls = std::cell::Cell::new(0);
+    let mut step = Step::new(|inputs: &[Tensor]| {
+        calls.set(calls.get() + 1);
+        if calls.get() == 2 {
+            panic!("the second call (the one that records) panics");
+        }
+        let loss = p.mul(&inputs[0])?.sum()?;
+        loss.backward()?;
+        Ok(loss)
+    });
+    let x = Tensor::from_slice(&[3.0, 4.0], &[2], device()).unwrap();
+    step.run(std::slice::from_ref(&x)).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        step.run(std::slice::from_ref(&x))
+    }));
+    assert!(panicked.is_err());
+    // The thread reads values again, and the step goes on: it records and replays.
+    assert_eq!(x.to_vec().unwrap(), vec![3.0, 4.0]);
+    for _ in 0..3 {
+        assert_eq!(
+            step.run(std::slice::from_ref(&x)).unwrap().item().unwrap(),
+            11.0
+        );
+    }
+    assert!(step.stats().replays >= 1, "{:?}", step.stats());
+}
