@@ -105,17 +105,28 @@ fn nan_max4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(nan_max(a.x, b.x), nan_max(a.y, b.y), nan_max(a.z, b.z), nan_max(a.w, b.w));
 }
 
-// x^s as C's powf: negative bases with integral exponents keep their sign, 0^0 = 1.
+// x^s as C's powf (and torch's pow): negative bases with integral exponents keep their sign;
+// x^0 = 1 and 1^s = 1 even for NaN; otherwise NaN in gives NaN; 0^s is 0 for s > 0 and inf
+// for s < 0 (signed for -0 and odd integral s), where WGSL's pow is undefined.
 fn pow_exact(x: f32, s: f32) -> f32 {
-    if (s == 0.0) {
+    if (s == 0.0 || x == 1.0) {
         return 1.0;
     }
+    if (is_nan(x) || is_nan(s)) {
+        return x + s;
+    }
+    let odd = abs(s % 2.0) == 1.0;
+    if (x == 0.0) {
+        let magnitude = select(0.0, bitcast<f32>(0x7f800000u), s < 0.0);
+        let negative = bitcast<u32>(x) == 0x80000000u && odd;
+        return select(magnitude, -magnitude, negative);
+    }
     let m = pow(abs(x), s);
-    if (x >= 0.0) {
+    if (x > 0.0) {
         return m;
     }
     if (s != floor(s)) {
         return bitcast<f32>(0x7fc00000u);
     }
-    return select(m, -m, abs(s % 2.0) == 1.0);
+    return select(m, -m, odd);
 }

@@ -6,7 +6,8 @@
 // vec4 load each, else element by element, zero past the row's end. (Element loads cost a
 // lane loop each on CPU adapters.)
 // No loop inside a row's loops: llvmpipe counts every loop iteration of an invocation against
-// its limit of 65,535, and rows run to FUSED_MAX_LEN (16,384) elements in up to three passes.
+// its limit of 65,535, and rows run to FUSED_MAX_LEN (16,384) elements in up to five passes
+// (four groups of elements per iteration: 20,480 iterations at most).
 
 const ALIGNED: bool = NORM_ALIGNED;
 
@@ -94,6 +95,32 @@ fn sum4(v: vec4<f32>) -> f32 {
     return (v.x + v.y) + (v.z + v.w);
 }
 
+// 1 / sqrt(var + eps) of the row from `base` to `end` whose squared deviations from `mean`
+// sum to `squares`. Past about 1e19 the squares overflow to inf: they are summed again, of
+// the deviations divided by the largest (two more passes, only for such rows), so that rows
+// of finite values up to 1e30 get their O(1) output. NaN stays NaN.
+fn row_rstd(base: u32, end: u32, mean: f32, squares: f32) -> f32 {
+    let len = f32(end - base);
+    let eps = pf(NORM_EPS);
+    if (!(squares > 3.0e38)) {
+        return inverseSqrt(squares / len + eps);
+    }
+    let groups = (end - base + 3u) / 4u;
+    var largest = vec4<f32>(0.0);
+    for (var c = 0u; c < groups; c = c + 1u) {
+        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
+        largest = max(largest, abs(d));
+    }
+    let scale = max(max(largest.x, largest.y), max(largest.z, largest.w));
+    var scaled = vec4<f32>(0.0);
+    for (var c = 0u; c < groups; c = c + 1u) {
+        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
+        scaled = scaled + (d / scale) * (d / scale);
+    }
+    // var + eps = scale^2 (scaled / len + eps / scale^2); eps / scale^2 is 0 past 1e19.
+    return inverseSqrt(sum4(scaled) / len + eps / (scale * scale)) / scale;
+}
+
 // y = (x - mean) / sqrt(var + eps) * weight + bias, var biased (as PyTorch).
 @compute @workgroup_size(64)
 fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -120,7 +147,7 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         }
         squares = squares + d * d;
     }
-    let rstd = inverseSqrt(sum4(squares) / f32(len) + pf(NORM_EPS));
+    let rstd = row_rstd(base, end, mean, sum4(squares));
     let w_at = pu(NORM_WEIGHT_OFFSET);
     let b_at = pu(NORM_BIAS_OFFSET);
     for (var c = 0u; c < groups; c = c + 1u) {

@@ -276,3 +276,147 @@ fn a_panic_while_capturing_leaves_the_thread_and_the_step_usable() {
     }
     assert!(step.stats().replays >= 1, "{:?}", step.stats());
 }
+
+#[test]
+fn powf_propagates_nan_and_its_grad_at_zero_is_infinite_as_torch() {
+    let _s = serial();
+    let x = Tensor::from_slice(&[f32::NAN, 0.0, 4.0, 1.0], &[4], device())
+        .unwrap()
+        .requires_grad_(true);
+    let y = x.powf(0.5).unwrap();
+    let got = y.to_vec().unwrap();
+    assert!(got[0].is_nan(), "{got:?}");
+    assert_eq!(&got[1..], &[0.0, 2.0, 1.0]);
+    y.sum().unwrap().backward().unwrap();
+    let grad = x.grad().unwrap().to_vec().unwrap();
+    // d/dx sqrt(x) = 0.5 / sqrt(x): inf at 0, as torch (and wgrad's own sqrt).
+    assert!(grad[0].is_nan(), "{grad:?}");
+    assert_eq!(&grad[1..], &[f32::INFINITY, 0.25, 0.5]);
+    // C's powf: x^0 = 1 and 1^s = 1 even for NaN; 0^-1 = inf, -0^-1 = -inf; NaN^2 = NaN.
+    let edge = Tensor::from_slice(&[f32::NAN, 1.0, 0.0, -0.0], &[4], device()).unwrap();
+    assert_eq!(edge.powf(0.0).unwrap().to_vec().unwrap(), vec![1.0; 4]);
+    let inverse = edge.powf(-1.0).unwrap().to_vec().unwrap();
+    assert!(inverse[0].is_nan());
+    assert_eq!(&inverse[1..], &[1.0, f32::INFINITY, f32::NEG_INFINITY]);
+    let s = Tensor::from_slice(&[f32::NAN], &[1], device()).unwrap();
+    let one = Tensor::from_slice(&[1.0], &[1], device()).unwrap();
+    assert_eq!(one.pow(&s).unwrap().to_vec().unwrap(), vec![1.0]);
+}
+
+#[test]
+fn relu_passes_the_grad_at_nan_as_torch() {
+    let _s = serial();
+    let x = Tensor::from_slice(&[f32::NAN, -1.0, 0.0, 2.0], &[4], device())
+        .unwrap()
+        .requires_grad_(true);
+    x.relu().unwrap().sum().unwrap().backward().unwrap();
+    assert_eq!(
+        x.grad().unwrap().to_vec().unwrap(),
+        vec![1.0, 0.0, 0.0, 1.0]
+    );
+}
+
+/// Rows of magnitude `scale` normalised by every norm: the exact output is O(1), the same as
+/// the rows divided by `scale` give.
+fn norms_of(x: &Tensor) -> Vec<Vec<f32>> {
+    let dev = x.device();
+    let (rows, len) = (x.shape()[0], x.shape()[1]);
+    let ones = Tensor::ones(&[len], dev).unwrap();
+    let zeros = Tensor::zeros(&[len], dev).unwrap();
+    let images = x.reshape(&[rows, len / 4, 2, 2]).unwrap();
+    let bn = nn::BatchNorm2d::new(len / 4, dev).unwrap();
+    vec![
+        x.layer_norm(&ones, &zeros, 1e-5).unwrap().to_vec().unwrap(),
+        x.rms_norm(&ones, 1e-6).unwrap().to_vec().unwrap(),
+        images
+            .group_norm(2, None, None, 1e-5)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        bn.forward(&images).unwrap().to_vec().unwrap(),
+    ]
+}
+
+#[test]
+fn norms_of_rows_up_to_1e30_do_not_overflow() {
+    let _s = serial();
+    let (x, xs) = random_tensor(&[4, 16], 40);
+    let want = norms_of(&x);
+    for scale in [1e20f32, 1e30] {
+        let big: Vec<f32> = xs.iter().map(|v| v * scale).collect();
+        let got = norms_of(&Tensor::from_slice(&big, &[4, 16], device()).unwrap());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let w: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+            assert_close(g, &w, 1e-3, &format!("norm {i} at scale {scale}"));
+        }
+    }
+    // And their grads are finite and not all zero.
+    let big = Tensor::from_slice(
+        &xs.iter().map(|v| v * 1e20).collect::<Vec<_>>(),
+        &[4, 16],
+        device(),
+    )
+    .unwrap()
+    .requires_grad_(true);
+    let w = Tensor::ones(&[16], device()).unwrap();
+    let probe = Tensor::from_slice(&random_vec(64, 41), &[4, 16], device()).unwrap();
+    big.layer_norm(&w, &Tensor::zeros(&[16], device()).unwrap(), 1e-5)
+        .unwrap()
+        .mul(&probe)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let grad = big.grad().unwrap().to_vec().unwrap();
+    assert!(
+        grad.iter().all(|g| g.is_finite()) && grad.iter().any(|&g| g != 0.0),
+        "{grad:?}"
+    );
+}
+
+#[test]
+fn matmuls_with_a_zero_in_their_shapes_give_empty_results_as_torch() {
+    let _s = serial();
+    let gpu = wgrad::Device::software().unwrap();
+    gpu.set_kernel_flavor(wgrad::KernelFlavor::Gpu);
+    for dev in [device(), &gpu] {
+        matmuls_with_a_zero_on(dev);
+    }
+}
+
+fn matmuls_with_a_zero_on(dev: &wgrad::Device) {
+    let a = Tensor::zeros(&[1, 3, 1, 4, 0, 3], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let v = Tensor::ones(&[3], dev).unwrap().requires_grad_(true);
+    let out = a.matmul(&v).unwrap();
+    assert_eq!(out.shape(), &[1, 3, 1, 4, 0]);
+    // The grads of an empty product: empty for a, zeros for v.
+    out.sum().unwrap().backward().unwrap();
+    assert_eq!(a.grad().unwrap().shape(), a.shape());
+    assert_eq!(v.grad().unwrap().to_vec().unwrap(), vec![0.0; 3]);
+    let b = Tensor::zeros(&[2, 2, 7], dev).unwrap();
+    let c = Tensor::zeros(&[4, 2, 7, 0], dev).unwrap();
+    assert_eq!(b.matmul(&c).unwrap().shape(), &[4, 2, 2, 0]);
+    // An empty k gives zeros, as torch.
+    let p = Tensor::ones(&[2, 3, 0], dev).unwrap();
+    let q = Tensor::ones(&[2, 0, 4], dev).unwrap();
+    assert_eq!(p.matmul(&q).unwrap().to_vec().unwrap(), vec![0.0; 24]);
+    // Views of empty tensors, whose strides are whatever the view made them.
+    let t = Tensor::zeros(&[3, 0, 2, 5], dev)
+        .unwrap()
+        .transpose(0, 2)
+        .unwrap();
+    let u = Tensor::zeros(&[5, 4], dev).unwrap();
+    assert_eq!(t.matmul(&u).unwrap().shape(), &[2, 0, 3, 4]);
+    let e = Tensor::zeros(&[4, 0], dev).unwrap().t().unwrap();
+    assert_eq!(
+        Tensor::zeros(&[2, 3, 4], dev)
+            .unwrap()
+            .matmul(&e.t().unwrap())
+            .unwrap()
+            .shape(),
+        &[2, 3, 0]
+    );
+}

@@ -7,6 +7,7 @@ use crate::autograd::no_grad;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::{Module, TrainingFlag};
+use crate::ops::norm::scaled_for_statistics;
 use crate::tensor::Tensor;
 
 /// The inputs a [`BatchNorm`] takes: channels on dim 1, statistics over every other dim.
@@ -119,7 +120,7 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
         let mut channel_shape = vec![1; x.rank()];
         channel_shape[1] = c;
         let per_channel = |t: &Tensor| t.reshape(&channel_shape);
-        let (mean, var) = if self.training.get() {
+        let normed = if self.training.get() {
             let count = x.numel() / c;
             if count < 2 {
                 return Err(Error::Shape {
@@ -130,20 +131,25 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
                     ),
                 });
             }
-            let mean = x.mean_dims(&dims, true)?;
-            let centred = x.sub(&mean)?;
+            // The statistics of x over its per-channel magnitude, which cannot overflow.
+            let (u, divisor, eps_scaled) = scaled_for_statistics(x, &dims, self.eps)?;
+            let mean = u.mean_dims(&dims, true)?;
+            let centred = u.sub(&mean)?;
             let var = centred.mul(&centred)?.mean_dims(&dims, true)?;
-            let unbiased = var.mul_scalar(count as f32 / (count - 1) as f32)?;
-            self.update(&self.running_mean, &mean.detach().reshape(&[c])?)?;
-            self.update(&self.running_var, &unbiased.detach().reshape(&[c])?)?;
-            (mean, var)
+            no_grad(|| {
+                let batch_mean = mean.mul(&divisor)?.reshape(&[c])?;
+                let unbiased = var
+                    .mul(&divisor.mul(&divisor)?)?
+                    .mul_scalar(count as f32 / (count - 1) as f32)?;
+                self.update(&self.running_mean, &batch_mean)?;
+                self.update(&self.running_var, &unbiased.reshape(&[c])?)
+            })?;
+            centred.mul(&var.add(&eps_scaled)?.rsqrt()?)?
         } else {
-            (
-                per_channel(&self.running_mean)?,
-                per_channel(&self.running_var)?,
-            )
+            let mean = per_channel(&self.running_mean)?;
+            let var = per_channel(&self.running_var)?;
+            x.sub(&mean)?.div(&var.add_scalar(self.eps)?.sqrt()?)?
         };
-        let normed = x.sub(&mean)?.div(&var.add_scalar(self.eps)?.sqrt()?)?;
         normed
             .mul(&per_channel(&self.weight)?)?
             .add(&per_channel(&self.bias)?)

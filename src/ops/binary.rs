@@ -167,7 +167,8 @@ impl BinaryOp {
             BinaryOp::Maximum => "nan_max(a, b)",
             BinaryOp::MaximumShare => "select(select(0.0, 0.5, a == b), 1.0, a > b)",
             BinaryOp::Equal => "select(0.0, 1.0, a == b)",
-            BinaryOp::ReluBackward => "select(0.0, a, b > 0.0)",
+            // As torch's threshold_backward: the grad passes unless x <= 0 (so it passes at NaN).
+            BinaryOp::ReluBackward => "select(a, 0.0, b <= 0.0)",
             BinaryOp::TanhBackward => "a * (1.0 - b * b)",
             BinaryOp::SigmoidBackward => "a * b * (1.0 - b)",
             // d/dx x Phi(x) = Phi(x) + x phi(x)

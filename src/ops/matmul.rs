@@ -316,8 +316,9 @@ fn runs_tall(device: &Device) -> bool {
 /// Batch stride of a tensor whose batch dims (all but the last two) merge into one.
 fn batch_stride(t: &Tensor) -> Option<u32> {
     let rank = t.rank();
-    if t.shape()[..rank - 2].contains(&0) {
-        return Some(0); // no batch to visit
+    if t.numel() == 0 {
+        // Nothing to visit (an empty batch or an empty matrix), whatever the strides say.
+        return Some(0);
     }
     let (batch_rank, _, strides) =
         merge_dims(&t.shape()[..rank - 2], &[&t.layout().strides[..rank - 2]])?;

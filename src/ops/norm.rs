@@ -124,20 +124,50 @@ pub(crate) fn check_eps(op: &'static str, eps: f32) -> Result<()> {
     Ok(())
 }
 
+/// `x` divided by its largest magnitude over `dims` (kept as size 1; 1 where that is 0), the
+/// divisor, and `eps` over the divisor squared: a norm's statistics of the quotient cannot overflow for
+/// finite `x` (squares of 1e20 would), and `(u - mean(u)) / sqrt(var(u) + eps / s^2)` is the
+/// same function of `x` as the unscaled form, so the divisor takes no grad and the grads are
+/// the same.
+pub(crate) fn scaled_for_statistics(
+    x: &Tensor,
+    dims: &[usize],
+    eps: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let divisor = {
+        let _no_grad = NoGradGuard::new();
+        let largest = x.abs()?.max_dims(dims, true)?;
+        // 1 where the largest is 0 (a row of zeros) or NaN (it propagates through x anyway).
+        let ones = Tensor::ones(largest.shape(), x.device())?;
+        largest.eq_scalar(0.0)?.where_cond(&ones, &largest)?
+    };
+    let eps_scaled = divisor.powf(-2.0)?.mul_scalar(eps)?;
+    Ok((x.div(&divisor)?, divisor, eps_scaled))
+}
+
+/// `x` normalised over `dims` to zero mean and unit (biased) variance, `eps` added to the
+/// variance: the statistics of [`scaled_for_statistics`], so rows of finite values up to 1e30
+/// normalise. Composed of reductions and elementwise ops, whose grads it takes.
+pub(crate) fn standardised(x: &Tensor, dims: &[usize], eps: f32) -> Result<Tensor> {
+    let (u, _, eps_scaled) = scaled_for_statistics(x, dims, eps)?;
+    let centred = u.sub(&u.mean_dims(dims, true)?)?;
+    let var = centred.mul(&centred)?.mean_dims(dims, true)?;
+    centred.mul(&var.add(&eps_scaled)?.rsqrt()?)
+}
+
 /// The composed LayerNorm, for rows too long for the fused kernels.
 fn composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
     let last = x.rank() - 1;
-    let centred = x.sub(&x.mean_dims(&[last], true)?)?;
-    let var = centred.mul(&centred)?.mean_dims(&[last], true)?;
-    let normed = centred.div(&var.add_scalar(eps)?.sqrt()?)?;
-    normed.mul(weight)?.add(bias)
+    standardised(x, &[last], eps)?.mul(weight)?.add(bias)
 }
 
-/// The composed RMSNorm, for rows too long for the fused kernels.
+/// The composed RMSNorm, for rows too long for the fused kernels (scaled as
+/// [`standardised`]).
 fn composed_rms(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let last = x.rank() - 1;
-    let mean_square = x.mul(x)?.mean_dims(&[last], true)?;
-    x.mul(&mean_square.add_scalar(eps)?.rsqrt()?)?.mul(weight)
+    let (u, _, eps_scaled) = scaled_for_statistics(x, &[last], eps)?;
+    let mean_square = u.mul(&u)?.mean_dims(&[last], true)?;
+    u.mul(&mean_square.add(&eps_scaled)?.rsqrt()?)?.mul(weight)
 }
 
 /// Checks an optional per-channel affine parameter of group_norm: `[C]`, on `x`'s device.
@@ -228,12 +258,7 @@ impl Tensor {
         check_channel_param(OP, self, bias, c, "bias")?;
         let per_group = self.numel().checked_div(shape[0] * groups).unwrap_or(0);
         let rows = self.reshape(&[shape[0], groups, per_group])?;
-        let mean = rows.mean_dims(&[2], true)?;
-        let centred = rows.sub(&mean)?;
-        let var = centred.mul(&centred)?.mean_dims(&[2], true)?;
-        let normed = centred
-            .mul(&var.add_scalar(eps)?.rsqrt()?)?
-            .reshape(&shape)?;
+        let normed = standardised(&rows, &[2], eps)?.reshape(&shape)?;
         let mut channel_shape = vec![1; shape.len()];
         channel_shape[1] = c;
         let scaled = match weight {
