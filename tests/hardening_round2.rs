@@ -420,3 +420,61 @@ fn matmuls_with_a_zero_on(dev: &wgrad::Device) {
         &[2, 3, 0]
     );
 }
+
+/// A model and its optimizer behind a RefCell, as a training loop that swaps them holds them.
+struct Trainer {
+    weight: Tensor,
+    opt: wgrad::optim::Sgd,
+}
+
+impl Trainer {
+    fn new(values: &[f32]) -> Trainer {
+        let weight = Tensor::from_slice(values, &[values.len()], device())
+            .unwrap()
+            .requires_grad_(true);
+        let opt = wgrad::optim::Sgd::new(
+            vec![weight.clone()],
+            wgrad::optim::SgdConfig {
+                lr: 0.1,
+                ..Default::default()
+            },
+        );
+        Trainer { weight, opt }
+    }
+
+    fn step(&mut self, x: &Tensor) -> wgrad::Result<Tensor> {
+        use wgrad::optim::Optimizer;
+        self.opt.zero_grad();
+        let loss = self.weight.mul(x)?.mul(&self.weight)?.sum()?;
+        loss.backward()?;
+        self.opt.step()?;
+        Ok(loss)
+    }
+}
+
+#[test]
+fn a_replay_never_trains_a_parameter_only_its_plan_still_holds() {
+    let _s = serial();
+    let trainer = std::cell::RefCell::new(Trainer::new(&[1.0, 2.0]));
+    let mut step = Step::new(|inputs: &[Tensor]| trainer.borrow_mut().step(&inputs[0]));
+    let x = Tensor::from_slice(&[0.5, 1.5], &[2], device()).unwrap();
+    for _ in 0..4 {
+        step.run(std::slice::from_ref(&x)).unwrap();
+    }
+    assert!(step.stats().replays >= 2);
+    // Swap in a new model and optimizer: the old weight lives on in the plan alone.
+    *trainer.borrow_mut() = Trainer::new(&[3.0, -1.0]);
+    let mut eager = Trainer::new(&[3.0, -1.0]);
+    for call in 0..4 {
+        let got = step.run(std::slice::from_ref(&x)).unwrap().item().unwrap();
+        let want = eager.step(&x).unwrap().item().unwrap();
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "call {call}: {got} vs {want}"
+        );
+    }
+    assert_eq!(
+        trainer.borrow().weight.to_vec().unwrap(),
+        eager.weight.to_vec().unwrap()
+    );
+}

@@ -131,6 +131,9 @@ where
         }
         let started = std::time::Instant::now();
         let signature = InputSignature::of(inputs);
+        // A plan that alone holds a leaf it trains (the user swapped the model) is dropped,
+        // with its arena.
+        self.plans.retain(|plan| !plan.is_orphaned());
         for i in 0..self.plans.len() {
             let plan = &mut self.plans[i];
             if let Some(loss) = plan.replay(inputs, &signature, started)? {

@@ -184,6 +184,18 @@ enum Slot {
     },
 }
 
+impl Slot {
+    /// The leaf whose grad slot this is.
+    fn leaf(&self) -> &Tensor {
+        match self {
+            Slot::Read { leaf, .. }
+            | Slot::Clear { leaf }
+            | Slot::Set { leaf, .. }
+            | Slot::Install { leaf, .. } => leaf,
+        }
+    }
+}
+
 /// What the step returned.
 enum Loss {
     Value {
@@ -264,6 +276,27 @@ pub(crate) struct Plan {
     prepared: Option<Prepared>,
     /// Whether the latest replay submitted commands encoded ahead.
     last_encoded_ahead: bool,
+}
+
+impl Plan {
+    /// Whether the plan holds the only handle to a leaf it trains: the user replaced or
+    /// dropped it (a new model or optimizer swapped in), so a replay would train a tensor
+    /// nobody can see. Such a plan must go; the call captures afresh.
+    pub fn is_orphaned(&self) -> bool {
+        let mut held: HashMap<*const TensorInner, usize> = HashMap::new();
+        for slot in &self.slots {
+            *held.entry(Arc::as_ptr(&slot.leaf().inner)).or_default() += 1;
+        }
+        if let Loss::Fixed(t) = &self.loss {
+            if let Some(n) = held.get_mut(&Arc::as_ptr(&t.inner)) {
+                *n += 1;
+            }
+        }
+        self.slots.iter().any(|slot| {
+            let leaf = &slot.leaf().inner;
+            Arc::strong_count(leaf) <= held[&Arc::as_ptr(leaf)]
+        })
+    }
 }
 
 /// A replay's command buffer encoded ahead of its call, with the buffers it binds that may
