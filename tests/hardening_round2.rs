@@ -478,3 +478,75 @@ fn a_replay_never_trains_a_parameter_only_its_plan_still_holds() {
         eager.weight.to_vec().unwrap()
     );
 }
+
+/// The process's resident memory in MiB (Linux), or `None`.
+fn resident_mib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? / 1024)
+}
+
+/// Each capture of a new batch size generates kernels for its shapes; they go with the plans
+/// that hold them (at most `MAX_PLANS`), so 500 re-captures hold what a few do.
+#[test]
+fn memory_stays_flat_over_500_recaptures_and_returns_when_the_step_drops() {
+    let _s = serial();
+    let dev = device();
+    let model = nn::Sequential::new()
+        .add(nn::Linear::new(16, 32, true, dev).unwrap())
+        .add(nn::Relu)
+        .add(nn::Linear::new(32, 4, true, dev).unwrap());
+    let mut opt = wgrad::optim::Adam::new(model.parameters(), Default::default());
+    let batch = |rows: usize| {
+        let (x, _) = random_tensor(&[rows, 16], rows as u64);
+        let y = Tensor::from_labels((0..rows as u32).map(|r| r % 4).collect(), dev).unwrap();
+        [x, y]
+    };
+    let (baseline, after_500, pipelines_midway, pipelines_at_end);
+    {
+        let mut step = Step::new(|b: &[Tensor]| {
+            use wgrad::optim::Optimizer;
+            opt.zero_grad();
+            let loss = nn::loss::cross_entropy(&model.forward(&b[0])?, &b[1])?;
+            loss.backward()?;
+            opt.step()?;
+            Ok(loss)
+        });
+        // Warm up: the library's own kernels compiled, a few plans captured.
+        for rows in 8..16 {
+            let b = batch(rows);
+            step.run(&b).unwrap();
+            step.run(&b).unwrap();
+        }
+        baseline = resident_mib();
+        let mut midway = 0;
+        for rows in 16..516 {
+            let b = batch(rows);
+            step.run(&b).unwrap();
+            step.run(&b).unwrap();
+            if rows == 266 {
+                midway = dev.stats().pipelines;
+            }
+        }
+        assert!(step.stats().captures >= 500, "{:?}", step.stats());
+        after_500 = resident_mib();
+        (pipelines_midway, pipelines_at_end) = (midway, dev.stats().pipelines);
+    }
+    dev.synchronize().unwrap();
+    // The generated kernels are bounded with the plans, and go with the step.
+    assert!(
+        pipelines_at_end <= pipelines_midway + 2,
+        "{pipelines_midway} pipelines midway, {pipelines_at_end} at the end"
+    );
+    let after_drop = dev.stats().pipelines;
+    assert!(
+        after_drop < pipelines_at_end,
+        "{pipelines_at_end} -> {after_drop} pipelines"
+    );
+    if let (Some(baseline), Some(after_500), Some(dropped)) = (baseline, after_500, resident_mib())
+    {
+        eprintln!("resident MiB: {baseline} warmed up, {after_500} after 500 re-captures, {dropped} dropped");
+        assert!(after_500 < baseline + 50, "{baseline} -> {after_500} MiB");
+        assert!(dropped < baseline + 50, "{baseline} -> {dropped} MiB");
+    }
+}

@@ -27,7 +27,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::capture::plan::{Command, Draft, Epilogue, FuseAs, Fusible, Launch};
-use crate::device::{declared_bindings, Device, PipelineSource};
+use crate::device::{declared_bindings, Device, PipelineSource, GENERATED};
 use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP, MAX_SLOTS};
 use crate::tensor::layout::row_major_strides;
 use crate::tensor::tape::{HostBytes, MergeSite};
@@ -1141,7 +1141,8 @@ fn member_copy(section: &str, k: usize, shift: u32, base: usize) -> String {
     out
 }
 
-/// The pipeline of a generated module, keyed by a hash of its source.
+/// The pipeline of a generated module, keyed by a hash of its source under
+/// [`GENERATED`], so the cache lets it go with the last plan that holds it.
 fn generated_pipeline(
     device: &Device,
     family: &str,
@@ -1150,7 +1151,7 @@ fn generated_pipeline(
 ) -> Arc<crate::device::CachedPipeline> {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     source.hash(&mut hasher);
-    let module_key = format!("{family}/{:016x}", hasher.finish());
+    let module_key = format!("{GENERATED}{family}/{:016x}", hasher.finish());
     let key = format!("{module_key}:{entry}");
     device.inner.pipeline(&PipelineSource {
         key: &key,

@@ -133,7 +133,7 @@ where
         let signature = InputSignature::of(inputs);
         // A plan that alone holds a leaf it trains (the user swapped the model) is dropped,
         // with its arena.
-        self.plans.retain(|plan| !plan.is_orphaned());
+        release_plans(&mut self.plans, |plan| !plan.is_orphaned());
         for i in 0..self.plans.len() {
             let plan = &mut self.plans[i];
             if let Some(loss) = plan.replay(inputs, &signature, started)? {
@@ -177,7 +177,11 @@ where
                 // Older plans whose guards no longer pass are kept, a few: a later call may
                 // match them.
                 self.plans.insert(0, plan);
-                self.plans.truncate(MAX_PLANS);
+                let mut kept = 0;
+                release_plans(&mut self.plans, |_| {
+                    kept += 1;
+                    kept <= MAX_PLANS
+                });
                 self.stats.plans = self.plans.len();
             }
             Err(reason) => {
@@ -196,5 +200,22 @@ where
     /// Counts of eager, capturing and replayed calls.
     pub fn stats(&self) -> StepStats {
         self.stats
+    }
+}
+
+/// Drops the plans `keep` refuses (in order), with their arenas and the generated kernels
+/// only they held.
+fn release_plans(plans: &mut Vec<Plan>, keep: impl FnMut(&Plan) -> bool) {
+    let before = plans.len();
+    let device = plans.first().map(|p| p.device().clone());
+    plans.retain(keep);
+    if let (Some(device), true) = (device, plans.len() < before) {
+        device.inner.release_unheld_generated_pipelines();
+    }
+}
+
+impl<F> Drop for Step<F> {
+    fn drop(&mut self) {
+        release_plans(&mut self.plans, |_| false);
     }
 }

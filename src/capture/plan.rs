@@ -279,6 +279,11 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
+    /// The device the plan runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Whether the plan holds the only handle to a leaf it trains: the user replaced or
     /// dropped it (a new model or optimizer swapped in), so a replay would train a tensor
     /// nobody can see. Such a plan must go; the call captures afresh.

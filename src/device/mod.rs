@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use pipelines::PipelineCache;
-pub(crate) use pipelines::{declared_bindings, CachedPipeline};
+pub(crate) use pipelines::{declared_bindings, CachedPipeline, GENERATED};
 pub(crate) use pool::size_class;
 use pool::BufferPool;
 
@@ -516,6 +516,12 @@ impl DeviceInner {
     /// it still runs first: every later use is recorded after it on the same queue.
     pub(crate) fn release(&self, buffer: wgpu::Buffer) {
         lock(&self.pool).give_back(buffer);
+    }
+
+    /// Drops the generated kernels no captured plan holds any more (see
+    /// [`pipelines::GENERATED`]).
+    pub(crate) fn release_unheld_generated_pipelines(&self) {
+        lock(&self.pipelines).release_unheld_generated();
     }
 
     /// The compiled pipeline of `kernel`, compiling it at its first use.

@@ -1,5 +1,6 @@
 //! `PipelineCache`: each (kernel, specialisation) is compiled once and kept for the life of
-//! the device.
+//! the device; the modules a captured step generates (keys under [`GENERATED`]) are dropped
+//! once no plan holds their pipelines.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
@@ -33,6 +34,10 @@ fn writable_bindings(source: &str) -> Vec<u32> {
         .map(|(binding, _)| binding)
         .collect()
 }
+
+/// The module-key prefix of the kernels the capture fuser generates: one per plan's shapes,
+/// so they are released with the plans that use them, not kept for the device's life.
+pub(crate) const GENERATED: &str = "generated/";
 
 /// Compiled pipelines by key (`"family/specialisation:entry"`), and the shader modules they
 /// come from by module key (`"family/specialisation"`): the entry points of one module share
@@ -89,9 +94,24 @@ impl PipelineCache {
         cached
     }
 
-    /// How many pipelines have been compiled.
+    /// How many pipelines the cache holds.
     pub fn len(&self) -> usize {
         self.pipelines.len()
+    }
+
+    /// Drops the generated pipelines nothing else holds (their plans are gone), and the
+    /// generated modules no pipeline left comes from.
+    pub fn release_unheld_generated(&mut self) {
+        self.pipelines
+            .retain(|key, p| !key.starts_with(GENERATED) || Arc::strong_count(p) > 1);
+        let pipelines = &self.pipelines;
+        self.modules.retain(|module, _| {
+            !module.starts_with(GENERATED)
+                || pipelines.keys().any(|key| {
+                    key.strip_prefix(module.as_str())
+                        .is_some_and(|r| r.starts_with(':'))
+                })
+        });
     }
 }
 
