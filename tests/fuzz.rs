@@ -1,5 +1,7 @@
 //! A seeded fuzzer: random programs of ops (unary, broadcasting binary, reductions, views,
-//! matmul, softmax, index_select with repeats, cat) over random shapes (0- and 1-sized dims,
+//! matmul, softmax, index_select with repeats, cat, and the ops of today's models: sin, cos,
+//! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm
+//! and LayerNorm, conv_transpose2d) over random shapes (0- and 1-sized dims,
 //! broadcasting, ranks 0 to 6; rank 7 must be an error) run on wgrad and on an f64 CPU
 //! interpreter. Values must agree; for programs of smooth ops, finite differences must agree
 //! with the grad of the first input; nothing may panic.
@@ -183,6 +185,27 @@ impl Cpu {
     }
 
     /// Softmax (or log-softmax) along `dim`.
+    /// `f` applied to every line along `dim` (each line's values in order), giving lines of
+    /// `len` values: the op of a row kernel, on the CPU.
+    fn along(&self, dim: usize, len: usize, f: impl Fn(&[f64]) -> Vec<f64>) -> Cpu {
+        let r = self.shape.len();
+        let mut order: Vec<usize> = (0..r).filter(|&d| d != dim).collect();
+        order.push(dim);
+        let moved = self.permute(&order);
+        let n = self.shape[dim];
+        let rows = Cpu::numel(&moved.shape[..r - 1]);
+        let data: Vec<f64> = (0..rows)
+            .flat_map(|i| f(&moved.data[i * n..(i + 1) * n]))
+            .collect();
+        let mut shape = moved.shape.clone();
+        shape[r - 1] = len;
+        let mut back = vec![0; r];
+        for (k, &d) in order.iter().enumerate() {
+            back[d] = k;
+        }
+        Cpu { shape, data }.permute(&back)
+    }
+
     fn softmax(&self, dim: usize, log: bool) -> Cpu {
         let max = self.reduce(&[dim], true, f64::NEG_INFINITY, f64::max);
         let shifted = self.binary(&max, |x, m| x - m);
@@ -249,7 +272,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(16) {
+    match rng.below(22) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -391,8 +414,122 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
             let gpu = Tensor::cat(&[x.gpu.clone(), other.gpu.clone()], dim)?;
             pair(gpu, Cpu::cat(&x.cpu, &[x.cpu.clone(), other.cpu], dim))
         }
+        16 => match rng.below(5) {
+            0 => pair(x.gpu.sin()?, x.cpu.map(f64::sin)),
+            1 => pair(x.gpu.cos()?, x.cpu.map(f64::cos)),
+            2 => pair(x.gpu.silu()?, x.cpu.map(|v| v / (1.0 + (-v).exp()))),
+            3 => pair(x.gpu.softplus()?, x.cpu.map(|v| (1.0 + v.exp()).ln())),
+            _ => {
+                *smooth = false;
+                pair(
+                    x.gpu.leaky_relu(0.1)?,
+                    x.cpu.map(|v| if v > 0.0 { v } else { 0.1 * v }),
+                )
+            }
+        },
+        17 => {
+            // A comparison mask picks between x and another tensor: a kink where they meet.
+            *smooth = false;
+            let other = fresh(&broadcastable(rng, &x.cpu.shape), seed);
+            let mask = x.gpu.gt_scalar(0.0)?;
+            let twice = other.gpu.mul_scalar(2.0)?;
+            let cpu = x
+                .cpu
+                .binary(&other.cpu, |a, b| if a > 0.0 { a } else { 2.0 * b });
+            pair(mask.where_cond(&x.gpu, &twice)?, cpu)
+        }
+        18 => {
+            *smooth = false;
+            let other = fresh(&broadcastable(rng, &x.cpu.shape), seed);
+            pair(
+                x.gpu.minimum(&other.gpu)?,
+                x.cpu.binary(&other.cpu, f64::min),
+            )
+        }
+        19 if r > 0 => {
+            // topk (largest first) or an ascending sort along a dim.
+            *smooth = false;
+            let dim = rng.below(r);
+            let n = x.cpu.shape[dim];
+            let k = rng.below(n + 1);
+            let sorted = |line: &[f64], descending: bool| {
+                let mut v = line.to_vec();
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                if descending {
+                    v.reverse();
+                }
+                v
+            };
+            if rng.below(2) == 0 {
+                let cpu = x.cpu.along(dim, k, |line| sorted(line, true)[..k].to_vec());
+                pair(x.gpu.topk(k, dim)?.0, cpu)
+            } else {
+                let cpu = x.cpu.along(dim, n, |line| sorted(line, false));
+                pair(x.gpu.sort(dim, false)?.0, cpu)
+            }
+        }
+        20 if r > 0 => {
+            // RMSNorm or LayerNorm over the last dim, weight 1.5.
+            let n = x.cpu.shape[r - 1];
+            let w = Tensor::full(&[n], 1.5, device())?;
+            if rng.below(2) == 0 {
+                let cpu = x.cpu.along(r - 1, n, |line| {
+                    let ms = line.iter().map(|v| v * v).sum::<f64>() / n as f64;
+                    line.iter().map(|v| 1.5 * v / (ms + 1e-6).sqrt()).collect()
+                });
+                pair(x.gpu.rms_norm(&w, 1e-6)?, cpu)
+            } else {
+                let b = Tensor::full(&[n], 0.25, device())?;
+                let cpu = x.cpu.along(r - 1, n, |line| {
+                    let mean = line.iter().sum::<f64>() / n as f64;
+                    let var = line.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
+                    line.iter()
+                        .map(|v| 1.5 * (v - mean) / (var + 1e-5).sqrt() + 0.25)
+                        .collect()
+                });
+                pair(x.gpu.layer_norm(&w, &b, 1e-5)?, cpu)
+            }
+        }
+        21 if r == 4 && x.cpu.shape.iter().all(|&n| n > 0) && x.cpu.data.len() <= 512 => {
+            // A U-Net up step: conv_transpose2d, kernel 2, stride 2, 2 output channels.
+            let c = x.cpu.shape[1];
+            let w = fresh(&[c, 2, 2, 2], seed);
+            let o = wgrad::ConvTranspose2dOptions {
+                stride: 2,
+                ..Default::default()
+            };
+            pair(
+                x.gpu.conv_transpose2d(&w.gpu, None, &o)?,
+                conv_transpose_2x2(&x.cpu, &w.cpu),
+            )
+        }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
+}
+
+/// conv_transpose2d of `x` `[n, c, h, w]` with weight `[c, o, 2, 2]`, stride 2 (the kernel
+/// tiles the output: each input pixel writes its own 2x2 block).
+fn conv_transpose_2x2(x: &Cpu, w: &Cpu) -> Cpu {
+    let [n, c, h, wd] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
+    let o = w.shape[1];
+    let shape = vec![n, o, 2 * h, 2 * wd];
+    let mut data = vec![0.0; Cpu::numel(&shape)];
+    for b in 0..n {
+        for ci in 0..c {
+            for y in 0..h {
+                for xx in 0..wd {
+                    let v = x.data[((b * c + ci) * h + y) * wd + xx];
+                    for co in 0..o {
+                        for (ky, kx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                            let at = ((b * o + co) * 2 * h + 2 * y + ky) * 2 * wd + 2 * xx + kx;
+                            data[at] += v * w.data[((ci * o + co) * 2 + ky) * 2 + kx];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Cpu { shape, data }
 }
 
 /// What one case found, if anything.
