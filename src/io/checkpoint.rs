@@ -194,9 +194,9 @@ fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
 }
 
 /// Writes `module`'s named parameters and buffers to `path` as f32 safetensors, atomically
-/// ([`write_atomically`]): a crash never leaves a half-written checkpoint, and concurrent
-/// saves to one path leave one complete file, the save whose rename came last. A name given
-/// twice by the module is an error naming it.
+/// (through a temporary file of its own, renamed over `path`): a crash never leaves a
+/// half-written checkpoint, and concurrent saves to one path leave one complete file, the
+/// save whose rename came last. A name given twice by the module is an error naming it.
 pub fn save(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
     const OP: &str = "io::save";
     let path = path.as_ref();
