@@ -18,10 +18,19 @@ fn info_names_the_adapter_backend_and_type() {
     let info = device().info();
     assert!(!info.name.is_empty());
     let shown = info.to_string();
+    eprintln!("adapter: {shown}");
     assert!(
         shown.contains(&info.name) && shown.contains(&format!("{:?}", info.backend)),
         "{shown}"
     );
+    // CI names the driver it set up (`WGRAD_EXPECT_DRIVER="Mesa 25"`): a run on another one
+    // fails here rather than passing on the wrong adapter.
+    if let Ok(expected) = std::env::var("WGRAD_EXPECT_DRIVER") {
+        assert!(
+            shown.contains(&expected),
+            "expected a {expected} adapter, got {shown}"
+        );
+    }
 }
 
 #[test]
