@@ -372,3 +372,116 @@ fn cosine_and_step_schedules_follow_pytorch() {
         [1.0, 1.0, 0.5, 0.25]
     );
 }
+
+/// A language model's embedding with its head tied to it, the PyTorch way: the head's weight
+/// is the embedding's tensor.
+struct TiedLm {
+    embed: nn::Embedding,
+    head: nn::Linear,
+}
+
+impl TiedLm {
+    fn new() -> TiedLm {
+        let embed = nn::Embedding::new(6, 4, device()).unwrap();
+        let head = nn::Linear {
+            weight: embed.weight.clone(),
+            bias: None,
+        };
+        TiedLm { embed, head }
+    }
+
+    fn loss(&self) -> Tensor {
+        let tokens = Tensor::from_labels(vec![1, 4, 4, 0], device()).unwrap();
+        let logits = self
+            .head
+            .forward(&self.embed.forward(&tokens).unwrap())
+            .unwrap();
+        let targets = Tensor::from_labels(vec![4, 0, 2, 1], device()).unwrap();
+        nn::loss::cross_entropy(&logits, &targets).unwrap()
+    }
+}
+
+impl Module for TiedLm {
+    fn forward(&self, x: &Tensor) -> wgrad::Result<Tensor> {
+        self.head.forward(&self.embed.forward(x)?)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut named = vec![("embed.weight".to_string(), self.embed.weight.clone())];
+        named.extend(
+            self.head
+                .named_parameters()
+                .into_iter()
+                .map(|(n, t)| (format!("head.{n}"), t)),
+        );
+        named
+    }
+}
+
+#[test]
+fn a_tied_weight_is_listed_once_and_moves_once_per_step() {
+    let model = TiedLm::new();
+    assert_eq!(model.named_parameters().len(), 2);
+    let params = model.parameters();
+    assert_eq!(params.len(), 1);
+    assert!(Tensor::same(&params[0], &model.embed.weight));
+    let before = model.embed.weight.to_vec().unwrap();
+    let mut opt = optim::Sgd::new(
+        params,
+        optim::SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        },
+    );
+    model.loss().backward().unwrap();
+    let grad = model.embed.weight.grad().unwrap().to_vec().unwrap();
+    opt.step().unwrap();
+    let after = model.embed.weight.to_vec().unwrap();
+    let want: Vec<f64> = before
+        .iter()
+        .zip(&grad)
+        .map(|(w, g)| *w as f64 - 0.1 * *g as f64)
+        .collect();
+    assert_close(&after, &want, 1e-6, "one step of lr x grad");
+}
+
+#[test]
+fn optimizers_refuse_a_parameter_listed_twice_and_leave_it_alone() {
+    let model = TiedLm::new();
+    let w = model.embed.weight.clone();
+    model.loss().backward().unwrap();
+    let before = w.to_vec().unwrap();
+    let twice = vec![w.clone(), w.clone()];
+    let mut sgd = optim::Sgd::new(twice.clone(), Default::default());
+    let err = sgd.step().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                op: "Sgd::step",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("[6, 4]"), "{err}");
+    let mut adam = optim::AdamW::new(twice, Default::default());
+    assert!(adam.step().is_err());
+    assert_eq!(w.to_vec().unwrap(), before);
+}
+
+#[test]
+fn clip_grad_norm_counts_a_tied_weight_once_as_torch() {
+    let model = TiedLm::new();
+    model.loss().backward().unwrap();
+    let w = &model.embed.weight;
+    let grad = w.grad().unwrap().to_vec().unwrap();
+    // torch.nn.utils.clip_grad_norm_(model.parameters(), ..): the one tensor's norm.
+    let want = grad.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt();
+    let norm = optim::clip_grad_norm(&[w.clone(), w.clone()], 1e-3).unwrap();
+    assert_close(&[norm.item().unwrap()], &[want], 1e-5, "norm");
+    let clipped = w.grad().unwrap().to_vec().unwrap();
+    let scale = 1e-3 / (want + 1e-6);
+    let want_clipped: Vec<f64> = grad.iter().map(|g| *g as f64 * scale).collect();
+    assert_close(&clipped, &want_clipped, 1e-5, "scaled once");
+}

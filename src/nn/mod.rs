@@ -46,12 +46,17 @@ pub trait Module: Send + Sync {
         Vec::new()
     }
 
-    /// The parameters, in the order of [`Module::named_parameters`].
+    /// The parameters, in the order of [`Module::named_parameters`], each once: a tensor
+    /// shared by two modules (tied weights) is listed at its first name, as PyTorch lists it,
+    /// so an optimizer built from them updates it once per step.
     fn parameters(&self) -> Vec<Tensor> {
-        self.named_parameters()
-            .into_iter()
-            .map(|(_, t)| t)
-            .collect()
+        let mut params: Vec<Tensor> = Vec::new();
+        for (_, t) in self.named_parameters() {
+            if !params.iter().any(|p| Tensor::same(p, &t)) {
+                params.push(t);
+            }
+        }
+        params
     }
 
     /// Switches training-only behaviour (dropout) on or off, here and in every child module.

@@ -3,7 +3,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
-use crate::optim::{check_hyper, lock, run_update, zero_grads, AdamParams, Optimizer};
+use crate::optim::{
+    check_distinct, check_hyper, lock, run_update, zero_grads, AdamParams, Optimizer,
+};
 use crate::tensor::tape;
 use crate::tensor::Tensor;
 
@@ -98,6 +100,7 @@ impl AdamState {
     }
 
     fn step(&mut self, op: &'static str, decoupled: bool) -> Result<()> {
+        check_distinct(op, &self.params)?;
         lock(&self.hyper).advance(op)?;
         let shared = self.hyper.clone();
         tape::on_replay(move || lock(&shared).advance(op));

@@ -6,7 +6,8 @@ use crate::tensor::Tensor;
 
 /// Scales the grads of `params` in place so that their global L2 norm is at most `max_norm`
 /// (as `torch.nn.utils.clip_grad_norm_`: by `min(1, max_norm / (norm + 1e-6))`), and returns
-/// the norm before clipping as a 0-dim tensor. Parameters without a grad are skipped.
+/// the norm before clipping as a 0-dim tensor. Parameters without a grad are skipped, and a
+/// tensor listed twice (a tied weight) counts and is scaled once.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f32) -> Result<Tensor> {
     const OP: &str = "clip_grad_norm";
     if !max_norm.is_finite() || max_norm <= 0.0 {
@@ -16,7 +17,13 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f32) -> Result<Tensor> {
         });
     }
     let _no_grad = NoGradGuard::new();
-    let grads: Vec<Tensor> = params.iter().filter_map(|p| p.grad()).collect();
+    let mut distinct: Vec<&Tensor> = Vec::new();
+    for p in params {
+        if !distinct.iter().any(|d| Tensor::same(d, p)) {
+            distinct.push(p);
+        }
+    }
+    let grads: Vec<Tensor> = distinct.iter().filter_map(|p| p.grad()).collect();
     let Some(first) = grads.first() else {
         return Err(Error::InvalidArgument {
             op: OP,

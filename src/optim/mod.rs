@@ -70,6 +70,25 @@ fn zero_grads(params: &[Tensor]) {
     }
 }
 
+/// Errors when `params` lists one tensor twice (a tied weight listed per use): each listing
+/// would update it, twice per step. [`crate::nn::Module::parameters`] lists it once.
+fn check_distinct(op: &'static str, params: &[Tensor]) -> Result<()> {
+    let mut seen = std::collections::HashMap::new();
+    for (i, p) in params.iter().enumerate() {
+        if let Some(first) = seen.insert(std::sync::Arc::as_ptr(&p.inner), i) {
+            return Err(Error::InvalidArgument {
+                op,
+                msg: format!(
+                    "parameters {first} and {i} are one tensor (shape {:?}): it would be \
+                     updated twice per step; list it once (Module::parameters does)",
+                    p.shape()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Errors unless `value` is finite (and positive where `positive`), naming the optimizer.
 fn check_hyper(op: &'static str, name: &str, value: f32, positive: bool) -> Result<()> {
     if !value.is_finite() || (positive && value <= 0.0) || value < 0.0 {

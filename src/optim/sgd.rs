@@ -3,7 +3,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
-use crate::optim::{check_hyper, lock, run_update, zero_grads, Optimizer, SgdParams};
+use crate::optim::{
+    check_distinct, check_hyper, lock, run_update, zero_grads, Optimizer, SgdParams,
+};
 use crate::tensor::tape;
 use crate::tensor::Tensor;
 
@@ -78,6 +80,7 @@ impl Optimizer for Sgd {
         const OP: &str = "Sgd::step";
         let c = *lock(&self.config);
         check_config(&c)?;
+        check_distinct(OP, &self.params)?;
         // A replay checks the config of its own step.
         let shared = self.config.clone();
         tape::on_replay(move || check_config(&lock(&shared)));
