@@ -485,3 +485,186 @@ fn clip_grad_norm_counts_a_tied_weight_once_as_torch() {
     let want_clipped: Vec<f64> = grad.iter().map(|g| *g as f64 * scale).collect();
     assert_close(&clipped, &want_clipped, 1e-5, "scaled once");
 }
+
+/// Two layers' worth of parameters: weights and biases.
+fn weights_and_biases() -> (Vec<Tensor>, Vec<Tensor>) {
+    let model = model();
+    let named = model.named_parameters();
+    let (w, b): (Vec<_>, Vec<_>) = named.into_iter().partition(|(n, _)| n.ends_with("weight"));
+    (
+        w.into_iter().map(|(_, t)| t).collect(),
+        b.into_iter().map(|(_, t)| t).collect(),
+    )
+}
+
+/// Copies of `params` that are leaves of their own, with the same values.
+fn copies(params: &[Tensor]) -> Vec<Tensor> {
+    params
+        .iter()
+        .map(|p| {
+            Tensor::from_slice(&p.to_vec().unwrap(), p.shape(), device())
+                .unwrap()
+                .requires_grad_(true)
+        })
+        .collect()
+}
+
+/// Gives every parameter the grad `0.1 (i + 1)` times its values, so steps differ per tensor.
+fn set_grads(params: &[Tensor]) {
+    for (i, p) in params.iter().enumerate() {
+        p.set_grad(Some(p.mul_scalar(0.1 * (i + 1) as f32).unwrap().detach()))
+            .unwrap();
+    }
+}
+
+#[test]
+fn parameter_groups_equal_one_optimizer_per_group() {
+    let (w, b) = weights_and_biases();
+    let (w2, b2) = (copies(&w), copies(&b));
+    let config = optim::AdamConfig {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let groups = vec![
+        optim::ParamGroup::new(w.clone()),
+        optim::ParamGroup::new(b.clone()).weight_decay(0.0).lr(3e-2),
+    ];
+    let mut grouped = optim::AdamW::with_groups(groups, config);
+    let mut for_weights = optim::AdamW::new(w2.clone(), config);
+    let mut for_biases = optim::AdamW::new(
+        b2.clone(),
+        optim::AdamConfig {
+            lr: 3e-2,
+            weight_decay: 0.0,
+            ..config
+        },
+    );
+    for step in 0..4 {
+        if step == 2 {
+            // A schedule's new base rate reaches every group, ratios kept.
+            grouped.set_lr(5e-3);
+            for_weights.set_lr(5e-3);
+            for_biases.set_lr(1.5e-2);
+        }
+        let all: Vec<Tensor> = w.iter().chain(&b).cloned().collect();
+        let all2: Vec<Tensor> = w2.iter().chain(&b2).cloned().collect();
+        set_grads(&all);
+        set_grads(&all2);
+        grouped.step().unwrap();
+        for_weights.step().unwrap();
+        for_biases.step().unwrap();
+        for (a, c) in all.iter().zip(&all2) {
+            let want: Vec<f64> = c.to_vec().unwrap().iter().map(|&v| v as f64).collect();
+            assert_close(&a.to_vec().unwrap(), &want, 1e-6, &format!("step {step}"));
+        }
+    }
+    assert_eq!(grouped.lr(), 5e-3);
+}
+
+#[test]
+fn bad_groups_make_every_step_an_error_that_changes_nothing() {
+    let (w, b) = weights_and_biases();
+    set_grads(&w);
+    let before: Vec<Vec<f32>> = w.iter().map(|p| p.to_vec().unwrap()).collect();
+    let cases: Vec<(Vec<optim::ParamGroup>, &str)> = vec![
+        (
+            vec![
+                optim::ParamGroup::new(w.clone()),
+                optim::ParamGroup::new(vec![]),
+            ],
+            "group 1 is empty",
+        ),
+        (
+            vec![
+                optim::ParamGroup::new(w.clone()),
+                optim::ParamGroup::new(vec![w[0].clone()]),
+            ],
+            "one tensor",
+        ),
+        (vec![optim::ParamGroup::new(w.clone()).lr(f32::NAN)], "lr"),
+        (
+            vec![optim::ParamGroup::new(b.clone()).weight_decay(-1.0)],
+            "weight_decay",
+        ),
+    ];
+    for (groups, needle) in cases {
+        let mut sgd = optim::Sgd::with_groups(groups.clone(), Default::default());
+        let err = sgd.step().unwrap_err();
+        assert!(err.to_string().contains(needle), "{err}");
+        let mut adam = optim::Adam::with_groups(groups, Default::default());
+        assert!(adam.step().is_err());
+    }
+    for (p, v) in w.iter().zip(&before) {
+        assert_eq!(&p.to_vec().unwrap(), v);
+    }
+}
+
+/// AdamW over `model`'s weights (decay 0.1) and biases (no decay, 3x the rate), or over all
+/// its parameters in one group.
+fn grouped_adamw(model: &nn::Sequential, grouped: bool) -> optim::AdamW {
+    let (w, b): (Vec<_>, Vec<_>) = model
+        .named_parameters()
+        .into_iter()
+        .partition(|(n, _)| n.ends_with("weight"));
+    let strip = |v: Vec<(String, Tensor)>| v.into_iter().map(|(_, t)| t).collect::<Vec<_>>();
+    let groups = match grouped {
+        true => vec![
+            optim::ParamGroup::new(strip(w)),
+            optim::ParamGroup::new(strip(b)).weight_decay(0.0).lr(3e-3),
+        ],
+        false => vec![optim::ParamGroup::new(model.parameters())],
+    };
+    let config = optim::AdamConfig {
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    optim::AdamW::with_groups(groups, config)
+}
+
+#[test]
+fn a_captured_step_with_groups_equals_eager_in_as_many_launches_as_with_one() {
+    use wgrad::capture::Step;
+    let (x, _) = random_tensor(&[8, 4], 3);
+    let y = Tensor::from_labels((0..8).map(|i| i % 3).collect(), device()).unwrap();
+    let train = |model: &nn::Sequential, opt: &mut optim::AdamW, inputs: &[Tensor]| {
+        opt.zero_grad();
+        let loss = nn::loss::cross_entropy(&model.forward(&inputs[0])?, &inputs[1])?;
+        loss.backward()?;
+        opt.step()?;
+        Ok(loss)
+    };
+    // (dispatches per replay, losses) of 5 captured calls.
+    let captured = |model: &nn::Sequential, grouped: bool| {
+        let mut opt = grouped_adamw(model, grouped);
+        let mut step = Step::new(|inputs: &[Tensor]| train(model, &mut opt, inputs));
+        let losses: Vec<f32> = (0..5)
+            .map(|_| step.run(&[x.clone(), y.clone()]).unwrap().item().unwrap())
+            .collect();
+        assert_eq!(step.stats().replays, 3);
+        (step.stats().replay_dispatches, losses)
+    };
+    let eager_model = model();
+    let twin = model();
+    wgrad::no_grad(|| {
+        for (a, b) in twin.parameters().iter().zip(eager_model.parameters()) {
+            a.copy_(&b)?;
+        }
+        wgrad::Result::Ok(())
+    })
+    .unwrap();
+    let mut opt = grouped_adamw(&eager_model, true);
+    let want: Vec<f32> = (0..5)
+        .map(|_| {
+            train(&eager_model, &mut opt, &[x.clone(), y.clone()])
+                .unwrap()
+                .item()
+                .unwrap()
+        })
+        .collect();
+    let (two, got) = captured(&twin, true);
+    let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    assert_close(&got, &want, 1e-5, "captured losses with groups");
+    let (one, _) = captured(&model(), false);
+    assert_eq!(one, two, "dispatches per replay, one group vs two");
+}

@@ -3,8 +3,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
+use crate::optim::group::{check_groups, flatten, GroupSettings};
 use crate::optim::{
-    check_distinct, check_hyper, lock, run_update, zero_grads, AdamParams, Optimizer,
+    check_distinct, check_hyper, lock, run_update, zero_grads, AdamParams, Optimizer, ParamGroup,
 };
 use crate::tensor::tape;
 use crate::tensor::Tensor;
@@ -65,13 +66,14 @@ impl AdamHyper {
         Ok(())
     }
 
-    fn params(&self, n: u32, decoupled: bool) -> AdamParams {
+    /// The update's params for a parameter of `group`.
+    fn params(&self, n: u32, decoupled: bool, group: GroupSettings) -> AdamParams {
         let c = self.config;
         let t = self.steps as i32;
         AdamParams {
             n,
-            lr: c.lr,
-            weight_decay: c.weight_decay,
+            lr: group.lr(c.lr),
+            weight_decay: group.weight_decay(c.weight_decay),
             beta1: c.betas.0,
             beta2: c.betas.1,
             eps: c.eps,
@@ -85,26 +87,35 @@ impl AdamHyper {
 /// The state both optimizers share: moments per parameter and the hyperparameters.
 struct AdamState {
     params: Vec<Tensor>,
+    /// Each parameter's group settings.
+    groups: Vec<GroupSettings>,
+    /// Why the groups were refused, returned by every step.
+    invalid: Option<crate::Error>,
     hyper: Arc<Mutex<AdamHyper>>,
     moments: Vec<Option<(Tensor, Tensor)>>,
 }
 
 impl AdamState {
-    fn new(params: Vec<Tensor>, config: AdamConfig) -> AdamState {
+    fn new(op: &'static str, groups: Vec<ParamGroup>, config: AdamConfig) -> AdamState {
+        let (params, groups, invalid) = flatten(op, groups, config.lr);
         let moments = params.iter().map(|_| None).collect();
         AdamState {
             params,
+            groups,
+            invalid,
             hyper: Arc::new(Mutex::new(AdamHyper { config, steps: 0 })),
             moments,
         }
     }
 
     fn step(&mut self, op: &'static str, decoupled: bool) -> Result<()> {
+        check_groups(&self.invalid)?;
         check_distinct(op, &self.params)?;
         lock(&self.hyper).advance(op)?;
         let shared = self.hyper.clone();
         tape::on_replay(move || lock(&shared).advance(op));
-        for (param, moments) in self.params.iter().zip(&mut self.moments) {
+        let per_param = self.params.iter().zip(&self.groups);
+        for ((param, group), moments) in per_param.zip(&mut self.moments) {
             let Some(grad) = param.grad() else { continue };
             let (m, v) = match moments {
                 Some(state) => state.clone(),
@@ -114,7 +125,8 @@ impl AdamState {
                 ),
             };
             let shared = self.hyper.clone();
-            let params = move |n| lock(&shared).params(n, decoupled);
+            let group = *group;
+            let params = move |n| lock(&shared).params(n, decoupled, group);
             run_update(op, "adam", param, &grad, &[&m, &v], params)?;
             *moments = Some((m, v));
         }
@@ -131,14 +143,27 @@ pub struct AdamW(AdamState);
 impl Adam {
     /// Adam over `params` (handles to the parameters themselves).
     pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Adam {
-        Adam(AdamState::new(params, config))
+        Adam::with_groups(vec![ParamGroup::new(params)], config)
+    }
+
+    /// Adam over parameter groups, each with its own learning rate and weight decay (the
+    /// config's where it sets none). Invalid groups make every `step` an error that changes
+    /// nothing.
+    pub fn with_groups(groups: Vec<ParamGroup>, config: AdamConfig) -> Adam {
+        Adam(AdamState::new("Adam::step", groups, config))
     }
 }
 
 impl AdamW {
     /// AdamW over `params` (handles to the parameters themselves).
     pub fn new(params: Vec<Tensor>, config: AdamConfig) -> AdamW {
-        AdamW(AdamState::new(params, config))
+        AdamW::with_groups(vec![ParamGroup::new(params)], config)
+    }
+
+    /// AdamW over parameter groups (the usual: weight decay on weights, none on biases and
+    /// norms), each with its own learning rate and weight decay.
+    pub fn with_groups(groups: Vec<ParamGroup>, config: AdamConfig) -> AdamW {
+        AdamW(AdamState::new("AdamW::step", groups, config))
     }
 }
 

@@ -3,11 +3,13 @@
 
 mod adam;
 mod clip;
+mod group;
 mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamW};
 pub use clip::clip_grad_norm;
+pub use group::ParamGroup;
 pub use schedule::{CosineLr, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 

@@ -3,8 +3,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
+use crate::optim::group::{check_groups, flatten, GroupSettings};
 use crate::optim::{
-    check_distinct, check_hyper, lock, run_update, zero_grads, Optimizer, SgdParams,
+    check_distinct, check_hyper, lock, run_update, zero_grads, Optimizer, ParamGroup, SgdParams,
 };
 use crate::tensor::tape;
 use crate::tensor::Tensor;
@@ -39,6 +40,10 @@ impl Default for SgdConfig {
 /// SGD as `torch.optim.SGD`.
 pub struct Sgd {
     params: Vec<Tensor>,
+    /// Each parameter's group settings.
+    groups: Vec<GroupSettings>,
+    /// Why the groups were refused, returned by every step.
+    invalid: Option<Error>,
     /// Shared with the params of a captured step's updates, which read it at each replay.
     config: Arc<Mutex<SgdConfig>>,
     momentum_buffers: Vec<Option<Tensor>>,
@@ -47,9 +52,19 @@ pub struct Sgd {
 impl Sgd {
     /// SGD over `params` (handles to the parameters themselves).
     pub fn new(params: Vec<Tensor>, config: SgdConfig) -> Sgd {
+        Sgd::with_groups(vec![ParamGroup::new(params)], config)
+    }
+
+    /// SGD over parameter groups, each with its own learning rate and weight decay (the
+    /// config's where it sets none). Invalid groups (empty, a bad rate) make every `step` an
+    /// error that changes nothing.
+    pub fn with_groups(groups: Vec<ParamGroup>, config: SgdConfig) -> Sgd {
+        let (params, groups, invalid) = flatten("Sgd::step", groups, config.lr);
         let momentum_buffers = params.iter().map(|_| None).collect();
         Sgd {
             params,
+            groups,
+            invalid,
             config: Arc::new(Mutex::new(config)),
             momentum_buffers,
         }
@@ -80,20 +95,24 @@ impl Optimizer for Sgd {
         const OP: &str = "Sgd::step";
         let c = *lock(&self.config);
         check_config(&c)?;
+        check_groups(&self.invalid)?;
         check_distinct(OP, &self.params)?;
         // A replay checks the config of its own step.
         let shared = self.config.clone();
         tape::on_replay(move || check_config(&lock(&shared)));
-        for (param, buffer) in self.params.iter().zip(&mut self.momentum_buffers) {
+        let per_param = self.params.iter().zip(&self.groups);
+        for ((param, group), buffer) in per_param.zip(&mut self.momentum_buffers) {
             let Some(grad) = param.grad() else { continue };
             let first = buffer.is_none();
             let shared = self.config.clone();
+            let group = *group;
+            // Read at each replay: the base rate a schedule sets, scaled for the group.
             let params = move |n| {
                 let c = *lock(&shared);
                 SgdParams {
                     n,
-                    lr: c.lr,
-                    weight_decay: c.weight_decay,
+                    lr: group.lr(c.lr),
+                    weight_decay: group.weight_decay(c.weight_decay),
                     momentum: c.momentum,
                     dampening: c.dampening,
                     flags: c.nesterov as u32 | (first as u32) << 1,
@@ -121,6 +140,7 @@ impl Optimizer for Sgd {
         lock(&self.config).lr
     }
 
+    /// Sets the base learning rate: every group's rate keeps its ratio to it.
     fn set_lr(&mut self, lr: f32) {
         lock(&self.config).lr = lr;
     }
