@@ -97,7 +97,7 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// length checked (against the file's size where it has one) before its bytes are read, its
 /// tensors' extent before theirs, so an endless stream (`/dev/zero`) or a lying header ends in
 /// an error without taking memory. A header naming a tensor twice is an error.
-fn read_safetensors(op: &'static str, path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read_safetensors(op: &'static str, path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     let fail = |msg: String| io_error(op, path, msg);
     let file = std::fs::File::open(path).map_err(|e| io_error(op, path, e))?;
@@ -187,7 +187,7 @@ fn tensors_extent(header: &[u8]) -> std::result::Result<u64, String> {
 }
 
 /// What a checkpoint holds: the parameters, then the buffers.
-fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
+pub(crate) fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
     let mut state = module.named_parameters();
     state.extend(module.named_buffers());
     state

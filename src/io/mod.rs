@@ -4,10 +4,12 @@
 mod checkpoint;
 mod data;
 mod idx;
+mod training;
 
 pub use checkpoint::{load, load_with, save, LoadOptions};
 pub use data::{load_idx_dir, synthetic_shapes, synthetic_spirals, Dataset, SHAPES_SIDE};
 pub use idx::{read_idx_images, read_idx_labels};
+pub use training::{load_training, save_training};
 
 use crate::error::Error;
 use std::path::Path;

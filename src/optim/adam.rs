@@ -3,9 +3,10 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
-use crate::optim::group::{check_groups, flatten, GroupSettings};
+use crate::optim::group::{check_groups, flatten, restored_groups, GroupSettings};
 use crate::optim::{
-    check_distinct, check_hyper, lock, run_update, zero_grads, AdamParams, Optimizer, ParamGroup,
+    bits, check_distinct, check_hyper, lock, run_update, shapes_of, zero_grads, AdamParams,
+    Optimizer, OptimizerState, ParamGroup,
 };
 use crate::tensor::tape;
 use crate::tensor::Tensor;
@@ -134,6 +135,64 @@ impl AdamState {
     }
 }
 
+impl AdamState {
+    fn state(&self, kind: &str) -> OptimizerState {
+        let hyper = lock(&self.hyper);
+        let mut scalars = vec![
+            ("lr".to_string(), bits(hyper.config.lr)),
+            ("steps".to_string(), hyper.steps.to_string()),
+        ];
+        scalars.extend(
+            self.groups
+                .iter()
+                .enumerate()
+                .map(|(i, g)| (format!("{i}.group"), g.saved())),
+        );
+        let mut tensors = Vec::new();
+        for (i, m) in self.moments.iter().enumerate() {
+            if let Some((m, v)) = m {
+                tensors.push((format!("{i}.exp_avg"), m.clone()));
+                tensors.push((format!("{i}.exp_avg_sq"), v.clone()));
+            }
+        }
+        OptimizerState {
+            kind: kind.into(),
+            shapes: shapes_of(&self.params),
+            scalars,
+            tensors,
+        }
+    }
+
+    fn load_state(&mut self, kind: &str, state: &OptimizerState) -> Result<()> {
+        state.expect(kind, &shapes_of(&self.params))?;
+        let lr = state.scalar_f32("lr")?;
+        let steps = state.scalar_u64("steps")?;
+        let groups = restored_groups(state, self.params.len())?;
+        let mut moments = Vec::with_capacity(self.params.len());
+        for (i, p) in self.params.iter().enumerate() {
+            let m = state.tensor(&format!("{i}.exp_avg"), p.shape())?;
+            let v = state.tensor(&format!("{i}.exp_avg_sq"), p.shape())?;
+            moments.push(match (m, v) {
+                (Some(m), Some(v)) => Some((m.detach(), v.detach())),
+                (None, None) => None,
+                _ => {
+                    return Err(crate::Error::InvalidArgument {
+                        op: "Optimizer::load_state",
+                        msg: format!("parameter {i} has one of its two moments saved"),
+                    })
+                }
+            });
+        }
+        let mut hyper = lock(&self.hyper);
+        hyper.config.lr = lr;
+        hyper.steps = steps;
+        drop(hyper);
+        self.groups = groups;
+        self.moments = moments;
+        Ok(())
+    }
+}
+
 /// Adam as `torch.optim.Adam` (weight decay as an L2 term in the grad).
 pub struct Adam(AdamState);
 
@@ -168,7 +227,7 @@ impl AdamW {
 }
 
 macro_rules! impl_optimizer {
-    ($ty:ident, $op:literal, $decoupled:literal) => {
+    ($ty:ident, $kind:literal, $op:literal, $decoupled:literal) => {
         impl Optimizer for $ty {
             fn step(&mut self) -> Result<()> {
                 self.0.step($op, $decoupled)
@@ -185,9 +244,17 @@ macro_rules! impl_optimizer {
             fn set_lr(&mut self, lr: f32) {
                 lock(&self.0.hyper).config.lr = lr;
             }
+
+            fn state(&self) -> OptimizerState {
+                self.0.state($kind)
+            }
+
+            fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+                self.0.load_state($kind, state)
+            }
         }
     };
 }
 
-impl_optimizer!(Adam, "Adam::step", false);
-impl_optimizer!(AdamW, "AdamW::step", true);
+impl_optimizer!(Adam, "Adam", "Adam::step", false);
+impl_optimizer!(AdamW, "AdamW", "AdamW::step", true);

@@ -74,6 +74,46 @@ impl GroupSettings {
     }
 }
 
+impl GroupSettings {
+    /// The settings as one scalar of a saved state: the scale's bits, then the decay's or `-`.
+    pub fn saved(&self) -> String {
+        let decay = self
+            .weight_decay
+            .map_or("-".to_string(), crate::optim::bits);
+        format!("{}:{decay}", crate::optim::bits(self.lr_scale))
+    }
+
+    /// The settings [`GroupSettings::saved`] wrote, or `None` for another text.
+    pub fn restored(text: &str) -> Option<GroupSettings> {
+        let (scale, decay) = text.split_once(':')?;
+        let f = |t: &str| u32::from_str_radix(t, 16).ok().map(f32::from_bits);
+        Some(GroupSettings {
+            lr_scale: f(scale)?,
+            weight_decay: match decay {
+                "-" => None,
+                d => Some(f(d)?),
+            },
+        })
+    }
+}
+
+/// The groups' settings of a saved state, one per parameter, or an error naming the first
+/// one missing or unreadable.
+pub(crate) fn restored_groups(
+    state: &crate::optim::OptimizerState,
+    count: usize,
+) -> Result<Vec<GroupSettings>> {
+    (0..count)
+        .map(|i| {
+            let text = state.scalar(&format!("{i}.group"))?;
+            GroupSettings::restored(text).ok_or_else(|| Error::InvalidArgument {
+                op: "Optimizer::load_state",
+                msg: format!("parameter {i}'s group settings {text:?} do not read"),
+            })
+        })
+        .collect()
+}
+
 /// The parameters of `groups` in order, each with its group's settings (`base_lr` is the
 /// config's learning rate, which a group's rate is a multiple of), or why the groups are
 /// invalid: an empty group, a group rate that is not finite and positive, a weight decay that

@@ -59,6 +59,100 @@ pub trait Optimizer {
 
     /// Changes the learning rate (for schedules).
     fn set_lr(&mut self, lr: f32);
+
+    /// What a training state saves of the optimizer (see [`crate::io::save_training`]).
+    fn state(&self) -> OptimizerState;
+
+    /// Restores a state [`Optimizer::state`] gave, checked whole first (the optimizer's kind,
+    /// its parameters' count and shapes), so an error changes nothing.
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+}
+
+/// An optimizer's state: its kind, its scalars (step count, base rate, each parameter's group
+/// settings; floats as their bits, so a resume is exact) and its per-parameter tensors
+/// (moments, momentum buffers) named `"<parameter index>.<what>"`, as torch's `state_dict`.
+#[derive(Clone)]
+pub struct OptimizerState {
+    /// `"Sgd"`, `"Adam"` or `"AdamW"`.
+    pub kind: String,
+    /// The shapes of the parameters, in order.
+    pub shapes: Vec<Vec<usize>>,
+    /// Named scalars.
+    pub scalars: Vec<(String, String)>,
+    /// Named tensors.
+    pub tensors: Vec<(String, Tensor)>,
+}
+
+impl OptimizerState {
+    /// The scalar `name`, or an error naming it.
+    pub(crate) fn scalar(&self, name: &str) -> Result<&str> {
+        self.scalars
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+            .ok_or_else(|| self.mismatch(format!("no {name:?} in the saved state")))
+    }
+
+    /// The scalar `name` as a u64, or an error.
+    pub(crate) fn scalar_u64(&self, name: &str) -> Result<u64> {
+        let v = self.scalar(name)?;
+        v.parse()
+            .map_err(|_| self.mismatch(format!("{name:?} is {v:?}, not a count")))
+    }
+
+    /// The f32 whose bits the scalar `name` holds.
+    pub(crate) fn scalar_f32(&self, name: &str) -> Result<f32> {
+        let v = self.scalar(name)?;
+        u32::from_str_radix(v, 16)
+            .map(f32::from_bits)
+            .map_err(|_| self.mismatch(format!("{name:?} is {v:?}, not f32 bits")))
+    }
+
+    /// The tensor `name`, if saved, checked to have `shape`.
+    pub(crate) fn tensor(&self, name: &str, shape: &[usize]) -> Result<Option<&Tensor>> {
+        match self.tensors.iter().find(|(n, _)| n == name) {
+            None => Ok(None),
+            Some((_, t)) if t.shape() == shape => Ok(Some(t)),
+            Some((_, t)) => Err(self.mismatch(format!(
+                "{name:?} has shape {:?}, the parameter {shape:?}",
+                t.shape()
+            ))),
+        }
+    }
+
+    /// Errors unless the state is of `kind` over parameters of `shapes`.
+    pub(crate) fn expect(&self, kind: &str, shapes: &[Vec<usize>]) -> Result<()> {
+        if self.kind != kind {
+            return Err(self.mismatch(format!("a {} state cannot load into {kind}", self.kind)));
+        }
+        if self.shapes != shapes {
+            return Err(self.mismatch(format!(
+                "the state is for {} parameters of shapes {:?}, the optimizer has {} of {:?}",
+                self.shapes.len(),
+                self.shapes,
+                shapes.len(),
+                shapes
+            )));
+        }
+        Ok(())
+    }
+
+    fn mismatch(&self, msg: String) -> Error {
+        Error::InvalidArgument {
+            op: "Optimizer::load_state",
+            msg,
+        }
+    }
+}
+
+/// An f32 as the hex of its bits (a scalar of [`OptimizerState`]).
+pub(crate) fn bits(x: f32) -> String {
+    format!("{:08x}", x.to_bits())
+}
+
+/// The shapes of `params`.
+pub(crate) fn shapes_of(params: &[Tensor]) -> Vec<Vec<usize>> {
+    params.iter().map(|p| p.shape().to_vec()).collect()
 }
 
 /// Locks an optimizer's shared hyperparameters (shared with a captured step's replays).

@@ -3,9 +3,10 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
-use crate::optim::group::{check_groups, flatten, GroupSettings};
+use crate::optim::group::{check_groups, flatten, restored_groups, GroupSettings};
 use crate::optim::{
-    check_distinct, check_hyper, lock, run_update, zero_grads, Optimizer, ParamGroup, SgdParams,
+    bits, check_distinct, check_hyper, lock, run_update, shapes_of, zero_grads, Optimizer,
+    OptimizerState, ParamGroup, SgdParams,
 };
 use crate::tensor::tape;
 use crate::tensor::Tensor;
@@ -143,5 +144,42 @@ impl Optimizer for Sgd {
     /// Sets the base learning rate: every group's rate keeps its ratio to it.
     fn set_lr(&mut self, lr: f32) {
         lock(&self.config).lr = lr;
+    }
+
+    fn state(&self) -> OptimizerState {
+        let mut scalars = vec![("lr".to_string(), bits(lock(&self.config).lr))];
+        scalars.extend(
+            self.groups
+                .iter()
+                .enumerate()
+                .map(|(i, g)| (format!("{i}.group"), g.saved())),
+        );
+        let tensors = self
+            .momentum_buffers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.clone().map(|b| (format!("{i}.momentum_buffer"), b)))
+            .collect();
+        OptimizerState {
+            kind: "Sgd".into(),
+            shapes: shapes_of(&self.params),
+            scalars,
+            tensors,
+        }
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        state.expect("Sgd", &shapes_of(&self.params))?;
+        let lr = state.scalar_f32("lr")?;
+        let groups = restored_groups(state, self.params.len())?;
+        let mut buffers = Vec::with_capacity(self.params.len());
+        for (i, p) in self.params.iter().enumerate() {
+            let saved = state.tensor(&format!("{i}.momentum_buffer"), p.shape())?;
+            buffers.push(saved.map(|t| t.detach()));
+        }
+        lock(&self.config).lr = lr;
+        self.groups = groups;
+        self.momentum_buffers = buffers;
+        Ok(())
     }
 }
