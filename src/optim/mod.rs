@@ -60,7 +60,7 @@ pub trait Optimizer {
     /// Changes the learning rate (for schedules).
     fn set_lr(&mut self, lr: f32);
 
-    /// What a training state saves of the optimizer (see [`crate::io::save_training`]).
+    /// What a training state saves of the optimizer (see `io::save_training`).
     fn state(&self) -> OptimizerState;
 
     /// Restores a state [`Optimizer::state`] gave, checked whole first (the optimizer's kind,
@@ -167,7 +167,7 @@ fn zero_grads(params: &[Tensor]) {
 }
 
 /// Errors when `params` lists one tensor twice (a tied weight listed per use): each listing
-/// would update it, twice per step. [`crate::nn::Module::parameters`] lists it once.
+/// would update it, twice per step. `nn::Module::parameters` lists it once.
 fn check_distinct(op: &'static str, params: &[Tensor]) -> Result<()> {
     let mut seen = std::collections::HashMap::new();
     for (i, p) in params.iter().enumerate() {
