@@ -6,7 +6,7 @@ use common::*;
 use std::io::Write;
 use std::path::Path;
 use wgrad::nn::{self, Module};
-use wgrad::{io, Error};
+use wgrad::{io, Error, Tensor};
 
 fn mlp() -> nn::Sequential {
     let dev = device();
@@ -309,4 +309,72 @@ fn the_synthetic_set_defeats_a_linear_classifier() {
     }
     let acc = correct as f64 / train.len() as f64;
     assert!(acc < 0.6, "a linear model reaches {acc}");
+}
+
+/// The net of `tools/pytorch_checkpoints.py`, in wgrad.
+fn batch_norm_net() -> nn::Sequential {
+    let dev = device();
+    let conv = wgrad::Conv2dOptions::square(1, 1);
+    nn::Sequential::new()
+        .add(nn::Conv2d::with_options(3, 4, (3, 3), conv, false, dev).unwrap())
+        .add(nn::BatchNorm2d::new(4, dev).unwrap())
+        .add(nn::Relu)
+        .add(nn::Flatten)
+        .add(nn::Linear::new(4 * 4 * 4, 3, true, dev).unwrap())
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// PyTorch's state_dict of a conv + BatchNorm net (int64 num_batches_tracked included) loads
+/// into wgrad strictly and gives PyTorch's eval output; wgrad's checkpoint of the same net has
+/// exactly PyTorch's names and shapes, so PyTorch loads it with `strict=True`
+/// (`tools/pytorch_checkpoints.py target/wgrad_batchnorm_net.safetensors` shows it).
+#[test]
+fn batch_norm_checkpoints_load_into_pytorch_and_back() {
+    let net = batch_norm_net();
+    wgrad::io::load(fixture("torch_batchnorm_net.safetensors"), &net).unwrap();
+    net.eval();
+    let probe = std::fs::read(fixture("torch_batchnorm_net_probe.safetensors")).unwrap();
+    let probe = safetensors::SafeTensors::deserialize(&probe).unwrap();
+    let tensor = |name: &str| {
+        let view = probe.tensor(name).unwrap();
+        let values: Vec<f32> = bytemuck::pod_collect_to_vec(view.data());
+        (view.shape().to_vec(), values)
+    };
+    let (shape, input) = tensor("input");
+    let (_, want) = tensor("output");
+    let x = Tensor::from_slice(&input, &shape, device()).unwrap();
+    let got = net.forward(&x).unwrap().to_vec().unwrap();
+    let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    assert_close(&got, &want, 1e-5, "eval output of PyTorch's weights");
+    // 2 batches tracked, as PyTorch counted them.
+    let buffers = net.named_buffers();
+    let tracked = buffers
+        .iter()
+        .find(|(n, _)| n == "1.num_batches_tracked")
+        .unwrap();
+    assert_eq!(tracked.1.item().unwrap(), 2.0);
+    // wgrad's checkpoint: PyTorch's names and shapes, nothing more or less.
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/wgrad_batchnorm_net.safetensors");
+    wgrad::io::save(&out, &net).unwrap();
+    let names_and_shapes = |path: &std::path::Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut all: Vec<(String, Vec<usize>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (n, v.shape().to_vec()))
+            .collect();
+        all.sort();
+        all
+    };
+    assert_eq!(
+        names_and_shapes(&out),
+        names_and_shapes(&fixture("torch_batchnorm_net.safetensors"))
+    );
 }

@@ -600,7 +600,7 @@ fn batch_norm_1d_normalises_features_and_sequences_per_channel() {
             1e-4,
             &what,
         );
-        assert_eq!(bn.named_buffers().len(), 2);
+        assert_eq!(bn.named_buffers().len(), 3);
     }
 }
 
@@ -741,4 +741,70 @@ fn group_norm_rejects_groups_that_do_not_divide_channels() {
     assert!(err.to_string().contains("[3]"), "{err}");
     assert!(nn::GroupNorm::new(4, 6, 1e-5, device()).is_err());
     assert!(x.group_norm(3, None, None, f32::NAN).is_err());
+}
+
+#[test]
+fn batch_norm_options_follow_pytorch() {
+    let _s = serial();
+    let dev = device();
+    let (a, av) = random_tensor(&[4, 2, 3], 50);
+    let (b, bv) = random_tensor(&[4, 2, 3], 51);
+    // momentum None: the running mean is the plain average of the batches' means.
+    let cumulative = nn::BatchNorm1d::with_options(
+        2,
+        nn::BatchNormOptions {
+            momentum: None,
+            ..Default::default()
+        },
+        dev,
+    )
+    .unwrap();
+    cumulative.forward(&a).unwrap();
+    cumulative.forward(&b).unwrap();
+    let channel_mean = |v: &[f32], c: usize| {
+        (0..4)
+            .flat_map(|n| (0..3).map(move |l| v[(n * 2 + c) * 3 + l] as f64))
+            .sum::<f64>()
+            / 12.0
+    };
+    let want: Vec<f64> = (0..2)
+        .map(|c| (channel_mean(&av, c) + channel_mean(&bv, c)) / 2.0)
+        .collect();
+    assert_close(
+        &cumulative.running_mean.to_vec().unwrap(),
+        &want,
+        1e-5,
+        "cumulative mean",
+    );
+    assert_eq!(cumulative.num_batches_tracked.item().unwrap(), 2.0);
+    let names: Vec<String> = cumulative
+        .named_buffers()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(
+        names,
+        ["running_mean", "running_var", "num_batches_tracked"]
+    );
+    // affine false: no parameters, the output only normalised; no tracking: no buffers, batch
+    // statistics in eval mode too.
+    let bare = nn::BatchNorm1d::with_options(
+        2,
+        nn::BatchNormOptions {
+            affine: false,
+            track_running_stats: false,
+            ..Default::default()
+        },
+        dev,
+    )
+    .unwrap();
+    assert!(bare.parameters().is_empty() && bare.named_buffers().is_empty());
+    let train_out = bare.forward(&a).unwrap().to_vec().unwrap();
+    bare.eval();
+    assert_eq!(bare.forward(&a).unwrap().to_vec().unwrap(), train_out);
+    let bad = nn::BatchNormOptions {
+        momentum: Some(1.5),
+        ..Default::default()
+    };
+    assert!(nn::BatchNorm2d::with_options(2, bad, dev).is_err());
 }

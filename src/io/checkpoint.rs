@@ -186,6 +186,27 @@ fn tensors_extent(header: &[u8]) -> std::result::Result<u64, String> {
         .map_err(|e| format!("not a valid safetensors header: {e}"))
 }
 
+/// A tensor's values as f32: F32 as they are, and the integer counts PyTorch saves (I64,
+/// I32: `num_batches_tracked`) converted; `None` for other dtypes.
+fn f32_values(view: &TensorView) -> Option<Vec<f32>> {
+    match view.dtype() {
+        Dtype::F32 => Some(bytemuck::pod_collect_to_vec(view.data())),
+        Dtype::I64 => Some(
+            bytemuck::pod_collect_to_vec::<u8, i64>(view.data())
+                .into_iter()
+                .map(|v| v as f32)
+                .collect(),
+        ),
+        Dtype::I32 => Some(
+            bytemuck::pod_collect_to_vec::<u8, i32>(view.data())
+                .into_iter()
+                .map(|v| v as f32)
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
 /// What a checkpoint holds: the parameters, then the buffers.
 pub(crate) fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
     let mut state = module.named_parameters();
@@ -282,13 +303,17 @@ pub fn load_with(
                 ),
             )
         })?;
-        if view.dtype() != Dtype::F32 {
+        let Some(values) = f32_values(&view) else {
             return Err(io_error(
                 OP,
                 path,
-                format!("tensor {name:?} is {:?}, expected F32", view.dtype()),
+                format!(
+                    "tensor {name:?} is {:?}, expected F32 (or an integer count, as PyTorch \
+                     saves num_batches_tracked)",
+                    view.dtype()
+                ),
             ));
-        }
+        };
         if view.shape() != param.shape() {
             return Err(Error::Shape {
                 op: OP,
@@ -300,7 +325,6 @@ pub fn load_with(
                 ),
             });
         }
-        let values: Vec<f32> = bytemuck::pod_collect_to_vec(view.data());
         staged.push((
             param.clone(),
             Tensor::from_vec(values, view.shape(), param.device())?,

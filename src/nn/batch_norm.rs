@@ -7,7 +7,7 @@ use crate::autograd::no_grad;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::{Module, TrainingFlag};
-use crate::ops::norm::scaled_for_statistics;
+use crate::ops::norm::{check_eps, scaled_for_statistics};
 use crate::tensor::Tensor;
 
 /// The inputs a [`BatchNorm`] takes: channels on dim 1, statistics over every other dim.
@@ -50,54 +50,115 @@ pub type BatchNorm1d = BatchNorm<Features>;
 /// PyTorch's `BatchNorm2d`: over `[N, C, H, W]`.
 pub type BatchNorm2d = BatchNorm<Images>;
 
+/// A BatchNorm's options, as PyTorch's arguments, with its defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchNormOptions {
+    /// Added to the variance.
+    pub eps: f32,
+    /// The running statistics' update factor; `None` averages every batch seen alike (torch's
+    /// `momentum=None`: a cumulative average over `num_batches_tracked`).
+    pub momentum: Option<f32>,
+    /// Learnable `weight` and `bias` (`false`: none, the output is only normalised).
+    pub affine: bool,
+    /// Running statistics kept and used in evaluation mode (`false`: batch statistics always,
+    /// and no buffers).
+    pub track_running_stats: bool,
+}
+
+impl Default for BatchNormOptions {
+    fn default() -> Self {
+        BatchNormOptions {
+            eps: 1e-5,
+            momentum: Some(0.1),
+            affine: true,
+            track_running_stats: true,
+        }
+    }
+}
+
 /// Normalises each channel (dim 1) over every other dim, then scales by `weight` and shifts
 /// by `bias` (ones and zeros at first), as PyTorch's `BatchNorm1d`/`BatchNorm2d` (eps 1e-5,
-/// momentum 0.1). In training mode it uses the batch's statistics and updates
-/// `running_mean` and `running_var` (the unbiased variance); in evaluation mode it uses the
-/// running ones. Checkpoints hold the buffers beside the parameters.
+/// momentum 0.1 by default, [`BatchNorm::with_options`] for others). In training mode it uses
+/// the batch's statistics and updates `running_mean`, `running_var` (the unbiased variance)
+/// and `num_batches_tracked`; in evaluation mode it uses the running ones. Checkpoints hold
+/// the buffers beside the parameters under PyTorch's names, so its state loads into PyTorch
+/// with `strict=True` and back.
 pub struct BatchNorm<Input: BatchNormInput> {
-    /// `[C]`.
+    /// `[C]` (ones, and not a parameter, without `affine`).
     pub weight: Tensor,
-    /// `[C]`.
+    /// `[C]` (zeros, and not a parameter, without `affine`).
     pub bias: Tensor,
     /// `[C]`, updated in place by each training-mode forward.
     pub running_mean: Tensor,
     /// `[C]`, updated in place by each training-mode forward.
     pub running_var: Tensor,
-    eps: f32,
-    momentum: f32,
+    /// `[]`, the training-mode forwards so far (f32, exact to 2^24).
+    pub num_batches_tracked: Tensor,
+    options: BatchNormOptions,
     training: TrainingFlag,
     input: PhantomData<fn() -> Input>,
 }
 
 impl<Input: BatchNormInput> BatchNorm<Input> {
-    /// BatchNorm over `channels` channels.
+    /// BatchNorm over `channels` channels, with PyTorch's defaults.
     pub fn new(channels: usize, device: &Device) -> Result<BatchNorm<Input>> {
+        BatchNorm::with_options(channels, BatchNormOptions::default(), device)
+    }
+
+    /// BatchNorm over `channels` channels with other options.
+    pub fn with_options(
+        channels: usize,
+        options: BatchNormOptions,
+        device: &Device,
+    ) -> Result<BatchNorm<Input>> {
         if channels == 0 {
             return Err(Error::InvalidArgument {
                 op: Input::NAME,
                 msg: "needs at least one channel".into(),
             });
         }
+        check_eps(Input::NAME, options.eps)?;
+        if let Some(m) = options.momentum {
+            if !(0.0..=1.0).contains(&m) {
+                return Err(Error::InvalidArgument {
+                    op: Input::NAME,
+                    msg: format!("momentum must be in [0, 1], got {m}"),
+                });
+            }
+        }
         Ok(BatchNorm {
-            weight: Tensor::ones(&[channels], device)?.requires_grad_(true),
-            bias: Tensor::zeros(&[channels], device)?.requires_grad_(true),
+            weight: Tensor::ones(&[channels], device)?.requires_grad_(options.affine),
+            bias: Tensor::zeros(&[channels], device)?.requires_grad_(options.affine),
             running_mean: Tensor::zeros(&[channels], device)?,
             running_var: Tensor::ones(&[channels], device)?,
-            eps: 1e-5,
-            momentum: 0.1,
+            num_batches_tracked: Tensor::zeros(&[], device)?,
+            options,
             training: TrainingFlag::new(),
             input: PhantomData,
         })
     }
 
-    /// `running = (1 - momentum) running + momentum batch`, in place.
-    fn update(&self, running: &Tensor, batch: &Tensor) -> Result<()> {
+    /// One more batch tracked, and each running statistic moved towards the batch's:
+    /// `running = (1 - f) running + f batch` with `f` the momentum, or `1 / batches` without
+    /// one. In place.
+    fn update(&self, batch_mean: &Tensor, batch_var: &Tensor) -> Result<()> {
         no_grad(|| {
-            let next = running
-                .mul_scalar(1.0 - self.momentum)?
-                .add(&batch.mul_scalar(self.momentum)?)?;
-            running.copy_(&next)
+            let batches = self.num_batches_tracked.add_scalar(1.0)?;
+            self.num_batches_tracked.copy_(&batches)?;
+            for (running, batch) in [
+                (&self.running_mean, batch_mean),
+                (&self.running_var, batch_var),
+            ] {
+                let next = match self.options.momentum {
+                    Some(m) => running.mul_scalar(1.0 - m)?.add(&batch.mul_scalar(m)?)?,
+                    None => {
+                        let f = batches.powf(-1.0)?;
+                        running.add(&batch.sub(running)?.mul(&f)?)?
+                    }
+                };
+                running.copy_(&next)?;
+            }
+            Ok(())
         })
     }
 }
@@ -120,7 +181,9 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
         let mut channel_shape = vec![1; x.rank()];
         channel_shape[1] = c;
         let per_channel = |t: &Tensor| t.reshape(&channel_shape);
-        let normed = if self.training.get() {
+        let tracking = self.options.track_running_stats;
+        let eps = self.options.eps;
+        let normed = if self.training.get() || !tracking {
             let count = x.numel() / c;
             if count < 2 {
                 return Err(Error::Shape {
@@ -132,30 +195,37 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
                 });
             }
             // The statistics of x over its per-channel magnitude, which cannot overflow.
-            let (u, divisor, eps_scaled) = scaled_for_statistics(x, &dims, self.eps)?;
+            let (u, divisor, eps_scaled) = scaled_for_statistics(x, &dims, eps)?;
             let mean = u.mean_dims(&dims, true)?;
             let centred = u.sub(&mean)?;
             let var = centred.mul(&centred)?.mean_dims(&dims, true)?;
-            no_grad(|| {
-                let batch_mean = mean.mul(&divisor)?.reshape(&[c])?;
-                let unbiased = var
-                    .mul(&divisor.mul(&divisor)?)?
-                    .mul_scalar(count as f32 / (count - 1) as f32)?;
-                self.update(&self.running_mean, &batch_mean)?;
-                self.update(&self.running_var, &unbiased.reshape(&[c])?)
-            })?;
+            if tracking && self.training.get() {
+                no_grad(|| {
+                    let batch_mean = mean.mul(&divisor)?.reshape(&[c])?;
+                    let unbiased = var
+                        .mul(&divisor.mul(&divisor)?)?
+                        .mul_scalar(count as f32 / (count - 1) as f32)?;
+                    self.update(&batch_mean, &unbiased.reshape(&[c])?)
+                })?;
+            }
             centred.mul(&var.add(&eps_scaled)?.rsqrt()?)?
         } else {
             let mean = per_channel(&self.running_mean)?;
             let var = per_channel(&self.running_var)?;
-            x.sub(&mean)?.div(&var.add_scalar(self.eps)?.sqrt()?)?
+            x.sub(&mean)?.div(&var.add_scalar(eps)?.sqrt()?)?
         };
+        if !self.options.affine {
+            return Ok(normed);
+        }
         normed
             .mul(&per_channel(&self.weight)?)?
             .add(&per_channel(&self.bias)?)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        if !self.options.affine {
+            return Vec::new();
+        }
         vec![
             ("weight".to_string(), self.weight.clone()),
             ("bias".to_string(), self.bias.clone()),
@@ -163,9 +233,16 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
     }
 
     fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        if !self.options.track_running_stats {
+            return Vec::new();
+        }
         vec![
             ("running_mean".to_string(), self.running_mean.clone()),
             ("running_var".to_string(), self.running_var.clone()),
+            (
+                "num_batches_tracked".to_string(),
+                self.num_batches_tracked.clone(),
+            ),
         ]
     }
 

@@ -13,7 +13,9 @@ mod sequential;
 mod transformer;
 
 pub use activation::{Gelu, Relu, Tanh};
-pub use batch_norm::{BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormInput, Features, Images};
+pub use batch_norm::{
+    BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormInput, BatchNormOptions, Features, Images,
+};
 pub use conv::{AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, Flatten, MaxPool2d, Upsample};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
