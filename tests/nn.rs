@@ -808,3 +808,86 @@ fn batch_norm_options_follow_pytorch() {
     };
     assert!(nn::BatchNorm2d::with_options(2, bad, dev).is_err());
 }
+
+#[test]
+fn normal_and_uniform_draw_from_the_global_generator() {
+    let _s = serial();
+    let dev = device();
+    manual_seed(3);
+    let a = Tensor::normal(&[10_000], 1.0, 2.0, dev)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let b = Tensor::normal(&[10_000], 1.0, 2.0, dev)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_ne!(a, b, "a second call draws new values");
+    manual_seed(3);
+    assert_eq!(
+        Tensor::normal(&[10_000], 1.0, 2.0, dev)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        a
+    );
+    let mean = a.iter().map(|&v| v as f64).sum::<f64>() / a.len() as f64;
+    let std = (a.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / a.len() as f64).sqrt();
+    assert!(
+        (mean - 1.0).abs() < 0.1 && (std - 2.0).abs() < 0.1,
+        "{mean} {std}"
+    );
+    let u = Tensor::uniform(&[10_000], -3.0, 5.0, dev)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert!(u.iter().all(|&v| (-3.0..5.0).contains(&v)));
+    assert!(u.iter().any(|&v| v < -2.9) && u.iter().any(|&v| v > 4.9));
+}
+
+#[test]
+fn nn_init_writes_in_place_within_torchs_bounds() {
+    let _s = serial();
+    let dev = device();
+    let lin = nn::Linear::new(300, 200, true, dev).unwrap();
+    let w = &lin.weight;
+    let storage = format!("{w:?}");
+    let max_abs = |t: &Tensor| t.to_vec().unwrap().iter().fold(0f32, |m, v| m.max(v.abs()));
+    nn::init::kaiming_uniform_(w, 0.0).unwrap();
+    let bound = (2.0f32).sqrt() * (3.0f32 / 300.0).sqrt();
+    assert!(
+        max_abs(w) <= bound && max_abs(w) > 0.9 * bound,
+        "{}",
+        max_abs(w)
+    );
+    nn::init::xavier_uniform_(w, 1.0).unwrap();
+    let bound = (6.0f32 / 500.0).sqrt();
+    assert!(max_abs(w) <= bound && max_abs(w) > 0.9 * bound);
+    nn::init::trunc_normal_(w, 0.0, 0.02, -0.04, 0.04).unwrap();
+    assert!(max_abs(w) <= 0.04);
+    nn::init::normal_(w, 0.0, 0.02).unwrap();
+    assert!(
+        max_abs(w) > 0.04,
+        "an untruncated normal reaches past two deviations"
+    );
+    nn::init::constant_(w, 0.5).unwrap();
+    assert!(w.to_vec().unwrap().iter().all(|&v| v == 0.5));
+    let bias = lin.bias.as_ref().unwrap();
+    nn::init::zeros_(bias).unwrap();
+    assert!(bias.to_vec().unwrap().iter().all(|&v| v == 0.0));
+    nn::init::ones_(bias).unwrap();
+    nn::init::uniform_(bias, 2.0, 3.0).unwrap();
+    assert!(bias
+        .to_vec()
+        .unwrap()
+        .iter()
+        .all(|&v| (2.0..3.0).contains(&v)));
+    // The same tensors, still parameters: in place.
+    assert_eq!(format!("{w:?}"), storage);
+    assert!(w.requires_grad());
+    assert!(
+        nn::init::kaiming_uniform_(bias, 0.0).is_err(),
+        "no fans below two dims"
+    );
+    assert!(nn::init::trunc_normal_(w, 0.0, 1.0, 1.0, -1.0).is_err());
+}

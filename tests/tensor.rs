@@ -375,3 +375,44 @@ fn copy_checks_shape_and_refuses_leaves_that_require_grad() {
     wgrad::no_grad(|| p.copy_(&ones)).unwrap();
     assert_eq!(p.to_vec().unwrap(), vec![1.0, 1.0]);
 }
+
+/// `Display` prints as PyTorch 2.15 does (the strings are its `str()` of the same tensors).
+#[test]
+fn display_prints_values_as_pytorch() {
+    let dev = device();
+    let f = |v: Vec<f32>, s: &[usize]| Tensor::from_vec(v, s, dev).unwrap().to_string();
+    assert_eq!(
+        f(vec![1.0, 2.5, 3.0, 4.0], &[2, 2]),
+        "tensor([[1.0000, 2.5000],\n        [3.0000, 4.0000]])"
+    );
+    assert_eq!(f(vec![1.0, 2.0, 3.0], &[3]), "tensor([1., 2., 3.])");
+    assert_eq!(f(vec![1e-6, 1.0], &[2]), "tensor([1.0000e-06, 1.0000e+00])");
+    assert_eq!(f(vec![3.5], &[]), "tensor(3.5000)");
+    assert_eq!(f(vec![f32::NAN, 1.25], &[2]), "tensor([   nan, 1.2500])");
+    assert_eq!(f(vec![], &[0]), "tensor([])");
+    assert_eq!(
+        f(vec![0.0; 24], &[2, 3, 4]),
+        "tensor([[[0., 0., 0., 0.],\n         [0., 0., 0., 0.],\n         [0., 0., 0., 0.]],\n\n        [[0., 0., 0., 0.],\n         [0., 0., 0., 0.],\n         [0., 0., 0., 0.]]])"
+    );
+    let long: Vec<f32> = (0..2000).map(|i| i as f32).collect();
+    assert_eq!(
+        f(long.clone(), &[2000]),
+        "tensor([0.0000e+00, 1.0000e+00, 2.0000e+00,  ..., 1.9970e+03, 1.9980e+03,\n        1.9990e+03])"
+    );
+    assert_eq!(
+        f(long, &[40, 50]),
+        "tensor([[0.0000e+00, 1.0000e+00, 2.0000e+00,  ..., 4.7000e+01, 4.8000e+01,\n         4.9000e+01],\n        [5.0000e+01, 5.1000e+01, 5.2000e+01,  ..., 9.7000e+01, 9.8000e+01,\n         9.9000e+01],\n        [1.0000e+02, 1.0100e+02, 1.0200e+02,  ..., 1.4700e+02, 1.4800e+02,\n         1.4900e+02],\n        ...,\n        [1.8500e+03, 1.8510e+03, 1.8520e+03,  ..., 1.8970e+03, 1.8980e+03,\n         1.8990e+03],\n        [1.9000e+03, 1.9010e+03, 1.9020e+03,  ..., 1.9470e+03, 1.9480e+03,\n         1.9490e+03],\n        [1.9500e+03, 1.9510e+03, 1.9520e+03,  ..., 1.9970e+03, 1.9980e+03,\n         1.9990e+03]])"
+    );
+    let labels = Tensor::from_vec_u32(vec![1, 2, 3, 40], &[2, 2], dev).unwrap();
+    assert_eq!(
+        labels.to_string(),
+        "tensor([[ 1,  2],\n        [ 3, 40]], dtype=u32)"
+    );
+    let leaf = Tensor::from_vec(vec![1.5, 2.0], &[2], dev)
+        .unwrap()
+        .requires_grad_(true);
+    assert_eq!(
+        leaf.to_string(),
+        "tensor([1.5000, 2.0000], requires_grad=True)"
+    );
+}

@@ -5,6 +5,7 @@ mod batch_norm;
 mod conv;
 mod dropout;
 mod embedding;
+pub mod init;
 mod layer_norm;
 mod linear;
 pub mod loss;

@@ -199,9 +199,52 @@ impl Tensor {
             device,
         )
     }
+
+    /// Values from N(mean, std^2) drawn from the global generator ([`crate::manual_seed`]), as
+    /// `torch.normal(mean, std, shape)` (and `torch.randn` at 0, 1): a second call gives new
+    /// values; [`Tensor::randn`] takes its own seed instead.
+    pub fn normal(shape: &[usize], mean: f32, std: f32, device: &Device) -> Result<Tensor> {
+        let n = checked_host_numel("normal", shape, device)?;
+        let data = normal_values(n, mean, std, crate::seed::next_seed());
+        upload(
+            "normal",
+            bytemuck::cast_slice(&data),
+            shape,
+            DType::F32,
+            device,
+        )
+    }
+
+    /// Values uniform in `[low, high)` drawn from the global generator, as
+    /// `torch.empty(shape).uniform_(low, high)` (and `torch.rand` at 0, 1).
+    pub fn uniform(shape: &[usize], low: f32, high: f32, device: &Device) -> Result<Tensor> {
+        let n = checked_host_numel("uniform", shape, device)?;
+        let data: Vec<f32> = uniform_values(n, crate::seed::next_seed())
+            .into_iter()
+            .map(|u| low + (high - low) * u)
+            .collect();
+        upload(
+            "uniform",
+            bytemuck::cast_slice(&data),
+            shape,
+            DType::F32,
+            device,
+        )
+    }
 }
 
 /// The `n` values `Tensor::rand` draws from `seed`: uniform in `[0, 1)`.
+/// `n` values from N(mean, std^2), drawn from a generator seeded with `seed`.
+pub(crate) fn normal_values(n: usize, mean: f32, std: f32, seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let z: f32 = StandardNormal.sample(&mut rng);
+            mean + std * z
+        })
+        .collect()
+}
+
 pub(crate) fn uniform_values(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     (0..n).map(|_| rng.random::<f32>()).collect()
