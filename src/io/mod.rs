@@ -4,11 +4,13 @@
 mod checkpoint;
 mod data;
 mod idx;
+mod loader;
 mod training;
 
 pub use checkpoint::{load, load_with, save, LoadOptions};
 pub use data::{load_idx_dir, synthetic_shapes, synthetic_spirals, Dataset, SHAPES_SIDE};
 pub use idx::{read_idx_images, read_idx_labels};
+pub use loader::{BatchSource, DataLoader, Epoch};
 pub use training::{load_training, save_training};
 
 use crate::error::Error;
