@@ -56,6 +56,14 @@ pub struct TrainArgs {
     /// Save the trained model as a safetensors checkpoint here.
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Save the training state (model, optimizer, step, generator) here after every epoch,
+    /// for --resume; `{epoch}` in the path is replaced by the epoch's number (one file each).
+    #[arg(long)]
+    pub save_state: Option<String>,
+    /// Go on from a training state --save-state wrote (same architecture, optimizer and
+    /// batch size): the run continues as if it had never stopped.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
     /// Write a PNG of the loss and test accuracy per epoch here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -152,7 +160,7 @@ pub fn fit(
     // which a captured step cannot hold: data-parallel runs are eager.
     let eager = args.eager || dist.size() > 1;
     let params = model.parameters();
-    let opt: Box<dyn Optimizer> = match args.optimizer {
+    let mut opt: Box<dyn Optimizer> = match args.optimizer {
         OptimizerKind::Sgd => Box::new(optim::Sgd::new(
             params,
             optim::SgdConfig {
@@ -191,6 +199,26 @@ pub fn fit(
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let mut order: Vec<usize> = (0..train.len()).collect();
+    // A resumed run starts after the epochs its state has done; their shuffles are replayed
+    // so the next epoch's order is the one the uninterrupted run would draw.
+    let mut first_epoch = 1;
+    if let Some(path) = &args.resume {
+        let done = io::load_training(path, model, opt.as_mut()).map_err(|e| e.to_string())?;
+        if !(done as usize).is_multiple_of(steps_per_epoch.max(1)) {
+            return Err(format!(
+                "{} was not saved at the end of an epoch",
+                path.display()
+            ));
+        }
+        first_epoch = done as usize / steps_per_epoch.max(1) + 1;
+        for _ in 1..first_epoch {
+            order.shuffle(&mut rng);
+        }
+        say(
+            dist,
+            format!("resumed: {} after step {done}", path.display()),
+        );
+    }
     let mut history = History {
         train_loss: Vec::new(),
         test_acc: Vec::new(),
@@ -215,11 +243,11 @@ pub fn fit(
             captured.run(batch)
         }
     };
-    let (mut step, mut seen) = (0usize, 0usize);
+    let (mut step, mut seen) = ((first_epoch - 1) * steps_per_epoch, 0usize);
     let started = Instant::now();
     let style = ProgressStyle::with_template("epoch {prefix} {bar:30} {pos}/{len} {msg}")
         .expect("valid template");
-    for epoch in 1..=args.epochs {
+    for epoch in first_epoch..=args.epochs {
         model.train();
         order.shuffle(&mut rng);
         let bar = if dist.is_root() {
@@ -291,6 +319,12 @@ pub fn fit(
         );
         history.train_loss.push(train_loss);
         history.test_acc.push(test_acc);
+        if let (Some(path), true) = (&args.save_state, dist.is_root()) {
+            let path = path.replace("{epoch}", &epoch.to_string());
+            let opt = opt.borrow();
+            io::save_training(&path, model, opt.as_ref(), step as u64)
+                .map_err(|e| e.to_string())?;
+        }
     }
     let samples_per_s = seen as f64 / started.elapsed().as_secs_f64();
 
