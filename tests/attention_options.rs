@@ -470,3 +470,29 @@ fn bad_options_are_errors_naming_the_shapes() {
         Err(Error::Shape { .. })
     ));
 }
+
+#[test]
+fn masked_grouped_attention_of_head_views_passes_gradcheck() {
+    // q, k, v as [B, T, H, D] leaves read through [B, H, T, D] views (non-contiguous), with
+    // an additive [T, T] mask and 2 q heads per k/v head.
+    let (b, t, d) = (1, 3, 4);
+    let mask: Vec<f32> = values_in(t * t, -1.0, 1.0, 9);
+    gradcheck(
+        "masked gqa of views",
+        &[
+            (vec![b, t, 4, d], values_in(b * t * 4 * d, -1.0, 1.0, 4)),
+            (vec![b, t, 2, d], values_in(b * t * 2 * d, -1.0, 1.0, 5)),
+            (vec![b, t, 2, d], values_in(b * t * 2 * d, -1.0, 1.0, 6)),
+        ],
+        |x| {
+            let m = Tensor::from_slice(&mask, &[t, t], device())?;
+            let opts = SdpaOptions {
+                causal: false,
+                mask: Some(&m),
+                scale: None,
+            };
+            let view = |i: usize| x[i].transpose(1, 2);
+            view(0)?.scaled_dot_product_attention_with(&view(1)?, &view(2)?, &opts)
+        },
+    );
+}
