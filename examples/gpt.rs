@@ -80,6 +80,14 @@ struct Args {
     /// Save the trained model as a safetensors checkpoint here.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// Save the training state (model, optimizer, step, generator) here at every loss
+    /// estimate, for --resume; `{step}` in the path is replaced by the step (one file each).
+    #[arg(long)]
+    save_state: Option<String>,
+    /// Go on from a training state --save-state wrote (same flags otherwise): the run
+    /// continues as if it had never stopped.
+    #[arg(long)]
+    resume: Option<PathBuf>,
     /// Write a PNG of the train and validation loss per estimate here.
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -409,24 +417,29 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         weight_decay,
         ..Default::default()
     };
-    // In a RefCell: the training step uses them, and the loop sets their learning rate.
-    let optimizers = RefCell::new([
-        optim::AdamW::new(matrices, config(0.1)),
-        optim::AdamW::new(vectors, config(0.0)),
-    ]);
+    // One optimizer, two groups. In a RefCell: the training step uses it, and the loop sets
+    // its learning rate.
+    let groups = vec![
+        optim::ParamGroup::new(matrices).weight_decay(0.1),
+        optim::ParamGroup::new(vectors).weight_decay(0.0),
+    ];
+    let opt = RefCell::new(optim::AdamW::with_groups(groups, config(0.1)));
+    let mut first_step = 1;
+    if let Some(path) = &args.resume {
+        let done =
+            io::load_training(path, &model, &mut *opt.borrow_mut()).map_err(|e| e.to_string())?;
+        first_step = done as usize + 1;
+        say!(dist, "resumed: {} after step {done}", path.display());
+    }
     // One training step; captured on its second call and replayed after (`--eager`: never).
     // Its loss is never read: the loop estimates losses every --eval-interval steps.
     let train_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
-        let mut optimizers = optimizers.borrow_mut();
-        for opt in optimizers.iter_mut() {
-            opt.zero_grad();
-        }
+        let mut opt = opt.borrow_mut();
+        opt.zero_grad();
         let loss = loss_of(&model, &batch[0], &batch[1])?;
         loss.backward()?;
         data_parallel.sync_grads()?;
-        for opt in optimizers.iter_mut() {
-            opt.step()?;
-        }
+        opt.step()?;
         Ok(loss)
     };
     let mut captured = Step::new(train_step);
@@ -436,8 +449,14 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
         total_steps: args.iters as usize,
     };
 
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed + 7919 * dist.rank() as u64);
-    let mut eval_rng = rand::rngs::StdRng::seed_from_u64(args.seed + 2);
+    // Batches drawn from generators seeded by the step, so a resumed run draws what the
+    // uninterrupted one would.
+    let generator = |step: usize, stream: u64| {
+        let seed = args.seed
+            ^ (stream + 7919 * dist.rank() as u64)
+            ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        rand::rngs::StdRng::seed_from_u64(seed)
+    };
     let (mut train_losses, mut val_losses) = (Vec::new(), Vec::new());
     let bar = if dist.is_root() {
         ProgressBar::new(args.iters)
@@ -450,11 +469,10 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     let started = Instant::now();
     let tokens_per_step = (args.batch_size * args.block) as f64;
     let fail = |e: wgrad::Error| e.to_string();
-    for step in 1..=args.iters as usize {
+    for step in first_step..=args.iters as usize {
+        let mut rng = generator(step, 0);
         let (x, y) = sample_batch(train, local_batch, block, &mut rng, &dev).map_err(fail)?;
-        for opt in optimizers.borrow_mut().iter_mut() {
-            opt.set_lr(schedule.lr(step - 1));
-        }
+        opt.borrow_mut().set_lr(schedule.lr(step - 1));
         if eager {
             train_step(&[x, y]).map_err(fail)?;
         } else {
@@ -466,6 +484,7 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
             bar.suspend(|| say!(dist, "first step done {elapsed:.3} s after start"));
         }
         if step % args.eval_interval as usize == 0 || step == args.iters as usize {
+            let mut eval_rng = generator(step, 1);
             let train_loss =
                 estimate_loss(&model, train, args, &mut eval_rng, &dev).map_err(fail)?;
             let val_loss = estimate_loss(&model, val, args, &mut eval_rng, &dev).map_err(fail)?;
@@ -483,6 +502,10 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
             });
             train_losses.push(train_loss);
             val_losses.push(val_loss);
+            if let (Some(path), true) = (&args.save_state, dist.is_root()) {
+                let path = path.replace("{step}", &step.to_string());
+                io::save_training(&path, &model, &*opt.borrow(), step as u64).map_err(fail)?;
+            }
         }
         bar.set_message(format!(
             "{:.0} tokens/s",
