@@ -333,6 +333,8 @@ fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
 /// `w^T g` summed back onto the input by col2im, a chunk of images at a time. It is also the
 /// forward of the transposed convolution.
 fn input_grad(g: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    // Contiguous once, so that each chunk below is a view of it.
+    let g = &g.contiguous()?;
     let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
     let in_rest = [geo.cols.c_in, geo.cols.height, geo.cols.width];
     by_chunks(g, geo, in_rest, |start, count| {
@@ -360,40 +362,61 @@ fn weight_grad(x: &Tensor, g: &Tensor, geo: &Geometry, w_shape: &[usize]) -> Res
     sum.reshape(w_shape)
 }
 
-/// One group's convolution (no bias), recorded with its backward to input and weight.
-fn conv_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
-    let out = {
-        let _no_grad = NoGradGuard::new();
-        forward(x, w, &geo)?
-    };
-    Ok(record("conv2d", out, &[x, w], |_| {
-        let (need_x, need_w) = (x.requires_grad(), w.requires_grad());
-        let (x, w) = (x.detach(), w.detach());
-        move |g: &Tensor| {
-            let grad_x = need_x.then(|| input_grad(g, &w, &geo)).transpose()?;
-            let grad_w = need_w
-                .then(|| weight_grad(&x, g, &geo, w.shape()))
-                .transpose()?;
-            Ok(vec![grad_x, grad_w])
-        }
-    }))
+/// Which way one group's convolution `geo` runs: forward (images `[N, c_in, height, width]`
+/// to `[N, c_out, out_h, out_w]`), or transposed, its adjoint (the other way: the input grad
+/// of the forward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Forward,
+    Transposed,
 }
 
-/// One group's transposed convolution of `x` `[N, C_in, H, W]` (no bias): the input grad of
-/// the convolution `geo` describes, which maps `[N, C_out, H_out, W_out]` to `x`'s shape. Its
-/// backward is that convolution's forward (to `x`) and weight grad (to `w`).
-fn conv_transpose_group(x: &Tensor, w: &Tensor, geo: Geometry) -> Result<Tensor> {
+impl Direction {
+    /// `x` through the convolution of weight `w` in this direction.
+    fn apply(self, x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
+        match self {
+            Direction::Forward => forward(x, w, geo),
+            Direction::Transposed => input_grad(x, w, geo),
+        }
+    }
+
+    /// The other direction: what carries an out grad back to the input.
+    fn adjoint(self) -> Direction {
+        match self {
+            Direction::Forward => Direction::Transposed,
+            Direction::Transposed => Direction::Forward,
+        }
+    }
+}
+
+/// One group's convolution of `x` with `w` (no bias) in `direction`, recorded with its
+/// backward: the input grad is the out grad through the adjoint direction, and the weight
+/// grad is the forward convolution's, of its input (`x`, or the out grad when transposed)
+/// and its out grad.
+fn conv_group(
+    op: &'static str,
+    direction: Direction,
+    x: &Tensor,
+    w: &Tensor,
+    geo: Geometry,
+) -> Result<Tensor> {
     let out = {
         let _no_grad = NoGradGuard::new();
-        input_grad(&x.contiguous()?, w, &geo)?
+        direction.apply(x, w, &geo)?
     };
-    Ok(record("conv_transpose2d", out, &[x, w], |_| {
+    Ok(record(op, out, &[x, w], |_| {
         let (need_x, need_w) = (x.requires_grad(), w.requires_grad());
         let (x, w) = (x.detach(), w.detach());
         move |g: &Tensor| {
-            let grad_x = need_x.then(|| forward(g, &w, &geo)).transpose()?;
+            let grad_x = need_x
+                .then(|| direction.adjoint().apply(g, &w, &geo))
+                .transpose()?;
+            let (images, out_grad) = match direction {
+                Direction::Forward => (&x, g),
+                Direction::Transposed => (g, &x),
+            };
             let grad_w = need_w
-                .then(|| weight_grad(g, &x, &geo, w.shape()))
+                .then(|| weight_grad(images, out_grad, &geo, w.shape()))
                 .transpose()?;
             Ok(vec![grad_x, grad_w])
         }
@@ -624,11 +647,11 @@ impl Tensor {
         let geo = geometry(self, weight, &options)?;
         check_bias("conv2d", self, weight, bias, weight.shape()[0])?;
         let out = by_groups(options.groups, |g| match options.groups {
-            1 => conv_group(self, weight, geo),
+            1 => conv_group("conv2d", Direction::Forward, self, weight, geo),
             _ => {
                 let x = self.narrow(1, g * geo.cols.c_in, geo.cols.c_in)?;
                 let w = weight.narrow(0, g * geo.c_out, geo.c_out)?;
-                conv_group(&x, &w, geo)
+                conv_group("conv2d", Direction::Forward, &x, &w, geo)
             }
         })?;
         add_bias(out, bias)
@@ -663,11 +686,11 @@ impl Tensor {
         let c_out = geo.cols.c_in * options.groups;
         check_bias("conv_transpose2d", self, weight, bias, c_out)?;
         let out = by_groups(options.groups, |g| match options.groups {
-            1 => conv_transpose_group(self, weight, geo),
+            1 => conv_group("conv_transpose2d", Direction::Transposed, self, weight, geo),
             _ => {
                 let x = self.narrow(1, g * geo.c_out, geo.c_out)?;
                 let w = weight.narrow(0, g * geo.c_out, geo.c_out)?;
-                conv_transpose_group(&x, &w, geo)
+                conv_group("conv_transpose2d", Direction::Transposed, &x, &w, geo)
             }
         })?;
         add_bias(out, bias)
