@@ -8,7 +8,7 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use crate::error::{Error, Result};
-use crate::io::io_error;
+use crate::io::{io_error, open_with_size};
 use crate::nn::Module;
 use crate::tensor::Tensor;
 
@@ -100,12 +100,7 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 pub(crate) fn read_safetensors(op: &'static str, path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     let fail = |msg: String| io_error(op, path, msg);
-    let file = std::fs::File::open(path).map_err(|e| io_error(op, path, e))?;
-    let size = file
-        .metadata()
-        .ok()
-        .filter(|m| m.is_file())
-        .map(|m| m.len());
+    let (file, size) = open_with_size(op, path)?;
     let mut reader = std::io::BufReader::new(file);
     let mut read_exactly = |bytes: &mut Vec<u8>, n: u64, what: &str| -> Result<()> {
         let before = bytes.len();
@@ -214,6 +209,38 @@ pub(crate) fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
     state
 }
 
+/// `tensors` read back and encoded as f32 safetensors with `metadata` in the header; two
+/// tensors of one name are an error naming it (a file holds one per name).
+pub(crate) fn encode(
+    op: &'static str,
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let mut seen = std::collections::HashSet::new();
+    if let Some((name, _)) = tensors.iter().find(|(name, _)| !seen.insert(name.as_str())) {
+        return Err(io_error(
+            op,
+            path,
+            format!("two tensors are named {name:?}: a file holds one per name"),
+        ));
+    }
+    let values = tensors
+        .iter()
+        .map(|(_, t)| t.to_vec())
+        .collect::<Result<Vec<_>>>()?;
+    let views = tensors
+        .iter()
+        .zip(&values)
+        .map(|((name, t), v)| {
+            let view = TensorView::new(Dtype::F32, t.shape().to_vec(), bytemuck::cast_slice(v))
+                .map_err(|e| io_error(op, path, e))?;
+            Ok((name.clone(), view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize(views, metadata).map_err(|e| io_error(op, path, e))
+}
+
 /// Writes `module`'s named parameters and buffers to `path` as f32 safetensors, atomically
 /// (through a temporary file of its own, renamed over `path`): a crash never leaves a
 /// half-written checkpoint, and concurrent saves to one path leave one complete file, the
@@ -221,36 +248,7 @@ pub(crate) fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
 pub fn save(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
     const OP: &str = "io::save";
     let path = path.as_ref();
-    let params = named_state(module);
-    let mut seen = std::collections::HashSet::new();
-    if let Some((name, _)) = params.iter().find(|(name, _)| !seen.insert(name.as_str())) {
-        return Err(io_error(
-            OP,
-            path,
-            format!("the module names two tensors {name:?}: a checkpoint holds one per name"),
-        ));
-    }
-    let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, t) in &params {
-        let values = t.to_vec()?;
-        bytes.push((
-            name.clone(),
-            t.shape().to_vec(),
-            bytemuck::cast_slice(&values).to_vec(),
-        ));
-    }
-    let views = bytes
-        .iter()
-        .map(|(name, shape, data)| {
-            Ok((
-                name.clone(),
-                TensorView::new(Dtype::F32, shape.clone(), data)
-                    .map_err(|e| io_error(OP, path, e))?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let encoded = safetensors::serialize(views, None::<HashMap<String, String>>)
-        .map_err(|e| io_error(OP, path, e))?;
+    let encoded = encode(OP, path, &named_state(module), None)?;
     write_atomically(OP, path, &encoded)
 }
 

@@ -4,7 +4,7 @@ use std::io::Read;
 use std::path::Path;
 
 use crate::error::Result;
-use crate::io::io_error;
+use crate::io::{io_error, open_with_size};
 
 const IMAGES_MAGIC: u32 = 0x0000_0803;
 const LABELS_MAGIC: u32 = 0x0000_0801;
@@ -21,12 +21,7 @@ fn read_idx(
 ) -> Result<(Vec<usize>, Vec<u8>)> {
     use std::io::BufRead;
     let fail = |msg: String| io_error(op, path, msg);
-    let file = std::fs::File::open(path).map_err(|e| io_error(op, path, e))?;
-    let size = file
-        .metadata()
-        .ok()
-        .filter(|m| m.is_file())
-        .map(|m| m.len());
+    let (file, size) = open_with_size(op, path)?;
     let mut buffered = std::io::BufReader::new(file);
     let gzip = buffered
         .fill_buf()

@@ -13,8 +13,20 @@ pub use idx::{read_idx_images, read_idx_labels};
 pub use loader::{BatchSource, DataLoader, Epoch};
 pub use training::{load_training, save_training};
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 use std::path::Path;
+
+/// `path` opened for reading, with its size when it is a regular file (a stream, a device or a
+/// pipe has none): readers check what a header announces against it before they allocate.
+fn open_with_size(op: &'static str, path: &Path) -> Result<(std::fs::File, Option<u64>)> {
+    let file = std::fs::File::open(path).map_err(|e| io_error(op, path, e))?;
+    let size = file
+        .metadata()
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.len());
+    Ok((file, size))
+}
 
 fn io_error(op: &'static str, path: &Path, msg: impl std::fmt::Display) -> Error {
     Error::Io {

@@ -6,11 +6,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 
 use crate::autograd::no_grad;
 use crate::error::Result;
-use crate::io::checkpoint::{named_state, read_safetensors, write_atomically};
+use crate::io::checkpoint::{encode, named_state, read_safetensors, write_atomically};
 use crate::io::io_error;
 use crate::nn::Module;
 use crate::optim::{Optimizer, OptimizerState};
@@ -55,27 +55,6 @@ pub fn save_training(
             .iter()
             .map(|(n, t)| (format!("optim.{n}"), t.clone())),
     );
-    let mut names = std::collections::HashSet::new();
-    if let Some((name, _)) = tensors.iter().find(|(n, _)| !names.insert(n.clone())) {
-        return Err(io_error(
-            OP,
-            path,
-            format!("two tensors are named {name:?}"),
-        ));
-    }
-    let values = tensors
-        .iter()
-        .map(|(_, t)| t.to_vec())
-        .collect::<Result<Vec<_>>>()?;
-    let views = tensors
-        .iter()
-        .zip(&values)
-        .map(|((name, t), v)| {
-            let view = TensorView::new(Dtype::F32, t.shape().to_vec(), bytemuck::cast_slice(v))
-                .map_err(|e| io_error(OP, path, e))?;
-            Ok((name.clone(), view))
-        })
-        .collect::<Result<Vec<_>>>()?;
     let mut meta: HashMap<String, String> = HashMap::new();
     meta.insert("format".into(), FORMAT.into());
     meta.insert("step".into(), step.to_string());
@@ -85,7 +64,7 @@ pub fn save_training(
     for (name, value) in &state.scalars {
         meta.insert(format!("optim.{name}"), value.clone());
     }
-    let encoded = safetensors::serialize(views, Some(meta)).map_err(|e| io_error(OP, path, e))?;
+    let encoded = encode(OP, path, &tensors, Some(meta))?;
     write_atomically(OP, path, &encoded)
 }
 
