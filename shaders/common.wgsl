@@ -81,6 +81,13 @@ fn erf_approx(v: f32) -> f32 {
     return sign(v) * (1.0 - poly * exp(-a * a));
 }
 
+// d/dx of GELU's tanh form 0.5 x (1 + tanh(u)), u = k (x + c x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) u'.
+fn gelu_tanh_slope(x: f32) -> f32 {
+    let k = 0.7978845608028654;
+    let t = tanh(clamp(k * (x + 0.044715 * x * x * x), -20.0, 20.0));
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 0.134145 * x * x);
+}
+
 // True for NaN, tested on the bits: drivers may fold `v != v` to false.
 fn is_nan(v: f32) -> bool {
     return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;

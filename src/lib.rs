@@ -22,6 +22,7 @@ pub mod dist;
 mod error;
 pub mod io;
 mod kernel;
+pub mod models;
 pub mod nn;
 mod ops;
 pub mod optim;

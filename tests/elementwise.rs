@@ -56,6 +56,16 @@ fn unary_cases() -> Vec<UnaryCase> {
         ),
         ("gelu", Tensor::gelu, gelu_ref, 1e-6),
         (
+            "gelu_tanh",
+            Tensor::gelu_tanh,
+            |x| {
+                0.5 * x
+                    * (1.0
+                        + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+            },
+            1e-6,
+        ),
+        (
             "sqrt",
             |t| t.add_scalar(1.0)?.sqrt(),
             |x| (x + 1.0).sqrt(),

@@ -37,6 +37,9 @@ fn unary_ops() {
     gradcheck("tanh", &x(), |t| t[0].tanh());
     gradcheck("sigmoid", &x(), |t| t[0].sigmoid());
     gradcheck("gelu", &[input(&[7], 2)], |t| t[0].mul_scalar(2.0)?.gelu());
+    gradcheck("gelu_tanh", &[input(&[7], 2)], |t| {
+        t[0].mul_scalar(2.0)?.gelu_tanh()
+    });
     gradcheck("relu", &[spread(&[6], 3)], |t| t[0].relu());
     gradcheck("log", &[positive(&[5], 4)], |t| t[0].log());
     gradcheck("sqrt", &[positive(&[5], 5)], |t| t[0].sqrt());

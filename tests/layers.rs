@@ -1,5 +1,5 @@
 //! The layers only look down: `device <- tensor <- kernel <- ops <- autograd <- nn, optim <- io,
-//! capture <- dist`. Every `crate::` path in a folder names only its own folder or one below it.
+//! capture <- dist, models`. Every `crate::` path in a folder names only its own folder or one below it.
 
 use std::path::Path;
 
@@ -17,6 +17,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("io", 7),
     ("capture", 7),
     ("dist", 8),
+    ("models", 8),
 ];
 
 /// Root re-exports (`crate::no_grad`) and macros, by the module they come from.

@@ -8,6 +8,7 @@ mod loader;
 mod training;
 
 pub use checkpoint::{load, load_with, save, LoadOptions};
+pub(crate) use checkpoint::{read_safetensors, write_atomically};
 pub use data::{load_idx_dir, synthetic_shapes, synthetic_spirals, Dataset, SHAPES_SIDE};
 pub use idx::{read_idx_images, read_idx_labels};
 pub use loader::{BatchSource, DataLoader, Epoch};

@@ -76,6 +76,15 @@ pub trait Module: Send + Sync {
     }
 }
 
+/// `name.param` for each of `module`'s parameters: a composite module's names for a child's.
+pub(crate) fn prefixed(name: &str, module: &dyn Module) -> Vec<(String, Tensor)> {
+    module
+        .named_parameters()
+        .into_iter()
+        .map(|(p, t)| (format!("{name}.{p}"), t))
+        .collect()
+}
+
 /// A module's train/eval flag. A captured step notes each flag it reads, so that a replay under
 /// the other mode re-captures instead of running the wrong kernels.
 pub(crate) struct TrainingFlag(std::sync::Arc<std::sync::atomic::AtomicBool>);

@@ -4,17 +4,8 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::linear::uniform_parameter;
-use crate::nn::{Dropout, Gelu, LayerNorm, Linear, Module, Sequential};
+use crate::nn::{prefixed, Dropout, Gelu, LayerNorm, Linear, Module, Sequential};
 use crate::tensor::Tensor;
-
-/// `name.param` for each of `module`'s parameters.
-fn prefixed(name: &str, module: &dyn Module) -> Vec<(String, Tensor)> {
-    module
-        .named_parameters()
-        .into_iter()
-        .map(|(p, t)| (format!("{name}.{p}"), t))
-        .collect()
-}
 
 /// Multi-head self-attention over `[B, T, C]`, with PyTorch's `nn.MultiheadAttention`
 /// parameters: `in_proj_weight` `[3C, C]` and `in_proj_bias` `[3C]` make q, k and v;

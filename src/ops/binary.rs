@@ -65,6 +65,7 @@ pub(crate) enum BinaryOp {
     TanhBackward,
     SigmoidBackward,
     GeluBackward,
+    GeluTanhBackward,
     SqrtBackward,
     ErfBackward,
     /// `a`, or the params' scalar where the u32 mask `b` is nonzero.
@@ -92,7 +93,7 @@ pub(crate) enum BinaryOp {
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 29] = [
+    const ALL: [BinaryOp; 30] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -104,6 +105,7 @@ impl BinaryOp {
         BinaryOp::TanhBackward,
         BinaryOp::SigmoidBackward,
         BinaryOp::GeluBackward,
+        BinaryOp::GeluTanhBackward,
         BinaryOp::SqrtBackward,
         BinaryOp::ErfBackward,
         BinaryOp::MaskedFill,
@@ -137,6 +139,7 @@ impl BinaryOp {
             BinaryOp::TanhBackward => "tanh_backward",
             BinaryOp::SigmoidBackward => "sigmoid_backward",
             BinaryOp::GeluBackward => "gelu_backward",
+            BinaryOp::GeluTanhBackward => "gelu_tanh_backward",
             BinaryOp::SqrtBackward => "sqrt_backward",
             BinaryOp::ErfBackward => "erf_backward",
             BinaryOp::MaskedFill => "masked_fill",
@@ -175,6 +178,7 @@ impl BinaryOp {
             BinaryOp::GeluBackward => {
                 "a * (0.5 * (1.0 + erf_approx(b * 0.7071067811865476)) + b * 0.3989422804014327 * exp(-0.5 * b * b))"
             }
+            BinaryOp::GeluTanhBackward => "a * gelu_tanh_slope(b)",
             BinaryOp::SqrtBackward => "a * 0.5 / b",
             // d/dx erf(x) = 2 / sqrt(pi) e^(-x^2)
             BinaryOp::ErfBackward => "a * 1.1283791670955126 * exp(-b * b)",

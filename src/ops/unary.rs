@@ -43,6 +43,8 @@ pub(crate) enum UnaryOp {
     Tanh,
     Sigmoid,
     Gelu,
+    /// GELU's tanh approximation (GPT-2's `gelu_new`).
+    GeluTanh,
     Sqrt,
     Powf,
     AddScalar,
@@ -79,7 +81,7 @@ pub(crate) enum UnaryOp {
 
 impl UnaryOp {
     #[cfg(test)]
-    const ALL: [UnaryOp; 32] = [
+    const ALL: [UnaryOp; 33] = [
         UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Log,
@@ -87,6 +89,7 @@ impl UnaryOp {
         UnaryOp::Tanh,
         UnaryOp::Sigmoid,
         UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
         UnaryOp::Sqrt,
         UnaryOp::Powf,
         UnaryOp::AddScalar,
@@ -123,6 +126,7 @@ impl UnaryOp {
             UnaryOp::Tanh => "tanh",
             UnaryOp::Sigmoid => "sigmoid",
             UnaryOp::Gelu => "gelu",
+            UnaryOp::GeluTanh => "gelu_tanh",
             UnaryOp::Sqrt => "sqrt",
             UnaryOp::Powf => "powf",
             UnaryOp::AddScalar => "add_scalar",
@@ -179,6 +183,10 @@ impl UnaryOp {
             UnaryOp::Tanh => "select(tanh(clamp(x, -20.0, 20.0)), x, is_nan(x))",
             UnaryOp::Sigmoid => "1.0 / (1.0 + exp(-x))",
             UnaryOp::Gelu => "0.5 * x * (1.0 + erf_approx(x * 0.7071067811865476))",
+            // tanh clamped as for Tanh; NaN stays NaN through the product.
+            UnaryOp::GeluTanh => {
+                "0.5 * x * (1.0 + tanh(clamp(0.7978845608028654 * (x + 0.044715 * x * x * x), -20.0, 20.0)))"
+            }
             UnaryOp::Sqrt => "sqrt(x)",
             UnaryOp::Powf => "pow_exact(x, s)",
             UnaryOp::AddScalar => "x + s",
@@ -395,6 +403,19 @@ impl Tensor {
         Ok(record_unary("gelu", out, self, Saved::Input, |g, x| {
             binary(g, x, BinaryOp::GeluBackward)
         }))
+    }
+
+    /// GELU with the tanh approximation, `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`:
+    /// PyTorch's `gelu(x, approximate="tanh")`, GPT-2's `gelu_new`.
+    pub fn gelu_tanh(&self) -> Result<Tensor> {
+        let out = unary(self, UnaryOp::GeluTanh, 0.0)?;
+        Ok(record_unary(
+            "gelu_tanh",
+            out,
+            self,
+            Saved::Input,
+            |g, x| binary(g, x, BinaryOp::GeluTanhBackward),
+        ))
     }
 
     /// Square root.

@@ -1,0 +1,334 @@
+//! What the causal language models share: the checks on their input, the attention context
+//! of a layer (padding mask, KV cache), and generation: a KV cache on the device, so each new
+//! token runs the model on that token alone, and sampling on the host (greedy, temperature,
+//! top-k) from a seeded generator.
+
+use rand::{Rng, SeedableRng};
+
+use crate::autograd::NoGradGuard;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::ops::attention::SdpaOptions;
+use crate::tensor::{DType, Tensor};
+
+/// How [`Llama::generate`](crate::models::Llama::generate) and
+/// [`Gpt2::generate`](crate::models::Gpt2::generate) pick each next token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Logits are divided by it before the softmax; 0 picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Sample among the `k` most likely tokens only; `None`: among all.
+    pub top_k: Option<usize>,
+    /// Seed of the generator the samples are drawn from (unused when greedy).
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// The most likely token every step, as `generate(do_sample=False)`.
+    pub fn greedy() -> Sampling {
+        Sampling {
+            temperature: 0.0,
+            top_k: None,
+            seed: 0,
+        }
+    }
+
+    fn check(&self, op: &'static str) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(Error::InvalidArgument {
+                op,
+                msg: format!(
+                    "temperature must be finite and at least 0, got {}",
+                    self.temperature
+                ),
+            });
+        }
+        if self.top_k == Some(0) {
+            return Err(Error::InvalidArgument {
+                op,
+                msg: "top_k must be at least 1".to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Each layer's keys and values so far, `[B, kv_heads, max_positions, head_dim]` allocated
+/// once; `len` positions hold values.
+pub(crate) struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `shape`'s model and `batch` sequences.
+    pub fn new(shape: &DecoderShape, batch: usize, device: &Device) -> Result<KvCache> {
+        let dims = [batch, shape.kv_heads, shape.max_positions, shape.head_dim];
+        let layers = (0..shape.layers)
+            .map(|_| Ok((Tensor::zeros(&dims, device)?, Tensor::zeros(&dims, device)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { layers, len: 0 })
+    }
+
+    /// Positions already cached: the first position of the next tokens.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Writes layer `layer`'s keys and values for the next `k.shape()[2]` positions
+    /// (`[B, kv_heads, T, head_dim]`) and returns every position's so far, read in place.
+    pub fn append(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (keys, values) = &self.layers[layer];
+        let t = k.shape()[2];
+        keys.narrow(2, self.len, t)?.copy_(k)?;
+        values.narrow(2, self.len, t)?.copy_(v)?;
+        Ok((
+            keys.narrow(2, 0, self.len + t)?,
+            values.narrow(2, 0, self.len + t)?,
+        ))
+    }
+
+    /// Marks `t` more positions as cached, once every layer has appended them.
+    pub fn advance(&mut self, t: usize) {
+        self.len += t;
+    }
+}
+
+/// What generation needs to know of a model.
+pub(crate) struct DecoderShape {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub max_positions: usize,
+    pub vocab: usize,
+}
+
+/// A causal language model that can run on new tokens after cached ones.
+pub(crate) trait Decoder {
+    fn shape(&self) -> DecoderShape;
+
+    /// The last layer's normalised output `[B, T, hidden]` for checked `tokens` `[B, T]`,
+    /// at the positions after `ctx`'s cache (whose keys and values the layers append).
+    fn hidden(&self, tokens: &Tensor, ctx: Attend) -> Result<Tensor>;
+
+    /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
+    fn head(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+/// What a layer attends with besides its input: the padding mask, and the cache with the
+/// layer's index in it when decoding.
+#[derive(Clone, Copy)]
+pub(crate) struct Attend<'a> {
+    pub mask: Option<&'a Tensor>,
+    pub cache: Option<&'a KvCache>,
+    pub layer: usize,
+}
+
+impl<'a> Attend<'a> {
+    /// For layer `layer`.
+    pub fn layer(self, layer: usize) -> Attend<'a> {
+        Attend { layer, ..self }
+    }
+
+    /// The position of the first of the new tokens.
+    pub fn first_position(&self) -> usize {
+        self.cache.map_or(0, KvCache::len)
+    }
+
+    /// Attention of `q` over `k` and `v` (`[B, heads, T, head_dim]`, the new positions'),
+    /// after the cached positions when decoding; causal, and with the padding mask if any.
+    pub fn attend(&self, q: &Tensor, k: Tensor, v: Tensor, scale: Option<f32>) -> Result<Tensor> {
+        let (k, v) = match self.cache {
+            Some(cache) => cache.append(self.layer, &k, &v)?,
+            None => (k, v),
+        };
+        let t_k = k.shape()[2];
+        let mask = self
+            .mask
+            .map(|m| m.reshape(&[m.shape()[0], 1, 1, t_k]))
+            .transpose()?;
+        let opts = SdpaOptions {
+            // One new token sees every cached one; several (a prompt) start the cache.
+            causal: q.shape()[2] > 1,
+            mask: mask.as_ref(),
+            scale,
+        };
+        q.scaled_dot_product_attention_with(&k, &v, &opts)
+    }
+}
+
+/// Logits `[B, T, vocab]` of `tokens` `[B, T]` with the padding `mask` (u32 `[B, T]`).
+pub(crate) fn forward_with(
+    op: &'static str,
+    model: &dyn Decoder,
+    tokens: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    check_tokens(op, &model.shape(), tokens, mask, 0)?;
+    let ctx = Attend {
+        mask,
+        cache: None,
+        layer: 0,
+    };
+    model.head(&model.hidden(tokens, ctx)?)
+}
+
+/// The logits `[B, vocab]` of the last of `tokens` (`[B, T]`, the positions after the cached
+/// ones), with their keys and values appended to `cache`.
+fn last_logits(
+    op: &'static str,
+    model: &dyn Decoder,
+    tokens: &Tensor,
+    cache: &mut KvCache,
+) -> Result<Tensor> {
+    let (b, t) = (tokens.shape()[0], tokens.shape()[1]);
+    check_tokens(op, &model.shape(), tokens, None, cache.len())?;
+    let ctx = Attend {
+        mask: None,
+        cache: Some(cache),
+        layer: 0,
+    };
+    let x = model.hidden(tokens, ctx)?;
+    cache.advance(t);
+    let last = model.head(&x.narrow(1, t - 1, 1)?)?;
+    last.reshape(&[b, model.shape().vocab])
+}
+
+/// Checks a language model's input: u32 tokens `[B, T]` below the vocabulary's size,
+/// positions `first..first + T` within the model's, and a mask (u32 `[B, first + T]`) if any.
+fn check_tokens(
+    op: &'static str,
+    shape: &DecoderShape,
+    tokens: &Tensor,
+    mask: Option<&Tensor>,
+    first: usize,
+) -> Result<()> {
+    tokens.expect_dtype(op, DType::U32)?;
+    if tokens.rank() != 2 {
+        return Err(Error::Shape {
+            op,
+            msg: format!("needs u32 tokens [B, T], got shape {:?}", tokens.shape()),
+        });
+    }
+    let (b, t) = (tokens.shape()[0], tokens.shape()[1]);
+    if let Some(bound) = tokens.index_bound().filter(|&n| n as usize > shape.vocab) {
+        return Err(Error::Index {
+            op,
+            msg: format!(
+                "token ids reach {} but the vocabulary has {} (vocab_size)",
+                bound - 1,
+                shape.vocab
+            ),
+        });
+    }
+    if first + t > shape.max_positions {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "a sequence of {} positions is longer than the model's {} \
+                 (max_position_embeddings); tokens {:?}",
+                first + t,
+                shape.max_positions,
+                tokens.shape()
+            ),
+        });
+    }
+    if let Some(mask) = mask {
+        mask.expect_dtype(op, DType::U32)?;
+        if mask.shape() != [b, first + t] {
+            return Err(Error::Shape {
+                op,
+                msg: format!(
+                    "the attention mask must be u32 [{b}, {}] (1 = token, 0 = padding), got {:?}",
+                    first + t,
+                    mask.shape()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `prompt` (`[B, T]` u32) followed by `max_new_tokens` tokens, each chosen by `sampling`
+/// from the model's logits given everything before it.
+pub(crate) fn generate(
+    op: &'static str,
+    model: &dyn Decoder,
+    prompt: &Tensor,
+    max_new_tokens: usize,
+    sampling: &Sampling,
+) -> Result<Tensor> {
+    sampling.check(op)?;
+    let shape = model.shape();
+    prompt.expect_dtype(op, DType::U32)?;
+    if prompt.rank() != 2 || prompt.shape()[1] == 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "needs a prompt of u32 tokens [B, T] with T >= 1, got {:?}",
+                prompt.shape()
+            ),
+        });
+    }
+    let (batch, t) = (prompt.shape()[0], prompt.shape()[1]);
+    if t + max_new_tokens > shape.max_positions {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "a prompt of {t} tokens and {max_new_tokens} new ones pass the model's \
+                 {} positions (max_position_embeddings)",
+                shape.max_positions
+            ),
+        });
+    }
+    let _no_grad = NoGradGuard::new();
+    let device = prompt.device();
+    let mut rows: Vec<Vec<u32>> = prompt
+        .to_vec_u32()?
+        .chunks(t)
+        .map(<[u32]>::to_vec)
+        .collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(sampling.seed);
+    let mut cache = KvCache::new(&shape, batch, device)?;
+    let mut next = prompt.clone();
+    for _ in 0..max_new_tokens {
+        let logits = last_logits(op, model, &next, &mut cache)?.to_vec()?;
+        let picked: Vec<u32> = logits
+            .chunks(shape.vocab)
+            .map(|row| pick(row, sampling, &mut rng))
+            .collect();
+        for (row, token) in rows.iter_mut().zip(&picked) {
+            row.push(*token);
+        }
+        next = Tensor::from_vec_u32(picked, &[batch, 1], device)?;
+    }
+    let len = t + max_new_tokens;
+    Tensor::from_vec_u32(rows.concat(), &[batch, len], device)
+}
+
+/// The token `sampling` picks from one row of logits (NaN logits are never picked).
+fn pick(logits: &[f32], sampling: &Sampling, rng: &mut rand::rngs::StdRng) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).filter(|&i| !logits[i].is_nan()).collect();
+    // Most likely first; ties keep the lower id first, as torch's argmax.
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if order.is_empty() {
+        return 0;
+    }
+    if sampling.temperature == 0.0 {
+        return order[0] as u32;
+    }
+    order.truncate(sampling.top_k.unwrap_or(order.len()).min(order.len()));
+    let top = logits[order[0]];
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| (((logits[i] - top) / sampling.temperature) as f64).exp())
+        .collect();
+    let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
+    for (&i, w) in order.iter().zip(&weights) {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    *order.last().expect("not empty") as u32
+}
