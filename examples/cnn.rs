@@ -74,7 +74,7 @@ fn main() {
 }
 
 fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
-    args.train.lr()?;
+    let recipe = args.train.recipe(&support::Recipe::ADAM)?;
     let dist = Dist::init().map_err(|e| e.to_string())?;
     let dev = Device::new().map_err(|e| e.to_string())?;
     support::say(&dist, format!("adapter: {}", dev.info()));
@@ -97,10 +97,10 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     let model = Cnn::new(side, train.classes, &dev).map_err(|e| e.to_string())?;
     support::fit(
         &model,
-        &train,
-        &test,
+        (&train, &test),
         &dev,
         &args.train,
+        &recipe,
         &dist,
         process_start,
     )

@@ -35,7 +35,7 @@ fn main() {
 }
 
 fn run(args: &Args, process_start: Instant) -> Result<(), String> {
-    args.train.lr()?;
+    let recipe = args.train.recipe(&support::Recipe::ADAM)?;
     if args.hidden == 0 {
         return Err("--hidden must be at least 1".into());
     }
@@ -60,10 +60,10 @@ fn run(args: &Args, process_start: Instant) -> Result<(), String> {
         .add(linear(args.hidden, train.classes)?);
     support::fit(
         &model,
-        &train,
-        &test,
+        (&train, &test),
         &dev,
         &args.train,
+        &recipe,
         &dist,
         process_start,
     )

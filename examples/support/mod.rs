@@ -19,7 +19,7 @@ use wgrad::{io, Device, Tensor};
 
 pub mod plot;
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum OptimizerKind {
     Sgd,
     Adam,
@@ -39,13 +39,23 @@ pub struct TrainArgs {
     /// Examples per step.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
     pub batch_size: u64,
-    /// Peak learning rate, decayed to 0 by a cosine schedule (default: 3e-3 for Adam and
-    /// AdamW, 0.05 for SGD with momentum 0.9).
+    /// Peak learning rate, decayed to 0 by a cosine schedule (default: the example's with its
+    /// optimizer; else 3e-3 for Adam and AdamW, 0.05 for SGD with momentum 0.9).
     #[arg(long)]
     pub lr: Option<f32>,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Adam)]
-    pub optimizer: OptimizerKind,
+    /// Optimizer (default: the example's).
+    #[arg(long, value_enum)]
+    pub optimizer: Option<OptimizerKind>,
+    /// Weight decay of the weight matrices and kernels; biases and norms get none (default:
+    /// the example's with its optimizer; else 0.01 for AdamW, 0 for the others).
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Nesterov momentum for SGD (default: the example's).
+    #[arg(long)]
+    pub nesterov: Option<bool>,
+    /// Label smoothing of the cross-entropy, in [0, 1) (default: the example's).
+    #[arg(long)]
+    pub label_smoothing: Option<f32>,
     /// Seed for initialisation, shuffling and the synthetic set.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -75,20 +85,83 @@ pub struct TrainArgs {
     pub log_every: u64,
 }
 
+/// How a classifier trains: what each example picks, and each flag may change.
+#[derive(Debug, Clone, Copy)]
+pub struct Recipe {
+    pub optimizer: OptimizerKind,
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub nesterov: bool,
+    pub label_smoothing: f32,
+}
+
+impl Recipe {
+    /// Adam at 3e-3, no weight decay, plain cross-entropy.
+    pub const ADAM: Recipe = Recipe {
+        optimizer: OptimizerKind::Adam,
+        lr: 3e-3,
+        weight_decay: 0.0,
+        nesterov: false,
+        label_smoothing: 0.0,
+    };
+
+    /// `optimizer`'s defaults where an example does not choose it.
+    fn for_optimizer(optimizer: OptimizerKind) -> Recipe {
+        let (lr, weight_decay) = match optimizer {
+            OptimizerKind::Sgd => (0.05, 0.0),
+            OptimizerKind::Adam => (3e-3, 0.0),
+            OptimizerKind::Adamw => (3e-3, 0.01),
+        };
+        Recipe {
+            optimizer,
+            lr,
+            weight_decay,
+            ..Recipe::ADAM
+        }
+    }
+}
+
 impl TrainArgs {
-    /// The learning rate the run uses, checked.
-    pub fn lr(&self) -> Result<f32, String> {
-        let lr = self.lr.unwrap_or(match self.optimizer {
-            OptimizerKind::Sgd => 0.05,
-            OptimizerKind::Adam | OptimizerKind::Adamw => 3e-3,
-        });
-        if !lr.is_finite() || lr <= 0.0 {
-            return Err(format!("--lr must be a finite positive number, got {lr}"));
+    /// The recipe the run uses: `defaults` (the example's), with the flags given over it;
+    /// checked.
+    pub fn recipe(&self, defaults: &Recipe) -> Result<Recipe, String> {
+        let optimizer = self.optimizer.unwrap_or(defaults.optimizer);
+        let base = match optimizer == defaults.optimizer {
+            true => *defaults,
+            false => Recipe::for_optimizer(optimizer),
+        };
+        let recipe = Recipe {
+            optimizer,
+            lr: self.lr.unwrap_or(base.lr),
+            weight_decay: self.weight_decay.unwrap_or(base.weight_decay),
+            nesterov: self.nesterov.unwrap_or(base.nesterov),
+            label_smoothing: self.label_smoothing.unwrap_or(base.label_smoothing),
+        };
+        if !recipe.lr.is_finite() || recipe.lr <= 0.0 {
+            return Err(format!(
+                "--lr must be a finite positive number, got {}",
+                recipe.lr
+            ));
+        }
+        if !recipe.weight_decay.is_finite() || recipe.weight_decay < 0.0 {
+            return Err(format!(
+                "--weight-decay must be finite and at least 0, got {}",
+                recipe.weight_decay
+            ));
+        }
+        if !(0.0..1.0).contains(&recipe.label_smoothing) {
+            return Err(format!(
+                "--label-smoothing must be in [0, 1), got {}",
+                recipe.label_smoothing
+            ));
+        }
+        if recipe.nesterov && optimizer != OptimizerKind::Sgd {
+            return Err("--nesterov true needs --optimizer sgd".into());
         }
         if self.epochs == 0 {
             return Err("--epochs must be at least 1".into());
         }
-        Ok(lr)
+        Ok(recipe)
     }
 
     /// The data set the run trains on: `--data`'s IDX files, or `synthetic()`.
@@ -140,14 +213,14 @@ struct History {
 /// `test` after every epoch, and prints the `final:` line.
 pub fn fit(
     model: &dyn Module,
-    train: &io::Dataset,
-    test: &io::Dataset,
+    (train, test): (&io::Dataset, &io::Dataset),
     dev: &Device,
     args: &TrainArgs,
+    recipe: &Recipe,
     dist: &Dist,
     process_start: Instant,
 ) -> Result<(), String> {
-    let lr = args.lr()?;
+    let lr = recipe.lr;
     let batch = args.batch_size as usize;
     // Data-parallel: --batch-size is the global batch; each rank takes its share.
     dist.local_batch(batch).map_err(|e| e.to_string())?;
@@ -159,31 +232,33 @@ pub fn fit(
     // The grads are averaged across ranks on the host between backward and the optimizer,
     // which a captured step cannot hold: data-parallel runs are eager.
     let eager = args.eager || dist.size() > 1;
-    let params = model.parameters();
-    let mut opt: Box<dyn Optimizer> = match args.optimizer {
-        OptimizerKind::Sgd => Box::new(optim::Sgd::new(
-            params,
+    // Weight decay on matrices and kernels only, as is usual (none on biases and norms).
+    let (matrices, vectors): (Vec<Tensor>, Vec<Tensor>) =
+        model.parameters().into_iter().partition(|p| p.rank() >= 2);
+    let groups = vec![
+        optim::ParamGroup::new(matrices).weight_decay(recipe.weight_decay),
+        optim::ParamGroup::new(vectors).weight_decay(0.0),
+    ];
+    let adam = optim::AdamConfig {
+        lr,
+        ..Default::default()
+    };
+    let mut opt: Box<dyn Optimizer> = match recipe.optimizer {
+        OptimizerKind::Sgd => Box::new(optim::Sgd::with_groups(
+            groups,
             optim::SgdConfig {
                 lr,
                 momentum: 0.9,
+                nesterov: recipe.nesterov,
                 ..Default::default()
             },
         )),
-        OptimizerKind::Adam => Box::new(optim::Adam::new(
-            params,
-            optim::AdamConfig {
-                lr,
-                ..Default::default()
-            },
-        )),
-        OptimizerKind::Adamw => Box::new(optim::AdamW::new(
-            params,
-            optim::AdamConfig {
-                lr,
-                weight_decay: 0.01,
-                ..Default::default()
-            },
-        )),
+        OptimizerKind::Adam => Box::new(optim::Adam::with_groups(groups, adam)),
+        OptimizerKind::Adamw => Box::new(optim::AdamW::with_groups(groups, adam)),
+    };
+    let loss_options = nn::loss::CrossEntropyOptions {
+        label_smoothing: recipe.label_smoothing,
+        ..Default::default()
     };
 
     let steps_per_epoch = if dist.size() > 1 {
@@ -229,7 +304,8 @@ pub fn fit(
     let train_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
         let mut opt = opt.borrow_mut();
         opt.zero_grad();
-        let loss = nn::loss::cross_entropy(&model.forward(&batch[0])?, &batch[1])?;
+        let loss =
+            nn::loss::cross_entropy_with(&model.forward(&batch[0])?, &batch[1], &loss_options)?;
         loss.backward()?;
         data_parallel.sync_grads()?;
         opt.step()?;
