@@ -127,13 +127,7 @@ def gpt(args):
     train, val = ids[:split], ids[split:]
     model = Gpt(len(chars))
     opt = gpt_optimizer(model, 1e-3)
-    gen = torch.Generator().manual_seed(0)
-
-    def batch(data):
-        starts = torch.randint(0, len(data) - 64, (12,), generator=gen)
-        x = torch.stack([data[s : s + 64] for s in starts])
-        y = torch.stack([data[s + 1 : s + 65] for s in starts])
-        return x, y
+    batch = lm_batches(torch.Generator().manual_seed(0))
 
     def estimate(data):
         model.eval()
@@ -160,7 +154,7 @@ def gpt(args):
     print(f"final: val_loss={val_loss:.4f} train_loss={train_loss:.4f} steps={args.iters} tokens_per_s={rate:.1f}")
 
 
-def lm_batches(ids, gen):
+def lm_batches(gen):
     def batch(data):
         starts = torch.randint(0, len(data) - 64, (12,), generator=gen)
         x = torch.stack([data[s : s + 64] for s in starts])
@@ -196,7 +190,7 @@ def llama(args):
         tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(config)
     opt = gpt_optimizer(model, 1e-3)
-    batch = lm_batches(ids, torch.Generator().manual_seed(0))
+    batch = lm_batches(torch.Generator().manual_seed(0))
     logits = lambda x: model(input_ids=x).logits
 
     def estimate(data):

@@ -5,7 +5,7 @@
 //! built from the file in one go and a caller never holds a half-loaded one. Writing puts the
 //! tensors back in the dtype the checkpoint had (BF16 rounded to nearest even, as torch).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -168,7 +168,6 @@ struct HostTensor {
 pub(crate) struct Weights {
     dir: PathBuf,
     tensors: HashMap<String, HostTensor>,
-    taken: HashSet<String>,
     /// The dtype most of the float tensors had.
     pub dtype: WeightDType,
 }
@@ -209,7 +208,6 @@ impl Weights {
         Ok(Weights {
             dir: dir.to_path_buf(),
             tensors,
-            taken: HashSet::new(),
             dtype: config.dtype().filter(|_| counts == [0; 3]).unwrap_or(most),
         })
     }
@@ -245,19 +243,17 @@ impl Weights {
                 ),
             });
         }
-        self.taken.insert(name.to_string());
-        Ok(Tensor::from_vec(t.values.clone(), shape, device)?.requires_grad_(true))
+        // Taken out, so its values move to the device without a copy and what is left is
+        // what no parameter took.
+        let values = self.tensors.remove(name).expect("present").values;
+        Ok(Tensor::from_vec(values, shape, device)?.requires_grad_(true))
     }
 
     /// Errors when the checkpoint holds a tensor no parameter took, other than those `ignore`
     /// accepts (buffers transformers saves and rebuilds, as GPT-2's causal masks): a tensor
     /// the model has no place for means another architecture than the config describes.
     pub fn expect_all_taken(&self, op: &'static str, ignore: impl Fn(&str) -> bool) -> Result<()> {
-        let mut left: Vec<&String> = self
-            .tensors
-            .keys()
-            .filter(|n| !self.taken.contains(*n) && !ignore(n))
-            .collect();
+        let mut left: Vec<&String> = self.tensors.keys().filter(|n| !ignore(n)).collect();
         left.sort();
         match left.is_empty() {
             true => Ok(()),
