@@ -13,6 +13,7 @@ fn all_kernel_sources() -> Vec<(String, String)> {
     all.extend(crate::ops::softmax::kernel_sources());
     all.extend(crate::ops::index::kernel_sources());
     all.extend(crate::ops::conv::kernel_sources());
+    all.extend(crate::ops::batch_norm::kernel_sources());
     all.extend(crate::ops::pool::kernel_sources());
     all.extend(crate::ops::rope::kernel_sources());
     all.extend(crate::ops::attention::kernel_sources());

@@ -726,6 +726,45 @@ fn conv_transpose2d_matches_cpu_reference() {
     }
 }
 
+/// With unit stride the input grad is a forward convolution of the out grad with the flipped
+/// weight (one implicit GEMM where the matmul kernel reads images: input pixels in whole 4s);
+/// either way it is `conv_transpose2d` of the out grad. Padding below, at and above
+/// `dilation (k - 1)` along an axis (above it: col2im), dilation, groups, a ResNet layer.
+#[test]
+fn conv2d_input_grad_with_unit_stride_matches_cpu_reference() {
+    let cases = [
+        ([2, 3, 8, 8], [5, 3, 3, 3], 1, 1, 1),
+        ([2, 4, 6, 6], [6, 4, 3, 3], 0, 1, 1),
+        ([2, 8, 10, 10], [3, 8, 3, 3], 2, 2, 1),
+        ([2, 8, 6, 6], [6, 4, 3, 3], 1, 1, 2),
+        ([1, 4, 8, 8], [8, 4, 5, 5], 2, 1, 1),
+        ([2, 3, 8, 8], [5, 3, 1, 3], 1, 1, 1),
+        ([2, 12, 4, 4], [7, 12, 1, 1], 0, 1, 1),
+        ([2, 3, 5, 5], [4, 3, 3, 3], 1, 1, 1),
+        ([3, 16, 28, 28], [16, 16, 3, 3], 1, 1, 1),
+    ];
+    for (i, (xs, ws, padding, dilation, groups)) in cases.into_iter().enumerate() {
+        let seed = 140 + 3 * i as u64;
+        let (x, _) = random_tensor(&xs, seed);
+        let (w, wv) = random_tensor(&ws, seed + 1);
+        let x = x.requires_grad_(true);
+        let o = options(1, padding, dilation, groups);
+        let y = x.conv2d_with(&w, None, o).unwrap();
+        let (g, gv) = random_tensor(y.shape(), seed + 2);
+        y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+        let gs = [y.shape()[0], y.shape()[1], y.shape()[2], y.shape()[3]];
+        let adjoint = transpose_options(1, padding, 0, dilation, groups);
+        let (want, shape) = conv_transpose_reference(&gv, gs, &wv, ws, adjoint);
+        assert_eq!(shape, xs, "case {i} shape");
+        assert_close(
+            &x.grad().unwrap().to_vec().unwrap(),
+            &want,
+            1e-4,
+            &format!("conv2d input grad case {i}"),
+        );
+    }
+}
+
 #[test]
 fn conv_transpose2d_gradcheck() {
     for (n, o) in [

@@ -403,6 +403,63 @@ fn batch_norm_2d_trains_on_batch_statistics_and_updates_running_ones() {
     );
 }
 
+/// A channel of more values than one workgroup reduces (16,384) is summed in parts and the
+/// parts merged: output, running statistics and input grad against the CPU, on values whose
+/// mean is far from 0 (a naive sum of squares would lose them).
+#[test]
+fn batch_norm_2d_over_many_parts_matches_cpu_reference() {
+    let _s = serial();
+    let shape = [5, 2, 61, 67]; // 20,435 values per channel: two parts, the second ragged
+    let (_, xs) = random_tensor(&shape, 26);
+    let xs: Vec<f32> = xs.iter().map(|v| 3.0 + v).collect();
+    let x = Tensor::from_slice(&xs, &shape, device())
+        .unwrap()
+        .requires_grad_(true);
+    let bn = nn::BatchNorm2d::new(2, device()).unwrap();
+    let y = bn.forward(&x).unwrap();
+    let (want, means, vars) = batch_norm_reference(&xs, shape);
+    assert_close(&y.to_vec().unwrap(), &want, 1e-4, "output");
+    let running_mean: Vec<f64> = means.iter().map(|m| 0.1 * m).collect();
+    assert_close(
+        &bn.running_mean.to_vec().unwrap(),
+        &running_mean,
+        1e-5,
+        "running_mean",
+    );
+    let running_var: Vec<f64> = vars.iter().map(|v| 0.9 + 0.1 * v).collect();
+    assert_close(
+        &bn.running_var.to_vec().unwrap(),
+        &running_var,
+        1e-5,
+        "running_var",
+    );
+    // d/dx of sum(y g) = rstd (g - mean(g) - xhat mean(g xhat)) per channel (weight 1).
+    let (g, gs) = random_tensor(&shape, 27);
+    y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+    let pixels = shape[2] * shape[3];
+    let count = (shape[0] * pixels) as f64;
+    let channel = |i: usize| (i / pixels) % 2;
+    let mut mean_g = [0.0f64; 2];
+    let mut mean_g_xhat = [0.0f64; 2];
+    for i in 0..xs.len() {
+        mean_g[channel(i)] += gs[i] as f64 / count;
+        mean_g_xhat[channel(i)] += gs[i] as f64 * want[i] / count;
+    }
+    let grad: Vec<f64> = (0..xs.len())
+        .map(|i| {
+            let c = channel(i);
+            let rstd = 1.0 / (vars[c] * (count - 1.0) / count + 1e-5).sqrt();
+            rstd * (gs[i] as f64 - mean_g[c] - want[i] * mean_g_xhat[c])
+        })
+        .collect();
+    assert_close(
+        &x.grad().unwrap().to_vec().unwrap(),
+        &grad,
+        1e-4,
+        "input grad",
+    );
+}
+
 #[test]
 fn batch_norm_2d_gradcheck() {
     let _s = serial();

@@ -7,6 +7,7 @@ use crate::autograd::no_grad;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::{Module, TrainingFlag};
+use crate::ops::batch_norm::{batch_norm_training, fused_applies};
 use crate::ops::norm::{check_eps, scaled_for_statistics};
 use crate::tensor::Tensor;
 
@@ -194,12 +195,21 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
                     ),
                 });
             }
+            let update_running = tracking && self.training.get();
+            if fused_applies(x) {
+                let affine = self.options.affine.then_some((&self.weight, &self.bias));
+                let (out, batch) = batch_norm_training(Input::NAME, x, affine, eps)?;
+                if update_running {
+                    self.update(&batch.mean, &batch.unbiased_var)?;
+                }
+                return Ok(out);
+            }
             // The statistics of x over its per-channel magnitude, which cannot overflow.
             let (u, divisor, eps_scaled) = scaled_for_statistics(x, &dims, eps)?;
             let mean = u.mean_dims(&dims, true)?;
             let centred = u.sub(&mean)?;
             let var = centred.mul(&centred)?.mean_dims(&dims, true)?;
-            if tracking && self.training.get() {
+            if update_running {
                 no_grad(|| {
                     let batch_mean = mean.mul(&divisor)?.reshape(&[c])?;
                     let unbiased = var

@@ -3,8 +3,10 @@
 //! the images itself (8-wide subgroups, output pixels in whole 4s), the forward is
 //! one implicit GEMM (`conv_product` in `ops/matmul.rs`): no column matrix is written.
 //! Otherwise `im2col` (`shaders/conv.wgsl`) writes a chunk of images' columns and the forward
-//! is `weight x cols`. The weight grad is `out_grad x cols^T` over im2col's columns, and
-//! `col2im` sums the cols grad `weight^T x out_grad` back onto the input. Chunks of images
+//! is `weight x cols`. The weight grad is `out_grad x cols^T` over im2col's columns. The input
+//! grad of a unit-stride convolution is itself a convolution (of the out grad with the flipped,
+//! transposed weight, padded by `d (k - 1) - p`), so it takes the same implicit GEMM; any other
+//! input grad is the cols grad `weight^T x out_grad` summed back by `col2im`. Chunks of images
 //! bound each column matrix (at most `COLS_LIMIT` elements) whatever the batch. Bias is a
 //! broadcast add; groups are one convolution per channel group.
 
@@ -310,14 +312,9 @@ fn by_chunks(
 fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     let columns = &geo.cols;
     if conv_product_applies(x.device(), geo.c_out, geo.batch, columns) {
-        let w_taps_outer = w.permute(&[0, 2, 3, 1])?.contiguous()?;
-        let w_mat = w_taps_outer.reshape(&[geo.c_out, geo.cols.k()])?;
-        let pad = geo.cols.k().next_multiple_of(4) - geo.cols.k();
-        let w_mat = match pad {
-            0 => w_mat,
-            _ => w_mat.pad2d((0, pad, 0, 0), 0.0)?,
-        };
-        return conv_product(&w_mat, &x.contiguous()?, columns);
+        // [c_out, kh, kw, c_in]: taps outer, channels inner.
+        let w_taps_outer = w.permute(&[0, 2, 3, 1])?;
+        return implicit_gemm(&w_taps_outer, x, columns);
     }
     let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
     let out_rest = [geo.c_out, geo.cols.out_h, geo.cols.out_w];
@@ -329,10 +326,64 @@ fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     })
 }
 
-/// One group's input grad from the out grad `g` `[N, c_out, out_h, out_w]`: the cols grad
-/// `w^T g` summed back onto the input by col2im, a chunk of images at a time. It is also the
-/// forward of the transposed convolution.
+/// `conv_product` of `w_taps_outer` (`[rows, taps.., channels]`, any layout) over `images`:
+/// the weight made one dense matrix `[rows, k]` with k padded by zero weights to whole 4s.
+fn implicit_gemm(w_taps_outer: &Tensor, images: &Tensor, columns: &ImageColumns) -> Result<Tensor> {
+    let rows = w_taps_outer.shape()[0];
+    let w_mat = w_taps_outer.contiguous()?.reshape(&[rows, columns.k()])?;
+    let pad = columns.k().next_multiple_of(4) - columns.k();
+    let w_mat = match pad {
+        0 => w_mat,
+        _ => w_mat.pad2d((0, pad, 0, 0), 0.0)?,
+    };
+    conv_product(&w_mat, &images.contiguous()?, columns)
+}
+
+/// The column matrix that turns one group's input grad into a forward convolution, where
+/// there is one: with unit stride, the input grad is the out grad convolved with the weight
+/// flipped along both taps and with its channels swapped, padded by `dilation (k - 1) - padding`
+/// (at least 0), which gives back the input's height and width.
+fn adjoint_columns(geo: &Geometry) -> Option<ImageColumns> {
+    let c = &geo.cols;
+    let adjoint_padding =
+        |k: usize, dilation: usize, padding: usize| (dilation * (k - 1)).checked_sub(padding);
+    if c.stride != (1, 1) {
+        return None;
+    }
+    Some(ImageColumns {
+        c_in: geo.c_out,
+        height: c.out_h,
+        width: c.out_w,
+        kernel_h: c.kernel_h,
+        kernel_w: c.kernel_w,
+        out_h: c.height,
+        out_w: c.width,
+        stride: (1, 1),
+        padding: (
+            adjoint_padding(c.kernel_h, c.dilation.0, c.padding.0)?,
+            adjoint_padding(c.kernel_w, c.dilation.1, c.padding.1)?,
+        ),
+        dilation: c.dilation,
+    })
+}
+
+/// One group's input grad from the out grad `g` `[N, c_out, out_h, out_w]`. With unit stride
+/// where the matmul kernel reads images, one implicit GEMM of `g` with the flipped weight
+/// ([`adjoint_columns`]); otherwise the cols grad `w^T g` summed back onto the input by
+/// col2im, a chunk of images at a time. It is also the forward of the transposed convolution.
 fn input_grad(g: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    if let Some(columns) = adjoint_columns(geo) {
+        if conv_product_applies(g.device(), geo.cols.c_in, geo.batch, &columns) {
+            // [c_in, taps reversed, c_out]: the taps `(kh - 1 - a, kw - 1 - b)` at `(a, b)`
+            // are the flattened taps reversed.
+            let taps = geo.cols.kernel_h * geo.cols.kernel_w;
+            let w_taps_outer = w
+                .reshape(&[geo.c_out, geo.cols.c_in, taps])?
+                .flip(&[2])?
+                .permute(&[1, 2, 0])?;
+            return implicit_gemm(&w_taps_outer, g, &columns);
+        }
+    }
     // Contiguous once, so that each chunk below is a view of it.
     let g = &g.contiguous()?;
     let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;

@@ -1,0 +1,267 @@
+// BatchNorm in training mode, fused: per-channel statistics of x `[batch, channels, pixels]`
+// (contiguous) over the batch and the pixels, the normalised output with the affine weight
+// and bias, and the backward. Params: `BatchNormParams` (src/ops/batch_norm.rs).
+// A channel's `batch * pixels` values are split into parts of at most PER_PART; a workgroup
+// sums one (channel, part) and a second kernel merges a channel's parts, so that no
+// invocation loops more than 3 * PER_PART / 256 times plus its reductions (llvmpipe ends an
+// invocation after 65,535 loop iterations, all loops counted) and a GPU gets many workgroups.
+// The statistics are of x over its largest magnitude in the part, so finite values up to
+// 1e30 do not overflow their squares (as the composed norms, src/ops/norm.rs).
+
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> weight: array<f32>;
+@group(0) @binding(3) var<storage, read> bias: array<f32>;
+// forward: the output; backward: the input grad.
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+// forward, [channels, parts, 4]: each part's count, scale, mean and sum of squared deviations
+// (both of x / scale); backward, [channels, parts, 2]: its sums of the out grad and of
+// grad * xhat.
+@group(0) @binding(5) var<storage, read_write> partials: array<f32>;
+// [channels, 3]: the batch mean, 1 / sqrt(var + eps) and the unbiased variance.
+@group(0) @binding(6) var<storage, read_write> stats: array<f32>;
+// backward: the out grad, contiguous as x.
+@group(0) @binding(7) var<storage, read> grad: array<f32>;
+// backward, [channels, 2]: the sums of the out grad and of grad * xhat over each channel (the
+// bias's and the weight's grads).
+@group(0) @binding(8) var<storage, read_write> sums: array<f32>;
+
+const PER_PART: u32 = 16384u;
+const PER_INVOCATION: u32 = 64u; // PER_PART / 256
+
+var<workgroup> shared_sum: array<f32, 256>;
+
+// The sum (or, with `largest`, the maximum) of every invocation's `v`, for all of them.
+fn workgroup_reduce(lid: u32, v: f32, largest: bool) -> f32 {
+    shared_sum[lid] = v;
+    workgroupBarrier();
+    for (var half = 128u; half > 0u; half = half / 2u) {
+        if (lid < half) {
+            let a = shared_sum[lid];
+            let b = shared_sum[lid + half];
+            shared_sum[lid] = select(a + b, max(a, b), largest);
+        }
+        workgroupBarrier();
+    }
+    let total = shared_sum[0];
+    workgroupBarrier();
+    return total;
+}
+
+fn values_per_channel() -> u32 {
+    return pu(BATCH_NORM_BATCH) * pu(BATCH_NORM_PIXELS);
+}
+
+// Element offset (past the tensor's own offset) of value `j` of `channel`: batch j / pixels,
+// pixel j % pixels.
+fn element(channel: u32, j: u32) -> u32 {
+    let pixels = pu(BATCH_NORM_PIXELS);
+    return ((j / pixels) * pu(BATCH_NORM_CHANNELS) + channel) * pixels + j % pixels;
+}
+
+// The values of this invocation in its part: j = start + k * 256 + lid for k below
+// PER_INVOCATION, while j < end.
+struct Part {
+    channel: u32,
+    index: u32,
+    start: u32,
+    end: u32,
+}
+
+fn part_of(wid: vec3<u32>, nwg: vec3<u32>) -> Part {
+    let w = workgroup_index(wid, nwg);
+    let parts = pu(BATCH_NORM_PARTS);
+    let index = w % parts;
+    let start = index * PER_PART;
+    return Part(w / parts, index, start, min(start + PER_PART, values_per_channel()));
+}
+
+// One workgroup per (channel, part): the part's count, largest magnitude (1 where that is 0
+// or not finite: NaN and inf then propagate through the values themselves), and the mean and
+// the sum of squared deviations of the values over it, two passes.
+@compute @workgroup_size(256)
+fn partial_stats(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let part = part_of(wid, nwg);
+    if (part.channel >= pu(BATCH_NORM_CHANNELS)) {
+        return;
+    }
+    let x0 = pu(BATCH_NORM_X_OFFSET);
+    var largest = 0.0;
+    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
+        let j = part.start + k * 256u + lid;
+        if (j < part.end) {
+            largest = max(largest, abs(x[x0 + element(part.channel, j)]));
+        }
+    }
+    largest = workgroup_reduce(lid, largest, true);
+    let scale = select(1.0, largest, largest > 0.0 && largest <= 3.4028234e38);
+    var sum = 0.0;
+    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
+        let j = part.start + k * 256u + lid;
+        if (j < part.end) {
+            sum = sum + x[x0 + element(part.channel, j)] / scale;
+        }
+    }
+    let count = f32(part.end - part.start);
+    let mean = workgroup_reduce(lid, sum, false) / count;
+    var squares = 0.0;
+    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
+        let j = part.start + k * 256u + lid;
+        if (j < part.end) {
+            let d = x[x0 + element(part.channel, j)] / scale - mean;
+            squares = squares + d * d;
+        }
+    }
+    squares = workgroup_reduce(lid, squares, false);
+    if (lid == 0u) {
+        let at = (part.channel * pu(BATCH_NORM_PARTS) + part.index) * 4u;
+        partials[at] = count;
+        partials[at + 1u] = scale;
+        partials[at + 2u] = mean;
+        partials[at + 3u] = squares;
+    }
+}
+
+// One invocation per channel: its parts merged (Chan et al.'s pairwise update, each part
+// rescaled to the channel's largest scale), into the mean, 1 / sqrt(var + eps) and the
+// unbiased variance, in units of x.
+@compute @workgroup_size(64)
+fn channel_stats(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let channel = gid.x;
+    if (channel >= pu(BATCH_NORM_CHANNELS)) {
+        return;
+    }
+    let parts = pu(BATCH_NORM_PARTS);
+    let first = channel * parts * 4u;
+    var scale = 0.0;
+    for (var p = 0u; p < rolled(parts); p = p + 1u) {
+        scale = max(scale, partials[first + p * 4u + 1u]);
+    }
+    var count = 0.0;
+    var mean = 0.0;
+    var squares = 0.0;
+    for (var p = 0u; p < rolled(parts); p = p + 1u) {
+        let at = first + p * 4u;
+        let n = partials[at];
+        let ratio = partials[at + 1u] / scale;
+        let part_mean = partials[at + 2u] * ratio;
+        let part_squares = partials[at + 3u] * ratio * ratio;
+        let total = count + n;
+        let delta = part_mean - mean;
+        mean = mean + delta * (n / total);
+        squares = squares + part_squares + delta * delta * (count * n / total);
+        count = total;
+    }
+    let var_scaled = squares / count;
+    let eps_scaled = pf(BATCH_NORM_EPS) / (scale * scale);
+    stats[channel * 3u] = mean * scale;
+    stats[channel * 3u + 1u] = inverseSqrt(var_scaled + eps_scaled) / scale;
+    stats[channel * 3u + 2u] = squares / (count - 1.0) * scale * scale;
+}
+
+fn channel_of(i: u32) -> u32 {
+    return (i / pu(BATCH_NORM_PIXELS)) % pu(BATCH_NORM_CHANNELS);
+}
+
+// The affine weight and bias of `channel` (1 and 0 without affine parameters).
+fn weight_of(channel: u32) -> f32 {
+    if (pu(BATCH_NORM_AFFINE) == 0u) {
+        return 1.0;
+    }
+    return weight[pu(BATCH_NORM_WEIGHT_OFFSET) + channel];
+}
+
+fn bias_of(channel: u32) -> f32 {
+    if (pu(BATCH_NORM_AFFINE) == 0u) {
+        return 0.0;
+    }
+    return bias[pu(BATCH_NORM_BIAS_OFFSET) + channel];
+}
+
+// Contiguous over every element: out = (x - mean) rstd weight + bias.
+@compute @workgroup_size(256)
+fn normalise(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let n = pu(BATCH_NORM_NUMEL);
+    for (var k = 0u; k < rolled(CONTIGUOUS_PER_GROUP / 256u); k = k + 1u) {
+        let i = contiguous_item(wid, nwg, lid, k, CONTIGUOUS_PER_GROUP);
+        if (i < n) {
+            let c = channel_of(i);
+            let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - stats[c * 3u]) * stats[c * 3u + 1u];
+            out[i] = xhat * weight_of(c) + bias_of(c);
+        }
+    }
+}
+
+// One workgroup per (channel, part): the part's sums of the out grad and of grad * xhat.
+@compute @workgroup_size(256)
+fn partial_grad_sums(@builtin(workgroup_id) wid: vec3<u32>,
+                     @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    let part = part_of(wid, nwg);
+    if (part.channel >= pu(BATCH_NORM_CHANNELS)) {
+        return;
+    }
+    let c = part.channel;
+    let mean = stats[c * 3u];
+    let rstd = stats[c * 3u + 1u];
+    var sum_g = 0.0;
+    var sum_g_xhat = 0.0;
+    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
+        let j = part.start + k * 256u + lid;
+        if (j < part.end) {
+            let e = element(c, j);
+            let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + e];
+            sum_g = sum_g + g;
+            sum_g_xhat = sum_g_xhat + g * (x[pu(BATCH_NORM_X_OFFSET) + e] - mean) * rstd;
+        }
+    }
+    sum_g = workgroup_reduce(lid, sum_g, false);
+    sum_g_xhat = workgroup_reduce(lid, sum_g_xhat, false);
+    if (lid == 0u) {
+        let at = (c * pu(BATCH_NORM_PARTS) + part.index) * 2u;
+        partials[at] = sum_g;
+        partials[at + 1u] = sum_g_xhat;
+    }
+}
+
+// One invocation per channel: its parts' grad sums added into `sums`.
+
+@compute @workgroup_size(64)
+fn channel_grad_sums(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let channel = gid.x;
+    if (channel >= pu(BATCH_NORM_CHANNELS)) {
+        return;
+    }
+    let parts = pu(BATCH_NORM_PARTS);
+    var sum_g = 0.0;
+    var sum_g_xhat = 0.0;
+    for (var p = 0u; p < rolled(parts); p = p + 1u) {
+        let at = (channel * parts + p) * 2u;
+        sum_g = sum_g + partials[at];
+        sum_g_xhat = sum_g_xhat + partials[at + 1u];
+    }
+    sums[channel * 2u] = sum_g;
+    sums[channel * 2u + 1u] = sum_g_xhat;
+}
+
+// Contiguous over every element: the input grad
+// weight rstd (g - sum_g / count - xhat sum_g_xhat / count).
+@compute @workgroup_size(256)
+fn input_grad(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let n = pu(BATCH_NORM_NUMEL);
+    let count = f32(values_per_channel());
+    for (var k = 0u; k < rolled(CONTIGUOUS_PER_GROUP / 256u); k = k + 1u) {
+        let i = contiguous_item(wid, nwg, lid, k, CONTIGUOUS_PER_GROUP);
+        if (i < n) {
+            let c = channel_of(i);
+            let rstd = stats[c * 3u + 1u];
+            let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - stats[c * 3u]) * rstd;
+            let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + i];
+            let mean_g = sums[c * 2u] / count;
+            let mean_g_xhat = sums[c * 2u + 1u] / count;
+            out[i] = weight_of(c) * rstd * (g - mean_g - xhat * mean_g_xhat);
+        }
+    }
+}

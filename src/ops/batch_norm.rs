@@ -1,0 +1,169 @@
+//! BatchNorm's training-mode normalisation, fused (`shaders/batch_norm.wgsl`): the
+//! per-channel statistics over the batch and the pixels in two launches, the normalised and
+//! scaled output in one, and beside it the backward rule (two launches for the per-channel
+//! grad sums, one for the input grad). `nn::BatchNorm1d`/`BatchNorm2d` call it in training
+//! mode; the composed form ([`standardised`](crate::ops::norm::standardised)) stays for
+//! inputs larger than one binding.
+
+use crate::error::Result;
+use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP};
+use crate::tensor::grad_mode::NoGradGuard;
+use crate::tensor::graph::record;
+use crate::tensor::{DType, Tensor};
+
+crate::kernel_params! {
+    /// x `[batch, channels, pixels]` (contiguous from `x_offset`) with each channel's
+    /// `batch * pixels` values in `parts` parts of `PER_PART`; `affine` 1 where weight and
+    /// bias are bound.
+    pub(crate) struct BatchNormParams {
+        batch: u32,
+        channels: u32,
+        pixels: u32,
+        parts: u32,
+        numel: u32,
+        eps: f32,
+        affine: u32,
+        x_offset: u32,
+        weight_offset: u32,
+        bias_offset: u32,
+        grad_offset: u32,
+    }
+}
+
+static BATCH_NORM: ShaderFamily = ShaderFamily {
+    name: "batch_norm",
+    wgsl: include_str!("../../shaders/batch_norm.wgsl"),
+    params: &[&BatchNormParams::LAYOUT],
+};
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("batch_norm".into(), BATCH_NORM.source(&[]))]
+}
+
+/// Values of one channel one workgroup reduces (`PER_PART` in the shader).
+const PER_PART: usize = 16384;
+
+/// What the fused training-mode BatchNorm returns besides its output: the batch's mean and
+/// unbiased variance per channel (for the running statistics), no grad.
+pub(crate) struct BatchStatistics {
+    pub mean: Tensor,
+    pub unbiased_var: Tensor,
+}
+
+/// True when [`batch_norm_training`] runs `x` fused: x within one binding.
+pub(crate) fn fused_applies(x: &Tensor) -> bool {
+    (x.numel() * 4) as u64 <= x.device().max_binding_bytes()
+}
+
+/// `x` (`[N, C, ..]`, at least two values per channel: the caller checks) normalised per
+/// channel by the batch's statistics, times `weight` plus `bias` (`[C]` each) where given,
+/// recorded with its backward; and those statistics.
+pub(crate) fn batch_norm_training(
+    op: &'static str,
+    x: &Tensor,
+    affine: Option<(&Tensor, &Tensor)>,
+    eps: f32,
+) -> Result<(Tensor, BatchStatistics)> {
+    let dev = x.device();
+    let (batch, channels) = (x.shape()[0], x.shape()[1]);
+    let pixels = x.numel() / (batch * channels).max(1);
+    let parts = (batch * pixels).div_ceil(PER_PART).max(1);
+    let (x_c, weight_c, bias_c) = {
+        let _no_grad = NoGradGuard::new();
+        let (w, b) = match affine {
+            Some((w, b)) => (Some(w.contiguous()?), Some(b.contiguous()?)),
+            None => (None, None),
+        };
+        (x.contiguous()?, w, b)
+    };
+    let params = BatchNormParams {
+        batch: batch as u32,
+        channels: channels as u32,
+        pixels: pixels as u32,
+        parts: parts as u32,
+        numel: x.numel() as u32,
+        eps,
+        affine: affine.is_some() as u32,
+        x_offset: x_c.layout().offset as u32,
+        weight_offset: weight_c.as_ref().map_or(0, |w| w.layout().offset as u32),
+        bias_offset: bias_c.as_ref().map_or(0, |b| b.layout().offset as u32),
+        grad_offset: 0,
+    };
+    // Without affine parameters the kernels read none: x stands in for both bindings.
+    let weight_bound = weight_c.clone().unwrap_or_else(|| x_c.clone());
+    let bias_bound = bias_c.unwrap_or_else(|| x_c.clone());
+
+    let partials = Tensor::empty(op, &[channels, parts, 4], DType::F32, dev)?;
+    let stats = Tensor::empty(op, &[channels, 3], DType::F32, dev)?;
+    let out = Tensor::empty(op, x.shape(), DType::F32, dev)?;
+    if x.numel() > 0 {
+        let kernel = Kernel::plain(&BATCH_NORM, "partial_stats");
+        let bound = [(1, &x_c), (5, &partials)];
+        launch_at(op, &kernel, &bound, &params, (channels * parts) as u32)?;
+        let kernel = Kernel::plain(&BATCH_NORM, "channel_stats");
+        let bound = [(5, &partials), (6, &stats)];
+        launch_at(op, &kernel, &bound, &params, groups(channels, 64))?;
+        let kernel = Kernel::plain(&BATCH_NORM, "normalise");
+        let bound = [
+            (1, &x_c),
+            (2, &weight_bound),
+            (3, &bias_bound),
+            (4, &out),
+            (6, &stats),
+        ];
+        let workgroups = groups(x.numel(), CONTIGUOUS_PER_GROUP);
+        launch_at(op, &kernel, &bound, &params, workgroups)?;
+    }
+    let statistics = BatchStatistics {
+        mean: stats.narrow(1, 0, 1)?.reshape(&[channels])?,
+        unbiased_var: stats.narrow(1, 2, 1)?.reshape(&[channels])?,
+    };
+    let inputs: Vec<&Tensor> = match affine {
+        Some((w, b)) => vec![x, w, b],
+        None => vec![x],
+    };
+    let out = record(op, out, &inputs, |_| {
+        let (x_c, stats) = (x_c.detach(), stats.detach());
+        let weight_bound = weight_bound.detach();
+        let has_affine = affine.is_some();
+        move |g: &Tensor| {
+            let g = g.contiguous()?;
+            let dev = g.device();
+            let params = BatchNormParams {
+                grad_offset: g.layout().offset as u32,
+                ..params
+            };
+            let partials = Tensor::empty(op, &[channels, parts, 2], DType::F32, dev)?;
+            let sums = Tensor::empty(op, &[channels, 2], DType::F32, dev)?;
+            let grad_x = Tensor::empty(op, x_c.shape(), DType::F32, dev)?;
+            if x_c.numel() > 0 {
+                let kernel = Kernel::plain(&BATCH_NORM, "partial_grad_sums");
+                let bound = [(1, &x_c), (5, &partials), (6, &stats), (7, &g)];
+                launch_at(op, &kernel, &bound, &params, (channels * parts) as u32)?;
+                let kernel = Kernel::plain(&BATCH_NORM, "channel_grad_sums");
+                let bound = [(5, &partials), (8, &sums)];
+                launch_at(op, &kernel, &bound, &params, groups(channels, 64))?;
+                let kernel = Kernel::plain(&BATCH_NORM, "input_grad");
+                let bound = [
+                    (1, &x_c),
+                    (2, &weight_bound),
+                    (4, &grad_x),
+                    (6, &stats),
+                    (7, &g),
+                    (8, &sums),
+                ];
+                let workgroups = groups(x_c.numel(), CONTIGUOUS_PER_GROUP);
+                launch_at(op, &kernel, &bound, &params, workgroups)?;
+            }
+            let mut grads = vec![Some(grad_x)];
+            if has_affine {
+                let column = |c| sums.narrow(1, c, 1)?.reshape(&[channels]);
+                grads.push(Some(column(1)?));
+                grads.push(Some(column(0)?));
+            }
+            Ok(grads)
+        }
+    });
+    Ok((out, statistics))
+}
