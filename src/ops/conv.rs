@@ -374,13 +374,7 @@ fn adjoint_columns(geo: &Geometry) -> Option<ImageColumns> {
 fn input_grad(g: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     if let Some(columns) = adjoint_columns(geo) {
         if conv_product_applies(g.device(), geo.cols.c_in, geo.batch, &columns) {
-            // [c_in, taps reversed, c_out]: the taps `(kh - 1 - a, kw - 1 - b)` at `(a, b)`
-            // are the flattened taps reversed.
-            let taps = geo.cols.kernel_h * geo.cols.kernel_w;
-            let w_taps_outer = w
-                .reshape(&[geo.c_out, geo.cols.c_in, taps])?
-                .flip(&[2])?
-                .permute(&[1, 2, 0])?;
+            let w_taps_outer = flipped_taps_outer(w, geo)?;
             return implicit_gemm(&w_taps_outer, g, &columns);
         }
     }
@@ -394,6 +388,26 @@ fn input_grad(g: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
             .reshape(&[count, geo.c_out, geo.cols.pixels()])?;
         col2im(&w_mat.t()?.matmul(&g_chunk)?, geo)
     })
+}
+
+/// The weight `[c_out, c_in, kh, kw]` as `[c_in, taps reversed, c_out]`, the matrix of the
+/// adjoint convolution: the tap `(kh - 1 - a, kw - 1 - b)` at `(a, b)` is the flattened taps
+/// reversed. One gather writes it contiguous (a flip and a permute would copy twice).
+fn flipped_taps_outer(w: &Tensor, geo: &Geometry) -> Result<Tensor> {
+    let (c_out, c_in) = (geo.c_out, geo.cols.c_in);
+    let taps = geo.cols.kernel_h * geo.cols.kernel_w;
+    let mut picks = Vec::with_capacity(c_in * taps * c_out);
+    for ci in 0..c_in {
+        for t in 0..taps {
+            for co in 0..c_out {
+                picks.push(((co * c_in + ci) * taps + (taps - 1 - t)) as u32);
+            }
+        }
+    }
+    let picks = Tensor::from_vec_u32(picks, &[c_in * taps * c_out], w.device())?;
+    w.reshape(&[c_out * c_in * taps])?
+        .index_select(0, &picks)?
+        .reshape(&[c_in, taps, c_out])
 }
 
 /// One group's weight grad, shaped as `w_shape`, from the input `x` and the out grad `g`: the
