@@ -26,8 +26,11 @@ struct Args {
 }
 
 /// The CNN, taking rows of `side * side` pixels as the data sets hold them.
+#[derive(Module)]
 struct Cnn {
+    #[module(skip)]
     side: usize,
+    #[module(flatten)]
     layers: nn::Sequential,
 }
 
@@ -47,20 +50,10 @@ impl Cnn {
             .add(nn::Linear::new(128, classes, true, dev)?);
         Ok(Cnn { side, layers })
     }
-}
 
-impl Module for Cnn {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let images = x.reshape(&[x.shape()[0], 1, self.side, self.side])?;
         self.layers.forward(&images)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.layers.named_parameters()
-    }
-
-    fn set_training(&self, training: bool) {
-        self.layers.set_training(training)
     }
 }
 

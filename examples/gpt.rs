@@ -57,6 +57,7 @@ struct Args {
 }
 
 /// The GPT: embeddings, blocks, final LayerNorm, head.
+#[derive(Module)]
 struct Gpt {
     token: nn::Embedding,
     position: nn::Embedding,
@@ -83,9 +84,7 @@ impl Gpt {
             },
         })
     }
-}
 
-impl Module for Gpt {
     /// u32 tokens `[B, T]` -> logits `[B, T, vocab]`.
     fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
         let t = tokens.shape()[1];
@@ -101,35 +100,6 @@ impl Module for Gpt {
         match &self.head {
             Some(head) => head.forward(&x),
             None => x.matmul(&self.token.weight.t()?),
-        }
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut params = vec![
-            ("token.weight".to_string(), self.token.weight.clone()),
-            ("position.weight".to_string(), self.position.weight.clone()),
-        ];
-        for (i, block) in self.blocks.iter().enumerate() {
-            for (name, t) in block.named_parameters() {
-                params.push((format!("blocks.{i}.{name}"), t));
-            }
-        }
-        for (name, t) in self.ln_f.named_parameters() {
-            params.push((format!("ln_f.{name}"), t));
-        }
-        if let Some(head) = &self.head {
-            params.extend(
-                head.named_parameters()
-                    .into_iter()
-                    .map(|(n, t)| (format!("head.{n}"), t)),
-            );
-        }
-        params
-    }
-
-    fn set_training(&self, training: bool) {
-        for block in &self.blocks {
-            block.set_training(training);
         }
     }
 }

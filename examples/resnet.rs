@@ -47,6 +47,7 @@ const RESNET: Recipe = Recipe {
 const FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
 
 /// A conv without bias (BatchNorm follows) and its BatchNorm.
+#[derive(Module)]
 struct ConvBn {
     conv: nn::Conv2d,
     bn: nn::BatchNorm2d,
@@ -64,22 +65,10 @@ impl ConvBn {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.bn.forward(&self.conv.forward(x)?)
     }
-
-    fn named_parameters(&self, prefix: &str) -> Vec<(String, Tensor)> {
-        let conv = self.conv.named_parameters().into_iter();
-        let bn = self.bn.named_parameters().into_iter();
-        conv.map(|(n, t)| (format!("{prefix}.conv.{n}"), t))
-            .chain(bn.map(|(n, t)| (format!("{prefix}.bn.{n}"), t)))
-            .collect()
-    }
-
-    fn named_buffers(&self, prefix: &str) -> Vec<(String, Tensor)> {
-        let bn = self.bn.named_buffers().into_iter();
-        bn.map(|(n, t)| (format!("{prefix}.bn.{n}"), t)).collect()
-    }
 }
 
 /// `relu(bn(conv(relu(bn(conv(x))))) + shortcut(x))`.
+#[derive(Module)]
 struct BasicBlock {
     first: ConvBn,
     second: ConvBn,
@@ -108,17 +97,14 @@ impl BasicBlock {
         };
         h.add(&shortcut)?.relu()
     }
-
-    fn parts(&self) -> Vec<(&'static str, &ConvBn)> {
-        let mut parts = vec![("first", &self.first), ("second", &self.second)];
-        parts.extend(self.downsample.iter().map(|d| ("downsample", d)));
-        parts
-    }
 }
 
 /// The network, taking rows of `channels x side x side` values as the data sets hold them.
+#[derive(Module)]
 struct ResNet {
+    #[module(skip)]
     channels: usize,
+    #[module(skip)]
     side: usize,
     stem: ConvBn,
     blocks: Vec<BasicBlock>,
@@ -151,22 +137,6 @@ impl ResNet {
         })
     }
 
-    /// Every conv-and-norm pair with its name.
-    fn conv_bns(&self) -> Vec<(String, &ConvBn)> {
-        let mut all = vec![("stem".to_string(), &self.stem)];
-        for (i, block) in self.blocks.iter().enumerate() {
-            all.extend(
-                block
-                    .parts()
-                    .into_iter()
-                    .map(|(n, p)| (format!("blocks.{i}.{n}"), p)),
-            );
-        }
-        all
-    }
-}
-
-impl Module for ResNet {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let images = x.reshape(&[x.shape()[0], self.channels, self.side, self.side])?;
         let mut h = self.stem.forward(&images)?.relu()?;
@@ -176,30 +146,6 @@ impl Module for ResNet {
         let pooled = h.adaptive_avg_pool2d((1, 1))?;
         self.head
             .forward(&pooled.reshape(&[x.shape()[0], pooled.shape()[1]])?)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut params: Vec<(String, Tensor)> = self
-            .conv_bns()
-            .into_iter()
-            .flat_map(|(name, part)| part.named_parameters(&name))
-            .collect();
-        let head = self.head.named_parameters().into_iter();
-        params.extend(head.map(|(n, t)| (format!("head.{n}"), t)));
-        params
-    }
-
-    fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        self.conv_bns()
-            .into_iter()
-            .flat_map(|(name, part)| part.named_buffers(&name))
-            .collect()
-    }
-
-    fn set_training(&self, training: bool) {
-        for (_, part) in self.conv_bns() {
-            part.bn.set_training(training);
-        }
     }
 }
 

@@ -15,6 +15,9 @@
 //! # }
 //! ```
 
+// `#[derive(Module)]` writes `::wgrad::...` paths; this makes them resolve inside wgrad too.
+extern crate self as wgrad;
+
 pub mod autograd;
 pub mod capture;
 mod device;
@@ -40,3 +43,5 @@ pub use ops::pool::{Interpolate, Pool2dOptions};
 pub use seed::manual_seed;
 pub use tensor::dim::Dim;
 pub use tensor::{DType, Tensor};
+/// `#[derive(Module)]`: see [`nn::Module`](derive@nn::Module).
+pub use wgrad_derive::Module;

@@ -9,6 +9,7 @@ pub mod init;
 mod layer_norm;
 mod linear;
 pub mod loss;
+mod module_list;
 mod rotary;
 mod sequential;
 mod transformer;
@@ -22,12 +23,72 @@ pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use layer_norm::{GroupNorm, LayerNorm, RmsNorm};
 pub use linear::Linear;
+pub use module_list::ModuleList;
 pub use rotary::RotaryEmbedding;
 pub use sequential::Sequential;
 pub use transformer::{MultiheadAttention, TransformerBlock};
 
 use crate::error::Result;
 use crate::tensor::Tensor;
+
+/// `#[derive(Module)]` writes a struct's [`Module`] impl from its fields: `named_parameters`,
+/// `named_buffers` and `set_training`; the struct's author writes only `forward`, as an
+/// inherent method (`fn forward(&self, x: &Tensor) -> Result<Tensor>`), which the impl calls.
+///
+/// Each field is, by its type:
+/// - `Tensor`, `Option<Tensor>`, `Vec<Tensor>`: parameters named after the field
+///   (`"weight"`; `"bias"` when `Some`; `"w.0"`, `"w.1"`, ...), or buffers with
+///   `#[module(buffer)]`;
+/// - any other type: a child module (a [`Module`], a `Box<dyn Module>`, ...) whose names get
+///   the field's name in front (`"attn.q_proj.weight"`); `Option<M>` when `Some`, `Vec<M>` as
+///   `"blocks.0."`, `"blocks.1."`, ... as PyTorch names an `nn.ModuleList`;
+///   `#[module(flatten)]` leaves the field's name out (how [`Sequential`] names its layers
+///   `"0.weight"`);
+/// - `#[module(skip)]`: plain data (sizes, flags), not registered.
+///
+/// `eval()` and `train()` reach every child module, so no BatchNorm or Dropout inside is
+/// forgotten; a tensor reached twice (tied weights) is listed once, at its first name.
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::nn::{self, Module};
+/// use wgrad::{Device, Result, Tensor};
+///
+/// #[derive(Module)]
+/// struct Mlp {
+///     hidden: Vec<nn::Linear>,
+///     head: nn::Linear,
+///     dropout: nn::Dropout,
+///     #[module(skip)]
+///     width: usize,
+/// }
+///
+/// impl Mlp {
+///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+///         let mut h = x.clone();
+///         for layer in &self.hidden {
+///             h = self.dropout.forward(&layer.forward(&h)?.relu()?)?;
+///         }
+///         self.head.forward(&h)
+///     }
+/// }
+///
+/// let dev = Device::new()?;
+/// let mlp = Mlp {
+///     hidden: vec![nn::Linear::new(4, 8, true, &dev)?, nn::Linear::new(8, 8, true, &dev)?],
+///     head: nn::Linear::new(8, 2, true, &dev)?,
+///     dropout: nn::Dropout::new(0.1)?,
+///     width: 8,
+/// };
+/// let names: Vec<String> = mlp.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["hidden.0.weight", "hidden.0.bias", "hidden.1.weight", "hidden.1.bias",
+///                    "head.weight", "head.bias"]);
+/// mlp.eval(); // reaches the dropout
+/// assert_eq!(mlp.forward(&Tensor::ones(&[3, 4], &dev)?)?.shape(), &[3, 2]);
+/// # Ok(())
+/// # }
+/// ```
+pub use wgrad_derive::Module;
 
 /// A layer or model: a forward function and the parameters it trains.
 ///
@@ -74,6 +135,39 @@ pub trait Module: Send + Sync {
     fn eval(&self) {
         self.set_training(false);
     }
+}
+
+/// A boxed module is the module: `Box<dyn Module>` goes wherever a module does (a
+/// [`ModuleList`] of mixed layers, a field of a derived module).
+impl<M: Module + ?Sized> Module for Box<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        (**self).forward(x)
+    }
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        (**self).named_parameters()
+    }
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        (**self).named_buffers()
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        (**self).parameters()
+    }
+    fn set_training(&self, training: bool) {
+        (**self).set_training(training)
+    }
+}
+
+/// `named` with each tensor at its first name only: a tensor reached twice (tied weights) is
+/// listed once, as PyTorch's `named_parameters` lists it. `#[derive(Module)]` ends its lists
+/// with it.
+pub fn first_names(named: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    let mut unique: Vec<(String, Tensor)> = Vec::with_capacity(named.len());
+    for (name, tensor) in named {
+        if !unique.iter().any(|(_, t)| Tensor::same(t, &tensor)) {
+            unique.push((name, tensor));
+        }
+    }
+    unique
 }
 
 /// `name.param` for each of `module`'s parameters: a composite module's names for a child's.

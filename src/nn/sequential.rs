@@ -6,8 +6,9 @@ use crate::tensor::Tensor;
 
 /// Modules applied in order. Parameters are named by position, as PyTorch does:
 /// `"0.weight"`, `"0.bias"`, `"2.weight"`, ...
-#[derive(Default)]
+#[derive(Default, crate::Module)]
 pub struct Sequential {
+    #[module(flatten)]
     layers: Vec<Box<dyn Module>>,
 }
 
@@ -30,44 +31,13 @@ impl Sequential {
     }
 }
 
-impl Module for Sequential {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Sequential {
+    /// Applies the layers in order.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut h = x.clone();
         for layer in &self.layers {
             h = layer.forward(&h)?;
         }
         Ok(h)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.layers
-            .iter()
-            .enumerate()
-            .flat_map(|(i, layer)| {
-                layer
-                    .named_parameters()
-                    .into_iter()
-                    .map(move |(name, t)| (format!("{i}.{name}"), t))
-            })
-            .collect()
-    }
-
-    fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        self.layers
-            .iter()
-            .enumerate()
-            .flat_map(|(i, layer)| {
-                layer
-                    .named_buffers()
-                    .into_iter()
-                    .map(move |(name, t)| (format!("{i}.{name}"), t))
-            })
-            .collect()
-    }
-
-    fn set_training(&self, training: bool) {
-        for layer in &self.layers {
-            layer.set_training(training);
-        }
     }
 }

@@ -4,7 +4,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::linear::uniform_parameter;
-use crate::nn::{prefixed, Dropout, Gelu, LayerNorm, Linear, Module, Sequential};
+use crate::nn::{Dropout, Gelu, LayerNorm, Linear, Module, Sequential};
 use crate::tensor::Tensor;
 
 /// Multi-head self-attention over `[B, T, C]`, with PyTorch's `nn.MultiheadAttention`
@@ -22,6 +22,7 @@ use crate::tensor::Tensor;
 /// # Ok(())
 /// # }
 /// ```
+#[derive(crate::Module)]
 pub struct MultiheadAttention {
     /// `[3C, C]`: the q, k and v projections stacked.
     pub in_proj_weight: Tensor,
@@ -29,7 +30,9 @@ pub struct MultiheadAttention {
     pub in_proj_bias: Tensor,
     /// `C -> C`.
     pub out_proj: Linear,
+    #[module(skip)]
     heads: usize,
+    #[module(skip)]
     causal: bool,
 }
 
@@ -59,8 +62,9 @@ impl MultiheadAttention {
     }
 }
 
-impl Module for MultiheadAttention {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl MultiheadAttention {
+    /// Self-attention over `x` `[B, T, C]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dim = self.in_proj_weight.shape()[1];
         if x.rank() != 3 || x.shape()[2] != dim {
             return Err(Error::Shape {
@@ -86,20 +90,12 @@ impl Module for MultiheadAttention {
         let merged = attended.transpose(1, 2)?.reshape(&[b, t, dim])?;
         self.out_proj.forward(&merged)
     }
-
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut params = vec![
-            ("in_proj_weight".to_string(), self.in_proj_weight.clone()),
-            ("in_proj_bias".to_string(), self.in_proj_bias.clone()),
-        ];
-        params.extend(prefixed("out_proj", &self.out_proj));
-        params
-    }
 }
 
 /// A pre-norm transformer block over `[B, T, C]`:
 /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` with `mlp` = Linear `C -> 4C`, GELU,
 /// Linear `4C -> C`, and dropout after the attention and the MLP (as GPT-2).
+#[derive(crate::Module)]
 pub struct TransformerBlock {
     /// Before the attention.
     pub ln_1: LayerNorm,
@@ -134,23 +130,12 @@ impl TransformerBlock {
     }
 }
 
-impl Module for TransformerBlock {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl TransformerBlock {
+    /// The block applied to `x` `[B, T, C]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let attended = self.attn.forward(&self.ln_1.forward(x)?)?;
         let x = x.add(&self.dropout.forward(&attended)?)?;
         let mixed = self.mlp.forward(&self.ln_2.forward(&x)?)?;
         x.add(&self.dropout.forward(&mixed)?)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut params = prefixed("ln_1", &self.ln_1);
-        params.extend(prefixed("attn", &self.attn));
-        params.extend(prefixed("ln_2", &self.ln_2));
-        params.extend(prefixed("mlp", &self.mlp));
-        params
-    }
-
-    fn set_training(&self, training: bool) {
-        self.dropout.set_training(training);
     }
 }
