@@ -8,6 +8,7 @@ fn all_kernel_sources() -> Vec<(String, String)> {
     all.extend(crate::ops::copy::kernel_sources());
     all.extend(crate::ops::unary::kernel_sources());
     all.extend(crate::ops::binary::kernel_sources());
+    all.extend(crate::ops::cast::kernel_sources());
     all.extend(crate::ops::matmul::kernel_sources());
     all.extend(crate::ops::reduce::kernel_sources());
     all.extend(crate::ops::softmax::kernel_sources());

@@ -7,10 +7,11 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::io::{io_error, open_with_size};
 use crate::nn::Module;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The prefix of a writer's temporary files: `.wgrad-<pid>-<random>.tmp` beside the target,
 /// short whatever the target's name (a 255-byte name still saves).
@@ -181,18 +182,32 @@ fn tensors_extent(header: &[u8]) -> std::result::Result<u64, String> {
         .map_err(|e| format!("not a valid safetensors header: {e}"))
 }
 
-/// A tensor's values as f32: F32 as they are, and the integer counts PyTorch saves (I64,
-/// I32: `num_batches_tracked`) converted; `None` for other dtypes.
-fn f32_values(view: &TensorView) -> Option<Vec<f32>> {
+/// A file's tensor on `device` in its own float dtype: F32, F16 and BF16 as they are, and the
+/// integer counts PyTorch saves (I64, I32: `num_batches_tracked`) as F32; `None` for other
+/// dtypes.
+fn file_tensor(view: &TensorView, device: &Device) -> Option<Result<Tensor>> {
+    let shape = view.shape();
+    let halves = || -> Vec<u16> { bytemuck::pod_collect_to_vec(view.data()) };
+    let f32s = |values: Vec<f32>| Some(Tensor::from_vec(values, shape, device));
     match view.dtype() {
-        Dtype::F32 => Some(bytemuck::pod_collect_to_vec(view.data())),
-        Dtype::I64 => Some(
+        Dtype::F32 => f32s(bytemuck::pod_collect_to_vec(view.data())),
+        Dtype::F16 => Some(Tensor::from_vec_f16(
+            halves().into_iter().map(half::f16::from_bits).collect(),
+            shape,
+            device,
+        )),
+        Dtype::BF16 => Some(Tensor::from_vec_bf16(
+            halves().into_iter().map(half::bf16::from_bits).collect(),
+            shape,
+            device,
+        )),
+        Dtype::I64 => f32s(
             bytemuck::pod_collect_to_vec::<u8, i64>(view.data())
                 .into_iter()
                 .map(|v| v as f32)
                 .collect(),
         ),
-        Dtype::I32 => Some(
+        Dtype::I32 => f32s(
             bytemuck::pod_collect_to_vec::<u8, i32>(view.data())
                 .into_iter()
                 .map(|v| v as f32)
@@ -209,7 +224,24 @@ pub(crate) fn named_state(module: &dyn Module) -> Vec<(String, Tensor)> {
     state
 }
 
-/// `tensors` read back and encoded as f32 safetensors with `metadata` in the header; two
+/// A tensor read back as the safetensors dtype and bytes it is saved as: F16 and BF16 as they
+/// are, every other dtype as F32 (as before 16-bit tensors existed).
+fn stored_bytes(t: &Tensor) -> Result<(Dtype, Vec<u8>)> {
+    let bits = |halves: Vec<u16>| bytemuck::cast_slice(&halves).to_vec();
+    Ok(match t.dtype() {
+        DType::F16 => (
+            Dtype::F16,
+            bits(t.to_vec_f16()?.iter().map(|h| h.to_bits()).collect()),
+        ),
+        DType::BF16 => (
+            Dtype::BF16,
+            bits(t.to_vec_bf16()?.iter().map(|h| h.to_bits()).collect()),
+        ),
+        _ => (Dtype::F32, bytemuck::cast_slice(&t.to_vec()?).to_vec()),
+    })
+}
+
+/// `tensors` read back and encoded as safetensors (F16 and BF16 as they are, others as F32) with `metadata` in the header; two
 /// tensors of one name are an error naming it (a file holds one per name).
 pub(crate) fn encode(
     op: &'static str,
@@ -227,13 +259,13 @@ pub(crate) fn encode(
     }
     let values = tensors
         .iter()
-        .map(|(_, t)| t.to_vec())
+        .map(|(_, t)| stored_bytes(t))
         .collect::<Result<Vec<_>>>()?;
     let views = tensors
         .iter()
         .zip(&values)
-        .map(|((name, t), v)| {
-            let view = TensorView::new(Dtype::F32, t.shape().to_vec(), bytemuck::cast_slice(v))
+        .map(|((name, t), (dtype, bytes))| {
+            let view = TensorView::new(*dtype, t.shape().to_vec(), bytes)
                 .map_err(|e| io_error(op, path, e))?;
             Ok((name.clone(), view))
         })
@@ -241,7 +273,8 @@ pub(crate) fn encode(
     safetensors::serialize(views, metadata).map_err(|e| io_error(op, path, e))
 }
 
-/// Writes `module`'s named parameters and buffers to `path` as f32 safetensors, atomically
+/// Writes `module`'s named parameters and buffers to `path` as safetensors (F16 and BF16
+/// tensors in their dtype, the others as F32), atomically
 /// (through a temporary file of its own, renamed over `path`): a crash never leaves a
 /// half-written checkpoint, and concurrent saves to one path leave one complete file, the
 /// save whose rename came last. A name given twice by the module is an error naming it.
@@ -261,9 +294,10 @@ pub struct LoadOptions {
 }
 
 /// Reads the parameters and buffers of `module` from the safetensors file at `path`, by name.
-/// Every tensor is checked first (present, f32, right shape, and no tensor in the file that
-/// the module lacks), so on any error the module is left unchanged; the error names the
-/// tensor.
+/// Every tensor is checked first (present, F32, F16 or BF16, right shape, and no tensor in
+/// the file that the module lacks), so on any error the module is left unchanged; the error
+/// names the tensor. Values take the parameter's dtype: an F16 or BF16 tensor loads into an
+/// F32 parameter exactly, and into one of its own dtype as it is.
 pub fn load(path: impl AsRef<Path>, module: &dyn Module) -> Result<()> {
     load_with(path, module, LoadOptions { strict: true }).map(|_| ())
 }
@@ -301,17 +335,6 @@ pub fn load_with(
                 ),
             )
         })?;
-        let Some(values) = f32_values(&view) else {
-            return Err(io_error(
-                OP,
-                path,
-                format!(
-                    "tensor {name:?} is {:?}, expected F32 (or an integer count, as PyTorch \
-                     saves num_batches_tracked)",
-                    view.dtype()
-                ),
-            ));
-        };
         if view.shape() != param.shape() {
             return Err(Error::Shape {
                 op: OP,
@@ -323,10 +346,20 @@ pub fn load_with(
                 ),
             });
         }
-        staged.push((
-            param.clone(),
-            Tensor::from_vec(values, view.shape(), param.device())?,
-        ));
+        let Some(values) = file_tensor(&view, param.device()) else {
+            return Err(io_error(
+                OP,
+                path,
+                format!(
+                    "tensor {name:?} is {:?}, expected F32, F16 or BF16 (or an integer count, \
+                     as PyTorch saves num_batches_tracked)",
+                    view.dtype()
+                ),
+            ));
+        };
+        // In the parameter's dtype: an F16 file into an F32 parameter converts exactly, an
+        // F32 file into an F16 parameter rounds as torch's `.half()`.
+        staged.push((param.clone(), values?.to_dtype(param.dtype())?));
     }
     if options.strict && !skipped.is_empty() {
         return Err(io_error(

@@ -56,6 +56,10 @@ pub(crate) fn groups(n: usize, per_group: usize) -> u32 {
     n.div_ceil(per_group) as u32
 }
 
+/// The families whose kernels read and write F16 and BF16 tensors (through the 16-BIT SECTION
+/// of `shaders/cast.wgsl`); launching any other family's kernel on one is an `Error::DType`.
+const FAMILIES_READING_16_BIT: [&str; 1] = ["cast"];
+
 /// One WGSL file of kernels and the params structs its entry points read.
 pub(crate) struct ShaderFamily {
     /// Names the family in pipeline keys and errors, e.g. `"unary"`.
@@ -250,6 +254,20 @@ fn launch_with(
     workgroups: u32,
     fusion: Option<Fusion>,
 ) -> Result<()> {
+    // Only the families that know how 16-bit elements are packed may bind them; any other
+    // kernel would read their words as f32 or u32 and answer wrong.
+    if !FAMILIES_READING_16_BIT.contains(&kernel.family.name) {
+        if let Some((_, t)) = tensors.iter().find(|(_, t)| t.dtype().is_16_bit()) {
+            return Err(Error::DType {
+                op,
+                msg: format!(
+                    "{op} does not take {:?} tensors yet (got one of shape {:?}): cast with to_dtype(DType::F32) first",
+                    t.dtype(),
+                    t.shape()
+                ),
+            });
+        }
+    }
     let storages: Vec<(u32, Arc<Storage>)> =
         tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
     let buffers: Vec<(u32, BufferSlice)> = storages.iter().map(|(b, s)| (*b, s.slice())).collect();

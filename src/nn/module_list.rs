@@ -21,7 +21,7 @@ use crate::tensor::Tensor;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(crate::Module)]
+#[derive(Module)]
 pub struct ModuleList<M: Module = Box<dyn Module>> {
     #[module(flatten)]
     modules: Vec<M>,

@@ -6,7 +6,7 @@ use crate::tensor::Tensor;
 
 /// Modules applied in order. Parameters are named by position, as PyTorch does:
 /// `"0.weight"`, `"0.bias"`, `"2.weight"`, ...
-#[derive(Default, crate::Module)]
+#[derive(Default, Module)]
 pub struct Sequential {
     #[module(flatten)]
     layers: Vec<Box<dyn Module>>,

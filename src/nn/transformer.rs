@@ -22,7 +22,7 @@ use crate::tensor::Tensor;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(crate::Module)]
+#[derive(Module)]
 pub struct MultiheadAttention {
     /// `[3C, C]`: the q, k and v projections stacked.
     pub in_proj_weight: Tensor,
@@ -95,7 +95,7 @@ impl MultiheadAttention {
 /// A pre-norm transformer block over `[B, T, C]`:
 /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` with `mlp` = Linear `C -> 4C`, GELU,
 /// Linear `4C -> C`, and dropout after the attention and the MLP (as GPT-2).
-#[derive(crate::Module)]
+#[derive(Module)]
 pub struct TransformerBlock {
     /// Before the attention.
     pub ln_1: LayerNorm,

@@ -471,6 +471,15 @@ fn mask_operand(mask: Option<&Tensor>, q: &Tensor, t_k: usize) -> Result<MaskOpe
     let kind = match mask.dtype() {
         DType::F32 => MaskKind::Additive,
         DType::U32 => MaskKind::Keep,
+        DType::F16 | DType::BF16 => {
+            return Err(Error::DType {
+                op: OP,
+                msg: format!(
+                    "a mask is F32 (added) or U32 (1 = attend), got {:?}",
+                    mask.dtype()
+                ),
+            })
+        }
     };
     if mask.requires_grad() {
         return Err(Error::InvalidArgument {

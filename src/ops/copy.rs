@@ -247,10 +247,37 @@ impl Tensor {
         fill("arange", &[n], 0.0, 1.0, device)
     }
 
-    /// The values, row-major, as f32. Submits pending work and waits for it.
+    /// The values, row-major, as f32 (F16 and BF16 converted exactly). Submits pending work
+    /// and waits for it.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
-        self.expect_dtype("to_vec", DType::F32)?;
-        Ok(bytemuck::pod_collect_to_vec(&self.read_bytes("to_vec")?))
+        match self.dtype() {
+            DType::F16 => Ok(self.to_vec_f16()?.into_iter().map(f32::from).collect()),
+            DType::BF16 => Ok(self.to_vec_bf16()?.into_iter().map(f32::from).collect()),
+            _ => {
+                self.expect_dtype("to_vec", DType::F32)?;
+                Ok(bytemuck::pod_collect_to_vec(&self.read_bytes("to_vec")?))
+            }
+        }
+    }
+
+    /// The values, row-major, of an F16 tensor, as they are.
+    pub fn to_vec_f16(&self) -> Result<Vec<half::f16>> {
+        self.expect_dtype("to_vec_f16", DType::F16)?;
+        Ok(self
+            .read_16_bit("to_vec_f16")?
+            .into_iter()
+            .map(half::f16::from_bits)
+            .collect())
+    }
+
+    /// The values, row-major, of a BF16 tensor, as they are.
+    pub fn to_vec_bf16(&self) -> Result<Vec<half::bf16>> {
+        self.expect_dtype("to_vec_bf16", DType::BF16)?;
+        Ok(self
+            .read_16_bit("to_vec_bf16")?
+            .into_iter()
+            .map(half::bf16::from_bits)
+            .collect())
     }
 
     /// The values, row-major, of a u32 tensor (labels, indices, argmax).
@@ -261,7 +288,7 @@ impl Tensor {
         ))
     }
 
-    /// The value of a one-element f32 tensor.
+    /// The value of a one-element float tensor, as f32.
     pub fn item(&self) -> Result<f32> {
         if self.numel() != 1 {
             return Err(Error::Shape {
@@ -272,8 +299,24 @@ impl Tensor {
                 ),
             });
         }
+        if self.dtype().is_16_bit() {
+            return Ok(self.to_vec()?[0]);
+        }
         self.expect_dtype("item", DType::F32)?;
         Ok(bytemuck::pod_collect_to_vec::<u8, f32>(&self.read_bytes("item")?)[0])
+    }
+
+    /// A 16-bit tensor's elements' bits. Reads whole 32-bit words: a view that starts inside
+    /// one is copied to a tensor of its own first.
+    fn read_16_bit(&self, op: &'static str) -> Result<Vec<u16>> {
+        let starts_in_word = self.layout().offset % 2 == 1;
+        let dense = match self.is_contiguous() && !starts_in_word {
+            true => self.clone(),
+            false => crate::ops::cast::cast(op, &self.detach(), self.dtype())?,
+        };
+        let mut bits: Vec<u16> = bytemuck::pod_collect_to_vec(&dense.read_bytes(op)?);
+        bits.truncate(self.numel());
+        Ok(bits)
     }
 
     fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {
@@ -285,7 +328,7 @@ impl Tensor {
             op,
             storage.buffer(),
             storage.base() + dense.layout().offset as u64 * size,
-            dense.numel() as u64 * size,
+            (dense.numel() as u64 * size).next_multiple_of(4),
         )
     }
 
@@ -294,6 +337,9 @@ impl Tensor {
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {
             return Ok(self.clone());
+        }
+        if self.dtype().is_16_bit() {
+            return crate::ops::cast::cast("contiguous", self, self.dtype());
         }
         let out = Tensor::empty("contiguous", self.shape(), self.dtype(), self.device())?
             .with_index_bound(self.index_bound());
@@ -305,6 +351,9 @@ impl Tensor {
     /// copies the handle). A contiguous source is one `copy_buffer_to_buffer`.
     pub fn deep_clone(&self) -> Result<Tensor> {
         const OP: &str = "deep_clone";
+        if self.dtype().is_16_bit() {
+            return crate::ops::cast::cast(OP, self, self.dtype());
+        }
         let out = Tensor::empty(OP, self.shape(), self.dtype(), self.device())?
             .with_index_bound(self.index_bound());
         copy_into(OP, self, &out, &out.layout().clone())?;
@@ -365,6 +414,9 @@ impl Tensor {
                     ),
                 });
             }
+        }
+        if self.dtype().is_16_bit() {
+            return crate::ops::cast::cast_into(OP, src, self);
         }
         // One dispatch may not read and write the same buffer through two bindings.
         let src = if src.storage_id() == self.storage_id() {

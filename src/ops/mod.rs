@@ -5,6 +5,7 @@
 pub(crate) mod attention;
 pub(crate) mod batch_norm;
 pub(crate) mod binary;
+pub(crate) mod cast;
 pub(crate) mod conv;
 pub(crate) mod copy;
 pub(crate) mod index;

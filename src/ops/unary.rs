@@ -568,14 +568,18 @@ impl Tensor {
 
     /// The tensor as `dtype`: f32 to u32 truncates toward zero (negatives and NaN become 0,
     /// values past the largest u32 an f32 holds become that, 4,294,967,040, as WGSL
-    /// converts), u32 to f32 rounds to the nearest f32. The same dtype returns this tensor. A cast
-    /// records no grad (a u32 has none). A u32 made by a cast has no known index bound, so
+    /// converts), u32 to f32 rounds to the nearest f32. To F16 and BF16 rounds to nearest even
+    /// as torch's `.half()` and `.bfloat16()` do, bit for bit (past F16's range: inf; NaN
+    /// stays NaN); from them is exact. The same dtype returns this tensor. A cast between
+    /// float dtypes carries the grad back in the source's dtype; one to or from u32 records
+    /// no grad (a u32 has none). A u32 made by a cast has no known index bound, so
     /// index ops refuse it (they check bounds without reading the device).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         let op = match (self.dtype(), dtype) {
-            (DType::F32, DType::F32) | (DType::U32, DType::U32) => return Ok(self.clone()),
+            (from, to) if from == to => return Ok(self.clone()),
             (DType::F32, DType::U32) => UnaryOp::F32ToU32,
             (DType::U32, DType::F32) => UnaryOp::U32ToF32,
+            _ => return crate::ops::cast::cast("to_dtype", self, dtype),
         };
         unary(self, op, 0.0)
     }

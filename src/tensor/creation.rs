@@ -53,6 +53,22 @@ fn upload_with(
     ))
 }
 
+/// A 16-bit tensor of `shape` from its elements' bits, uploaded in whole 32-bit words (the
+/// last one padded with zeros when the count is odd).
+fn from_16_bit(
+    op: &'static str,
+    mut bits: Vec<u16>,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    check_len(op, bits.len(), shape)?;
+    if bits.len() % 2 == 1 {
+        bits.push(0);
+    }
+    upload(op, bytemuck::cast_slice(&bits), shape, dtype, device)
+}
+
 /// The element count of an f32 tensor of `shape` to be made on the host, checked against
 /// what `device` can hold in one tensor before any host memory is taken for it.
 pub(crate) fn checked_host_numel(
@@ -148,6 +164,22 @@ impl Tensor {
             device,
         )?
         .with_index_bound(Some(bound)))
+    }
+
+    /// An F16 tensor of `shape` holding `data` as it is (no rounding: the values are halves).
+    pub fn from_vec_f16(data: Vec<half::f16>, shape: &[usize], device: &Device) -> Result<Tensor> {
+        let bits: Vec<u16> = data.iter().map(|h| h.to_bits()).collect();
+        from_16_bit("from_vec_f16", bits, shape, DType::F16, device)
+    }
+
+    /// A BF16 tensor of `shape` holding `data` as it is.
+    pub fn from_vec_bf16(
+        data: Vec<half::bf16>,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<Tensor> {
+        let bits: Vec<u16> = data.iter().map(|h| h.to_bits()).collect();
+        from_16_bit("from_vec_bf16", bits, shape, DType::BF16, device)
     }
 
     /// A u32 `[rows, cols]` mask: 1 where `j <= i + diagonal` (on and below that diagonal),

@@ -133,7 +133,7 @@ impl fmt::Display for Tensor {
                 Ok(v) => v.into_iter().map(f64::from).collect(),
                 Err(e) => return write!(f, "tensor(<unreadable: {e}>)"),
             },
-            DType::F32 => match self.to_vec() {
+            DType::F32 | DType::F16 | DType::BF16 => match self.to_vec() {
                 Ok(v) => v.into_iter().map(f64::from).collect(),
                 Err(e) => return write!(f, "tensor(<unreadable: {e}>)"),
             },

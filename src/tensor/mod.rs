@@ -17,19 +17,37 @@ use graph::AutogradMeta;
 pub(crate) use layout::Layout;
 pub(crate) use storage::Storage;
 
-/// Element types. f32 is the working type; u32 holds labels and indices.
+/// Element types. f32 is the working type; u32 holds labels and indices; F16 and BF16 store
+/// floats in 2 bytes each (two per 32-bit word), for checkpoints and mixed precision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// 32-bit float.
     F32,
     /// 32-bit unsigned integer (labels, indices).
     U32,
+    /// IEEE 754 half precision (`half::f16`, torch's `float16`).
+    F16,
+    /// bfloat16: f32's exponent, 8 bits of mantissa (`half::bf16`, torch's `bfloat16`).
+    BF16,
 }
 
 impl DType {
     /// Bytes per element.
     pub fn size(self) -> usize {
-        4
+        match self {
+            DType::F32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// True for the float dtypes (F32, F16, BF16).
+    pub fn is_float(self) -> bool {
+        self != DType::U32
+    }
+
+    /// True for F16 and BF16, which kernels read two to a word.
+    pub fn is_16_bit(self) -> bool {
+        self.size() == 2
     }
 }
 
@@ -92,7 +110,9 @@ impl Tensor {
         device: &Device,
     ) -> Result<Tensor> {
         let numel = checked_numel(op, shape)?;
-        let storage = Storage::alloc(op, (numel * dtype.size()) as u64, device)?;
+        // Whole 32-bit words: kernels bind and read 16-bit elements two to a word.
+        let bytes = (numel * dtype.size()).next_multiple_of(4);
+        let storage = Storage::alloc(op, bytes as u64, device)?;
         Ok(Tensor::from_parts(
             Arc::new(storage),
             Layout::contiguous(shape),

@@ -1,0 +1,129 @@
+//! Casts to and from the 16-bit float dtypes (F16, BF16), and copies of 16-bit tensors:
+//! `shaders/cast.wgsl`, whose 16-BIT SECTION is how kernels read and write 16-bit elements.
+
+use crate::error::{Error, Result};
+use crate::kernel::{launch, strided_dims, Kernel, KernelParams, ShaderFamily};
+use crate::ops::too_large_view;
+use crate::tensor::graph::record;
+use crate::tensor::{DType, Tensor};
+
+crate::kernel_params! {
+    /// `convert`: the source's layout (in elements), `n` elements in all, written to the
+    /// destination's elements from `dst_offset` on.
+    pub(crate) struct CastParams {
+        n: u32,
+        offset: u32,
+        rank: u32,
+        shape: [u32; 6],
+        strides: [u32; 6],
+        dst_offset: u32,
+    }
+}
+
+static CAST: ShaderFamily = ShaderFamily {
+    name: "cast",
+    wgsl: include_str!("../../shaders/cast.wgsl"),
+    params: &[&CastParams::LAYOUT],
+};
+
+/// The placeholder value `shaders/cast.wgsl` names `dtype` by.
+fn wgsl_code(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "0",
+        DType::U32 => "1",
+        DType::F16 => "2",
+        DType::BF16 => "3",
+    }
+}
+
+/// `x` as a new contiguous tensor of `dtype`, where `x` or `dtype` is 16-bit (the same dtype
+/// copies). Between float dtypes the grad is cast back to `x`'s dtype; a U32 side records no
+/// grad.
+pub(crate) fn cast(op: &'static str, x: &Tensor, dtype: DType) -> Result<Tensor> {
+    let out = Tensor::empty(op, x.shape(), dtype, x.device())?;
+    let n = x.numel();
+    if n > 0 {
+        for t in [x, &out] {
+            if t.exceeds_binding() {
+                return Err(too_large_view(op, t));
+            }
+        }
+        launch_cast(op, x, &out)?;
+    }
+    if x.dtype() == DType::U32 || dtype == DType::U32 {
+        return Ok(out);
+    }
+    let from = x.dtype();
+    Ok(record(op, out, &[x], |_| {
+        move |g: &Tensor| Ok(vec![Some(g.to_dtype(from)?)])
+    }))
+}
+
+/// Every specialisation (source, destination) of `shaders/cast.wgsl`, for the module checks.
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    const ALL: [DType; 4] = [DType::F32, DType::U32, DType::F16, DType::BF16];
+    ALL.iter()
+        .flat_map(|&from| ALL.iter().map(move |&to| (from, to)))
+        .filter(|(from, to)| from.is_16_bit() || to.is_16_bit())
+        .map(|(from, to)| (format!("cast/{from:?}_to_{to:?}"), source(from, to)))
+        .collect()
+}
+
+/// The module casting `from` to `to`.
+fn source(from: DType, to: DType) -> String {
+    CAST.source(&[("SRC_DTYPE", wgsl_code(from)), ("DST_DTYPE", wgsl_code(to))])
+}
+
+/// Writes `src`'s values, cast to `dst`'s dtype, into `dst` in place (`copy_`): `dst` is
+/// contiguous (any offset; 16-bit elements that share a word with `dst`'s keep their bits).
+pub(crate) fn cast_into(op: &'static str, src: &Tensor, dst: &Tensor) -> Result<()> {
+    if !dst.is_contiguous() {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!(
+                "writes into {:?} tensors need a contiguous destination, got a view of shape {:?}",
+                dst.dtype(),
+                dst.shape()
+            ),
+        });
+    }
+    if src.numel() == 0 {
+        return Ok(());
+    }
+    for t in [src, dst] {
+        if t.exceeds_binding() {
+            return Err(too_large_view(op, t));
+        }
+    }
+    // One dispatch may not read and write the same buffer through two bindings.
+    let src = match src.storage_id() == dst.storage_id() {
+        true => cast(op, &src.detach(), src.dtype())?,
+        false => src.clone(),
+    };
+    launch_cast(op, &src, dst)
+}
+
+fn launch_cast(op: &'static str, x: &Tensor, out: &Tensor) -> Result<()> {
+    let layout = x.layout();
+    let dims = strided_dims(op, &layout.shape, &[&layout.strides])?;
+    let (n, first) = (x.numel(), out.layout().offset);
+    let params = CastParams {
+        n: n as u32,
+        offset: layout.offset as u32,
+        rank: dims.rank,
+        shape: dims.shape,
+        strides: dims.strides[0],
+        dst_offset: first as u32,
+    };
+    let (from, to) = (x.dtype(), out.dtype());
+    let variant = format!("{from:?}_to_{to:?}");
+    let source = || source(from, to);
+    let kernel = Kernel::specialised(&CAST, "convert", &variant, &source);
+    // One invocation per destination word: two elements of a 16-bit destination.
+    let words = match to.size() {
+        2 => (first + n).div_ceil(2) - first / 2,
+        _ => n,
+    };
+    launch(op, &kernel, &[x, out], &params, words.div_ceil(256) as u32)
+}

@@ -1,0 +1,327 @@
+//! F16 and BF16 tensors (docs/ops.md, "DTypes"): stored two to a 32-bit word, cast to and from
+//! every dtype on the device, rounded as torch rounds, and refused by the kernels that do not
+//! read them yet with a dtype error rather than a wrong answer.
+
+mod common;
+use common::*;
+use half::{bf16, f16};
+use wgrad::{DType, Error, Tensor};
+
+/// `tools/dtype_fixtures.py`: f32 bit patterns and torch's `.half()` and `.bfloat16()` of them.
+struct RoundTrips {
+    f32: Vec<u32>,
+    f16: Vec<u16>,
+    bf16: Vec<u16>,
+}
+
+fn round_trips() -> RoundTrips {
+    let text = include_str!("fixtures/dtype_round_trips.json");
+    let json: serde_json::Value = serde_json::from_str(text).unwrap();
+    let list = |key: &str| -> Vec<u64> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    RoundTrips {
+        f32: list("f32").into_iter().map(|v| v as u32).collect(),
+        f16: list("f16").into_iter().map(|v| v as u16).collect(),
+        bf16: list("bf16").into_iter().map(|v| v as u16).collect(),
+    }
+}
+
+fn f32_tensor_of_bits(bits: &[u32]) -> Tensor {
+    let values: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+    let n = values.len();
+    Tensor::from_vec(values, &[n], device()).unwrap()
+}
+
+fn bits_of(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The 16-bit patterns of `x` cast to `dtype` (F16 or BF16) on the device.
+fn cast_bits(x: &Tensor, dtype: DType) -> Vec<u16> {
+    let y = x.to_dtype(dtype).unwrap();
+    match dtype {
+        DType::F16 => y
+            .to_vec_f16()
+            .unwrap()
+            .into_iter()
+            .map(f16::to_bits)
+            .collect(),
+        _ => y
+            .to_vec_bf16()
+            .unwrap()
+            .into_iter()
+            .map(bf16::to_bits)
+            .collect(),
+    }
+}
+
+/// Each fixture value cast to `dtype` equals torch's bits.
+fn assert_casts_as_torch(dtype: DType, torch: impl Fn(&RoundTrips) -> &Vec<u16>) {
+    let fixture = round_trips();
+    let got = cast_bits(&f32_tensor_of_bits(&fixture.f32), dtype);
+    for (i, (g, w)) in got.iter().zip(torch(&fixture)).enumerate() {
+        assert_eq!(
+            g, w,
+            "f32 {:#010x}: {dtype:?} {g:#06x}, torch {w:#06x}",
+            fixture.f32[i]
+        );
+    }
+}
+
+#[test]
+fn f32_to_f16_rounds_as_torch_bit_for_bit() {
+    assert_casts_as_torch(DType::F16, |f| &f.f16);
+}
+
+#[test]
+fn f32_to_bf16_rounds_as_torch_bit_for_bit() {
+    assert_casts_as_torch(DType::BF16, |f| &f.bf16);
+}
+
+#[test]
+fn f16_and_bf16_to_f32_on_the_device_are_exact() {
+    let fixture = round_trips();
+    let halves: Vec<f16> = fixture.f16.iter().map(|&b| f16::from_bits(b)).collect();
+    let n = halves.len();
+    let h = Tensor::from_vec_f16(halves.clone(), &[n], device()).unwrap();
+    let got = h.to_dtype(DType::F32).unwrap().to_vec().unwrap();
+    let want: Vec<f32> = halves.iter().map(|&v| f32::from(v)).collect();
+    // NaN compares by bits too: the cast keeps sign and payload's top bits as torch.
+    assert_eq!(bits_of(&got), bits_of(&want), "F16 -> F32");
+
+    let brains: Vec<bf16> = fixture.bf16.iter().map(|&b| bf16::from_bits(b)).collect();
+    let b = Tensor::from_vec_bf16(brains.clone(), &[n], device()).unwrap();
+    let got = b.to_dtype(DType::F32).unwrap().to_vec().unwrap();
+    let want: Vec<f32> = brains.iter().map(|&v| f32::from(v)).collect();
+    assert_eq!(bits_of(&got), bits_of(&want), "BF16 -> F32");
+}
+
+#[test]
+fn sixteen_bit_values_upload_and_read_back_as_they_are() {
+    // An odd count: the last word holds one element.
+    let values: Vec<f16> = (0..7)
+        .map(|i| f16::from_f32(i as f32 * 0.5 - 1.0))
+        .collect();
+    let t = Tensor::from_vec_f16(values.clone(), &[7], device()).unwrap();
+    assert_eq!(t.dtype(), DType::F16);
+    assert_eq!(t.to_vec_f16().unwrap(), values);
+    assert_eq!(
+        t.to_vec().unwrap(),
+        values.iter().map(|&v| f32::from(v)).collect::<Vec<_>>()
+    );
+    let b: Vec<bf16> = (0..5).map(|i| bf16::from_f32(i as f32 * 1e30)).collect();
+    let t = Tensor::from_vec_bf16(b.clone(), &[5], device()).unwrap();
+    assert_eq!(t.to_vec_bf16().unwrap(), b);
+}
+
+#[test]
+fn views_of_16_bit_tensors_read_and_copy_at_odd_offsets() {
+    // [3, 5] of halves; its transpose and a narrow starting inside a word.
+    let values: Vec<f32> = (0..15).map(|i| i as f32).collect();
+    let h = Tensor::from_vec(values.clone(), &[3, 5], device())
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let t = h.t().unwrap();
+    let want_t: Vec<f32> = (0..5)
+        .flat_map(|c| (0..3).map(move |r| (r * 5 + c) as f32))
+        .collect();
+    assert_eq!(t.to_vec().unwrap(), want_t);
+    let dense = t.contiguous().unwrap();
+    assert!(dense.is_contiguous());
+    assert_eq!(dense.dtype(), DType::F16);
+    assert_eq!(dense.to_vec().unwrap(), want_t);
+    let narrow = h.reshape(&[15]).unwrap().narrow(0, 3, 7).unwrap();
+    assert_eq!(narrow.to_vec().unwrap(), values[3..10].to_vec());
+    assert_eq!(
+        narrow.to_dtype(DType::BF16).unwrap().to_vec().unwrap(),
+        values[3..10].to_vec()
+    );
+}
+
+#[test]
+fn casts_between_every_pair_of_dtypes() {
+    let values = [0.0f32, 1.0, 2.5, 7.0, 300.0, 65504.0];
+    let x = Tensor::from_slice(&values, &[6], device()).unwrap();
+    for from in [DType::F32, DType::F16, DType::BF16, DType::U32] {
+        for to in [DType::F32, DType::F16, DType::BF16, DType::U32] {
+            let y = x.to_dtype(from).unwrap().to_dtype(to).unwrap();
+            assert_eq!(y.dtype(), to);
+            let got = match to {
+                DType::U32 => y
+                    .to_vec_u32()
+                    .unwrap()
+                    .into_iter()
+                    .map(|v| v as f32)
+                    .collect(),
+                _ => y.to_vec().unwrap(),
+            };
+            // 2.5 truncates to 2 through U32; 65504 is a half but BF16 rounds it to 65536,
+            // which F16 holds as inf.
+            let want: Vec<f32> = values
+                .iter()
+                .map(|&v| {
+                    let v = match from {
+                        DType::BF16 => f32::from(bf16::from_f32(v)),
+                        DType::U32 => v.trunc(),
+                        _ => v,
+                    };
+                    match to {
+                        DType::F16 => f32::from(f16::from_f32(v)),
+                        DType::BF16 => f32::from(bf16::from_f32(v)),
+                        DType::U32 => v.trunc(),
+                        _ => v,
+                    }
+                })
+                .collect();
+            assert_eq!(got, want, "{from:?} -> {to:?}");
+        }
+    }
+}
+
+#[test]
+fn a_cast_past_65536_elements_covers_them_all() {
+    let n = 70_001;
+    // Whole numbers below 256: exact in both 16-bit dtypes.
+    let values: Vec<f32> = (0..n).map(|i| (i % 251) as f32).collect();
+    let x = Tensor::from_vec(values.clone(), &[n], device()).unwrap();
+    let h = x.to_dtype(DType::F16).unwrap();
+    let wrong = |got: Vec<f32>| got.iter().zip(&values).filter(|(g, w)| g != w).count();
+    assert_eq!(wrong(h.to_vec().unwrap()), 0, "F32 -> F16");
+    let b = h.to_dtype(DType::BF16).unwrap();
+    assert_eq!(wrong(b.to_vec().unwrap()), 0, "F16 -> BF16");
+}
+
+#[test]
+fn empty_and_single_element_16_bit_tensors() {
+    let e = Tensor::from_vec_f16(vec![], &[0, 3], device()).unwrap();
+    assert_eq!(e.to_dtype(DType::F32).unwrap().shape(), &[0, 3]);
+    assert!(e.to_vec().unwrap().is_empty());
+    let one = Tensor::from_vec_bf16(vec![bf16::from_f32(-2.0)], &[], device()).unwrap();
+    assert_eq!(one.item().unwrap(), -2.0);
+}
+
+#[test]
+fn the_grad_of_a_cast_comes_back_in_the_source_dtype() {
+    let (x, _) = random_tensor(&[4, 3], 3);
+    let x = x.requires_grad_(true);
+    let y = x
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    y.mul_scalar(3.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let grad = x.grad().unwrap();
+    assert_eq!(grad.dtype(), DType::F32);
+    assert_eq!(grad.to_vec().unwrap(), vec![3.0; 12]);
+}
+
+#[test]
+fn ops_that_do_not_read_16_bit_tensors_refuse_them() {
+    let h = Tensor::from_vec_f16(vec![f16::ONE; 6], &[2, 3], device()).unwrap();
+    let cases: [(&str, wgrad::Result<Tensor>); 3] = [
+        ("add", h.add(&h)),
+        ("matmul", h.matmul(&h.t().unwrap())),
+        ("exp", h.exp()),
+    ];
+    for (op, result) in cases {
+        match result {
+            Err(Error::DType { msg, .. }) => assert!(msg.contains("F16"), "{op}: {msg}"),
+            Err(e) => panic!("{op}: expected a dtype error, got {e}"),
+            Ok(_) => panic!("{op}: an F16 tensor was read as f32"),
+        }
+    }
+}
+
+#[test]
+fn a_16_bit_tensor_displays_its_values() {
+    let h = Tensor::from_vec_f16(
+        vec![f16::from_f32(1.5), f16::from_f32(-2.0)],
+        &[2],
+        device(),
+    )
+    .unwrap();
+    assert_eq!(h.to_string(), "tensor([ 1.5000, -2.0000])");
+}
+
+#[test]
+fn copy_into_a_16_bit_run_inside_words_keeps_its_neighbours() {
+    let h = Tensor::from_vec_f16(vec![f16::ZERO; 9], &[9], device()).unwrap();
+    let src = Tensor::from_slice(&[1.0, 2.0, 3.0], &[3], device())
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    // Elements 3..6: the run starts in the second half of a word and ends in the first.
+    h.narrow(0, 3, 3).unwrap().copy_(&src).unwrap();
+    assert_eq!(
+        h.to_vec().unwrap(),
+        vec![0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0]
+    );
+}
+
+/// A module whose parameters are 16-bit, as mixed precision will keep some.
+#[derive(wgrad::Module)]
+struct Halves {
+    h: Tensor,
+    b: Tensor,
+}
+
+impl Halves {
+    fn forward(&self, x: &Tensor) -> wgrad::Result<Tensor> {
+        Ok(x.clone())
+    }
+}
+
+#[test]
+fn checkpoints_keep_16_bit_tensors_in_their_dtype() {
+    let values: Vec<f32> = (0..5).map(|i| i as f32 * 0.3 - 0.7).collect();
+    let x = Tensor::from_slice(&values, &[5], device()).unwrap();
+    let module = Halves {
+        h: x.to_dtype(DType::F16).unwrap(),
+        b: x.to_dtype(DType::BF16).unwrap(),
+    };
+    let path =
+        std::env::temp_dir().join(format!("wgrad-halves-{}.safetensors", std::process::id()));
+    wgrad::io::save(&path, &module).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(file.tensor("h").unwrap().dtype(), safetensors::Dtype::F16);
+    assert_eq!(file.tensor("b").unwrap().dtype(), safetensors::Dtype::BF16);
+
+    // Into 16-bit parameters: the same bits.
+    let fresh = Halves {
+        h: Tensor::from_vec_f16(vec![f16::ZERO; 5], &[5], device()).unwrap(),
+        b: Tensor::from_vec_bf16(vec![bf16::ZERO; 5], &[5], device()).unwrap(),
+    };
+    wgrad::io::load(&path, &fresh).unwrap();
+    assert_eq!(
+        fresh.h.to_vec_f16().unwrap(),
+        module.h.to_vec_f16().unwrap()
+    );
+    assert_eq!(
+        fresh.b.to_vec_bf16().unwrap(),
+        module.b.to_vec_bf16().unwrap()
+    );
+
+    // Into F32 parameters: converted exactly.
+    let wide = Halves {
+        h: Tensor::zeros(&[5], device()).unwrap(),
+        b: Tensor::zeros(&[5], device()).unwrap(),
+    };
+    wgrad::io::load(&path, &wide).unwrap();
+    assert_eq!(wide.h.dtype(), DType::F32);
+    assert_eq!(wide.h.to_vec().unwrap(), module.h.to_vec().unwrap());
+    assert_eq!(wide.b.to_vec().unwrap(), module.b.to_vec().unwrap());
+    std::fs::remove_file(&path).unwrap();
+}
