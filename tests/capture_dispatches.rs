@@ -75,8 +75,9 @@ fn dispatches_per_replay_do_not_grow() {
 
     let info = dev.info();
     eprintln!("dispatches per replay on {info}: MLP {mlp_count}, CNN {cnn_count}, GPT {gpt_count}");
-    // Pinned where they were measured: software adapters (a GPU runs other kernels).
-    if !info.is_software() {
+    // Pinned where they were measured: software adapters running their own kernels (a GPU,
+    // or WGRAD_KERNEL_FLAVOR=gpu, runs other kernels).
+    if !info.is_software() || dev.kernel_flavor() != wgrad::KernelFlavor::Cpu {
         return;
     }
     let pinned = match format!("{:?}", info.backend).as_str() {

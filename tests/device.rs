@@ -145,6 +145,27 @@ fn dropped_tensors_return_their_buffers_to_the_pool() {
 }
 
 #[test]
+fn peak_memory_is_the_most_live_bytes_since_the_last_reset() {
+    let _s = serial();
+    let dev = device();
+    dev.reset_peak_memory();
+    let start = dev.stats();
+    assert_eq!(start.peak_live_bytes, start.live_bytes);
+    let big = Tensor::zeros(&[1 << 20], dev).unwrap();
+    let with_big = dev.stats().live_bytes;
+    drop(big);
+    let after = dev.stats();
+    assert_eq!(after.live_bytes, start.live_bytes);
+    assert_eq!(
+        after.peak_live_bytes, with_big,
+        "the peak outlives the tensor"
+    );
+    assert!(after.peak_live_bytes >= start.live_bytes + (4 << 20));
+    dev.reset_peak_memory();
+    assert_eq!(dev.stats().peak_live_bytes, start.live_bytes);
+}
+
+#[test]
 fn pipelines_are_compiled_once_per_kernel() {
     let _s = serial();
     let dev = device();

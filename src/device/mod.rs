@@ -114,6 +114,9 @@ pub struct DeviceStats {
     pub live_bytes: u64,
     /// Bytes in freed buffers kept for reuse.
     pub pooled_bytes: u64,
+    /// The most bytes live tensors have held at once since the device started or
+    /// [`Device::reset_peak_memory`] (torch's `max_memory_allocated`, in size classes).
+    pub peak_live_bytes: u64,
     /// Storage buffers ever created (each pool miss creates one).
     pub buffers_created: u64,
     /// Compiled pipelines in the cache.
@@ -172,6 +175,24 @@ struct Recorder {
 /// them when it is unset. A value that names none is an error, not a silent fallback.
 fn backends_from_env() -> Result<wgpu::Backends> {
     backends_from(std::env::var("WGPU_BACKEND").ok())
+}
+
+/// `WGRAD_KERNEL_FLAVOR=gpu` or `=cpu`: the kernels every device runs, whatever its adapter
+/// (how `tools/gpu_check.sh` runs the GPU kernels' tests on a software adapter).
+fn kernel_flavor_from_env() -> Result<Option<KernelFlavor>> {
+    kernel_flavor_from(std::env::var("WGRAD_KERNEL_FLAVOR").ok())
+}
+
+fn kernel_flavor_from(setting: Option<String>) -> Result<Option<KernelFlavor>> {
+    match setting {
+        None => Ok(None),
+        Some(v) if v.eq_ignore_ascii_case("gpu") => Ok(Some(KernelFlavor::Gpu)),
+        Some(v) if v.eq_ignore_ascii_case("cpu") => Ok(Some(KernelFlavor::Cpu)),
+        Some(v) => Err(Error::InvalidArgument {
+            op: "Device::new",
+            msg: format!("WGRAD_KERNEL_FLAVOR={v:?}: use gpu or cpu, or unset it"),
+        }),
+    }
 }
 
 fn backends_from(setting: Option<String>) -> Result<wgpu::Backends> {
@@ -247,7 +268,8 @@ impl Device {
     /// The best adapter on this machine: a discrete GPU, else an integrated one, else a
     /// software adapter (and then says so through the `log` crate, at info level). Honours
     /// `WGPU_BACKEND`
-    /// (vulkan, metal, dx12, gl) and `WGRAD_ADAPTER=software`.
+    /// (vulkan, metal, dx12, gl), `WGRAD_ADAPTER=software` and `WGRAD_KERNEL_FLAVOR` (gpu or
+    /// cpu: the kernels to run, whatever the adapter).
     pub fn new() -> Result<Device> {
         let software_only = std::env::var("WGRAD_ADAPTER")
             .map(|v| v.eq_ignore_ascii_case("software"))
@@ -374,7 +396,10 @@ impl Device {
         };
         Ok(Device {
             inner: Arc::new(DeviceInner {
-                gpu_flavor: AtomicBool::new(!info.is_software()),
+                gpu_flavor: AtomicBool::new(
+                    kernel_flavor_from_env()?
+                        .map_or(!info.is_software(), |f| f == KernelFlavor::Gpu),
+                ),
                 subgroup_size,
                 info,
                 device,
@@ -414,9 +439,17 @@ impl Device {
             dispatches: self.inner.dispatches.load(Ordering::Relaxed),
             live_bytes: pool.live_bytes,
             pooled_bytes: pool.pooled_bytes,
+            peak_live_bytes: pool.peak_live_bytes,
             buffers_created: pool.created,
             pipelines: lock(&self.inner.pipelines).len(),
         }
+    }
+
+    /// Starts [`DeviceStats::peak_live_bytes`] again from the bytes live now (torch's
+    /// `reset_peak_memory_stats`), to measure the peak of one step.
+    pub fn reset_peak_memory(&self) {
+        let mut pool = lock(&self.inner.pool);
+        pool.peak_live_bytes = pool.live_bytes;
     }
 
     /// The subgroup width kernels may rely on: `Some` when the device has subgroup operations
@@ -854,7 +887,20 @@ impl DeviceInner {
 
 #[cfg(test)]
 mod tests {
-    use super::{backends_from, Device};
+    use super::{backends_from, kernel_flavor_from, Device, KernelFlavor};
+
+    #[test]
+    fn wgrad_kernel_flavor_picks_the_kernels_or_is_an_error() {
+        let flavor = |v: &str| kernel_flavor_from(Some(v.into()));
+        assert_eq!(flavor("gpu").unwrap(), Some(KernelFlavor::Gpu));
+        assert_eq!(flavor("CPU").unwrap(), Some(KernelFlavor::Cpu));
+        assert_eq!(kernel_flavor_from(None).unwrap(), None);
+        let err = flavor("fast").unwrap_err().to_string();
+        assert!(
+            err.contains("WGRAD_KERNEL_FLAVOR") && err.contains("fast"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn wgpu_backend_naming_no_backend_is_an_error() {

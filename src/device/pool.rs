@@ -30,6 +30,8 @@ pub(crate) struct BufferPool {
     pub pooled_bytes: u64,
     /// Buffers ever created (a pool miss creates one).
     pub created: u64,
+    /// The most `live_bytes` have been since the device started or the last reset.
+    pub peak_live_bytes: u64,
 }
 
 impl BufferPool {
@@ -37,14 +39,19 @@ impl BufferPool {
     pub fn take(&mut self, class: u64) -> Option<wgpu::Buffer> {
         let buffer = self.free.get_mut(&class)?.pop()?;
         self.pooled_bytes -= class;
-        self.live_bytes += class;
+        self.add_live(class);
         Some(buffer)
     }
 
     /// Counts a buffer the device has just created for a pool miss.
     pub fn note_created(&mut self, class: u64) {
         self.created += 1;
+        self.add_live(class);
+    }
+
+    fn add_live(&mut self, class: u64) {
         self.live_bytes += class;
+        self.peak_live_bytes = self.peak_live_bytes.max(self.live_bytes);
     }
 
     /// Returns a buffer whose last tensor has dropped.
