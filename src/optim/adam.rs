@@ -237,6 +237,10 @@ macro_rules! impl_optimizer {
                 zero_grads(&self.0.params);
             }
 
+            fn parameters(&self) -> Vec<Tensor> {
+                self.0.params.clone()
+            }
+
             fn lr(&self) -> f32 {
                 lock(&self.0.hyper).config.lr
             }

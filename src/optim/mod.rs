@@ -4,12 +4,14 @@
 mod adam;
 mod clip;
 mod group;
+mod scaler;
 mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamW};
 pub use clip::clip_grad_norm;
 pub use group::ParamGroup;
+pub use scaler::{GradScaler, GradScalerOptions};
 pub use schedule::{CosineLr, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 
@@ -45,6 +47,9 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("optim".into(), OPTIM.source(&[]))]
 }
 
+#[cfg(test)]
+pub(crate) use scaler::kernel_sources as scaler_kernel_sources;
+
 /// An optimizer: `step()` updates every parameter that has a grad, in place (the parameters'
 /// storage never changes); `zero_grad()` empties their grad slots.
 pub trait Optimizer {
@@ -53,6 +58,10 @@ pub trait Optimizer {
 
     /// Sets every parameter's grad slot to `None`.
     fn zero_grad(&mut self);
+
+    /// The parameters it updates, each once (torch's `param_groups`, flattened): what a
+    /// [`GradScaler`] unscales.
+    fn parameters(&self) -> Vec<Tensor>;
 
     /// The learning rate the next step uses.
     fn lr(&self) -> f32;

@@ -137,6 +137,10 @@ impl Optimizer for Sgd {
         zero_grads(&self.params);
     }
 
+    fn parameters(&self) -> Vec<Tensor> {
+        self.params.clone()
+    }
+
     fn lr(&self) -> f32 {
         lock(&self.config).lr
     }

@@ -1,0 +1,220 @@
+//! `GradScaler`: dynamic loss scaling for 16-bit training, as `torch.amp.GradScaler`.
+
+use crate::autograd::NoGradGuard;
+use crate::error::{Error, Result};
+use crate::kernel::{
+    groups, launch, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+};
+use crate::optim::Optimizer;
+use crate::tensor::{DType, Tensor};
+
+crate::kernel_params! {
+    /// `unscale`: `n` grad elements from element `offset` multiplied by `inv_scale`.
+    pub(crate) struct UnscaleParams { n: u32, offset: u32, inv_scale: f32 }
+}
+
+static GRAD_SCALE: ShaderFamily = ShaderFamily {
+    name: "grad_scale",
+    wgsl: include_str!("../../shaders/grad_scale.wgsl"),
+    params: &[&UnscaleParams::LAYOUT],
+};
+
+#[cfg(test)]
+pub(crate) fn kernel_sources() -> Vec<(String, String)> {
+    vec![("grad_scale".into(), GRAD_SCALE.source(&[]))]
+}
+
+/// How a [`GradScaler`] scales: torch.amp's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradScalerOptions {
+    /// The first scale (65,536).
+    pub init_scale: f32,
+    /// The scale is multiplied by it after `growth_interval` steps without inf or NaN (2).
+    pub growth_factor: f32,
+    /// The scale is multiplied by it after a step with inf or NaN (0.5).
+    pub backoff_factor: f32,
+    /// Good steps in a row before the scale grows (2,000).
+    pub growth_interval: u32,
+}
+
+impl Default for GradScalerOptions {
+    fn default() -> Self {
+        GradScalerOptions {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    }
+}
+
+/// Dynamic loss scaling: the loss is multiplied by a large scale before `backward`, so that
+/// small 16-bit grads do not flush to zero; `step` divides the grads by it on the device,
+/// checks them all for inf and NaN, and skips the optimizer's step when it finds one;
+/// `update` halves the scale after such a step and doubles it after 2,000 good ones.
+///
+/// `step` reads one flag back from the device (as torch's does), so a scaled step runs
+/// eagerly, not captured.
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::optim::{GradScaler, Optimizer, Sgd, SgdConfig};
+/// use wgrad::{Device, Tensor};
+/// let dev = Device::new()?;
+/// let w = Tensor::ones(&[3], &dev)?.requires_grad_(true);
+/// let mut opt = Sgd::new(vec![w.clone()], SgdConfig { lr: 0.1, ..Default::default() });
+/// let mut scaler = GradScaler::new();
+/// let loss = w.mul_scalar(2.0)?.sum()?;
+/// scaler.scale(&loss)?.backward()?;
+/// assert!(scaler.step(&mut opt)?);      // stepped: the grads were finite
+/// scaler.update();
+/// assert_eq!(w.to_vec()?, vec![0.8; 3]); // 1 - 0.1 x 2: the grad was unscaled first
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct GradScaler {
+    options: GradScalerOptions,
+    scale: f32,
+    /// Good steps since the scale last changed.
+    growth_tracker: u32,
+    /// Whether the last `step` found inf or NaN; `None` until a step, and after `update`.
+    found_inf: Option<bool>,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        GradScaler::new()
+    }
+}
+
+impl GradScaler {
+    /// A scaler with torch.amp's defaults.
+    pub fn new() -> GradScaler {
+        GradScaler::with_options(GradScalerOptions::default()).expect("the defaults are valid")
+    }
+
+    /// A scaler with `options`; a scale or factor that is not finite and positive (a growth
+    /// factor not above 1, a backoff not below 1) or a zero interval is an error.
+    pub fn with_options(options: GradScalerOptions) -> Result<GradScaler> {
+        let o = &options;
+        let problem = if !(o.init_scale.is_finite() && o.init_scale > 0.0) {
+            Some(format!(
+                "init_scale must be finite and positive, got {}",
+                o.init_scale
+            ))
+        } else if !(o.growth_factor.is_finite() && o.growth_factor > 1.0) {
+            Some(format!(
+                "growth_factor must be finite and above 1, got {}",
+                o.growth_factor
+            ))
+        } else if !(o.backoff_factor > 0.0 && o.backoff_factor < 1.0) {
+            Some(format!(
+                "backoff_factor must be in (0, 1), got {}",
+                o.backoff_factor
+            ))
+        } else if o.growth_interval == 0 {
+            Some("growth_interval must be at least 1".to_string())
+        } else {
+            None
+        };
+        if let Some(msg) = problem {
+            return Err(Error::InvalidArgument {
+                op: "GradScaler::with_options",
+                msg,
+            });
+        }
+        Ok(GradScaler {
+            options,
+            scale: options.init_scale,
+            growth_tracker: 0,
+            found_inf: None,
+        })
+    }
+
+    /// The current scale.
+    pub fn scale_factor(&self) -> f32 {
+        self.scale
+    }
+
+    /// `loss` times the scale, to call `backward` on.
+    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+        loss.mul_scalar(self.scale)
+    }
+
+    /// Divides the grads of `opt`'s parameters by the scale (on the device, in place), and
+    /// runs `opt.step()` unless one of them holds inf or NaN: then the parameters and the
+    /// optimizer's state stay as they were. Returns whether it stepped.
+    pub fn step(&mut self, opt: &mut dyn Optimizer) -> Result<bool> {
+        const OP: &str = "GradScaler::step";
+        let grads: Vec<Tensor> = opt.parameters().iter().filter_map(|p| p.grad()).collect();
+        let Some(first) = grads.first() else {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: "no parameter has a grad: call backward on the scaled loss first".into(),
+            });
+        };
+        let found = Tensor::from_vec_u32(vec![0], &[1], first.device())?;
+        {
+            let _no_grad = NoGradGuard::new();
+            for grad in &grads {
+                unscale(OP, grad, 1.0 / self.scale, &found)?;
+            }
+        }
+        let found_inf = found.to_vec_u32()?[0] != 0;
+        self.found_inf = Some(found_inf);
+        if !found_inf {
+            opt.step()?;
+        }
+        Ok(!found_inf)
+    }
+
+    /// Adjusts the scale after a `step`: times the backoff factor if that step found inf or
+    /// NaN, times the growth factor after `growth_interval` good steps in a row. Without a
+    /// step since the last update it does nothing.
+    pub fn update(&mut self) {
+        match self.found_inf.take() {
+            None => {}
+            Some(true) => {
+                self.scale *= self.options.backoff_factor;
+                self.growth_tracker = 0;
+            }
+            Some(false) => {
+                self.growth_tracker += 1;
+                if self.growth_tracker == self.options.growth_interval {
+                    self.scale *= self.options.growth_factor;
+                    self.growth_tracker = 0;
+                }
+            }
+        }
+    }
+}
+
+/// `grad *= inv_scale` in place, setting `found[0]` when an element is inf or NaN.
+fn unscale(op: &'static str, grad: &Tensor, inv_scale: f32, found: &Tensor) -> Result<()> {
+    grad.expect_dtype(op, DType::F32)?;
+    if !grad.is_contiguous() {
+        // Grads the engine installs are dense; one a user set may be a view.
+        let dense = grad.contiguous()?;
+        unscale(op, &dense, inv_scale, found)?;
+        return grad.copy_(&dense);
+    }
+    let kernel = Kernel::plain(&GRAD_SCALE, "unscale");
+    // One launch per window of the grad (one, unless it is past a binding).
+    for (start, len) in windows(grad.device(), grad.numel()) {
+        let part = grad.window(start, len);
+        let params = UnscaleParams {
+            n: len as u32,
+            offset: part.layout().offset as u32,
+            inv_scale,
+        };
+        launch(
+            op,
+            &kernel,
+            &[&part, found],
+            &params,
+            groups(len, CONTIGUOUS_PER_GROUP),
+        )?;
+    }
+    Ok(())
+}
