@@ -180,3 +180,72 @@ fn a_step_before_backward_is_an_error() {
     let err = GradScaler::new().step(&mut opt).unwrap_err();
     assert!(err.to_string().contains("GradScaler::step"), "{err}");
 }
+
+#[test]
+fn a_training_state_carries_the_scaler() {
+    let options = GradScalerOptions {
+        init_scale: 1024.0,
+        growth_interval: 4,
+        ..Default::default()
+    };
+    let mut scaler = GradScaler::with_options(options).unwrap();
+    let w = leaf(&[1.0, 2.0]);
+    let model = wgrad::nn::Linear {
+        weight: w.clone(),
+        bias: None,
+    };
+    let mut opt = Sgd::new(
+        vec![w.clone()],
+        SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        },
+    );
+    let run = |scaler: &mut GradScaler, opt: &mut Sgd, loss_scale: f32| {
+        opt.zero_grad();
+        let loss = w.sum().unwrap().mul_scalar(loss_scale).unwrap();
+        scaler.scale(&loss).unwrap().backward().unwrap();
+        scaler.step(opt).unwrap();
+        scaler.update();
+    };
+    run(&mut scaler, &mut opt, f32::INFINITY); // 512
+    run(&mut scaler, &mut opt, 1.0);
+    run(&mut scaler, &mut opt, 1.0); // two good steps of four
+    let path =
+        std::env::temp_dir().join(format!("wgrad-scaler-{}.safetensors", std::process::id()));
+    wgrad::io::save_training_with_scaler(&path, &model, &opt, &scaler, 3).unwrap();
+
+    let mut resumed = GradScaler::new();
+    let step = wgrad::io::load_training_with_scaler(&path, &model, &mut opt, &mut resumed).unwrap();
+    assert_eq!(step, 3);
+    assert_eq!(resumed.scale_factor(), 512.0);
+    assert_eq!(resumed.state(), scaler.state());
+    // Two more good steps complete the interval of four: both double.
+    for s in [&mut scaler, &mut resumed] {
+        run(s, &mut opt, 1.0);
+        run(s, &mut opt, 1.0);
+        assert_eq!(s.scale_factor(), 1024.0);
+    }
+
+    // A state without a scaler cannot fill one, and the failed load changes nothing.
+    wgrad::io::save_training(&path, &model, &opt, 5).unwrap();
+    let before = resumed.state();
+    let err =
+        wgrad::io::load_training_with_scaler(&path, &model, &mut opt, &mut resumed).unwrap_err();
+    assert!(err.to_string().contains("GradScaler"), "{err}");
+    assert_eq!(resumed.state(), before);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_malformed_scaler_state_is_an_error_that_changes_nothing() {
+    let mut scaler = GradScaler::new();
+    let mut state = scaler.state();
+    state.retain(|(name, _)| name != "growth_tracker");
+    let err = scaler.load_state(&state).unwrap_err();
+    assert!(err.to_string().contains("growth_tracker"), "{err}");
+    let mut state = GradScaler::new().state();
+    state[0].1 = format!("{:08x}", f32::INFINITY.to_bits());
+    assert!(scaler.load_state(&state).is_err(), "an infinite scale");
+    assert_eq!(scaler.state(), GradScaler::new().state());
+}

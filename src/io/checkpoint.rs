@@ -185,7 +185,7 @@ fn tensors_extent(header: &[u8]) -> std::result::Result<u64, String> {
 /// A file's tensor on `device` in its own float dtype: F32, F16 and BF16 as they are, and the
 /// integer counts PyTorch saves (I64, I32: `num_batches_tracked`) as F32; `None` for other
 /// dtypes.
-fn file_tensor(view: &TensorView, device: &Device) -> Option<Result<Tensor>> {
+pub(crate) fn file_tensor(view: &TensorView, device: &Device) -> Option<Result<Tensor>> {
     let shape = view.shape();
     let halves = || -> Vec<u16> { bytemuck::pod_collect_to_vec(view.data()) };
     let f32s = |values: Vec<f32>| Some(Tensor::from_vec(values, shape, device));

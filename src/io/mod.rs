@@ -12,7 +12,9 @@ pub(crate) use checkpoint::{read_safetensors, write_atomically};
 pub use data::{load_idx_dir, synthetic_shapes, synthetic_spirals, Dataset, SHAPES_SIDE};
 pub use idx::{read_idx_images, read_idx_labels};
 pub use loader::{BatchSource, DataLoader, Epoch};
-pub use training::{load_training, save_training};
+pub use training::{
+    load_training, load_training_with_scaler, save_training, save_training_with_scaler,
+};
 
 use crate::error::{Error, Result};
 use std::path::Path;

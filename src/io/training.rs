@@ -10,11 +10,11 @@ use safetensors::tensor::{Dtype, SafeTensors};
 
 use crate::autograd::no_grad;
 use crate::error::Result;
-use crate::io::checkpoint::{encode, named_state, read_safetensors, write_atomically};
+use crate::io::checkpoint::{encode, file_tensor, named_state, read_safetensors, write_atomically};
 use crate::io::io_error;
 use crate::nn::Module;
-use crate::optim::{Optimizer, OptimizerState};
-use crate::tensor::Tensor;
+use crate::optim::{GradScaler, Optimizer, OptimizerState};
+use crate::tensor::{DType, Tensor};
 
 /// The header's tag of a training-state file.
 const FORMAT: &str = "wgrad-training-state-1";
@@ -42,8 +42,30 @@ pub fn save_training(
     opt: &dyn Optimizer,
     step: u64,
 ) -> Result<()> {
-    const OP: &str = "io::save_training";
-    let path = path.as_ref();
+    save("io::save_training", path.as_ref(), model, opt, None, step)
+}
+
+/// As [`save_training`], with a mixed-precision run's [`GradScaler`] (its scale, its count of
+/// good steps, its options) beside the optimizer.
+pub fn save_training_with_scaler(
+    path: impl AsRef<Path>,
+    model: &dyn Module,
+    opt: &dyn Optimizer,
+    scaler: &GradScaler,
+    step: u64,
+) -> Result<()> {
+    let op = "io::save_training_with_scaler";
+    save(op, path.as_ref(), model, opt, Some(scaler), step)
+}
+
+fn save(
+    op: &'static str,
+    path: &Path,
+    model: &dyn Module,
+    opt: &dyn Optimizer,
+    scaler: Option<&GradScaler>,
+    step: u64,
+) -> Result<()> {
     let state = opt.state();
     let mut tensors: Vec<(String, Tensor)> = named_state(model)
         .into_iter()
@@ -64,8 +86,11 @@ pub fn save_training(
     for (name, value) in &state.scalars {
         meta.insert(format!("optim.{name}"), value.clone());
     }
-    let encoded = encode(OP, path, &tensors, Some(meta))?;
-    write_atomically(OP, path, &encoded)
+    for (name, value) in scaler.map(GradScaler::state).unwrap_or_default() {
+        meta.insert(format!("scaler.{name}"), value);
+    }
+    let encoded = encode(op, path, &tensors, Some(meta))?;
+    write_atomically(op, path, &encoded)
 }
 
 /// Restores what [`save_training`] wrote into `model` and `opt` and returns the step count.
@@ -77,10 +102,31 @@ pub fn load_training(
     model: &dyn Module,
     opt: &mut dyn Optimizer,
 ) -> Result<u64> {
-    const OP: &str = "io::load_training";
-    let path = path.as_ref();
-    let fail = |msg: String| io_error(OP, path, msg);
-    let bytes = read_safetensors(OP, path)?;
+    load("io::load_training", path.as_ref(), model, opt, None)
+}
+
+/// As [`load_training`], restoring the [`GradScaler`] that
+/// [`save_training_with_scaler`] saved too; a file without one is an error that changes
+/// nothing.
+pub fn load_training_with_scaler(
+    path: impl AsRef<Path>,
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    scaler: &mut GradScaler,
+) -> Result<u64> {
+    let op = "io::load_training_with_scaler";
+    load(op, path.as_ref(), model, opt, Some(scaler))
+}
+
+fn load(
+    op: &'static str,
+    path: &Path,
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    scaler: Option<&mut GradScaler>,
+) -> Result<u64> {
+    let fail = |msg: String| io_error(op, path, msg);
+    let bytes = read_safetensors(op, path)?;
     let file = SafeTensors::deserialize(&bytes)
         .map_err(|e| fail(format!("not a valid safetensors file: {e}")))?;
     let (_, header) = SafeTensors::read_metadata(&bytes)
@@ -107,25 +153,27 @@ pub fn load_training(
         Some(p) => p.device().clone(),
         None => crate::Device::new()?,
     };
-    let read = |name: &str, shape: &[usize]| -> Result<Option<Tensor>> {
+    // A saved tensor of `shape` in `dtype` (F16 and BF16 tensors are saved as they are).
+    let read = |name: &str, shape: &[usize], dtype: DType| -> Result<Option<Tensor>> {
         let Ok(view) = file.tensor(name) else {
             return Ok(None);
         };
-        if view.dtype() != Dtype::F32 || view.shape() != shape {
+        let float = matches!(view.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16);
+        if !float || view.shape() != shape {
             return Err(fail(format!(
-                "{name:?} is {:?} {:?}, expected F32 {shape:?}",
+                "{name:?} is {:?} {:?}, expected a float tensor of shape {shape:?}",
                 view.dtype(),
                 view.shape()
             )));
         }
-        let values = bytemuck::pod_collect_to_vec::<u8, f32>(view.data());
-        Ok(Some(Tensor::from_vec(values, shape, &device)?))
+        let saved = file_tensor(&view, &device).expect("a float dtype")?;
+        Ok(Some(saved.to_dtype(dtype)?))
     };
     // The model's tensors, staged.
     let mut staged = Vec::new();
     for (name, t) in named_state(model) {
         let key = format!("model.{name}");
-        let saved = read(&key, t.shape())?.ok_or_else(|| {
+        let saved = read(&key, t.shape(), t.dtype())?.ok_or_else(|| {
             fail(format!(
                 "the model's {name:?} ({:?}) is not in the file",
                 t.shape()
@@ -140,7 +188,7 @@ pub fn load_training(
         if let Some(short) = name.strip_prefix("optim.") {
             let view = file.tensor(name).expect("named by the file");
             let shape = view.shape().to_vec();
-            let t = read(name, &shape)?.expect("named by the file");
+            let t = read(name, &shape, DType::F32)?.expect("named by the file");
             tensors.push((short.to_string(), t));
         }
     }
@@ -168,8 +216,27 @@ pub fn load_training(
             own.shapes
         )));
     }
+    // The scaler's state, checked on a copy before anything changes.
+    let restored_scaler = match scaler.as_deref() {
+        None => None,
+        Some(current) => {
+            let state: Vec<(String, String)> = meta
+                .iter()
+                .filter_map(|(k, v)| k.strip_prefix("scaler.").map(|k| (k.into(), v.clone())))
+                .collect();
+            if state.is_empty() {
+                return Err(fail("the file holds no GradScaler state".into()));
+            }
+            let mut restored = current.clone();
+            restored.load_state(&state)?;
+            Some(restored)
+        }
+    };
     // The optimizer checks its state whole before taking it; then nothing else can fail.
     opt.load_state(&saved)?;
+    if let (Some(scaler), Some(restored)) = (scaler, restored_scaler) {
+        *scaler = restored;
+    }
     no_grad(|| staged.iter().try_for_each(|(t, saved)| t.copy_(saved)))?;
     crate::seed::set_rng_state(rng);
     Ok(step)

@@ -137,6 +137,71 @@ impl GradScaler {
         self.scale
     }
 
+    /// What a training state saves of the scaler: its scale, its count of good steps and its
+    /// options (floats as their bits, so a resume is exact), by name.
+    pub fn state(&self) -> Vec<(String, String)> {
+        let o = &self.options;
+        let bits = |x: f32| format!("{:08x}", x.to_bits());
+        vec![
+            ("scale".into(), bits(self.scale)),
+            ("growth_tracker".into(), self.growth_tracker.to_string()),
+            ("growth_factor".into(), bits(o.growth_factor)),
+            ("backoff_factor".into(), bits(o.backoff_factor)),
+            ("growth_interval".into(), o.growth_interval.to_string()),
+        ]
+    }
+
+    /// Restores a [`GradScaler::state`], checked whole first: a missing or malformed value,
+    /// or one a scaler cannot hold, is an error that changes nothing.
+    pub fn load_state(&mut self, state: &[(String, String)]) -> Result<()> {
+        let fail = |msg: String| Error::InvalidArgument {
+            op: "GradScaler::load_state",
+            msg,
+        };
+        let get = |name: &str| -> Result<&str> {
+            state
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+                .ok_or_else(|| fail(format!("no {name:?} in the saved state")))
+        };
+        let float = |name: &str| -> Result<f32> {
+            let v = get(name)?;
+            u32::from_str_radix(v, 16)
+                .map(f32::from_bits)
+                .map_err(|_| fail(format!("{name:?} is {v:?}, not f32 bits")))
+        };
+        let count = |name: &str| -> Result<u32> {
+            let v = get(name)?;
+            v.parse()
+                .map_err(|_| fail(format!("{name:?} is {v:?}, not a count")))
+        };
+        let options = GradScalerOptions {
+            init_scale: float("scale")?,
+            growth_factor: float("growth_factor")?,
+            backoff_factor: float("backoff_factor")?,
+            growth_interval: count("growth_interval")?,
+        };
+        let growth_tracker = count("growth_tracker")?;
+        // The checks of `with_options`, on the saved scale as the first one.
+        let restored = GradScaler::with_options(options)?;
+        if growth_tracker >= options.growth_interval {
+            return Err(fail(format!(
+                "growth_tracker {growth_tracker} is not below growth_interval {}",
+                options.growth_interval
+            )));
+        }
+        *self = GradScaler {
+            growth_tracker,
+            options: GradScalerOptions {
+                init_scale: self.options.init_scale,
+                ..options
+            },
+            ..restored
+        };
+        Ok(())
+    }
+
     /// `loss` times the scale, to call `backward` on.
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
         loss.mul_scalar(self.scale)
