@@ -90,7 +90,7 @@ fn run(args: &Args, process_start: Instant) -> std::result::Result<(), String> {
     let model = Cnn::new(side, train.classes, &dev).map_err(|e| e.to_string())?;
     support::fit(
         &model,
-        (&train, &test),
+        (train, &test),
         &dev,
         &args.train,
         &recipe,

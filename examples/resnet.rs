@@ -262,7 +262,7 @@ fn run(mut args: Args, process_start: Instant) -> std::result::Result<(), String
     );
     support::fit(
         &model,
-        (&train, &test),
+        (train, &test),
         &dev,
         &args.train,
         &recipe,

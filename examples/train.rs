@@ -60,7 +60,7 @@ fn run(args: &Args, process_start: Instant) -> Result<(), String> {
         .add(linear(args.hidden, train.classes)?);
     support::fit(
         &model,
-        (&train, &test),
+        (train, &test),
         &dev,
         &args.train,
         &recipe,

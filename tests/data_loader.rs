@@ -57,6 +57,14 @@ fn every_example_comes_once_per_epoch_in_a_new_order() {
 }
 
 #[test]
+fn set_epoch_resumes_the_orders_of_an_uninterrupted_run() {
+    let whole = epochs(&mut DataLoader::new(Indices(50), 8).shuffle(3), 4);
+    let mut resumed = DataLoader::new(Indices(50), 8).shuffle(3);
+    resumed.set_epoch(2);
+    assert_eq!(epochs(&mut resumed, 2), whole[2..].to_vec());
+}
+
+#[test]
 fn drop_last_drops_a_short_last_batch() {
     let mut loader = DataLoader::new(Indices(103), 10).shuffle(1).drop_last(true);
     assert_eq!(loader.len(), 10);

@@ -9,8 +9,6 @@ use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use wgrad::capture::Step;
 use wgrad::dist::{DataParallel, Dist};
 use wgrad::nn::{self, Module};
@@ -213,7 +211,7 @@ struct History {
 /// `test` after every epoch, and prints the `final:` line.
 pub fn fit(
     model: &dyn Module,
-    (train, test): (&io::Dataset, &io::Dataset),
+    (train, test): (io::Dataset, &io::Dataset),
     dev: &Device,
     args: &TrainArgs,
     recipe: &Recipe,
@@ -272,10 +270,12 @@ pub fn fit(
         min_lr: 0.0,
         total_steps: steps_per_epoch * args.epochs,
     };
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
-    let mut order: Vec<usize> = (0..train.len()).collect();
-    // A resumed run starts after the epochs its state has done; their shuffles are replayed
-    // so the next epoch's order is the one the uninterrupted run would draw.
+    let features = train.features;
+    // Batches made on a background thread while the step before runs, in a new order every
+    // epoch drawn from --seed.
+    let mut loader = io::DataLoader::new(train, batch).shuffle(args.seed);
+    // A resumed run starts after the epochs its state has done, with the order the
+    // uninterrupted run would draw next.
     let mut first_epoch = 1;
     if let Some(path) = &args.resume {
         let done = io::load_training(path, model, opt.as_mut()).map_err(|e| e.to_string())?;
@@ -286,9 +286,7 @@ pub fn fit(
             ));
         }
         first_epoch = done as usize / steps_per_epoch.max(1) + 1;
-        for _ in 1..first_epoch {
-            order.shuffle(&mut rng);
-        }
+        loader.set_epoch(first_epoch as u64 - 1);
         say(
             dist,
             format!("resumed: {} after step {done}", path.display()),
@@ -325,7 +323,6 @@ pub fn fit(
         .expect("valid template");
     for epoch in first_epoch..=args.epochs {
         model.train();
-        order.shuffle(&mut rng);
         let bar = if dist.is_root() {
             ProgressBar::new(steps_per_epoch as u64)
         } else {
@@ -336,30 +333,32 @@ pub fn fit(
         let (mut epoch_loss, mut epoch_rows) = (0.0f64, 0usize);
         // Losses not yet read back, with their batch sizes: read every --log-every steps.
         let mut pending: Vec<(Tensor, usize)> = Vec::new();
-        let chunks: Vec<Vec<usize>> = if dist.size() > 1 {
+        let batches: Box<dyn Iterator<Item = (Vec<f32>, Vec<u32>)>> = if dist.size() > 1 {
             // Every rank shuffles alike and takes its own slice of each global batch.
             let seed = args.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            dist.shard_batches(train.len(), batch, seed)
-                .map_err(|e| e.to_string())?
-        } else {
-            order.chunks(batch).map(|c| c.to_vec()).collect()
-        };
-        for (i, chunk) in chunks.iter().enumerate() {
-            let (inputs, labels) = train.batch(chunk);
-            let x = Tensor::from_vec(inputs, &[chunk.len(), train.features], dev)
+            let source = loader.source();
+            let chunks = dist
+                .shard_batches(source.len(), batch, seed)
                 .map_err(|e| e.to_string())?;
+            Box::new(chunks.into_iter().map(move |c| source.batch(&c)))
+        } else {
+            Box::new(loader.epoch())
+        };
+        for (i, (inputs, labels)) in batches.enumerate() {
+            let rows = labels.len();
+            let x = Tensor::from_vec(inputs, &[rows, features], dev).map_err(|e| e.to_string())?;
             let y = Tensor::from_labels(labels, dev).map_err(|e| e.to_string())?;
             opt.borrow_mut().set_lr(schedule.lr(step));
             let loss = run_step(&[x, y]).map_err(|e| e.to_string())?;
-            pending.push((loss, chunk.len()));
+            pending.push((loss, rows));
             step += 1;
-            seen += chunk.len() * dist.size();
+            seen += rows * dist.size();
             if step == 1 {
                 dev.synchronize().map_err(|e| e.to_string())?;
                 let elapsed = process_start.elapsed().as_secs_f64();
                 bar.suspend(|| say(dist, format!("first step done {elapsed:.3} s after start")));
             }
-            let epoch_end = i + 1 == chunks.len();
+            let epoch_end = i + 1 == steps_per_epoch;
             if pending.len() as u64 >= args.log_every || epoch_end {
                 let losses: Vec<Tensor> = pending.iter().map(|(l, _)| l.clone()).collect();
                 let values = Tensor::stack(&losses, 0)

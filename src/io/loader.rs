@@ -87,6 +87,18 @@ impl<S: BatchSource> DataLoader<S> {
         self
     }
 
+    /// Makes the next [`DataLoader::epoch`] epoch number `epoch` (counted from 0), with that
+    /// epoch's order, as torch's `sampler.set_epoch`: how a resumed run goes on with the
+    /// orders the uninterrupted run would have drawn.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// The examples the batches are drawn from.
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
     /// Batches per epoch.
     pub fn len(&self) -> usize {
         let n = self.source.len();
