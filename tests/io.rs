@@ -73,6 +73,21 @@ fn a_checkpoint_is_a_standard_safetensors_file() {
     );
 }
 
+/// A checkpoint gets the permissions any new file gets (the umask's), not a temporary
+/// file's private ones: others can read it where they can read the user's other files.
+#[cfg(unix)]
+#[test]
+fn a_checkpoint_has_the_permissions_of_a_new_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    io::save(&path, &mlp()).unwrap();
+    let plain = dir.path().join("plain");
+    std::fs::File::create(&plain).unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&path), mode(&plain));
+}
+
 fn assert_unchanged_after(net: &dyn Module, err: Error, needle: &str, before: &[Vec<u32>]) {
     assert!(err.to_string().contains(needle), "{err}");
     assert_eq!(snapshot(net), before, "the module is unchanged");

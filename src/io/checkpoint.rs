@@ -78,10 +78,14 @@ pub(crate) fn write_atomically(op: &'static str, path: &Path, bytes: &[u8]) -> R
     }
     remove_stale_temporaries(path);
     let write = || -> std::io::Result<()> {
-        let mut file = tempfile::Builder::new()
-            .prefix(&temporary_prefix(std::process::id()))
-            .suffix(".tmp")
-            .tempfile_in(directory_of(path))?;
+        let prefix = temporary_prefix(std::process::id());
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(&prefix).suffix(".tmp");
+        // The mode a plain `File::create` gives (0o666 less the umask), not the temporary's
+        // private 0o600: a checkpoint is shared like any file.
+        #[cfg(unix)]
+        builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+        let mut file = builder.tempfile_in(directory_of(path))?;
         file.write_all(bytes)?;
         file.as_file().sync_all()?;
         // Dropped unpersisted (an error above), the temporary removes itself.
