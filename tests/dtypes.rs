@@ -230,17 +230,141 @@ fn the_grad_of_a_cast_comes_back_in_the_source_dtype() {
 #[test]
 fn ops_that_do_not_read_16_bit_tensors_refuse_them() {
     let h = Tensor::from_vec_f16(vec![f16::ONE; 6], &[2, 3], device()).unwrap();
-    let cases: [(&str, wgrad::Result<Tensor>); 3] = [
-        ("add", h.add(&h)),
-        ("matmul", h.matmul(&h.t().unwrap())),
-        ("exp", h.exp()),
+    let indices = Tensor::from_vec_u32(vec![0, 1], &[2], device()).unwrap();
+    let cases: [(&str, wgrad::Result<Tensor>); 2] = [
+        ("cat along dim 1", Tensor::cat(&[h.clone(), h.clone()], 1)),
+        ("index_select", h.index_select(0, &indices)),
     ];
     for (op, result) in cases {
         match result {
-            Err(Error::DType { msg, .. }) => assert!(msg.contains("F16"), "{op}: {msg}"),
+            Err(Error::DType { msg, .. }) | Err(Error::InvalidArgument { msg, .. }) => {
+                assert!(msg.contains("F16"), "{op}: {msg}")
+            }
             Err(e) => panic!("{op}: expected a dtype error, got {e}"),
             Ok(_) => panic!("{op}: an F16 tensor was read as f32"),
         }
+    }
+}
+
+/// `f` of `values` as `dtype` (cast to f32 to compare) beside `f` of the same rounded values
+/// in f32: the 16-bit path computes in f32 and rounds its result once.
+fn sixteen_bit_against_f32(
+    dtype: DType,
+    shapes: &[&[usize]],
+    f: impl Fn(&[Tensor]) -> wgrad::Result<Tensor>,
+) -> (Vec<f32>, Vec<f64>) {
+    let inputs: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| random_tensor(s, 20 + i as u64).0.to_dtype(dtype).unwrap())
+        .collect();
+    let wide: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(DType::F32).unwrap())
+        .collect();
+    let out = f(&inputs).unwrap();
+    assert_eq!(out.dtype(), dtype, "the result keeps the inputs' dtype");
+    let want = f(&wide)
+        .unwrap()
+        .to_vec()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    (out.to_vec().unwrap(), want)
+}
+
+#[test]
+fn elementwise_matmul_reduction_and_softmax_run_on_16_bit_tensors() {
+    type Op = fn(&[Tensor]) -> wgrad::Result<Tensor>;
+    let cases: [(&str, &[&[usize]], Op); 6] = [
+        ("exp", &[&[3, 5]], |t| t[0].exp()),
+        ("tanh of a sum", &[&[3, 5], &[5]], |t| {
+            t[0].add(&t[1])?.tanh()
+        }),
+        ("mul", &[&[4, 1], &[1, 6]], |t| t[0].mul(&t[1])),
+        ("matmul", &[&[2, 7, 9], &[9, 5]], |t| t[0].matmul(&t[1])),
+        ("sum_dims", &[&[6, 40]], |t| t[0].sum_dims(&[1], false)),
+        ("softmax", &[&[3, 17]], |t| t[0].softmax(1)),
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        let rel = if dtype == DType::F16 { 1e-3 } else { 8e-3 };
+        for (name, shapes, op) in &cases {
+            let (got, want) = sixteen_bit_against_f32(dtype, shapes, op);
+            assert_close(&got, &want, rel, &format!("{name} {dtype:?}"));
+        }
+    }
+}
+
+#[test]
+fn grads_of_16_bit_leaves_stay_16_bit() {
+    let (a, a_values) = random_tensor(&[4, 6], 1);
+    let (b, _) = random_tensor(&[6, 3], 2);
+    let a16 = a.to_dtype(DType::BF16).unwrap().requires_grad_(true);
+    let b16 = b.to_dtype(DType::BF16).unwrap();
+    a16.matmul(&b16)
+        .unwrap()
+        .tanh()
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let grad = a16.grad().unwrap();
+    assert_eq!(grad.dtype(), DType::BF16);
+    // Against the f32 grad of the same rounded values.
+    let a32 = a16
+        .detach()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .requires_grad_(true);
+    let b32 = b16.to_dtype(DType::F32).unwrap();
+    a32.matmul(&b32)
+        .unwrap()
+        .tanh()
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let want: Vec<f64> = a32
+        .grad()
+        .unwrap()
+        .to_vec()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    assert_close(&grad.to_vec().unwrap(), &want, 2e-2, "BF16 grad");
+    assert_eq!(a_values.len(), 24);
+}
+
+#[test]
+fn cat_along_the_first_dim_joins_16_bit_tensors_of_odd_lengths() {
+    let a = Tensor::from_slice(&[1.0, 2.0, 3.0], &[3], device()).unwrap();
+    let b = Tensor::from_slice(&[4.0, 5.0], &[2], device()).unwrap();
+    let (a, b) = (
+        a.to_dtype(DType::F16).unwrap(),
+        b.to_dtype(DType::F16).unwrap(),
+    );
+    let joined = Tensor::cat(&[a, b.clone(), b], 0).unwrap();
+    assert_eq!(joined.dtype(), DType::F16);
+    assert_eq!(
+        joined.to_vec().unwrap(),
+        vec![1.0, 2.0, 3.0, 4.0, 5.0, 4.0, 5.0]
+    );
+}
+
+#[test]
+fn float_inputs_of_two_dtypes_are_an_error_naming_the_op() {
+    let h = Tensor::from_vec_f16(vec![f16::ONE; 3], &[3], device()).unwrap();
+    let f = Tensor::ones(&[3], device()).unwrap();
+    match h.add(&f) {
+        Err(Error::DType { op, msg }) => {
+            assert_eq!(op, "add");
+            assert!(msg.contains("F16") && msg.contains("F32"), "{msg}");
+        }
+        other => panic!("{other:?}"),
     }
 }
 

@@ -39,8 +39,10 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 
 fn check_pair(op: &'static str, current: &Tensor, new_grad: &Tensor) -> Result<()> {
     current.expect_same_device(op, new_grad)?;
-    current.expect_dtype(op, DType::F32)?;
-    new_grad.expect_dtype(op, DType::F32)?;
+    if !current.dtype().is_float() {
+        current.expect_dtype(op, DType::F32)?;
+    }
+    new_grad.expect_dtype(op, current.dtype())?;
     if current.shape() != new_grad.shape() {
         return Err(Error::Shape {
             op,
@@ -129,10 +131,17 @@ impl Pass {
 pub fn accumulate_grad(current: Option<&Tensor>, new_grad: &Tensor) -> Result<Tensor> {
     const OP: &str = "accumulate_grad";
     let Some(current) = current else {
-        new_grad.expect_dtype(OP, DType::F32)?;
+        if !new_grad.dtype().is_float() {
+            new_grad.expect_dtype(OP, DType::F32)?;
+        }
         return new_grad.deep_clone();
     };
     check_pair(OP, current, new_grad)?;
+    if current.dtype().is_16_bit() {
+        // The sum of a 16-bit leaf's grads, in f32 and rounded once, in a fresh buffer.
+        let _no_grad = crate::tensor::grad_mode::NoGradGuard::new();
+        return current.add(new_grad);
+    }
     let out = Tensor::empty(OP, current.shape(), DType::F32, current.device())?;
     if out.numel() == 0 {
         return Ok(out);
@@ -186,6 +195,10 @@ pub(crate) fn add_into(current: &Tensor, new_grad: &Tensor) -> Result<()> {
     let n = current.numel();
     if n == 0 {
         return Ok(());
+    }
+    if current.dtype().is_16_bit() {
+        let _no_grad = crate::tensor::grad_mode::NoGradGuard::new();
+        return current.copy_(&current.add(new_grad)?);
     }
     // One dispatch may not read and write the same buffer through two bindings.
     let new_grad = if new_grad.storage_id() == current.storage_id() {

@@ -129,11 +129,13 @@ fn root_grads(
                         ),
                     });
                 }
-                g.expect_dtype(op, crate::tensor::DType::F32)?;
+                g.expect_dtype(op, out.dtype())?;
                 out.expect_same_device(op, g)?;
                 g.clone()
             }
-            None if out.numel() == 1 => Tensor::ones(out.shape(), out.device())?,
+            None if out.numel() == 1 => {
+                Tensor::ones(out.shape(), out.device())?.to_dtype(out.dtype())?
+            }
             None => {
                 return Err(Error::Shape {
                     op,
@@ -152,11 +154,11 @@ fn root_grads(
 
 impl Tensor {
     /// Marks a leaf as requiring grad (or not), and returns it. On a non-leaf (made by an op
-    /// that recorded a node) it has no effect: such tensors always require grad. Only f32
+    /// that recorded a node) it has no effect: such tensors always require grad. Only float
     /// tensors can require grad: on a u32 tensor (indices, labels) it has no effect either,
     /// where PyTorch raises; so no grad or optimizer step ever writes into indices.
     pub fn requires_grad_(self, requires_grad: bool) -> Tensor {
-        if self.dtype() != crate::tensor::DType::F32 {
+        if !self.dtype().is_float() {
             return self;
         }
         {
@@ -186,14 +188,16 @@ impl Tensor {
     }
 
     /// Installs `grad` (the handle itself) in the grad slot, or empties it (S-12). The grad
-    /// must have this tensor's shape and be f32 on the same device, and may not be a
+    /// must have this tensor's shape and dtype, on the same device, and may not be a
     /// broadcast view (its elements must not share memory).
     pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
         const OP: &str = "set_grad";
         if let Some(g) = &grad {
             self.expect_same_device(OP, g)?;
-            self.expect_dtype(OP, crate::tensor::DType::F32)?;
-            g.expect_dtype(OP, crate::tensor::DType::F32)?;
+            if !self.dtype().is_float() {
+                self.expect_dtype(OP, crate::tensor::DType::F32)?;
+            }
+            g.expect_dtype(OP, self.dtype())?;
             if g.shape() != self.shape() {
                 return Err(Error::Shape {
                     op: OP,

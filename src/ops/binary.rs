@@ -6,6 +6,7 @@ use crate::kernel::{
     groups, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
+use crate::ops::cast;
 use crate::ops::too_large_view;
 use crate::seed::next_seed;
 use std::sync::Arc;
@@ -265,6 +266,9 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
 /// `b` is a u32 mask for `MaskedFill`, else f32.
 pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tensor> {
     let name = op.name();
+    if let Some((dtype, wide)) = cast::widened(name, &[a, b])? {
+        return cast::narrowed(binary_with(&wide[0], &wide[1], op, scalar)?, dtype);
+    }
     a.expect_same_device(name, b)?;
     a.expect_dtype(name, DType::F32)?;
     let (b_dtype, out_dtype) = op.dtypes();

@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::kernel::{launch, strided_dims, Kernel, KernelParams, ShaderFamily};
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {
     /// `convert`: the source's layout (in elements), `n` elements in all, written to the
@@ -48,7 +48,7 @@ pub(crate) fn cast(op: &'static str, x: &Tensor, dtype: DType) -> Result<Tensor>
                 return Err(too_large_view(op, t));
             }
         }
-        launch_cast(op, x, &out)?;
+        launch_cast(op, x, &out, 0)?;
     }
     if x.dtype() == DType::U32 || dtype == DType::U32 {
         return Ok(out);
@@ -57,6 +57,53 @@ pub(crate) fn cast(op: &'static str, x: &Tensor, dtype: DType) -> Result<Tensor>
     Ok(record(op, out, &[x], |_| {
         move |g: &Tensor| Ok(vec![Some(g.to_dtype(from)?)])
     }))
+}
+
+/// An op's inputs ready for kernels that read F32: `None` when none is 16-bit; else every
+/// float input cast to F32 (recording no grad: the caller records the op itself, whose
+/// backward rule runs on the 16-bit tensors in turn) and the 16-bit dtype the output goes back
+/// to. Arithmetic runs in f32, as torch runs 16-bit ops; float inputs of two dtypes are an
+/// error naming the op (casts are explicit outside `autocast`).
+pub(crate) fn widened(
+    op: &'static str,
+    inputs: &[&Tensor],
+) -> Result<Option<(DType, Vec<Tensor>)>> {
+    let floats: Vec<DType> = inputs
+        .iter()
+        .map(|t| t.dtype())
+        .filter(|d| d.is_float())
+        .collect();
+    let Some(&narrow) = floats.iter().find(|d| d.is_16_bit()) else {
+        return Ok(None);
+    };
+    if let Some(other) = floats.iter().find(|&&d| d != narrow) {
+        return Err(Error::DType {
+            op,
+            msg: format!(
+                "inputs of two float dtypes, {narrow:?} and {other:?}: cast one with to_dtype \
+                 (or run the op under wgrad::autocast)"
+            ),
+        });
+    }
+    let _no_grad = crate::tensor::grad_mode::NoGradGuard::new();
+    let wide = inputs
+        .iter()
+        .map(|t| match t.dtype() {
+            DType::U32 => Ok((*t).clone()),
+            _ => t.to_dtype(DType::F32),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some((narrow, wide)))
+}
+
+/// An F32 result of [`widened`] inputs back in their 16-bit `dtype` (a U32 result, a mask or
+/// indices, stays as it is).
+pub(crate) fn narrowed(out: Tensor, dtype: DType) -> Result<Tensor> {
+    if out.dtype() != DType::F32 {
+        return Ok(out);
+    }
+    let _no_grad = crate::tensor::grad_mode::NoGradGuard::new();
+    out.to_dtype(dtype)
 }
 
 /// Every specialisation (source, destination) of `shaders/cast.wgsl`, for the module checks.
@@ -75,10 +122,16 @@ fn source(from: DType, to: DType) -> String {
     CAST.source(&[("SRC_DTYPE", wgsl_code(from)), ("DST_DTYPE", wgsl_code(to))])
 }
 
-/// Writes `src`'s values, cast to `dst`'s dtype, into `dst` in place (`copy_`): `dst` is
-/// contiguous (any offset; 16-bit elements that share a word with `dst`'s keep their bits).
-pub(crate) fn cast_into(op: &'static str, src: &Tensor, dst: &Tensor) -> Result<()> {
-    if !dst.is_contiguous() {
+/// Writes `src`'s values, cast to `dst`'s dtype, into `dst`'s storage at `dst_layout` (`copy_`,
+/// a piece of `cat`): a contiguous run, at any offset (16-bit elements that share a word with
+/// the run's keep their bits).
+pub(crate) fn cast_into(
+    op: &'static str,
+    src: &Tensor,
+    dst: &Tensor,
+    dst_layout: &Layout,
+) -> Result<()> {
+    if !dst_layout.is_contiguous() {
         return Err(Error::InvalidArgument {
             op,
             msg: format!(
@@ -101,13 +154,14 @@ pub(crate) fn cast_into(op: &'static str, src: &Tensor, dst: &Tensor) -> Result<
         true => cast(op, &src.detach(), src.dtype())?,
         false => src.clone(),
     };
-    launch_cast(op, &src, dst)
+    launch_cast(op, &src, dst, dst_layout.offset)
 }
 
-fn launch_cast(op: &'static str, x: &Tensor, out: &Tensor) -> Result<()> {
+/// Casts `x` into the contiguous run of `out`'s storage from element `first`.
+fn launch_cast(op: &'static str, x: &Tensor, out: &Tensor, first: usize) -> Result<()> {
     let layout = x.layout();
     let dims = strided_dims(op, &layout.shape, &[&layout.strides])?;
-    let (n, first) = (x.numel(), out.layout().offset);
+    let n = x.numel();
     let params = CastParams {
         n: n as u32,
         offset: layout.offset as u32,

@@ -72,6 +72,10 @@ pub(crate) fn copy_into(
     if n == 0 {
         return Ok(());
     }
+    // 16-bit elements share words: the cast kernels move them (into contiguous runs).
+    if src.dtype().is_16_bit() {
+        return crate::ops::cast::cast_into(op, src, dst, dst_layout);
+    }
     // Dense into dense, between two buffers: one buffer copy, no kernel.
     if src.is_contiguous() && dst_layout.is_contiguous() && src.storage_id() != dst.storage_id() {
         return copy_dense(op, src, dst, dst_layout.offset);
@@ -416,7 +420,7 @@ impl Tensor {
             }
         }
         if self.dtype().is_16_bit() {
-            return crate::ops::cast::cast_into(OP, src, self);
+            return crate::ops::cast::cast_into(OP, src, self, self.layout());
         }
         // One dispatch may not read and write the same buffer through two bindings.
         let src = if src.storage_id() == self.storage_id() {

@@ -8,6 +8,7 @@ use crate::kernel::{
     MAX_LOOP_LEN,
 };
 use crate::ops::binary::sum_to_shape;
+use crate::ops::cast;
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -455,6 +456,11 @@ const K_CHUNK: usize = MAX_LOOP_LEN;
 /// The product itself: shape rules, the batch layout, and one kernel dispatch.
 fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
+    // 16-bit operands: the product of their f32 values, accumulated in f32, rounded once into
+    // their dtype.
+    if let Some((dtype, wide)) = cast::widened(OP, &[this, other])? {
+        return cast::narrowed(matmul_forward(&wide[0], &wide[1])?, dtype);
+    }
     this.expect_same_device(OP, other)?;
     this.expect_dtype(OP, DType::F32)?;
     other.expect_dtype(OP, DType::F32)?;

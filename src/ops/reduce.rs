@@ -8,6 +8,7 @@ use crate::kernel::{
     groups, launch, rows_per_window, Kernel, KernelParams, ShaderFamily, WORKGROUP,
 };
 use crate::ops::binary::{binary, BinaryOp};
+use crate::ops::cast;
 use crate::ops::copy::fill;
 use crate::tensor::dim::{resolve_dims, Dim};
 use crate::tensor::grad_mode::NoGradGuard;
@@ -328,6 +329,10 @@ fn reduce(
     keepdim: bool,
     mean: bool,
 ) -> Result<Tensor> {
+    // A 16-bit tensor reduces in f32 and its result is rounded once into its dtype.
+    if let Some((dtype, wide)) = cast::widened(op_name, &[x])? {
+        return cast::narrowed(reduce(op_name, op, &wide[0], dims, keepdim, mean)?, dtype);
+    }
     x.expect_dtype(op_name, DType::F32)?;
     let out_shape = reduced_shape(x.shape(), dims, keepdim);
     let k: usize = dims.iter().map(|&d| x.shape()[d]).product();

@@ -7,6 +7,7 @@ use crate::kernel::{
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::binary::{binary, binary_with, BinaryOp};
+use crate::ops::cast;
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
 use crate::tensor::tape::{Elementwise, Fusion};
@@ -242,6 +243,9 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
 /// As [`unary`], for the ops with a second scalar `t` (clamp's upper bound).
 fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tensor> {
     let name = op.name();
+    if let Some((dtype, wide)) = cast::widened(name, &[x])? {
+        return cast::narrowed(unary_with(&wide[0], op, scalar, scalar2)?, dtype);
+    }
     let (in_dtype, out_dtype) = op.dtypes();
     x.expect_dtype(name, in_dtype)?;
     let out = Tensor::empty(name, x.shape(), out_dtype, x.device())?;
