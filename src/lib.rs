@@ -38,6 +38,7 @@ pub use autograd::{no_grad, BackwardOptions};
 pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
 pub use error::{Error, Result};
 pub use ops::attention::SdpaOptions;
+pub use ops::autocast::autocast;
 pub use ops::conv::{Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions};
 pub use ops::pool::{Interpolate, Pool2dOptions};
 pub use seed::manual_seed;

@@ -82,6 +82,8 @@ pub(crate) fn compute(
     retain_graph: bool,
 ) -> Result<Vec<(Tensor, Tensor)>> {
     let _no_grad = NoGradGuard::new();
+    // Backward rules run in the dtypes of their forward, inside an autocast region too.
+    let _autocast = crate::ops::autocast::Suspend::new();
     let listed_leaves: HashSet<usize>;
     // Listed non-leaves as (node, output index), and the nodes they come from.
     let listed_outputs: HashSet<(usize, usize)>;

@@ -3,6 +3,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::Module;
+use crate::ops::autocast::for_16_bit_op;
 use crate::seed::next_seed;
 use crate::tensor::creation::{checked_host_numel, uniform_values};
 use crate::tensor::Tensor;
@@ -68,9 +69,12 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.weight.t()?)?;
+        // Under autocast the weight and bias are cast (once per region) before the transpose
+        // view, as torch's autocast casts F.linear's arguments.
+        let weight = for_16_bit_op(&self.weight)?;
+        let y = x.matmul(&weight.t()?)?;
         match &self.bias {
-            Some(b) => y.add(b),
+            Some(b) => y.add(&for_16_bit_op(b)?),
             None => Ok(y),
         }
     }

@@ -1,6 +1,7 @@
 //! Loss functions.
 
 use crate::error::{Error, Result};
+use crate::ops::autocast::for_f32_op;
 use crate::ops::softmax::RowLoss;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::{DType, Tensor};
@@ -65,6 +66,8 @@ pub fn cross_entropy_with(
     opts: &CrossEntropyOptions,
 ) -> Result<Tensor> {
     const OP: &str = "cross_entropy";
+    // Under autocast, in f32 (as every loss).
+    let logits = &for_f32_op(logits)?;
     let r = logits.rank();
     let mut want_targets = logits.shape().to_vec();
     if r >= 2 {
@@ -174,6 +177,7 @@ pub fn cross_entropy_with(
 /// Mean squared error: `mean((prediction - target)^2)`; the shapes must match.
 pub fn mse(prediction: &Tensor, target: &Tensor) -> Result<Tensor> {
     same_shapes("mse", prediction, target)?;
+    let (prediction, target) = (&for_f32_op(prediction)?, &for_f32_op(target)?);
     let diff = prediction.sub(target)?;
     diff.mul(&diff)?.mean()
 }
@@ -182,6 +186,7 @@ pub fn mse(prediction: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// they are equal).
 pub fn l1(prediction: &Tensor, target: &Tensor) -> Result<Tensor> {
     same_shapes("l1", prediction, target)?;
+    let (prediction, target) = (&for_f32_op(prediction)?, &for_f32_op(target)?);
     prediction.sub(target)?.abs()?.mean()
 }
 
@@ -195,6 +200,7 @@ pub fn smooth_l1(prediction: &Tensor, target: &Tensor, beta: f32) -> Result<Tens
             msg: format!("beta must be finite and >= 0, got {beta}"),
         });
     }
+    let (prediction, target) = (&for_f32_op(prediction)?, &for_f32_op(target)?);
     let d = prediction.sub(target)?.abs()?;
     if beta == 0.0 {
         return d.mean();
@@ -209,6 +215,7 @@ pub fn smooth_l1(prediction: &Tensor, target: &Tensor, beta: f32) -> Result<Tens
 /// the grad `sigmoid(x) - y`.
 pub fn binary_cross_entropy_with_logits(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     same_shapes("binary_cross_entropy_with_logits", logits, targets)?;
+    let (logits, targets) = (&for_f32_op(logits)?, &for_f32_op(targets)?);
     logits.softplus()?.sub(&logits.mul(targets)?)?.mean()
 }
 
@@ -216,6 +223,7 @@ pub fn binary_cross_entropy_with_logits(logits: &Tensor, targets: &Tensor) -> Re
 /// `[N, C]` (a `log_softmax`), `targets` a `[N]` u32 tensor below `C`.
 pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
     const OP: &str = "nll";
+    let log_probs = &for_f32_op(log_probs)?;
     if log_probs.rank() != 2 || targets.rank() != 1 || targets.shape()[0] != log_probs.shape()[0] {
         return Err(Error::Shape {
             op: OP,

@@ -61,8 +61,8 @@ pub(crate) fn cast(op: &'static str, x: &Tensor, dtype: DType) -> Result<Tensor>
 
 /// An op's inputs ready for kernels that read F32: `None` when none is 16-bit; else every
 /// float input cast to F32 (recording no grad: the caller records the op itself, whose
-/// backward rule runs on the 16-bit tensors in turn) and the 16-bit dtype the output goes back
-/// to. Arithmetic runs in f32, as torch runs 16-bit ops; float inputs of two dtypes are an
+/// backward rule runs on the 16-bit tensors in turn) and the dtype the output goes back to
+/// (the inputs' 16-bit one; F32 for two float dtypes under autocast). Arithmetic runs in f32, as torch runs 16-bit ops; float inputs of two dtypes are an
 /// error naming the op (casts are explicit outside `autocast`).
 pub(crate) fn widened(
     op: &'static str,
@@ -76,15 +76,21 @@ pub(crate) fn widened(
     let Some(&narrow) = floats.iter().find(|d| d.is_16_bit()) else {
         return Ok(None);
     };
-    if let Some(other) = floats.iter().find(|&&d| d != narrow) {
-        return Err(Error::DType {
-            op,
-            msg: format!(
-                "inputs of two float dtypes, {narrow:?} and {other:?}: cast one with to_dtype \
-                 (or run the op under wgrad::autocast)"
-            ),
-        });
-    }
+    // The dtype the result goes back to. Under autocast two float dtypes meet in F32, as
+    // torch promotes them; outside it they are an error.
+    let result = match floats.iter().find(|&&d| d != narrow) {
+        None => narrow,
+        Some(_) if crate::ops::autocast::active_dtype().is_some() => DType::F32,
+        Some(other) => {
+            return Err(Error::DType {
+                op,
+                msg: format!(
+                    "inputs of two float dtypes, {narrow:?} and {other:?}: cast one with \
+                     to_dtype (or run the op under wgrad::autocast)"
+                ),
+            })
+        }
+    };
     let _no_grad = crate::tensor::grad_mode::NoGradGuard::new();
     let wide = inputs
         .iter()
@@ -93,7 +99,7 @@ pub(crate) fn widened(
             _ => t.to_dtype(DType::F32),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Some((narrow, wide)))
+    Ok(Some((result, wide)))
 }
 
 /// An F32 result of [`widened`] inputs back in their 16-bit `dtype` (a U32 result, a mask or

@@ -389,6 +389,13 @@ impl Tensor {
     /// Backward: `grad_a = grad @ b^T` and `grad_b = a^T @ grad`, with the transposes read as
     /// views, summed over broadcast batch dims.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        if crate::ops::autocast::active_dtype().is_some() {
+            let a = crate::ops::autocast::for_16_bit_op(self)?;
+            let b = crate::ops::autocast::for_16_bit_op(other)?;
+            if !Tensor::same(&a, self) || !Tensor::same(&b, other) {
+                return a.matmul(&b);
+            }
+        }
         if let Some(rows) = stacked_rows(self, other) {
             // A batch of matrices times one matrix is one product of the stacked rows (as
             // `x W^T` in a Linear over [B, T, C]): one large GEMM forward and backward, and

@@ -3,6 +3,7 @@
 //! `shaders/`.
 
 pub(crate) mod attention;
+pub(crate) mod autocast;
 pub(crate) mod batch_norm;
 pub(crate) mod binary;
 pub(crate) mod cast;

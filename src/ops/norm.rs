@@ -200,6 +200,10 @@ impl Tensor {
     /// Normalises the last dim to zero mean and unit (biased) variance, then scales by
     /// `weight` and shifts by `bias` (both `[last dim]`), as PyTorch's `layer_norm`.
     pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
+        if crate::ops::autocast::active_dtype().is_some() && self.dtype().is_16_bit() {
+            // Under autocast, in f32 (its statistics need f32's range).
+            return self.to_dtype(DType::F32)?.layer_norm(weight, bias, eps);
+        }
         let len = check(Norm::Layer, self, weight, Some(bias), eps)?;
         if len > FUSED_MAX_LEN {
             return composed(self, weight, bias, eps);
@@ -223,6 +227,9 @@ impl Tensor {
     /// # }
     /// ```
     pub fn rms_norm(&self, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        if crate::ops::autocast::active_dtype().is_some() && self.dtype().is_16_bit() {
+            return self.to_dtype(DType::F32)?.rms_norm(weight, eps);
+        }
         let len = check(Norm::Rms, self, weight, None, eps)?;
         if len > FUSED_MAX_LEN {
             return composed_rms(self, weight, eps);

@@ -151,6 +151,8 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
 /// Softmax or log_softmax over `x` moved so that `dim` is last; its backward is one fused
 /// row kernel on the saved output.
 fn along_dim(op: &'static str, log: bool, x: &Tensor, dim: usize) -> Result<Tensor> {
+    // Under autocast, in f32 and returned in F32.
+    let x = &crate::ops::autocast::for_f32_op(x)?;
     if x.dtype().is_16_bit() {
         // Statistics in f32; the casts carry the grad back in the input's dtype.
         return along_dim(op, log, &x.to_dtype(DType::F32)?, dim)?.to_dtype(x.dtype());
