@@ -189,3 +189,45 @@ fn autocast_to_a_32_bit_dtype_is_an_error() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn each_input_of_a_two_dtype_op_gets_a_grad_of_its_own_dtype() {
+    let h = Tensor::from_slice(&[1.0, 2.0], &[2], device())
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .requires_grad_(true);
+    let f = Tensor::from_slice(&[0.5, 0.25], &[2], device())
+        .unwrap()
+        .requires_grad_(true);
+    let y = autocast(DType::BF16, || h.add(&f)).unwrap();
+    assert_eq!(y.dtype(), DType::F32, "promoted");
+    y.mul_scalar(3.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(h.grad().unwrap().dtype(), DType::BF16);
+    assert_eq!(f.grad().unwrap().dtype(), DType::F32);
+    assert_eq!(h.grad().unwrap().to_vec().unwrap(), vec![3.0, 3.0]);
+}
+
+#[test]
+fn a_transformer_block_trains_under_autocast() {
+    let block = nn::TransformerBlock::new(16, 2, true, 0.0, device()).unwrap();
+    let (x, _) = random_tensor(&[2, 5, 16], 9);
+    let want = block.forward(&x).unwrap().to_vec().unwrap();
+    let y = autocast(DType::BF16, || block.forward(&x)).unwrap();
+    let want: Vec<f64> = want.into_iter().map(f64::from).collect();
+    assert_close(&y.to_vec().unwrap(), &want, 5e-2, "block output");
+    y.to_dtype(DType::F32)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    for p in block.parameters() {
+        assert_eq!(p.grad().unwrap().dtype(), DType::F32);
+    }
+}

@@ -243,6 +243,16 @@ pub(crate) fn compute(
             let (Some(edge), Some(input_grad)) = (edge, input_grad) else {
                 continue;
             };
+            // A grad takes the dtype of the tensor it is for (as torch's engine casts it): an
+            // op of two float dtypes under autocast gives both inputs its own dtype's grad.
+            let dtype = match edge {
+                Edge::Leaf(leaf) => leaf.dtype(),
+                Edge::Node(child, index) => child.output_dtypes[*index],
+            };
+            let input_grad = match input_grad.dtype() == dtype || !dtype.is_float() {
+                true => input_grad,
+                false => input_grad.to_dtype(dtype)?,
+            };
             match edge {
                 Edge::Leaf(leaf) => {
                     if wants_leaf(leaf) {

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::error::Result;
 use crate::tensor::grad_mode::is_grad_enabled;
-use crate::tensor::{Tensor, TensorInner};
+use crate::tensor::{DType, Tensor, TensorInner};
 
 /// A backward rule: from the grads of a node's outputs (one per output, `None` for an output
 /// no grad reached; most ops have one output) to the grads of its inputs (`None` for an input
@@ -26,6 +26,8 @@ pub(crate) struct Node {
     /// Taken (and so freed, with its saved tensors) by a backward without `retain_graph`.
     pub backward: Mutex<Option<BackwardFn>>,
     pub outputs: Vec<Weak<TensorInner>>,
+    /// Each output's dtype: the dtype the grad reaching it must have.
+    pub output_dtypes: Vec<DType>,
 }
 
 impl Drop for Node {
@@ -126,6 +128,7 @@ where
         edges,
         backward: Mutex::new(Some(Box::new(build(&outs)))),
         outputs: outs.iter().map(|out| Arc::downgrade(&out.inner)).collect(),
+        output_dtypes: outs.iter().map(Tensor::dtype).collect(),
     });
     for (index, out) in outs.iter().enumerate() {
         let mut meta = out.meta();
