@@ -62,6 +62,11 @@ fn autocast_losses_and_grads_follow_the_f32_ones_within_16_bit_rounding() {
         let loss = autocast(dtype, || nn::loss::cross_entropy(&model.forward(&x)?, &y)).unwrap();
         loss.backward().unwrap();
         let got_loss = f64::from(loss.item().unwrap());
+        assert_ne!(
+            got_loss,
+            f64::from(want_loss),
+            "{dtype:?}: the products were rounded"
+        );
         assert!(
             (got_loss - f64::from(want_loss)).abs() <= rel * f64::from(want_loss).abs(),
             "{dtype:?} loss"
