@@ -16,6 +16,8 @@
 mod lm;
 #[path = "support/plot.rs"]
 mod plot;
+#[path = "support/precision.rs"]
+mod precision;
 
 use std::path::PathBuf;
 use std::time::Instant;

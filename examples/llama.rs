@@ -17,6 +17,8 @@
 mod lm;
 #[path = "support/plot.rs"]
 mod plot;
+#[path = "support/precision.rs"]
+mod precision;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

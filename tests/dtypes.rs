@@ -275,9 +275,14 @@ fn sixteen_bit_against_f32(
 }
 
 #[test]
-fn elementwise_matmul_reduction_and_softmax_run_on_16_bit_tensors() {
+fn elementwise_matmul_reduction_softmax_and_pooling_run_on_16_bit_tensors() {
     type Op = fn(&[Tensor]) -> wgrad::Result<Tensor>;
-    let cases: [(&str, &[&[usize]], Op); 6] = [
+    let cases: [(&str, &[&[usize]], Op); 9] = [
+        ("max_pool2d", &[&[1, 2, 6, 6]], |t| t[0].max_pool2d(2, 2)),
+        ("avg_pool2d", &[&[1, 2, 6, 6]], |t| t[0].avg_pool2d(3, 1)),
+        ("adaptive_avg_pool2d", &[&[2, 3, 5, 5]], |t| {
+            t[0].adaptive_avg_pool2d((1, 1))
+        }),
         ("exp", &[&[3, 5]], |t| t[0].exp()),
         ("tanh of a sum", &[&[3, 5], &[5]], |t| {
             t[0].add(&t[1])?.tanh()

@@ -7,26 +7,16 @@ use std::cell::RefCell;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use wgrad::capture::Step;
 use wgrad::dist::{DataParallel, Dist};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, LrSchedule, Optimizer};
-use wgrad::{io, DType, Device, Result, Tensor};
+use wgrad::{io, Device, Result, Tensor};
 
-/// The dtype the forward pass computes its products in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Precision {
-    /// Everything in f32.
-    F32,
-    /// Autocast to F16 with loss scaling (GradScaler; its steps run eagerly: it reads one flag
-    /// back per step).
-    F16,
-    /// Autocast to BF16 (no loss scaling needed: f32's exponent range).
-    Bf16,
-}
+use crate::precision::{backward_and_step, Precision};
 
 /// Options of a language model's training run.
 #[derive(Args, Debug)]
@@ -232,7 +222,7 @@ pub fn train(
     let local_batch = dist.local_batch(args.batch_size as usize).map_err(fail)?;
     let data_parallel = DataParallel::new(dist, model).map_err(fail)?;
     // Grads are averaged across ranks on the host, which a captured step cannot hold.
-    let eager = args.eager || dist.size() > 1 || args.precision == Precision::F16;
+    let eager = args.eager || dist.size() > 1 || args.precision.needs_eager();
     // F16 needs loss scaling; BF16 has f32's range.
     let scaler = RefCell::new((args.precision == Precision::F16).then(optim::GradScaler::new));
     // Weight decay on matrices only, as nanoGPT.
@@ -265,26 +255,13 @@ pub fn train(
     let train_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
         let mut opt = opt.borrow_mut();
         opt.zero_grad();
-        let loss = match args.precision {
-            Precision::F32 => loss_of(model, &batch[0], &batch[1])?,
-            Precision::F16 => wgrad::autocast(DType::F16, || loss_of(model, &batch[0], &batch[1]))?,
-            Precision::Bf16 => {
-                wgrad::autocast(DType::BF16, || loss_of(model, &batch[0], &batch[1]))?
-            }
-        };
-        match scaler.borrow_mut().as_mut() {
-            Some(scaler) => {
-                scaler.scale(&loss)?.backward()?;
-                data_parallel.sync_grads()?;
-                scaler.step(&mut *opt)?;
-                scaler.update();
-            }
-            None => {
-                loss.backward()?;
-                data_parallel.sync_grads()?;
-                opt.step()?;
-            }
-        }
+        let loss = args
+            .precision
+            .loss(|| loss_of(model, &batch[0], &batch[1]))?;
+        let mut scaler = scaler.borrow_mut();
+        backward_and_step(&loss, &mut *opt, scaler.as_mut(), || {
+            data_parallel.sync_grads()
+        })?;
         Ok(loss)
     };
     let mut captured = Step::new(train_step);

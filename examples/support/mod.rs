@@ -16,6 +16,9 @@ use wgrad::optim::{self, LrSchedule, Optimizer};
 use wgrad::{io, Device, Tensor};
 
 pub mod plot;
+pub mod precision;
+
+use precision::{backward_and_step, Precision};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum OptimizerKind {
@@ -81,6 +84,10 @@ pub struct TrainArgs {
     /// Read the loss back to the host every this many steps (each read waits for the device).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub log_every: u64,
+    /// Mixed precision: the forward's matmuls and convolutions in 16 bits under
+    /// wgrad::autocast, parameters and optimizer state in f32.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub precision: Precision,
 }
 
 /// How a classifier trains: what each example picks, and each flag may change.
@@ -229,7 +236,9 @@ pub fn fit(
     let data_parallel = DataParallel::new(dist, model).map_err(|e| e.to_string())?;
     // The grads are averaged across ranks on the host between backward and the optimizer,
     // which a captured step cannot hold: data-parallel runs are eager.
-    let eager = args.eager || dist.size() > 1;
+    let eager = args.eager || dist.size() > 1 || args.precision.needs_eager();
+    // F16 needs loss scaling; BF16 has f32's range.
+    let scaler = RefCell::new(args.precision.needs_eager().then(optim::GradScaler::new));
     // Weight decay on matrices and kernels only, as is usual (none on biases and norms).
     let (matrices, vectors): (Vec<Tensor>, Vec<Tensor>) =
         model.parameters().into_iter().partition(|p| p.rank() >= 2);
@@ -302,11 +311,13 @@ pub fn fit(
     let train_step = |batch: &[Tensor]| -> wgrad::Result<Tensor> {
         let mut opt = opt.borrow_mut();
         opt.zero_grad();
-        let loss =
-            nn::loss::cross_entropy_with(&model.forward(&batch[0])?, &batch[1], &loss_options)?;
-        loss.backward()?;
-        data_parallel.sync_grads()?;
-        opt.step()?;
+        let loss = args.precision.loss(|| {
+            nn::loss::cross_entropy_with(&model.forward(&batch[0])?, &batch[1], &loss_options)
+        })?;
+        let mut scaler = scaler.borrow_mut();
+        backward_and_step(&loss, &mut **opt, scaler.as_mut(), || {
+            data_parallel.sync_grads()
+        })?;
         Ok(loss)
     };
     let mut captured = Step::new(train_step);

@@ -166,6 +166,8 @@ impl<Input: BatchNormInput> BatchNorm<Input> {
 
 impl<Input: BatchNormInput> Module for BatchNorm<Input> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // Under autocast, in f32 (its statistics need f32's range).
+        let x = &crate::ops::autocast::for_f32_op(x)?;
         let c = self.weight.numel();
         if !Input::takes_rank(x.rank()) || x.shape()[1] != c {
             return Err(Error::Shape {

@@ -144,6 +144,10 @@ fn run(
 }
 
 fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> {
+    if x.dtype().is_16_bit() {
+        // In f32 through recorded casts, the result in the input's dtype.
+        return pool(&x.to_dtype(DType::F32)?, kind, kernel, stride)?.to_dtype(x.dtype());
+    }
     let op = kind.name();
     let params = pool_params(op, x, kernel, stride)?;
     let shape = [
@@ -229,6 +233,9 @@ impl Pool2dOptions {
 /// Pooling with padding or ceil mode as the plain kernels over a padded input: `x` padded by
 /// `padding` before and what the last window needs after (filled with `fill`), then pooled.
 fn padded_pool(x: &Tensor, kind: Pool, o: &Pool2dOptions) -> Result<Tensor> {
+    if x.dtype().is_16_bit() {
+        return padded_pool(&x.to_dtype(DType::F32)?, kind, o)?.to_dtype(x.dtype());
+    }
     let op = kind.name();
     if x.rank() != 4 {
         return Err(Error::Shape {
@@ -382,8 +389,9 @@ impl Tensor {
     /// through them.
     pub fn adaptive_avg_pool2d(&self, (out_h, out_w): (usize, usize)) -> Result<Tensor> {
         let (h, w) = image_sides("adaptive_avg_pool2d", self, (out_h, out_w))?;
-        let rows = adaptive_bins(out_h, h, self.device())?;
-        let cols = adaptive_bins(out_w, w, self.device())?;
+        // The bins in the images' dtype (16-bit images stay 16-bit).
+        let rows = adaptive_bins(out_h, h, self.device())?.to_dtype(self.dtype())?;
+        let cols = adaptive_bins(out_w, w, self.device())?.to_dtype(self.dtype())?;
         rows.matmul(self)?.matmul(&cols.t()?)
     }
 }
@@ -444,8 +452,8 @@ impl Tensor {
     /// ```
     pub fn interpolate(&self, (out_h, out_w): (usize, usize), mode: Interpolate) -> Result<Tensor> {
         let (h, w) = image_sides("interpolate", self, (out_h, out_w))?;
-        let rows = resample_weights(mode, out_h, h, self.device())?;
-        let cols = resample_weights(mode, out_w, w, self.device())?;
+        let rows = resample_weights(mode, out_h, h, self.device())?.to_dtype(self.dtype())?;
+        let cols = resample_weights(mode, out_w, w, self.device())?.to_dtype(self.dtype())?;
         rows.matmul(self)?.matmul(&cols.t()?)
     }
 }
