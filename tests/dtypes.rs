@@ -305,36 +305,21 @@ fn elementwise_matmul_reduction_softmax_and_pooling_run_on_16_bit_tensors() {
 fn grads_of_16_bit_leaves_stay_16_bit() {
     let (a, a_values) = random_tensor(&[4, 6], 1);
     let (b, _) = random_tensor(&[6, 3], 2);
-    let a16 = a.to_dtype(DType::BF16).unwrap().requires_grad_(true);
+    // The grad of sum(tanh(a b)) for `a`, a leaf of its own dtype.
+    let grad_of = |a: Tensor, b: &Tensor| -> Tensor {
+        let a = a.requires_grad_(true);
+        let loss = a.matmul(b).unwrap().tanh().unwrap().sum().unwrap();
+        loss.backward().unwrap();
+        a.grad().unwrap()
+    };
+    let a16 = a.to_dtype(DType::BF16).unwrap();
     let b16 = b.to_dtype(DType::BF16).unwrap();
-    a16.matmul(&b16)
-        .unwrap()
-        .tanh()
-        .unwrap()
-        .sum()
-        .unwrap()
-        .backward()
-        .unwrap();
-    let grad = a16.grad().unwrap();
+    let grad = grad_of(a16.clone(), &b16);
     assert_eq!(grad.dtype(), DType::BF16);
     // Against the f32 grad of the same rounded values.
-    let a32 = a16
-        .detach()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .requires_grad_(true);
+    let a32 = a16.detach().to_dtype(DType::F32).unwrap();
     let b32 = b16.to_dtype(DType::F32).unwrap();
-    a32.matmul(&b32)
-        .unwrap()
-        .tanh()
-        .unwrap()
-        .sum()
-        .unwrap()
-        .backward()
-        .unwrap();
-    let want: Vec<f64> = a32
-        .grad()
-        .unwrap()
+    let want: Vec<f64> = grad_of(a32, &b32)
         .to_vec()
         .unwrap()
         .into_iter()

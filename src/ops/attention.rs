@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch_at, without_subgroup_section, Kernel, KernelParams, ShaderFamily,
 };
-use crate::ops::autocast::{through_f32, Suspend};
+use crate::ops::autocast::in_f32;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, inverse_permutation, merge_dims};
@@ -750,12 +750,11 @@ impl Tensor {
         v: &Tensor,
         opts: &SdpaOptions,
     ) -> Result<Tensor> {
-        if let Some((dtype, w)) = through_f32(OP, &[Some(self), Some(k), Some(v)])? {
+        if let Some(out) = in_f32(OP, &[Some(self), Some(k), Some(v)], |w| {
             let [q, k, v] = [0, 1, 2].map(|i| w[i].clone().expect("given"));
-            let plain = Suspend::new(); // the F32 inputs stay F32 inside
-            let out = q.scaled_dot_product_attention_with(&k, &v, opts)?;
-            drop(plain);
-            return out.to_dtype(dtype);
+            q.scaled_dot_product_attention_with(&k, &v, opts)
+        })? {
+            return Ok(out);
         }
         let (shape, mask) = check(self, k, v, opts)?;
         let r = self.rank();

@@ -152,35 +152,26 @@ pub(crate) fn for_f32_op(t: &Tensor) -> Result<Tensor> {
 }
 
 /// For ops that have no 16-bit kernels yet (convolutions, attention): when a float input is
-/// 16-bit (or autocast makes it so), the inputs as F32 tensors (through recorded casts, so
-/// grads come back in each input's dtype) and the 16-bit dtype the caller casts its result
-/// to; `None` when every float input is F32 and stays so. Float inputs of two dtypes outside
-/// autocast are an error naming `op`.
-pub(crate) fn through_f32(
+/// 16-bit (or autocast makes it so), `op_f32` run on the inputs as F32 tensors (through
+/// recorded casts, so grads come back in each input's dtype, and with autocast suspended, so
+/// they stay F32 inside) and its result cast to that 16-bit dtype; `None` when every float
+/// input is F32 and stays so. Float inputs of two dtypes outside autocast are an error naming
+/// `op`.
+pub(crate) fn in_f32(
     op: &'static str,
     inputs: &[Option<&Tensor>],
-) -> Result<Option<(DType, Vec<Option<Tensor>>)>> {
+    op_f32: impl FnOnce(&[Option<Tensor>]) -> Result<Tensor>,
+) -> Result<Option<Tensor>> {
     let inputs = inputs
         .iter()
         .map(|t| t.map(for_16_bit_op).transpose())
         .collect::<Result<Vec<_>>>()?;
-    let floats: Vec<DType> = inputs
-        .iter()
-        .flatten()
-        .map(Tensor::dtype)
-        .filter(|d| d.is_float())
-        .collect();
-    let Some(&narrow) = floats.iter().find(|d| d.is_16_bit()) else {
+    let dtypes = inputs.iter().flatten().map(Tensor::dtype);
+    let Some((narrow, other)) = crate::ops::cast::float_dtypes(dtypes) else {
         return Ok(None);
     };
-    if let Some(other) = floats.iter().find(|&&d| d != narrow) {
-        return Err(Error::DType {
-            op,
-            msg: format!(
-                "inputs of two float dtypes, {narrow:?} and {other:?}: cast one with to_dtype \
-                 (or run the op under wgrad::autocast)"
-            ),
-        });
+    if let Some(other) = other {
+        return Err(crate::ops::cast::two_float_dtypes(op, narrow, other));
     }
     let wide = inputs
         .iter()
@@ -189,5 +180,9 @@ pub(crate) fn through_f32(
             other => Ok(other.clone()),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Some((narrow, wide)))
+    let out = {
+        let _plain = Suspend::new();
+        op_f32(&wide)?
+    };
+    out.to_dtype(narrow).map(Some)
 }

@@ -68,28 +68,15 @@ pub(crate) fn widened(
     op: &'static str,
     inputs: &[&Tensor],
 ) -> Result<Option<(DType, Vec<Tensor>)>> {
-    let floats: Vec<DType> = inputs
-        .iter()
-        .map(|t| t.dtype())
-        .filter(|d| d.is_float())
-        .collect();
-    let Some(&narrow) = floats.iter().find(|d| d.is_16_bit()) else {
+    let Some((narrow, other)) = float_dtypes(inputs.iter().map(|t| t.dtype())) else {
         return Ok(None);
     };
     // The dtype the result goes back to. Under autocast two float dtypes meet in F32, as
     // torch promotes them; outside it they are an error.
-    let result = match floats.iter().find(|&&d| d != narrow) {
+    let result = match other {
         None => narrow,
         Some(_) if crate::ops::autocast::active_dtype().is_some() => DType::F32,
-        Some(other) => {
-            return Err(Error::DType {
-                op,
-                msg: format!(
-                    "inputs of two float dtypes, {narrow:?} and {other:?}: cast one with \
-                     to_dtype (or run the op under wgrad::autocast)"
-                ),
-            })
-        }
+        Some(other) => return Err(two_float_dtypes(op, narrow, other)),
     };
     let _no_grad = crate::tensor::grad_mode::NoGradGuard::new();
     let wide = inputs
@@ -100,6 +87,25 @@ pub(crate) fn widened(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Some((result, wide)))
+}
+
+/// The first 16-bit dtype among `dtypes`' float ones, and another float dtype beside it if
+/// there is one; `None` when no float dtype is 16-bit.
+pub(crate) fn float_dtypes(dtypes: impl Iterator<Item = DType>) -> Option<(DType, Option<DType>)> {
+    let floats: Vec<DType> = dtypes.filter(|d| d.is_float()).collect();
+    let narrow = *floats.iter().find(|d| d.is_16_bit())?;
+    Some((narrow, floats.into_iter().find(|&d| d != narrow)))
+}
+
+/// The error for an op given float inputs of two dtypes outside autocast.
+pub(crate) fn two_float_dtypes(op: &'static str, narrow: DType, other: DType) -> Error {
+    Error::DType {
+        op,
+        msg: format!(
+            "inputs of two float dtypes, {narrow:?} and {other:?}: cast one with to_dtype (or \
+             run the op under wgrad::autocast)"
+        ),
+    }
 }
 
 /// An F32 result of [`widened`] inputs back in their 16-bit `dtype` (a U32 result, a mask or

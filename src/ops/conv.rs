@@ -12,7 +12,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
-use crate::ops::autocast::{through_f32, Suspend};
+use crate::ops::autocast::in_f32;
 use crate::ops::matmul::{conv_product, conv_product_applies, ImageColumns};
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -710,12 +710,12 @@ impl Tensor {
         bias: Option<&Tensor>,
         options: Conv2dOptions,
     ) -> Result<Tensor> {
-        if let Some((dtype, w)) = through_f32("conv2d", &[Some(self), Some(weight), bias])? {
+        let inputs = [Some(self), Some(weight), bias];
+        if let Some(out) = in_f32("conv2d", &inputs, |w| {
             let (x, weight) = (w[0].as_ref().expect("given"), w[1].as_ref().expect("given"));
-            let plain = Suspend::new(); // the F32 inputs stay F32 inside
-            let out = x.conv2d_with(weight, w[2].as_ref(), options)?;
-            drop(plain);
-            return out.to_dtype(dtype);
+            x.conv2d_with(weight, w[2].as_ref(), options)
+        })? {
+            return Ok(out);
         }
         let geo = geometry(self, weight, &options)?;
         check_bias("conv2d", self, weight, bias, weight.shape()[0])?;
@@ -756,12 +756,11 @@ impl Tensor {
         options: &ConvTranspose2dOptions,
     ) -> Result<Tensor> {
         let inputs = [Some(self), Some(weight), bias];
-        if let Some((dtype, w)) = through_f32("conv_transpose2d", &inputs)? {
+        if let Some(out) = in_f32("conv_transpose2d", &inputs, |w| {
             let (x, weight) = (w[0].as_ref().expect("given"), w[1].as_ref().expect("given"));
-            let plain = Suspend::new(); // the F32 inputs stay F32 inside
-            let out = x.conv_transpose2d(weight, w[2].as_ref(), options)?;
-            drop(plain);
-            return out.to_dtype(dtype);
+            x.conv_transpose2d(weight, w[2].as_ref(), options)
+        })? {
+            return Ok(out);
         }
         let geo = transpose_geometry(self, weight, options)?;
         let c_out = geo.cols.c_in * options.groups;

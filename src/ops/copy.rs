@@ -316,7 +316,7 @@ impl Tensor {
         let starts_in_word = self.layout().offset % 2 == 1;
         let dense = match self.is_contiguous() && !starts_in_word {
             true => self.clone(),
-            false => crate::ops::cast::cast(op, &self.detach(), self.dtype())?,
+            false => self.detach().deep_clone()?,
         };
         let mut bits: Vec<u16> = bytemuck::pod_collect_to_vec(&dense.read_bytes(op)?);
         bits.truncate(self.numel());
@@ -342,9 +342,6 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        if self.dtype().is_16_bit() {
-            return crate::ops::cast::cast("contiguous", self, self.dtype());
-        }
         let out = Tensor::empty("contiguous", self.shape(), self.dtype(), self.device())?
             .with_index_bound(self.index_bound());
         copy_into("contiguous", self, &out, &out.layout().clone())?;
@@ -355,9 +352,6 @@ impl Tensor {
     /// copies the handle). A contiguous source is one `copy_buffer_to_buffer`.
     pub fn deep_clone(&self) -> Result<Tensor> {
         const OP: &str = "deep_clone";
-        if self.dtype().is_16_bit() {
-            return crate::ops::cast::cast(OP, self, self.dtype());
-        }
         let out = Tensor::empty(OP, self.shape(), self.dtype(), self.device())?
             .with_index_bound(self.index_bound());
         copy_into(OP, self, &out, &out.layout().clone())?;
@@ -418,9 +412,6 @@ impl Tensor {
                     ),
                 });
             }
-        }
-        if self.dtype().is_16_bit() {
-            return crate::ops::cast::cast_into(OP, src, self, self.layout());
         }
         // One dispatch may not read and write the same buffer through two bindings.
         let src = if src.storage_id() == self.storage_id() {
