@@ -50,6 +50,32 @@ fn backward_without_retain_graph_returns_saved_buffers_to_the_pool() {
 }
 
 #[test]
+fn add_and_sub_keep_neither_operand_alive() {
+    let _s = serial();
+    let dev = device();
+    let x = Tensor::randn(&[64, 256], 3, dev)
+        .unwrap()
+        .requires_grad_(true);
+    dev.synchronize().unwrap();
+    let before = dev.stats().live_bytes;
+    // Two temporaries whose only consumers are an add and a sub: their grads need the shapes
+    // alone, so once the handles drop the buffers go back to the pool (a residual stream's
+    // branch outputs are not held until backward).
+    let a = x.mul_scalar(2.0).unwrap();
+    let b = x.mul_scalar(3.0).unwrap();
+    let y = a.add(&x).unwrap().sub(&b).unwrap();
+    drop((a, b));
+    dev.synchronize().unwrap();
+    let one = 64 * 256 * 4;
+    // Only y remains: a, b and the add's output (the sub's operand) are gone.
+    assert_eq!(dev.stats().live_bytes, before + one);
+    let loss = y.sum().unwrap();
+    loss.backward().unwrap();
+    let want = vec![0.0f32; 64 * 256]; // d/dx (2x + x - 3x) = 0
+    assert_eq!(x.grad().unwrap().to_vec().unwrap(), want);
+}
+
+#[test]
 fn a_thousand_training_iterations_of_a_small_mlp_keep_device_memory_flat() {
     let _s = serial();
     let dev = device();

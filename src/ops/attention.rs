@@ -13,7 +13,8 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch_at, without_subgroup_section, Kernel, KernelParams, ShaderFamily,
 };
-use crate::ops::autocast::in_f32;
+use crate::ops::autocast::for_16_bit_op;
+use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, inverse_permutation, merge_dims};
@@ -362,7 +363,10 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<(Shap
         q.expect_same_device(OP, t)?;
     }
     for t in [q, k, v] {
-        t.expect_dtype(OP, DType::F32)?;
+        // Float operands share one dtype (see [`sixteen_bit_dtype`]).
+        if !t.dtype().is_float() {
+            t.expect_dtype(OP, DType::F32)?;
+        }
     }
     let shapes = || format!("q {:?}, k {:?}, v {:?}", q.shape(), k.shape(), v.shape());
     let r = q.rank();
@@ -691,6 +695,36 @@ fn operands(tensors: [&Tensor; 4]) -> Result<Operands> {
     })
 }
 
+/// The 16-bit dtype q, k and v share, or `None` when they are F32; float operands of two
+/// dtypes are an error (autocast casts them all to its dtype before this).
+fn sixteen_bit_dtype(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<DType>> {
+    match cast::float_dtypes([q, k, v].iter().map(|t| t.dtype())) {
+        None => Ok(None),
+        Some((narrow, None)) => Ok(Some(narrow)),
+        Some((narrow, Some(other))) => Err(cast::two_float_dtypes(OP, narrow, other)),
+    }
+}
+
+/// `t` as the kernels read it: itself where the operands are F32 (`narrow` is `None`), else
+/// an F32 copy recording no grad.
+fn as_f32(t: &Tensor, narrow: Option<DType>) -> Result<Tensor> {
+    match narrow {
+        Some(_) if t.dtype() != DType::F32 => cast_in_memory_order(t, DType::F32),
+        _ => Ok(t.clone()),
+    }
+}
+
+/// `t` cast to `dtype` (recording no grad), its dims laid out in memory in `t`'s order: a
+/// `[B, H, T, D]` view of `[B, T, H, D]` heads stays one, so the kernels read it in place
+/// and merging its heads back stays a view.
+fn cast_in_memory_order(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    let _no_grad = NoGradGuard::new();
+    let order = memory_order(t);
+    t.permute(&order)?
+        .to_dtype(dtype)?
+        .permute(&inverse_permutation(&order))
+}
+
 impl Tensor {
     /// `softmax(q k^T / sqrt(D)) v` for q `[.., Tq, D]`, k `[.., Tk, D]` and v `[.., Tk, Dv]`
     /// (the same batch dims): `[.., Tq, Dv]`. With `causal`, query `i` attends to keys
@@ -750,27 +784,23 @@ impl Tensor {
         v: &Tensor,
         opts: &SdpaOptions,
     ) -> Result<Tensor> {
-        if let Some(out) = in_f32(OP, &[Some(self), Some(k), Some(v)], |w| {
-            let [q, k, v] = [0, 1, 2].map(|i| w[i].clone().expect("given"));
-            q.scaled_dot_product_attention_with(&k, &v, opts)
-        })? {
-            return Ok(out);
-        }
-        let (shape, mask) = check(self, k, v, opts)?;
-        let r = self.rank();
-        let mut out_shape = self.shape().to_vec();
+        // Under autocast q, k and v are cast to the region's dtype (torch's autocast runs
+        // attention in 16 bits); 16-bit operands are read as f32 by the kernels through casts
+        // that live only for the launch, and the node saves the 16-bit tensors themselves.
+        let [q, k, v] = [self, k, v].map(for_16_bit_op);
+        let (q, k, v) = (q?, k?, v?);
+        let narrow = sixteen_bit_dtype(&q, &k, &v)?;
+        let (shape, mask) = check(&q, &k, &v, opts)?;
+        let r = q.rank();
+        let mut out_shape = q.shape().to_vec();
         out_shape[r - 1] = shape.dv;
         if shape.t_k == 0 {
             // No key to attend to: PyTorch gives NaN rows; wgrad gives zeros, as a row with
             // every key masked does.
-            let zeros = Tensor::zeros(&out_shape, self.device())?;
-            return Ok(record(OP, zeros, &[self, k, v], |_| {
-                let shapes = [
-                    self.shape().to_vec(),
-                    k.shape().to_vec(),
-                    v.shape().to_vec(),
-                ];
-                let dev = self.device().clone();
+            let zeros = Tensor::zeros(&out_shape, q.device())?.to_dtype(q.dtype())?;
+            return Ok(record(OP, zeros, &[&q, &k, &v], |_| {
+                let shapes = [q.shape().to_vec(), k.shape().to_vec(), v.shape().to_vec()];
+                let dev = q.device().clone();
                 move |_g: &Tensor| {
                     shapes
                         .iter()
@@ -779,15 +809,31 @@ impl Tensor {
                 }
             }));
         }
-        let ops = operands([self, k, v, self])?;
-        let (out, stats) = forward(&shape, &ops, mask.bound(self), &out_shape)?;
-        Ok(record(OP, out, &[self, k, v], |out| {
-            let need = [self.requires_grad(), k.requires_grad(), v.requires_grad()];
-            let [q, k, v, _] = ops.tensors.map(|t| t.detach());
-            let mask = mask.tensor.clone().unwrap_or_else(|| q.clone());
+        let wide = [&q, &k, &v].map(|t| as_f32(t, narrow));
+        let [wq, wk, wv] = wide;
+        let (wq, wk, wv) = (wq?, wk?, wv?);
+        let ops = operands([&wq, &wk, &wv, &wq])?;
+        let (out, stats) = forward(&shape, &ops, mask.bound(&wq), &out_shape)?;
+        let out = match narrow {
+            Some(dtype) => cast_in_memory_order(&out, dtype)?,
+            None => out,
+        };
+        Ok(record(OP, out, &[&q, &k, &v], |out| {
+            let need = [q.requires_grad(), k.requires_grad(), v.requires_grad()];
+            // The forward's operands where they are f32 (read in place, or the copies the
+            // kernels read); the 16-bit tensors themselves otherwise.
+            let saved = match narrow {
+                Some(_) => [&q, &k, &v].map(Tensor::detach),
+                None => [0, 1, 2].map(|i| ops.tensors[i].detach()),
+            };
+            let mask = mask.tensor.clone();
             let out = out.detach();
             move |g: &Tensor| {
-                let grads = backward(&shape, &q, &k, &v, &mask, (&out, &stats), g, need)?;
+                let [q, k, v] = [&saved[0], &saved[1], &saved[2]].map(|t| as_f32(t, narrow));
+                let (q, k, v) = (q?, k?, v?);
+                let (out, g) = (as_f32(&out, narrow)?, as_f32(g, narrow)?);
+                let mask = mask.clone().unwrap_or_else(|| q.clone());
+                let grads = backward(&shape, &q, &k, &v, &mask, (&out, &stats), &g, need)?;
                 Ok(grads.into_iter().collect())
             }
         }))

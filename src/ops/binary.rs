@@ -401,21 +401,36 @@ fn record_binary(
     })
 }
 
+/// Records `a + b` or `a - b` (`negate_b`): their grads need only the operands' shapes, so
+/// unlike [`record_binary`] the node keeps neither operand alive (a residual stream's adds
+/// would otherwise hold every block's branch output until backward, as torch's do not).
+fn record_sum(name: &'static str, out: Tensor, a: &Tensor, b: &Tensor, negate_b: bool) -> Tensor {
+    record(name, out, &[a, b], |_| {
+        let (a_shape, b_shape) = (a.shape().to_vec(), b.shape().to_vec());
+        move |g: &Tensor| {
+            let gb = match negate_b {
+                true => g.neg()?,
+                false => g.clone(),
+            };
+            Ok(vec![
+                Some(sum_to_shape(g, &a_shape)?),
+                Some(sum_to_shape(&gb, &b_shape)?),
+            ])
+        }
+    })
+}
+
 impl Tensor {
     /// `self + other`, broadcast.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
         let out = binary(self, other, BinaryOp::Add)?;
-        Ok(record_binary("add", out, self, other, |g, _, _| {
-            Ok((g.clone(), g.clone()))
-        }))
+        Ok(record_sum("add", out, self, other, false))
     }
 
     /// `self - other`, broadcast.
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
         let out = binary(self, other, BinaryOp::Sub)?;
-        Ok(record_binary("sub", out, self, other, |g, _, _| {
-            Ok((g.clone(), g.neg()?))
-        }))
+        Ok(record_sum("sub", out, self, other, true))
     }
 
     /// `self * other`, broadcast.
