@@ -20,7 +20,7 @@ use wgrad::capture::Step;
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{self, Optimizer};
-use wgrad::{Device, Result, Tensor};
+use wgrad::{DType, Device, Result, Tensor};
 
 /// Benchmark report for one adapter.
 #[derive(Parser, Debug)]
@@ -55,16 +55,6 @@ impl Row {
             value: Some(value),
             unit,
             note: String::new(),
-        }
-    }
-
-    fn missing(section: &'static str, name: &str, unit: &'static str, why: &str) -> Row {
-        Row {
-            section,
-            name: name.to_string(),
-            value: None,
-            unit,
-            note: why.to_string(),
         }
     }
 
@@ -132,12 +122,6 @@ fn report(args: &Args) -> Result<()> {
         &[512, 1024, 2048]
     };
     rows.extend(matmul(&dev, sizes)?);
-    rows.push(Row::missing(
-        "matmul",
-        "F16 inputs",
-        "GFLOP/s",
-        "n/a: 16-bit matmul is not implemented yet",
-    ));
     let lengths: &[usize] = if large {
         &[1024, 2048, 4096, 8192]
     } else {
@@ -241,21 +225,25 @@ fn median_secs(
     Ok(samples[samples.len() / 2])
 }
 
+/// Square products in F32, then with F16 and BF16 operands (read as they are, accumulated in
+/// f32, the result rounded once), each beside the F32 figure of its size.
 fn matmul(dev: &Device, sizes: &[usize]) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    for &n in sizes {
-        let a = Tensor::rand(&[n, n], 1, dev)?;
-        let b = Tensor::rand(&[n, n], 2, dev)?;
-        let budget = Duration::from_secs(2);
-        let secs = median_secs(dev, 1, 3, budget, || a.matmul(&b).map(drop))?;
-        let gflops = 2.0 * (n as f64).powi(3) / secs / 1e9;
-        eprintln!("matmul {n}: {gflops:.1} GFLOP/s");
-        rows.push(Row::new(
-            "matmul",
-            format!("F32 {n}x{n}x{n}"),
-            gflops,
-            "GFLOP/s",
-        ));
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for &n in sizes {
+            let a = Tensor::rand(&[n, n], 1, dev)?.to_dtype(dtype)?;
+            let b = Tensor::rand(&[n, n], 2, dev)?.to_dtype(dtype)?;
+            let budget = Duration::from_secs(2);
+            let secs = median_secs(dev, 1, 3, budget, || a.matmul(&b).map(drop))?;
+            let gflops = 2.0 * (n as f64).powi(3) / secs / 1e9;
+            eprintln!("matmul {dtype:?} {n}: {gflops:.1} GFLOP/s");
+            rows.push(Row::new(
+                "matmul",
+                format!("{dtype:?} {n}x{n}x{n}"),
+                gflops,
+                "GFLOP/s",
+            ));
+        }
     }
     Ok(rows)
 }

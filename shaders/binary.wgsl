@@ -1,12 +1,21 @@
 // Elementwise binary ops with NumPy broadcasting (broadcast dims have stride 0). One
 // template: the host splices the op's expression in `a` and `b` for BINARY_EXPR.
 //
-// Tensors are bound as vec4s so that `contiguous` can move four elements per load where
-// lengths and offsets allow: software adapters pay per load, not per element.
+// Tensors are bound as words so that `contiguous` can move four elements per load where
+// lengths and offsets allow (software adapters pay per load, not per element), and so that
+// one module reads and writes any dtype: LHS_DTYPE_CODE, RHS_DTYPE_CODE and DST_DTYPE_CODE are
+// spliced (0 F32, 1 U32: four elements per vec4, seen as f32 bits; 2 F16, 3 BF16: eight,
+// converted through the 16-BIT SECTION of common.wgsl). Arithmetic is in f32. A 16-bit
+// destination is written a word (two elements) per invocation, so no two invocations write
+// one word.
 
-@group(0) @binding(1) var<storage, read> lhs: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> rhs: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> dst: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> lhs: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> rhs: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read_write> dst: array<vec4<u32>>;
+
+const LHS_DTYPE: u32 = LHS_DTYPE_CODEu;
+const RHS_DTYPE: u32 = RHS_DTYPE_CODEu;
+const DST_DTYPE: u32 = DST_DTYPE_CODEu;
 
 fn op(a: f32, b: f32) -> f32 {
     return BINARY_EXPR;
@@ -16,12 +25,73 @@ fn op4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(op(a.x, b.x), op(a.y, b.y), op(a.z, b.z), op(a.w, b.w));
 }
 
+// Element i of lhs (of rhs).
 fn lhs_at(i: u32) -> f32 {
-    return lhs[i / 4u][i % 4u];
+    if (LHS_DTYPE < 2u) {
+        return bitcast<f32>(lhs[i / 4u][i % 4u]);
+    }
+    return half_to_f32(half_of(lhs[i / 8u][(i / 2u) % 4u], i), LHS_DTYPE);
 }
 
 fn rhs_at(i: u32) -> f32 {
-    return rhs[i / 4u][i % 4u];
+    if (RHS_DTYPE < 2u) {
+        return bitcast<f32>(rhs[i / 4u][i % 4u]);
+    }
+    return half_to_f32(half_of(rhs[i / 8u][(i / 2u) % 4u], i), RHS_DTYPE);
+}
+
+// Elements 4q .. 4q + 4 of lhs (of rhs).
+fn lhs_quad(q: u32) -> vec4<f32> {
+    if (LHS_DTYPE < 2u) {
+        return bitcast<vec4<f32>>(lhs[q]);
+    }
+    return halves_to_f32x4(lhs[q / 2u], q, LHS_DTYPE);
+}
+
+fn rhs_quad(q: u32) -> vec4<f32> {
+    if (RHS_DTYPE < 2u) {
+        return bitcast<vec4<f32>>(rhs[q]);
+    }
+    return halves_to_f32x4(rhs[q / 2u], q, RHS_DTYPE);
+}
+
+// Stores elements 4q .. 4q + 4 of dst.
+fn store_quad(q: u32, v: vec4<f32>) {
+    if (DST_DTYPE < 2u) {
+        dst[q] = bitcast<vec4<u32>>(v);
+        return;
+    }
+    let c = (q & 1u) * 2u;
+    dst[q / 2u][c] = pack_halves(v.x, v.y, DST_DTYPE);
+    dst[q / 2u][c + 1u] = pack_halves(v.z, v.w, DST_DTYPE);
+}
+
+// Stores element i of a 32-bit dst.
+fn store1(i: u32, v: f32) {
+    dst[i / 4u][i % 4u] = bitcast<u32>(v);
+}
+
+// Stores word w of a 16-bit dst: elements 2w (`lo`) and 2w + 1 (`hi`).
+fn store_pair(w: u32, lo: f32, hi: f32) {
+    dst[w / 4u][w % 4u] = pack_halves(lo, hi, DST_DTYPE);
+}
+
+// Output element i of each entry, element by element.
+fn contiguous_at(i: u32) -> f32 {
+    return op(lhs_at(pu(BINARY_LHS_OFFSET) + i), rhs_at(pu(BINARY_RHS_OFFSET) + i));
+}
+
+fn repeated_at(i: u32) -> f32 {
+    let a = lhs_at(pu(BINARY_LHS_OFFSET) + run_index(i, pu(BINARY_LHS_STRETCH), pu(BINARY_LHS_PERIOD)));
+    let b = rhs_at(pu(BINARY_RHS_OFFSET) + run_index(i, pu(BINARY_RHS_STRETCH), pu(BINARY_RHS_PERIOD)));
+    return op(a, b);
+}
+
+fn strided_at(i: u32) -> f32 {
+    let rank = pu(BINARY_RANK);
+    let a = lhs_at(pu(BINARY_LHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_LHS_STRIDES));
+    let b = rhs_at(pu(BINARY_RHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_RHS_STRIDES));
+    return op(a, b);
 }
 
 // Params: `BinaryParams` (src/ops/binary.rs).
@@ -38,16 +108,24 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             if (i >= n / 4u) {
                 break;
             }
-            dst[i] = op4(lhs[la / 4u + i], rhs[lb / 4u + i]);
+            store_quad(i, op4(lhs_quad(la / 4u + i), rhs_quad(lb / 4u + i)));
         }
         return;
     }
     for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
-        if (i >= n) {
-            break;
+        if (DST_DTYPE < 2u) {
+            if (i >= n) {
+                break;
+            }
+            store1(i, contiguous_at(i));
+        } else {
+            // Word i; an odd n's last word repeats its one element in the half past the end.
+            if (2u * i >= n) {
+                break;
+            }
+            store_pair(i, contiguous_at(2u * i), contiguous_at(min(2u * i + 1u, n - 1u)));
         }
-        dst[i / 4u][i % 4u] = op(lhs_at(la + i), rhs_at(lb + i));
     }
 }
 
@@ -71,16 +149,23 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             if (i >= n / 4u) {
                 break;
             }
-            dst[i] = op4(lhs_run4(la, i, sa, pa), rhs_run4(lb, i, sb, pb));
+            store_quad(i, op4(lhs_run4(la, i, sa, pa), rhs_run4(lb, i, sb, pb)));
         }
         return;
     }
     for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
-        if (i >= n) {
-            break;
+        if (DST_DTYPE < 2u) {
+            if (i >= n) {
+                break;
+            }
+            store1(i, repeated_at(i));
+        } else {
+            if (2u * i >= n) {
+                break;
+            }
+            store_pair(i, repeated_at(2u * i), repeated_at(min(2u * i + 1u, n - 1u)));
         }
-        dst[i / 4u][i % 4u] = op(lhs_at(la + run_index(i, sa, pa)), rhs_at(lb + run_index(i, sb, pb)));
     }
 }
 
@@ -96,14 +181,14 @@ fn run_index(i: u32, stretch: u32, period: u32) -> u32 {
 // where the stretch is 1, else one element for all four (the stretch is a multiple of 4).
 fn lhs_run4(offset: u32, i: u32, stretch: u32, period: u32) -> vec4<f32> {
     if (stretch == 1u) {
-        return lhs[offset / 4u + i % (period / 4u)];
+        return lhs_quad(offset / 4u + i % (period / 4u));
     }
     return vec4<f32>(lhs_at(offset + (i * 4u / stretch) % period));
 }
 
 fn rhs_run4(offset: u32, i: u32, stretch: u32, period: u32) -> vec4<f32> {
     if (stretch == 1u) {
-        return rhs[offset / 4u + i % (period / 4u)];
+        return rhs_quad(offset / 4u + i % (period / 4u));
     }
     return vec4<f32>(rhs_at(offset + (i * 4u / stretch) % period));
 }
@@ -112,11 +197,12 @@ fn rhs_run4(offset: u32, i: u32, stretch: u32, period: u32) -> vec4<f32> {
 fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(BINARY_N)) {
-        return;
+    let n = pu(BINARY_N);
+    if (DST_DTYPE < 2u) {
+        if (i < n) {
+            store1(i, strided_at(i));
+        }
+    } else if (2u * i < n) {
+        store_pair(i, strided_at(2u * i), strided_at(min(2u * i + 1u, n - 1u)));
     }
-    let rank = pu(BINARY_RANK);
-    let a = lhs_at(pu(BINARY_LHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_LHS_STRIDES));
-    let b = rhs_at(pu(BINARY_RHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_RHS_STRIDES));
-    dst[i / 4u][i % 4u] = op(a, b);
 }

@@ -32,16 +32,47 @@
 // the A blocks they share once and assemble them with subgroupBroadcast. Elsewhere the section
 // is cut out (it needs the device's subgroup feature).
 
-@group(0) @binding(1) var<storage, read> a: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> b: array<vec4<f32>>;
+// A and B are bound as words and read as f32 through a_at/a_quad and b_at/b_quad: F32
+// elements four to a vec4, F16 or BF16 ones eight (A_DTYPE and B_DTYPE are spliced: 0 F32,
+// 2 F16, 3 BF16; see the 16-BIT SECTION of common.wgsl). Offsets and strides count elements
+// whatever the dtype, and products accumulate in f32 into an F32 `out`.
+@group(0) @binding(1) var<storage, read> a: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> b: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
 
+const A_DTYPE: u32 = A_DTYPE_CODEu;
+const B_DTYPE: u32 = B_DTYPE_CODEu;
+
+// Element i of A.
 fn a_at(i: u32) -> f32 {
-    return a[i / 4u][i % 4u];
+    if (A_DTYPE == 0u) {
+        return bitcast<f32>(a[i / 4u][i % 4u]);
+    }
+    return half_to_f32(half_of(a[i / 8u][(i / 2u) % 4u], i), A_DTYPE);
 }
 
+// Elements 4q .. 4q + 4 of A.
+fn a_quad(q: u32) -> vec4<f32> {
+    if (A_DTYPE == 0u) {
+        return bitcast<vec4<f32>>(a[q]);
+    }
+    return halves_to_f32x4(a[q / 2u], q, A_DTYPE);
+}
+
+// Element i of B.
 fn b_at(i: u32) -> f32 {
-    return b[i / 4u][i % 4u];
+    if (B_DTYPE == 0u) {
+        return bitcast<f32>(b[i / 4u][i % 4u]);
+    }
+    return half_to_f32(half_of(b[i / 8u][(i / 2u) % 4u], i), B_DTYPE);
+}
+
+// Elements 4q .. 4q + 4 of B.
+fn b_quad(q: u32) -> vec4<f32> {
+    if (B_DTYPE == 0u) {
+        return bitcast<vec4<f32>>(b[q]);
+    }
+    return halves_to_f32x4(b[q / 2u], q, B_DTYPE);
 }
 
 struct Tile {
@@ -98,12 +129,12 @@ fn store1(o: u32, v: f32) {
 // `at` is the element offset of A[rows.x][k]; `rs`, `cs` are A's strides.
 fn a_block_k(at: u32, rows: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
     let base = at - rows.x * rs;
-    return transpose(mat4x4<f32>(a[at / 4u], a[(base + rows.y * rs) / 4u],
-                                 a[(base + rows.z * rs) / 4u], a[(base + rows.w * rs) / 4u]));
+    return transpose(mat4x4<f32>(a_quad(at / 4u), a_quad((base + rows.y * rs) / 4u),
+                                 a_quad((base + rows.z * rs) / 4u), a_quad((base + rows.w * rs) / 4u)));
 }
 
 fn a_block_m(at: u32, rows: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
-    return mat4x4<f32>(a[at / 4u], a[(at + cs) / 4u], a[(at + 2u * cs) / 4u], a[(at + 3u * cs) / 4u]);
+    return mat4x4<f32>(a_quad(at / 4u), a_quad((at + cs) / 4u), a_quad((at + 2u * cs) / 4u), a_quad((at + 3u * cs) / 4u));
 }
 
 fn a_block_any(at: u32, rows: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
@@ -119,12 +150,12 @@ fn a_block_any(at: u32, rows: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
 // A 4x4 block of B as a matrix whose column j holds B[k..k+4][cols[j]].
 // `at` is the element offset of B[k][cols.x]; `rs`, `cs` are B's strides.
 fn b_block_n(at: u32, cols: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
-    return transpose(mat4x4<f32>(b[at / 4u], b[(at + rs) / 4u], b[(at + 2u * rs) / 4u], b[(at + 3u * rs) / 4u]));
+    return transpose(mat4x4<f32>(b_quad(at / 4u), b_quad((at + rs) / 4u), b_quad((at + 2u * rs) / 4u), b_quad((at + 3u * rs) / 4u)));
 }
 
 fn b_block_k(at: u32, cols: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
     let base = at - cols.x * cs;
-    return mat4x4<f32>(b[at / 4u], b[(base + cols.y * cs) / 4u], b[(base + cols.z * cs) / 4u], b[(base + cols.w * cs) / 4u]);
+    return mat4x4<f32>(b_quad(at / 4u), b_quad((base + cols.y * cs) / 4u), b_quad((base + cols.z * cs) / 4u), b_quad((base + cols.w * cs) / 4u));
 }
 
 fn b_block_any(at: u32, cols: vec4<u32>, rs: u32, cs: u32) -> mat4x4<f32> {
@@ -193,7 +224,7 @@ fn a_lane_at_any(a_base: u32, row0: u32, lane: u32) -> u32 {
 // load in k and m modes, four element loads in any mode (still once per subgroup, not per
 // invocation).
 fn a_lane_load_k(at: u32, k: u32, cs: u32) -> vec4<f32> {
-    return a[(at + k * cs) / 4u];
+    return a_quad((at + k * cs) / 4u);
 }
 
 fn a_lane_load_m(at: u32, k: u32, cs: u32) -> vec4<f32> {

@@ -1,10 +1,17 @@
 // Elementwise unary ops: one template. The host splices the op's expression in `x` (the
 // element) and `s` (the op's scalar) for UNARY_EXPR.
+//
+// Tensors are bound as words so that `contiguous` can move four elements per load where
+// lengths and offsets allow (software adapters pay per load, not per element), and so that
+// one module reads and writes any dtype: SRC_DTYPE_CODE and DST_DTYPE_CODE are spliced (0 F32,
+// 1 U32: four elements per vec4, seen as f32 bits; 2 F16, 3 BF16: eight, converted through the
+// 16-BIT SECTION of common.wgsl). Arithmetic is in f32. A 16-bit destination is written a word
+// (two elements) per invocation, so no two invocations write one word.
+@group(0) @binding(1) var<storage, read> src: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read_write> dst: array<vec4<u32>>;
 
-// Tensors are bound as vec4s so that `contiguous` can move four elements per load where
-// lengths and offsets allow: software adapters pay per load, not per element.
-@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
+const SRC_DTYPE: u32 = SRC_DTYPE_CODEu;
+const DST_DTYPE: u32 = DST_DTYPE_CODEu;
 
 fn op(x: f32, s: f32) -> f32 {
     return UNARY_EXPR;
@@ -12,6 +19,53 @@ fn op(x: f32, s: f32) -> f32 {
 
 fn op4(x: vec4<f32>, s: f32) -> vec4<f32> {
     return vec4<f32>(op(x.x, s), op(x.y, s), op(x.z, s), op(x.w, s));
+}
+
+// Element i of src.
+fn src_at(i: u32) -> f32 {
+    if (SRC_DTYPE < 2u) {
+        return bitcast<f32>(src[i / 4u][i % 4u]);
+    }
+    return half_to_f32(half_of(src[i / 8u][(i / 2u) % 4u], i), SRC_DTYPE);
+}
+
+// Elements 4q .. 4q + 4 of src.
+fn src_quad(q: u32) -> vec4<f32> {
+    if (SRC_DTYPE < 2u) {
+        return bitcast<vec4<f32>>(src[q]);
+    }
+    return halves_to_f32x4(src[q / 2u], q, SRC_DTYPE);
+}
+
+// Stores elements 4q .. 4q + 4 of dst.
+fn store_quad(q: u32, v: vec4<f32>) {
+    if (DST_DTYPE < 2u) {
+        dst[q] = bitcast<vec4<u32>>(v);
+        return;
+    }
+    let c = (q & 1u) * 2u;
+    dst[q / 2u][c] = pack_halves(v.x, v.y, DST_DTYPE);
+    dst[q / 2u][c + 1u] = pack_halves(v.z, v.w, DST_DTYPE);
+}
+
+// Stores element i of a 32-bit dst.
+fn store1(i: u32, v: f32) {
+    dst[i / 4u][i % 4u] = bitcast<u32>(v);
+}
+
+// Stores word w of a 16-bit dst: elements 2w (`lo`) and 2w + 1 (`hi`).
+fn store_pair(w: u32, lo: f32, hi: f32) {
+    dst[w / 4u][w % 4u] = pack_halves(lo, hi, DST_DTYPE);
+}
+
+// Output element i of `contiguous` and of `strided`.
+fn contiguous_at(i: u32) -> f32 {
+    return op(src_at(pu(UNARY_OFFSET) + i), pf(UNARY_SCALAR));
+}
+
+fn strided_at(i: u32) -> f32 {
+    let x = pu(UNARY_OFFSET) + strided_offset(i, pu(UNARY_RANK), UNARY_SHAPE, UNARY_STRIDES);
+    return op(src_at(x), pf(UNARY_SCALAR));
 }
 
 // Params: `UnaryParams` (src/ops/unary.rs).
@@ -28,17 +82,24 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             if (i >= n / 4u) {
                 break;
             }
-            dst[i] = op4(src[off / 4u + i], s);
+            store_quad(i, op4(src_quad(off / 4u + i), s));
         }
         return;
     }
     for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
-        if (i >= n) {
-            break;
+        if (DST_DTYPE < 2u) {
+            if (i >= n) {
+                break;
+            }
+            store1(i, contiguous_at(i));
+        } else {
+            // Word i; an odd n's last word repeats its one element in the half past the end.
+            if (2u * i >= n) {
+                break;
+            }
+            store_pair(i, contiguous_at(2u * i), contiguous_at(min(2u * i + 1u, n - 1u)));
         }
-        let x = off + i;
-        dst[i / 4u][i % 4u] = op(src[x / 4u][x % 4u], s);
     }
 }
 
@@ -46,9 +107,12 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
-    if (i >= pu(UNARY_N)) {
-        return;
+    let n = pu(UNARY_N);
+    if (DST_DTYPE < 2u) {
+        if (i < n) {
+            store1(i, strided_at(i));
+        }
+    } else if (2u * i < n) {
+        store_pair(i, strided_at(2u * i), strided_at(min(2u * i + 1u, n - 1u)));
     }
-    let x = pu(UNARY_OFFSET) + strided_offset(i, pu(UNARY_RANK), UNARY_SHAPE, UNARY_STRIDES);
-    dst[i / 4u][i % 4u] = op(src[x / 4u][x % 4u], pf(UNARY_SCALAR));
 }

@@ -302,6 +302,182 @@ fn elementwise_matmul_reduction_softmax_and_pooling_run_on_16_bit_tensors() {
 }
 
 #[test]
+fn matmul_reads_16_bit_operands_in_every_layout() {
+    // The kernels read 16-bit A and B as they are: row- and column-major views, odd element
+    // offsets (an element in a word's high half), a k tail, batches, the small kernel, and k
+    // past one kernel's loop (summed over chunks in f32 before the one rounding).
+    type Op = fn(&[Tensor]) -> wgrad::Result<Tensor>;
+    let cases: [(&str, &[&[usize]], Op); 7] = [
+        ("dense", &[&[64, 40], &[40, 96]], |t| t[0].matmul(&t[1])),
+        ("both transposed", &[&[40, 64], &[96, 40]], |t| {
+            t[0].t()?.matmul(&t[1].t()?)
+        }),
+        ("odd offsets", &[&[33, 41], &[38, 29]], |t| {
+            t[0].narrow(1, 1, 37)?.matmul(&t[1].narrow(0, 1, 37)?)
+        }),
+        ("k tail", &[&[24, 37], &[37, 20]], |t| t[0].matmul(&t[1])),
+        ("batched", &[&[3, 17, 12], &[3, 12, 9]], |t| {
+            t[0].matmul(&t[1])
+        }),
+        ("vector", &[&[50], &[50, 7]], |t| t[0].matmul(&t[1])),
+        ("long k", &[&[2, 20000], &[20000, 3]], |t| {
+            t[0].matmul(&t[1])
+        }),
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        let rel = if dtype == DType::F16 { 1e-3 } else { 8e-3 };
+        for (name, shapes, op) in &cases {
+            let (got, want) = sixteen_bit_against_f32(dtype, shapes, op);
+            assert_close(&got, &want, rel, &format!("matmul {name} {dtype:?}"));
+        }
+    }
+}
+
+/// The bits of `t` (any dtype) as u32s, to compare results bit for bit.
+fn bits(t: &Tensor) -> Vec<u32> {
+    match t.dtype() {
+        DType::U32 => t.to_vec_u32().unwrap(),
+        DType::F32 => bits_of(&t.to_vec().unwrap()),
+        DType::F16 => t
+            .to_vec_f16()
+            .unwrap()
+            .iter()
+            .map(|h| h.to_bits() as u32)
+            .collect(),
+        DType::BF16 => t
+            .to_vec_bf16()
+            .unwrap()
+            .iter()
+            .map(|h| h.to_bits() as u32)
+            .collect(),
+    }
+}
+
+/// `f` on 16-bit tensors (read and written as they are) against `f` on their F32 values with
+/// the result rounded once: equal bit for bit, since both compute in f32.
+fn assert_16_bit_kernel_equals_f32_then_rounded(
+    name: &str,
+    shapes: &[&[usize]],
+    f: impl Fn(&[Tensor]) -> wgrad::Result<Tensor>,
+) {
+    for dtype in [DType::F16, DType::BF16] {
+        let inputs: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let (t, _) = random_tensor(s, 40 + i as u64);
+                t.mul_scalar(3.0).unwrap().to_dtype(dtype).unwrap()
+            })
+            .collect();
+        let wide: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| t.to_dtype(DType::F32).unwrap())
+            .collect();
+        let got = f(&inputs).unwrap();
+        let want = f(&wide).unwrap();
+        let want = match want.dtype() {
+            DType::F32 => want.to_dtype(dtype).unwrap(),
+            _ => want,
+        };
+        assert_eq!(got.dtype(), want.dtype(), "{name} {dtype:?}: dtype");
+        assert_eq!(got.shape(), want.shape(), "{name} {dtype:?}: shape");
+        assert_eq!(bits(&got), bits(&want), "{name} {dtype:?}");
+    }
+}
+
+#[test]
+fn unary_kernels_read_and_write_16_bit_elements_in_every_layout() {
+    type Op = fn(&[Tensor]) -> wgrad::Result<Tensor>;
+    let cases: [(&str, &[&[usize]], Op); 7] = [
+        ("odd length", &[&[3, 5]], |t| t[0].exp()),
+        ("whole vec4s", &[&[64, 64]], |t| t[0].gelu()),
+        ("transposed view", &[&[40, 33]], |t| t[0].t()?.tanh()),
+        ("odd offset, contiguous", &[&[101]], |t| {
+            t[0].narrow(0, 1, 99)?.sigmoid()
+        }),
+        ("a mask out", &[&[7, 9]], |t| t[0].gt_scalar(0.5)),
+        ("one element", &[&[1]], |t| t[0].relu()),
+        ("past 65,536", &[&[70_001]], |t| t[0].mul_scalar(0.5)),
+    ];
+    for (name, shapes, op) in cases {
+        assert_16_bit_kernel_equals_f32_then_rounded(name, shapes, op);
+    }
+}
+
+#[test]
+fn binary_kernels_read_and_write_16_bit_elements_in_every_layout() {
+    type Op = fn(&[Tensor]) -> wgrad::Result<Tensor>;
+    let cases: [(&str, &[&[usize]], Op); 8] = [
+        ("odd length", &[&[3, 5], &[3, 5]], |t| t[0].mul(&t[1])),
+        ("whole vec4s", &[&[64, 64], &[64, 64]], |t| t[0].add(&t[1])),
+        ("a bias over rows", &[&[33, 12], &[12]], |t| t[0].add(&t[1])),
+        ("a bias over channels", &[&[2, 3, 5, 5], &[3, 1, 1]], |t| {
+            t[0].sub(&t[1])
+        }),
+        ("transposed views", &[&[21, 13], &[13, 21]], |t| {
+            t[0].t()?.div(&t[1])
+        }),
+        ("odd offsets", &[&[99], &[99]], |t| {
+            t[0].narrow(0, 1, 97)?.maximum(&t[1].narrow(0, 2, 97)?)
+        }),
+        ("a comparison mask", &[&[7, 9], &[9]], |t| t[0].gt(&t[1])),
+        ("past 65,536", &[&[70_001], &[70_001]], |t| t[0].mul(&t[1])),
+    ];
+    for (name, shapes, op) in cases {
+        assert_16_bit_kernel_equals_f32_then_rounded(name, shapes, op);
+    }
+}
+
+#[test]
+fn a_16_bit_matmul_reads_its_operands_in_place() {
+    // On a device of its own, so that no other test's dispatches count.
+    let dev = wgrad::Device::new().unwrap();
+    let a = Tensor::randn(&[32, 48], 1, &dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let b = Tensor::randn(&[48, 40], 2, &dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    dev.synchronize().unwrap();
+    let before = dev.stats().dispatches;
+    let out = a.matmul(&b).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(out.dtype(), DType::F16);
+    // The product (reading F16 as it is, into F32) and its one rounding to F16: no casts of
+    // the operands to F32 first.
+    assert_eq!(dev.stats().dispatches - before, 2);
+}
+
+#[test]
+fn matmul_of_two_float_dtypes_under_autocast_is_f32() {
+    let (a, a_values) = random_tensor(&[5, 8], 31);
+    let (b, _) = random_tensor(&[8, 6], 32);
+    let b = b.to_dtype(DType::BF16).unwrap();
+    let want = a.matmul(&b.to_dtype(DType::F32).unwrap()).unwrap();
+    // Outside autocast the mixed product is an error; inside, autocast casts `a` to F16 for
+    // a matmul, and an F16 times BF16 product is F32.
+    assert!(a.matmul(&b).is_err());
+    let got = wgrad::autocast(DType::F16, || a.matmul(&b)).unwrap();
+    assert_eq!(got.dtype(), DType::F32);
+    let a16: Vec<f32> = a_values
+        .iter()
+        .map(|&v| f16::from_f32(v).to_f32())
+        .collect();
+    let a16 = Tensor::from_slice(&a16, &[5, 8], device()).unwrap();
+    let want16 = a16.matmul(&b.to_dtype(DType::F32).unwrap()).unwrap();
+    assert_eq!(got.to_vec().unwrap(), want16.to_vec().unwrap());
+    let want: Vec<f64> = want.to_vec().unwrap().into_iter().map(f64::from).collect();
+    assert_close(
+        &got.to_vec().unwrap(),
+        &want,
+        2e-2,
+        "mixed product near the f32 one",
+    );
+}
+
+#[test]
 fn grads_of_16_bit_leaves_stay_16_bit() {
     let (a, a_values) = random_tensor(&[4, 6], 1);
     let (b, _) = random_tensor(&[6, 3], 2);

@@ -56,10 +56,6 @@ pub(crate) fn groups(n: usize, per_group: usize) -> u32 {
     n.div_ceil(per_group) as u32
 }
 
-/// The families whose kernels read and write F16 and BF16 tensors (through the 16-BIT SECTION
-/// of `shaders/cast.wgsl`); launching any other family's kernel on one is an `Error::DType`.
-const FAMILIES_READING_16_BIT: [&str; 1] = ["cast"];
-
 /// One WGSL file of kernels and the params structs its entry points read.
 pub(crate) struct ShaderFamily {
     /// Names the family in pipeline keys and errors, e.g. `"unary"`.
@@ -117,6 +113,9 @@ pub(crate) struct Kernel<'a> {
     /// The function of the family's MEMBER SECTION the entry point runs, where a captured step
     /// may merge consecutive launches of this kernel into one (see [`Kernel::merging`]).
     pub part: Option<&'static str>,
+    /// The bindings this specialisation reads or writes as 16-bit elements (through the
+    /// 16-BIT SECTION of `shaders/common.wgsl`); see [`Kernel::with_16_bit`].
+    pub sixteen_bit: &'a [u32],
 }
 
 impl<'a> Kernel<'a> {
@@ -128,6 +127,7 @@ impl<'a> Kernel<'a> {
             variant: "",
             specialise: None,
             part: None,
+            sixteen_bit: &[],
         }
     }
 
@@ -144,7 +144,16 @@ impl<'a> Kernel<'a> {
             variant,
             specialise: Some(source),
             part: None,
+            sixteen_bit: &[],
         }
+    }
+
+    /// Declares the bindings this specialisation reads or writes as F16 or BF16 elements. A
+    /// launch must bind 16-bit tensors at exactly these: any other kernel would read their
+    /// words as f32 or u32 and answer wrong, and these would misread an F32 tensor.
+    pub fn with_16_bit(mut self, bindings: &'a [u32]) -> Self {
+        self.sixteen_bit = bindings;
+        self
     }
 
     /// Marks the entry point as a call of `part(workgroup, lid)`, a function of the family's
@@ -254,19 +263,19 @@ fn launch_with(
     workgroups: u32,
     fusion: Option<Fusion>,
 ) -> Result<()> {
-    // Only the families that know how 16-bit elements are packed may bind them; any other
-    // kernel would read their words as f32 or u32 and answer wrong.
-    if !FAMILIES_READING_16_BIT.contains(&kernel.family.name) {
-        if let Some((_, t)) = tensors.iter().find(|(_, t)| t.dtype().is_16_bit()) {
-            return Err(Error::DType {
-                op,
-                msg: format!(
-                    "{op} does not take {:?} tensors yet (got one of shape {:?}): cast with to_dtype(DType::F32) first",
-                    t.dtype(),
-                    t.shape()
-                ),
-            });
-        }
+    // 16-bit tensors only where the kernel was specialised to read them as such.
+    let misbound = tensors
+        .iter()
+        .find(|(b, t)| t.dtype().is_16_bit() != kernel.sixteen_bit.contains(b));
+    if let Some((_, t)) = misbound {
+        return Err(Error::DType {
+            op,
+            msg: format!(
+                "{op} does not take {:?} tensors here (got one of shape {:?}): cast with to_dtype first",
+                t.dtype(),
+                t.shape()
+            ),
+        });
     }
     let storages: Vec<(u32, Arc<Storage>)> =
         tensors.iter().map(|(b, t)| (*b, t.storage())).collect();

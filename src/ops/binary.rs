@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
+    groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::cast;
@@ -208,8 +208,14 @@ impl BinaryOp {
         }
     }
 
-    fn source(self) -> String {
-        BINARY.source(&[("BINARY_EXPR", self.expr())])
+    /// The module of this op over `lhs` and `rhs` elements into `dst` ones.
+    fn source(self, [lhs, rhs, dst]: [DType; 3]) -> String {
+        BINARY.source(&[
+            ("BINARY_EXPR", self.expr()),
+            ("LHS_DTYPE_CODE", lhs.wgsl_code()),
+            ("RHS_DTYPE_CODE", rhs.wgsl_code()),
+            ("DST_DTYPE_CODE", dst.wgsl_code()),
+        ])
     }
 
     /// The dtype of the op's operand `b` and of its output (`a` is always f32).
@@ -229,10 +235,26 @@ impl BinaryOp {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    BinaryOp::ALL
+    let mut all: Vec<(String, String)> = BinaryOp::ALL
         .iter()
-        .map(|op| (format!("binary/{}", op.name()), op.source()))
-        .collect()
+        .map(|op| {
+            let (b, out) = op.dtypes();
+            (
+                format!("binary/{}", op.name()),
+                op.source([DType::F32, b, out]),
+            )
+        })
+        .collect();
+    for (op, dtypes) in [
+        (BinaryOp::Add, [DType::F16, DType::F16, DType::F16]),
+        (BinaryOp::Mul, [DType::F32, DType::BF16, DType::F32]),
+        (BinaryOp::MaskedFill, [DType::BF16, DType::U32, DType::BF16]),
+        (BinaryOp::Lt, [DType::F16, DType::F16, DType::U32]),
+    ] {
+        let name = format!("binary/{}_{dtypes:?}", op.name());
+        all.push((name, op.source(dtypes)));
+    }
+    all
 }
 
 /// How `layout` (an operand expanded to the output's shape) reads a dense run: `(stretch,
@@ -266,13 +288,29 @@ pub(crate) fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
 /// `b` is a u32 mask for `MaskedFill`, else f32.
 pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> Result<Tensor> {
     let name = op.name();
-    if let Some((dtype, wide)) = cast::widened(name, &[a, b])? {
-        return cast::narrowed(binary_with(&wide[0], &wide[1], op, scalar)?, dtype);
-    }
     a.expect_same_device(name, b)?;
-    a.expect_dtype(name, DType::F32)?;
-    let (b_dtype, out_dtype) = op.dtypes();
-    b.expect_dtype(name, b_dtype)?;
+    // 16-bit operands are read as they are, and a float result takes their dtype (F32 for two
+    // float dtypes under autocast).
+    let (b_dtype, mut out_dtype) = op.dtypes();
+    let floats: Vec<&Tensor> = match b_dtype {
+        DType::F32 => vec![a, b],
+        _ => vec![a],
+    };
+    if let Some(dtype) = cast::result_dtype(name, &floats)? {
+        if a.exceeds_binding() || b.exceeds_binding() {
+            // Windows of a tensor past one binding are read as F32 copies.
+            let (dtype, wide) = cast::widened(name, &[a, b])?.expect("a 16-bit operand");
+            return cast::narrowed(binary_with(&wide[0], &wide[1], op, scalar)?, dtype);
+        }
+        if out_dtype == DType::F32 {
+            out_dtype = dtype;
+        }
+    }
+    for (t, want) in [(a, DType::F32), (b, b_dtype)] {
+        if !(want == DType::F32 && t.dtype().is_float()) {
+            t.expect_dtype(name, want)?;
+        }
+    }
     let shape = broadcast_shapes(a.shape(), b.shape()).ok_or_else(|| Error::Shape {
         op: name,
         msg: format!(
@@ -347,7 +385,22 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
         rhs_stretch: stretch_b as u32,
         scalar,
     };
-    let source = || op.source();
+    let dtypes = [a.dtype(), b.dtype(), out.dtype()];
+    let source = || op.source(dtypes);
+    if dtypes.iter().any(|d| d.is_16_bit()) {
+        // Read or written as 16-bit elements: a module of its own, which a captured step
+        // runs as it is (the fuser's elementwise kernels read and write 32-bit elements).
+        let variant = format!("{name}_{dtypes:?}");
+        let sixteen_bit: Vec<u32> = (1..)
+            .zip(dtypes)
+            .filter(|(_, dtype)| dtype.is_16_bit())
+            .map(|(binding, _)| binding)
+            .collect();
+        let kernel =
+            Kernel::specialised(&BINARY, entry, &variant, &source).with_16_bit(&sixteen_bit);
+        let bound = [(1, a), (2, b), (3, out)];
+        return launch_at(name, &kernel, &bound, &params, groups(n, per_group));
+    }
     let kernel = Kernel::specialised(&BINARY, entry, name, &source);
     let describe = || Elementwise {
         params: "a: f32, b: f32, s: f32",

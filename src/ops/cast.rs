@@ -26,16 +26,6 @@ static CAST: ShaderFamily = ShaderFamily {
     params: &[&CastParams::LAYOUT],
 };
 
-/// The placeholder value `shaders/cast.wgsl` names `dtype` by.
-fn wgsl_code(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "0",
-        DType::U32 => "1",
-        DType::F16 => "2",
-        DType::BF16 => "3",
-    }
-}
-
 /// `x` as a new contiguous tensor of `dtype`, where `x` or `dtype` is 16-bit (the same dtype
 /// copies). Between float dtypes the grad is cast back to `x`'s dtype; a U32 side records no
 /// grad.
@@ -59,24 +49,31 @@ pub(crate) fn cast(op: &'static str, x: &Tensor, dtype: DType) -> Result<Tensor>
     }))
 }
 
+/// The dtype an op's result takes from its float inputs: `None` when none is 16-bit (F32 as
+/// ever); the 16-bit dtype they share; F32 for two float dtypes under autocast, as torch
+/// promotes them. Outside autocast two float dtypes are an error naming the op (casts are
+/// explicit there).
+pub(crate) fn result_dtype(op: &'static str, inputs: &[&Tensor]) -> Result<Option<DType>> {
+    let Some((narrow, other)) = float_dtypes(inputs.iter().map(|t| t.dtype())) else {
+        return Ok(None);
+    };
+    match other {
+        None => Ok(Some(narrow)),
+        Some(_) if crate::ops::autocast::active_dtype().is_some() => Ok(Some(DType::F32)),
+        Some(other) => Err(two_float_dtypes(op, narrow, other)),
+    }
+}
+
 /// An op's inputs ready for kernels that read F32: `None` when none is 16-bit; else every
 /// float input cast to F32 (recording no grad: the caller records the op itself, whose
 /// backward rule runs on the 16-bit tensors in turn) and the dtype the output goes back to
-/// (the inputs' 16-bit one; F32 for two float dtypes under autocast). Arithmetic runs in f32, as torch runs 16-bit ops; float inputs of two dtypes are an
-/// error naming the op (casts are explicit outside `autocast`).
+/// ([`result_dtype`]). Arithmetic runs in f32, as torch runs 16-bit ops.
 pub(crate) fn widened(
     op: &'static str,
     inputs: &[&Tensor],
 ) -> Result<Option<(DType, Vec<Tensor>)>> {
-    let Some((narrow, other)) = float_dtypes(inputs.iter().map(|t| t.dtype())) else {
+    let Some(result) = result_dtype(op, inputs)? else {
         return Ok(None);
-    };
-    // The dtype the result goes back to. Under autocast two float dtypes meet in F32, as
-    // torch promotes them; outside it they are an error.
-    let result = match other {
-        None => narrow,
-        Some(_) if crate::ops::autocast::active_dtype().is_some() => DType::F32,
-        Some(other) => return Err(two_float_dtypes(op, narrow, other)),
     };
     let _no_grad = crate::tensor::grad_mode::NoGradGuard::new();
     let wide = inputs
@@ -131,7 +128,10 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 
 /// The module casting `from` to `to`.
 fn source(from: DType, to: DType) -> String {
-    CAST.source(&[("SRC_DTYPE", wgsl_code(from)), ("DST_DTYPE", wgsl_code(to))])
+    CAST.source(&[
+        ("SRC_DTYPE", from.wgsl_code()),
+        ("DST_DTYPE", to.wgsl_code()),
+    ])
 }
 
 /// Writes `src`'s values, cast to `dst`'s dtype, into `dst`'s storage at `dst_layout` (`copy_`,
@@ -185,7 +185,12 @@ fn launch_cast(op: &'static str, x: &Tensor, out: &Tensor, first: usize) -> Resu
     let (from, to) = (x.dtype(), out.dtype());
     let variant = format!("{from:?}_to_{to:?}");
     let source = || source(from, to);
-    let kernel = Kernel::specialised(&CAST, "convert", &variant, &source);
+    let sixteen_bit: Vec<u32> = [(1, from), (2, to)]
+        .into_iter()
+        .filter(|(_, dtype)| dtype.is_16_bit())
+        .map(|(binding, _)| binding)
+        .collect();
+    let kernel = Kernel::specialised(&CAST, "convert", &variant, &source).with_16_bit(&sixteen_bit);
     // One invocation per destination word: two elements of a 16-bit destination.
     let words = match to.size() {
         2 => (first + n).div_ceil(2) - first / 2,

@@ -97,6 +97,9 @@ struct Specialisation {
     n_aligned: bool,
     /// K is not a multiple of 4.
     k_tail: bool,
+    /// The dtypes of A and B (F32, F16 or BF16; the output is F32).
+    a_dtype: DType,
+    b_dtype: DType,
 }
 
 /// The module for one specialisation.
@@ -131,6 +134,8 @@ fn source(spec: Specialisation) -> String {
             ("N_ALIGNED", flag(spec.n_aligned)),
             ("K_TAIL", flag(spec.k_tail)),
             ("TALL_ROWS", &spec.tall_rows.to_string()),
+            ("A_DTYPE_CODE", spec.a_dtype.wgsl_code()),
+            ("B_DTYPE_CODE", spec.b_dtype.wgsl_code()),
         ],
     )
 }
@@ -150,6 +155,8 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
                         tall_rows,
                         n_aligned,
                         k_tail,
+                        a_dtype: DType::F32,
+                        b_dtype: DType::F32,
                     };
                     all.push((format!("matmul/{spec:?}"), source(spec)));
                 }
@@ -159,6 +166,17 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     for tall_rows in [16, 32] {
         let spec = image_specialisation(AMode::K, tall_rows);
         all.push((format!("matmul/{spec:?}"), source(spec)));
+    }
+    for (a_dtype, b_dtype) in [(DType::F16, DType::BF16), (DType::BF16, DType::F32)] {
+        for subgroups in [false, true] {
+            let spec = Specialisation {
+                a_dtype,
+                b_dtype,
+                subgroups,
+                ..SMALL_SPECIALISATION
+            };
+            all.push((format!("matmul/{spec:?}"), source(spec)));
+        }
     }
     all
 }
@@ -231,6 +249,8 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
         tall_rows,
         n_aligned: false,
         k_tail: false,
+        a_dtype: DType::F32,
+        b_dtype: DType::F32,
     };
     match device.kernel_flavor() {
         KernelFlavor::Gpu => KernelChoice {
@@ -306,6 +326,8 @@ const SMALL_SPECIALISATION: Specialisation = Specialisation {
     tall_rows: 32,
     n_aligned: false,
     k_tail: true,
+    a_dtype: DType::F32,
+    b_dtype: DType::F32,
 };
 
 /// True when products (not small ones) run `register_tiled_tall`: software adapters with
@@ -460,17 +482,32 @@ impl Tensor {
 /// Most steps of k one product runs in one kernel, on every kernel.
 const K_CHUNK: usize = MAX_LOOP_LEN;
 
-/// The product itself: shape rules, the batch layout, and one kernel dispatch.
+/// The product in the operands' dtype. 16-bit operands are read as they are (the kernels
+/// convert each element to f32 as they load it), the product accumulates in f32, and the F32
+/// result is rounded once into their dtype (F32 for two float dtypes under autocast).
 fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
-    // 16-bit operands: the product of their f32 values, accumulated in f32, rounded once into
-    // their dtype.
-    if let Some((dtype, wide)) = cast::widened(OP, &[this, other])? {
-        return cast::narrowed(matmul_forward(&wide[0], &wide[1])?, dtype);
+    let Some(dtype) = cast::result_dtype(OP, &[this, other])? else {
+        return product(this, other);
+    };
+    if this.exceeds_binding() || other.exceeds_binding() {
+        // Windows of a tensor past one binding are read as F32 copies.
+        let (dtype, wide) = cast::widened(OP, &[this, other])?.expect("a 16-bit operand");
+        return cast::narrowed(product(&wide[0], &wide[1])?, dtype);
     }
+    cast::narrowed(product(this, other)?, dtype)
+}
+
+/// The F32 product of operands of any float dtypes: shape rules, the batch layout, and one
+/// kernel dispatch.
+fn product(this: &Tensor, other: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul";
     this.expect_same_device(OP, other)?;
-    this.expect_dtype(OP, DType::F32)?;
-    other.expect_dtype(OP, DType::F32)?;
+    for t in [this, other] {
+        if !t.dtype().is_float() {
+            t.expect_dtype(OP, DType::F32)?;
+        }
+    }
     if this.rank() == 0 || other.rank() == 0 {
         return Err(Error::Shape {
             op: OP,
@@ -509,7 +546,7 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     // out^T = b^T a^T instead, which lays the long side along the tiles' columns, and return
     // its transpose (a view).
     if this.device().kernel_flavor() == KernelFlavor::Cpu && !small && n < 64 && m > n {
-        let out_t = matmul_forward(&transposed(&b)?, &transposed(&a)?)?;
+        let out_t = product(&transposed(&b)?, &transposed(&a)?)?;
         let mut out_shape = [batch.as_slice(), &[m, n]].concat();
         return finish(transposed(&out_t)?, this, other, &mut out_shape);
     }
@@ -529,7 +566,7 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         let part = |start, len| {
             let a_part = a.narrow(a.rank() - 1, start, len)?;
             let b_part = b.narrow(b.rank() - 2, start, len)?;
-            matmul_forward(&a_part, &b_part)
+            product(&a_part, &b_part)
         };
         let sum = sum_over_chunks(k, K_CHUNK, part)?.expect("k > K_CHUNK gives chunks");
         return finish(sum, this, other, &mut out_shape);
@@ -575,6 +612,11 @@ fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
                 k_tail: !k.is_multiple_of(4),
                 ..choice.spec
             },
+        };
+        let spec = Specialisation {
+            a_dtype: a.dtype(),
+            b_dtype: b.dtype(),
+            ..spec
         };
         let workgroups = (batches * tiles_m * tiles_n).div_ceil(choice.tiles_per_workgroup);
         launch_product(OP, choice.entry, spec, &params, [&a, &b, &out], workgroups)?;
@@ -623,6 +665,8 @@ fn image_specialisation(a: AMode, tall_rows: usize) -> Specialisation {
         tall_rows,
         n_aligned: true,
         k_tail: false,
+        a_dtype: DType::F32,
+        b_dtype: DType::F32,
     }
 }
 
@@ -725,7 +769,13 @@ fn launch_product(
 ) -> Result<()> {
     let variant = format!("{spec:?}");
     let specialised = || source(spec);
-    let kernel = Kernel::specialised(&MATMUL, entry, &variant, &specialised);
+    let sixteen_bit: Vec<u32> = [(1, spec.a_dtype), (2, spec.b_dtype)]
+        .into_iter()
+        .filter(|(_, dtype)| dtype.is_16_bit())
+        .map(|(binding, _)| binding)
+        .collect();
+    let kernel =
+        Kernel::specialised(&MATMUL, entry, &variant, &specialised).with_16_bit(&sixteen_bit);
     let site = || {
         Fusion::Epilogue(EpilogueSite {
             entry,

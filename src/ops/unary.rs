@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 use crate::kernel::{
-    groups, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
+    groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
     CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::binary::{binary, binary_with, BinaryOp};
@@ -222,17 +222,34 @@ impl UnaryOp {
         }
     }
 
-    fn source(self) -> String {
-        UNARY.source(&[("UNARY_EXPR", self.expr())])
+    /// The module of this op reading `src` elements and writing `dst` ones.
+    fn source(self, src: DType, dst: DType) -> String {
+        UNARY.source(&[
+            ("UNARY_EXPR", self.expr()),
+            ("SRC_DTYPE_CODE", src.wgsl_code()),
+            ("DST_DTYPE_CODE", dst.wgsl_code()),
+        ])
     }
 }
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    UnaryOp::ALL
+    let mut all: Vec<(String, String)> = UnaryOp::ALL
         .iter()
-        .map(|op| (format!("unary/{}", op.name()), op.source()))
-        .collect()
+        .map(|op| {
+            let (src, dst) = op.dtypes();
+            (format!("unary/{}", op.name()), op.source(src, dst))
+        })
+        .collect();
+    for (op, src, dst) in [
+        (UnaryOp::Gelu, DType::F16, DType::F16),
+        (UnaryOp::Exp, DType::BF16, DType::BF16),
+        (UnaryOp::GtScalar, DType::BF16, DType::U32),
+    ] {
+        let name = format!("unary/{}_{src:?}_to_{dst:?}", op.name());
+        all.push((name, op.source(src, dst)));
+    }
+    all
 }
 
 /// Runs `op` over every element of `x` into a new contiguous tensor.
@@ -243,11 +260,20 @@ pub(crate) fn unary(x: &Tensor, op: UnaryOp, scalar: f32) -> Result<Tensor> {
 /// As [`unary`], for the ops with a second scalar `t` (clamp's upper bound).
 fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tensor> {
     let name = op.name();
-    if let Some((dtype, wide)) = cast::widened(name, &[x])? {
-        return cast::narrowed(unary_with(&wide[0], op, scalar, scalar2)?, dtype);
+    let (in_dtype, mut out_dtype) = op.dtypes();
+    if x.dtype().is_16_bit() && in_dtype == DType::F32 {
+        // A 16-bit input is read as it is; a float result keeps its dtype.
+        if x.exceeds_binding() {
+            // Windows of a tensor past one binding are read as F32 copies.
+            let (dtype, wide) = cast::widened(name, &[x])?.expect("a 16-bit input");
+            return cast::narrowed(unary_with(&wide[0], op, scalar, scalar2)?, dtype);
+        }
+        if out_dtype == DType::F32 {
+            out_dtype = x.dtype();
+        }
+    } else {
+        x.expect_dtype(name, in_dtype)?;
     }
-    let (in_dtype, out_dtype) = op.dtypes();
-    x.expect_dtype(name, in_dtype)?;
     let out = Tensor::empty(name, x.shape(), out_dtype, x.device())?;
     if x.numel() == 0 {
         return Ok(out);
@@ -297,7 +323,22 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
         vec4: vec4 as u32,
         scalar2,
     };
-    let source = || op.source();
+    let (src, dst) = (x.dtype(), out.dtype());
+    let source = || op.source(src, dst);
+    if src.is_16_bit() || dst.is_16_bit() {
+        // Read or written as 16-bit elements: a module of its own, which a captured step
+        // runs as it is (the fuser's elementwise kernels read and write 32-bit elements).
+        let variant = format!("{name}_{src:?}_to_{dst:?}");
+        let sixteen_bit: Vec<u32> = [(1, src), (2, dst)]
+            .into_iter()
+            .filter(|(_, dtype)| dtype.is_16_bit())
+            .map(|(binding, _)| binding)
+            .collect();
+        let kernel =
+            Kernel::specialised(&UNARY, entry, &variant, &source).with_16_bit(&sixteen_bit);
+        let bound = [(1, x), (2, out)];
+        return launch_at(name, &kernel, &bound, &params, groups(n, per_group));
+    }
     let kernel = Kernel::specialised(&UNARY, entry, name, &source);
     let describe = || Elementwise {
         params: "x: f32, s: f32, t: f32",

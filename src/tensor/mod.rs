@@ -49,6 +49,17 @@ impl DType {
     pub fn is_16_bit(self) -> bool {
         self.size() == 2
     }
+
+    /// The code kernels name the dtype by where a module is specialised on it (the 16-BIT
+    /// SECTION of `shaders/common.wgsl`).
+    pub(crate) fn wgsl_code(self) -> &'static str {
+        match self {
+            DType::F32 => "0",
+            DType::U32 => "1",
+            DType::F16 => "2",
+            DType::BF16 => "3",
+        }
+    }
 }
 
 /// An n-dimensional array on a [`Device`]. Cloning a `Tensor` clones the handle, not the data:
