@@ -227,21 +227,105 @@ fn the_grad_of_a_cast_comes_back_in_the_source_dtype() {
     assert_eq!(grad.to_vec().unwrap(), vec![3.0; 12]);
 }
 
+type Op = fn(&[Tensor]) -> wgrad::Result<Tensor>;
+
+/// Four indices, one repeated.
+fn indices() -> wgrad::Result<Tensor> {
+    Tensor::from_vec_u32(vec![2, 0, 2, 1], &[4], device())
+}
+
+/// The op families without 16-bit kernels of their own, which run on 16-bit tensors in f32
+/// and round their result once (norms, indexing, joining, sorting, padding, the losses), and
+/// attention and convolutions beside them.
+fn families_through_f32() -> Vec<(&'static str, &'static [&'static [usize]], Op)> {
+    vec![
+        ("layer_norm", &[&[5, 24], &[24], &[24]], |t| {
+            t[0].layer_norm(&t[1], &t[2], 1e-5)
+        }),
+        ("rms_norm", &[&[5, 24], &[24]], |t| {
+            t[0].rms_norm(&t[1], 1e-6)
+        }),
+        ("group_norm", &[&[2, 4, 3, 3], &[4], &[4]], |t| {
+            t[0].group_norm(2, Some(&t[1]), Some(&t[2]), 1e-5)
+        }),
+        ("index_select rows", &[&[3, 7]], |t| {
+            t[0].index_select(0, &indices()?)
+        }),
+        ("index_select columns", &[&[3, 7]], |t| {
+            t[0].index_select(1, &indices()?)
+        }),
+        ("gather", &[&[4, 5]], |t| {
+            t[0].gather(1, &indices()?.unsqueeze(1)?)
+        }),
+        ("cat along dim 1", &[&[3, 5], &[3, 2]], |t| {
+            Tensor::cat(&[t[0].clone(), t[1].clone()], 1)
+        }),
+        ("cumsum", &[&[3, 9]], |t| t[0].cumsum(1)),
+        ("sort", &[&[3, 9]], |t| Ok(t[0].sort(1, true)?.0)),
+        ("pad2d", &[&[1, 2, 3, 3]], |t| t[0].pad2d((1, 0, 2, 1), 0.5)),
+        ("cross_entropy", &[&[4, 6]], |t| {
+            wgrad::nn::loss::cross_entropy(&t[0], &indices()?)
+        }),
+        ("conv2d", &[&[2, 3, 6, 6], &[4, 3, 3, 3], &[4]], |t| {
+            t[0].conv2d(&t[1], Some(&t[2]), 1, 1)
+        }),
+        (
+            "attention",
+            &[&[2, 2, 5, 8], &[2, 2, 5, 8], &[2, 2, 5, 8]],
+            |t| t[0].scaled_dot_product_attention(&t[1], &t[2], true),
+        ),
+    ]
+}
+
 #[test]
-fn ops_that_do_not_read_16_bit_tensors_refuse_them() {
-    let h = Tensor::from_vec_f16(vec![f16::ONE; 6], &[2, 3], device()).unwrap();
-    let indices = Tensor::from_vec_u32(vec![0, 1], &[2], device()).unwrap();
-    let cases: [(&str, wgrad::Result<Tensor>); 2] = [
-        ("cat along dim 1", Tensor::cat(&[h.clone(), h.clone()], 1)),
-        ("index_select", h.index_select(0, &indices)),
-    ];
-    for (op, result) in cases {
-        match result {
-            Err(Error::DType { msg, .. }) | Err(Error::InvalidArgument { msg, .. }) => {
-                assert!(msg.contains("F16"), "{op}: {msg}")
-            }
-            Err(e) => panic!("{op}: expected a dtype error, got {e}"),
-            Ok(_) => panic!("{op}: an F16 tensor was read as f32"),
+fn every_other_op_family_runs_on_16_bit_tensors_as_on_their_f32_values() {
+    for dtype in [DType::F16, DType::BF16] {
+        let rel = if dtype == DType::F16 { 1e-3 } else { 8e-3 };
+        for (name, shapes, op) in families_through_f32() {
+            let (got, want) = sixteen_bit_against_f32(dtype, shapes, op);
+            assert_close(&got, &want, rel, &format!("{name} {dtype:?}"));
+        }
+    }
+}
+
+#[test]
+fn every_other_op_family_gives_16_bit_leaves_grads_of_their_dtype() {
+    for (name, shapes, op) in families_through_f32() {
+        let leaves = |dtype: DType| -> Vec<Tensor> {
+            shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let (t, _) = random_tensor(s, 60 + i as u64);
+                    let rounded = t.to_dtype(DType::BF16).unwrap().to_dtype(dtype).unwrap();
+                    rounded.requires_grad_(true)
+                })
+                .collect()
+        };
+        // The grads of sum(out * w), w the same BF16 values on both paths: the out grads are
+        // equal, so the input grads differ by the last rounding alone.
+        let grads = |inputs: &[Tensor]| -> Vec<Tensor> {
+            let out = op(inputs).unwrap().to_dtype(DType::F32).unwrap();
+            let (w, _) = random_tensor(out.shape(), 99);
+            let w = w
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            out.mul(&w).unwrap().sum().unwrap().backward().unwrap();
+            inputs.iter().map(|t| t.grad().unwrap()).collect()
+        };
+        let narrow = leaves(DType::BF16);
+        let wide = leaves(DType::F32);
+        for (i, (g, w)) in grads(&narrow).iter().zip(grads(&wide)).enumerate() {
+            assert_eq!(g.dtype(), DType::BF16, "{name}: grad {i}");
+            let want: Vec<f64> = w.to_vec().unwrap().into_iter().map(f64::from).collect();
+            assert_close(
+                &g.to_vec().unwrap(),
+                &want,
+                8e-3,
+                &format!("{name}: grad {i}"),
+            );
         }
     }
 }

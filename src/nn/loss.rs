@@ -66,8 +66,14 @@ pub fn cross_entropy_with(
     opts: &CrossEntropyOptions,
 ) -> Result<Tensor> {
     const OP: &str = "cross_entropy";
-    // Under autocast, in f32 (as every loss).
+    // Under autocast, in f32 (as every loss); outside it 16-bit logits give a loss of their
+    // dtype, computed in f32.
     let logits = &for_f32_op(logits)?;
+    if let Some(loss) = crate::ops::cast::through_f32(OP, &[logits, targets], |w| {
+        cross_entropy_with(&w[0], &w[1], opts)
+    })? {
+        return Ok(loss);
+    }
     let r = logits.rank();
     let mut want_targets = logits.shape().to_vec();
     if r >= 2 {

@@ -151,12 +151,11 @@ pub(crate) fn for_f32_op(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// For ops that have no 16-bit kernels yet (convolutions, attention): when a float input is
-/// 16-bit (or autocast makes it so), `op_f32` run on the inputs as F32 tensors (through
-/// recorded casts, so grads come back in each input's dtype, and with autocast suspended, so
-/// they stay F32 inside) and its result cast to that 16-bit dtype; `None` when every float
-/// input is F32 and stays so. Float inputs of two dtypes outside autocast are an error naming
-/// `op`.
+/// For the ops autocast runs in 16 bits that have no 16-bit kernels yet (convolutions): under
+/// autocast the F32 inputs are cast to the region's dtype first (as [`for_16_bit_op`]); then,
+/// when a float input is 16-bit, the op runs as [`crate::ops::cast::through_f32`] says (on F32
+/// copies through recorded casts, its result cast back); `None` when every float input is F32
+/// and stays so. Float inputs of two dtypes outside autocast are an error naming `op`.
 pub(crate) fn in_f32(
     op: &'static str,
     inputs: &[Option<&Tensor>],
@@ -166,23 +165,17 @@ pub(crate) fn in_f32(
         .iter()
         .map(|t| t.map(for_16_bit_op).transpose())
         .collect::<Result<Vec<_>>>()?;
-    let dtypes = inputs.iter().flatten().map(Tensor::dtype);
-    let Some((narrow, other)) = crate::ops::cast::float_dtypes(dtypes) else {
-        return Ok(None);
-    };
-    if let Some(other) = other {
-        return Err(crate::ops::cast::two_float_dtypes(op, narrow, other));
-    }
-    let wide = inputs
-        .iter()
-        .map(|t| match t {
-            Some(t) if t.dtype().is_16_bit() => t.to_dtype(DType::F32).map(Some),
-            other => Ok(other.clone()),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let out = {
-        let _plain = Suspend::new();
-        op_f32(&wide)?
-    };
-    out.to_dtype(narrow).map(Some)
+    let given: Vec<&Tensor> = inputs.iter().flatten().collect();
+    crate::ops::cast::through_f32(op, &given, |wide| {
+        // `wide` holds the given inputs in order: put them back in their slots.
+        let mut wide = wide.iter();
+        let slots: Vec<Option<Tensor>> = inputs
+            .iter()
+            .map(|t| {
+                t.as_ref()
+                    .map(|_| wide.next().expect("one per given input").clone())
+            })
+            .collect();
+        op_f32(&slots)
+    })
 }

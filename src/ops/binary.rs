@@ -719,16 +719,31 @@ impl Tensor {
         }
         let keep = 1.0 / (1.0 - p);
         let numel = checked_host_numel("dropout", self.shape(), self.device())?;
-        // A fresh seed per call, drawn again at each replay of a captured step.
+        let dtype = self.dtype();
+        // A fresh seed per call, drawn again at each replay of a captured step. An F32 mask
+        // holds 0 or the scale; a 16-bit one holds 0 or 1 in the tensor's dtype (exact), and
+        // the scale follows in f32, so the product is rounded once.
         let mask: HostBytes = Arc::new(move || {
-            let mask: Vec<f32> = uniform_values(numel, next_seed())
+            let kept = uniform_values(numel, next_seed())
                 .into_iter()
-                .map(|u| if u < p { 0.0 } else { keep })
-                .collect();
-            bytemuck::cast_slice(&mask).to_vec()
+                .map(|u| u >= p);
+            match dtype {
+                DType::F16 => kept
+                    .flat_map(|k| half::f16::from_f32(k as u8 as f32).to_le_bytes())
+                    .collect(),
+                DType::BF16 => kept
+                    .flat_map(|k| half::bf16::from_f32(k as u8 as f32).to_le_bytes())
+                    .collect(),
+                _ => kept
+                    .flat_map(|k| if k { keep } else { 0.0 }.to_le_bytes())
+                    .collect(),
+            }
         });
-        let mask = from_host_fn("dropout", mask, self.shape(), DType::F32, self.device())?;
-        self.mul(&mask)
+        let mask = from_host_fn("dropout", mask, self.shape(), dtype, self.device())?;
+        match dtype.is_16_bit() {
+            true => self.mul(&mask)?.mul_scalar(keep),
+            false => self.mul(&mask),
+        }
     }
 }
 

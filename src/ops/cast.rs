@@ -86,6 +86,41 @@ pub(crate) fn widened(
     Ok(Some((result, wide)))
 }
 
+/// For ops without 16-bit kernels of their own (norms, indexing, sorting, padding, `cat` along
+/// a later dim, the losses): when a float input is 16-bit, `op_f32` run on the inputs as F32
+/// tensors (through recorded casts, so grads come back in each input's dtype; with autocast
+/// suspended, so they stay F32 inside) and its float result cast back to that 16-bit dtype (a
+/// U32 result, indices or a mask, stays as it is); `None` when no float input is 16-bit.
+/// Float inputs of two dtypes are an error naming `op`. Torch computes these ops on 16-bit
+/// tensors in f32 and rounds the result once, as this does.
+pub(crate) fn through_f32(
+    op: &'static str,
+    inputs: &[&Tensor],
+    op_f32: impl FnOnce(&[Tensor]) -> Result<Tensor>,
+) -> Result<Option<Tensor>> {
+    let Some((narrow, other)) = float_dtypes(inputs.iter().map(|t| t.dtype())) else {
+        return Ok(None);
+    };
+    if let Some(other) = other {
+        return Err(two_float_dtypes(op, narrow, other));
+    }
+    let wide = inputs
+        .iter()
+        .map(|t| match t.dtype().is_16_bit() {
+            true => t.to_dtype(DType::F32),
+            false => Ok((*t).clone()),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let out = {
+        let _plain = crate::ops::autocast::Suspend::new();
+        op_f32(&wide)?
+    };
+    match out.dtype() {
+        DType::F32 => out.to_dtype(narrow).map(Some),
+        _ => Ok(Some(out)),
+    }
+}
+
 /// The first 16-bit dtype among `dtypes`' float ones, and another float dtype beside it if
 /// there is one; `None` when no float dtype is 16-bit.
 pub(crate) fn float_dtypes(dtypes: impl Iterator<Item = DType>) -> Option<(DType, Option<DType>)> {

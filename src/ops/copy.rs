@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
+use crate::ops::cast;
 use crate::tensor::dim::Dim;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
@@ -431,6 +432,10 @@ impl Tensor {
         value: f32,
     ) -> Result<Tensor> {
         const OP: &str = "pad2d";
+        let sides = (left, right, top, bottom);
+        if let Some(out) = cast::through_f32(OP, &[self], |w| w[0].pad2d(sides, value))? {
+            return Ok(out);
+        }
         self.expect_dtype(OP, DType::F32)?;
         let r = self.rank();
         if r < 2 {
@@ -517,6 +522,13 @@ impl Tensor {
                 });
             }
             shape[dim] += t.shape()[dim];
+        }
+        if dim > 0 && first.dtype().is_16_bit() {
+            // 16-bit elements are written in contiguous runs only: a later dim joins through
+            // F32 (dim 0's pieces are runs of the output, written as they are).
+            let given: Vec<&Tensor> = tensors.iter().collect();
+            let out = cast::through_f32(OP, &given, |w| Tensor::cat(w, dim))?;
+            return Ok(out.expect("16-bit inputs"));
         }
         let bound = tensors
             .iter()

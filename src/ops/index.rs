@@ -6,6 +6,7 @@ use crate::kernel::{
     groups, launch, launch_at, rows_per_window, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
     WORKGROUP,
 };
+use crate::ops::cast;
 use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
 use crate::ops::sum_over_chunks;
 use crate::tensor::dim::Dim;
@@ -283,6 +284,9 @@ impl Tensor {
         let dim = dim.resolve("argmax", self.rank())?;
         // u32 indices have no grad: argmax records nothing, and neither do its internals.
         let _no_grad = NoGradGuard::new();
+        if let Some(out) = cast::through_f32("argmax", &[self], |w| w[0].argmax(dim, keepdim))? {
+            return Ok(out);
+        }
         const OP: &str = "argmax";
         self.expect_dtype(OP, DType::F32)?;
         self.layout().check_dim(OP, dim)?;
@@ -326,6 +330,11 @@ impl Tensor {
     /// Its grad adds each slice's grad back at its index (repeated indices add up).
     pub fn index_select(&self, dim: impl Dim, indices: &Tensor) -> Result<Tensor> {
         let dim = dim.resolve("index_select", self.rank())?;
+        if let Some(out) =
+            cast::through_f32("index_select", &[self], |w| w[0].index_select(dim, indices))?
+        {
+            return Ok(out);
+        }
         let out = {
             let _no_grad = NoGradGuard::new();
             index_select_forward(self, dim, indices)?
@@ -341,6 +350,9 @@ impl Tensor {
     /// Its grad adds each element's grad back at its index.
     pub fn gather(&self, dim: impl Dim, indices: &Tensor) -> Result<Tensor> {
         let dim = dim.resolve("gather", self.rank())?;
+        if let Some(out) = cast::through_f32("gather", &[self], |w| w[0].gather(dim, indices))? {
+            return Ok(out);
+        }
         let out = {
             let _no_grad = NoGradGuard::new();
             gather_forward(self, dim, indices)?

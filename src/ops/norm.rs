@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch_at, launch_fusible, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
 };
+use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::tape::{EpilogueSite, Fusion};
@@ -204,6 +205,12 @@ impl Tensor {
             // Under autocast, in f32 (its statistics need f32's range).
             return self.to_dtype(DType::F32)?.layer_norm(weight, bias, eps);
         }
+        let inputs = [self, weight, bias];
+        if let Some(out) = cast::through_f32("layer_norm", &inputs, |w| {
+            w[0].layer_norm(&w[1], &w[2], eps)
+        })? {
+            return Ok(out);
+        }
         let len = check(Norm::Layer, self, weight, Some(bias), eps)?;
         if len > FUSED_MAX_LEN {
             return composed(self, weight, bias, eps);
@@ -230,6 +237,11 @@ impl Tensor {
         if crate::ops::autocast::active_dtype().is_some() && self.dtype().is_16_bit() {
             return self.to_dtype(DType::F32)?.rms_norm(weight, eps);
         }
+        if let Some(out) =
+            cast::through_f32("rms_norm", &[self, weight], |w| w[0].rms_norm(&w[1], eps))?
+        {
+            return Ok(out);
+        }
         let len = check(Norm::Rms, self, weight, None, eps)?;
         if len > FUSED_MAX_LEN {
             return composed_rms(self, weight, eps);
@@ -249,6 +261,16 @@ impl Tensor {
         eps: f32,
     ) -> Result<Tensor> {
         const OP: &str = "group_norm";
+        let given: Vec<&Tensor> = [Some(self), weight, bias].into_iter().flatten().collect();
+        if let Some(out) = cast::through_f32(OP, &given, |w| {
+            // `w` holds x, then the weight and the bias that were given.
+            let mut rest = w[1..].iter();
+            let weight = weight.map(|_| rest.next().expect("given"));
+            let bias = bias.map(|_| rest.next().expect("given"));
+            w[0].group_norm(groups, weight, bias, eps)
+        })? {
+            return Ok(out);
+        }
         self.expect_dtype(OP, DType::F32)?;
         check_eps(OP, eps)?;
         let shape = self.shape().to_vec();

@@ -545,6 +545,9 @@ impl Tensor {
     /// grad is the reversed running sum.
     pub fn cumsum(&self, dim: impl Dim) -> Result<Tensor> {
         let dim = dim.resolve("cumsum", self.rank())?;
+        if let Some(out) = cast::through_f32("cumsum", &[self], |w| w[0].cumsum(dim))? {
+            return Ok(out);
+        }
         self.layout().check_dim("cumsum", dim)?;
         let k = self.shape()[dim];
         let last = self.rank() - 1;

@@ -140,7 +140,7 @@ impl Tensor {
     pub fn sort(&self, dim: impl Dim, descending: bool) -> Result<(Tensor, Tensor)> {
         let dim = dim.resolve("sort", self.rank())?;
         let len = self.shape().get(dim).copied().unwrap_or(0);
-        sorted("sort", self, dim, descending, len)
+        sixteen_bit_values(self, |x| sorted("sort", x, dim, descending, len))
     }
 
     /// The `k` largest elements along `dim`, largest first, and their positions (U32), as
@@ -148,6 +148,23 @@ impl Tensor {
     /// from a vocabulary's logits. The grad goes to the `k` positions.
     pub fn topk(&self, k: usize, dim: impl Dim) -> Result<(Tensor, Tensor)> {
         let dim = dim.resolve("topk", self.rank())?;
-        sorted("topk", self, dim, true, k)
+        sixteen_bit_values(self, |x| sorted("topk", x, dim, true, k))
     }
+}
+
+/// `f` of `x`; for a 16-bit `x`, of an F32 copy (a recorded cast, so the grad comes back in
+/// `x`'s dtype), with the values cast back to `x`'s dtype and the positions as they are.
+fn sixteen_bit_values(
+    x: &Tensor,
+    f: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
+) -> Result<(Tensor, Tensor)> {
+    if !x.dtype().is_16_bit() {
+        return f(x);
+    }
+    let (values, positions) = {
+        let wide = x.to_dtype(DType::F32)?;
+        let _plain = crate::ops::autocast::Suspend::new();
+        f(&wide)?
+    };
+    Ok((values.to_dtype(x.dtype())?, positions))
 }
