@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors};
 use wgrad::capture::Step;
-use wgrad::models::{Gpt2, Llama, Sampling};
+use wgrad::models::{Gpt2, Llama, LoadDType, Sampling};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{Optimizer, Sgd, SgdConfig};
-use wgrad::{Error, Tensor};
+use wgrad::{DType, Error, Tensor};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -277,6 +277,81 @@ fn save_pretrained_then_from_pretrained_round_trips_bit_exactly() {
             config["bos_token_id"], 1,
             "{name}: kept fields are written back"
         );
+    }
+}
+
+#[test]
+fn a_checkpoint_loaded_in_its_own_dtype_keeps_its_bf16_bits() {
+    let dir = fixture("llama_tied_bf16");
+    let model = Llama::from_pretrained_with(&dir, device(), LoadDType::Checkpoint).unwrap();
+    let file = file_tensors(&dir.join("model.safetensors"));
+    for (name, p) in model.named_parameters() {
+        assert_eq!(p.dtype(), DType::BF16, "{name}");
+        let bits: Vec<u8> = p
+            .to_vec_bf16()
+            .unwrap()
+            .iter()
+            .flat_map(|h| h.to_bits().to_le_bytes())
+            .collect();
+        let (dtype, shape, data) = &file[&name];
+        assert_eq!(
+            (*dtype, shape.as_slice()),
+            (Dtype::BF16, p.shape()),
+            "{name}"
+        );
+        assert_eq!(&bits, data, "{name}: the device holds the file's bits");
+    }
+    // Saved back, the file is transformers' own again.
+    let out = tempfile::tempdir().unwrap();
+    model.save_pretrained(out.path()).unwrap();
+    assert_eq!(file_tensors(&out.path().join("model.safetensors")), file);
+}
+
+#[test]
+fn a_bf16_model_gives_the_f32_models_logits_within_bf16_rounding() {
+    let dir = fixture("llama_tied_bf16");
+    let reference = Reference::read("llama_tied_bf16");
+    let tokens = reference.u32s("tokens");
+    let wide = Llama::from_pretrained(&dir, device()).unwrap();
+    let narrow = Llama::from_pretrained_with(&dir, device(), LoadDType::Checkpoint).unwrap();
+    let want = wide.forward(&tokens).unwrap().to_vec().unwrap();
+    let got = narrow.forward(&tokens).unwrap();
+    assert_eq!(
+        got.dtype(),
+        DType::BF16,
+        "the logits keep the model's dtype"
+    );
+    let got = got.to_vec().unwrap();
+    // Every op rounds its result to BF16 (8 bits of mantissa) through two layers: within a
+    // few percent of the logits' scale, never an unrelated answer.
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0.0f32, |m, (g, w)| m.max((g - w).abs()));
+    assert!(
+        worst <= 0.05 * scale,
+        "off by {worst} at a scale of {scale}"
+    );
+}
+
+#[test]
+fn a_bf16_model_generates_with_its_kv_cache_as_without() {
+    let dir = fixture("llama_tied_bf16");
+    let model = Llama::from_pretrained_with(&dir, device(), LoadDType::Checkpoint).unwrap();
+    let prompt = Reference::read("llama_tied_bf16").u32s("prompt");
+    let cached = model.generate(&prompt, 12, &Sampling::greedy()).unwrap();
+    let cached = cached.to_vec_u32().unwrap();
+    // The cache holds BF16 keys and values: the same tokens as recomputing each prefix.
+    let recomputed = greedy_without_cache(&model, &prompt.to_vec_u32().unwrap(), 12);
+    assert_eq!(cached, recomputed);
+}
+
+#[test]
+fn a_gpt2_checkpoint_of_f32_loads_as_f32_in_its_own_dtype() {
+    let model = Gpt2::from_pretrained_with(fixture("gpt2"), device(), LoadDType::Checkpoint);
+    for (name, p) in model.unwrap().named_parameters() {
+        assert_eq!(p.dtype(), DType::F32, "{name}");
     }
 }
 

@@ -3,10 +3,11 @@
 //! token runs the model on that token alone, and sampling on the host (greedy, temperature,
 //! top-k) from a seeded generator.
 
+use std::cell::OnceCell;
+
 use rand::{Rng, SeedableRng};
 
 use crate::autograd::NoGradGuard;
-use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ops::attention::SdpaOptions;
 use crate::tensor::{DType, Tensor};
@@ -53,21 +54,24 @@ impl Sampling {
     }
 }
 
-/// Each layer's keys and values so far, `[B, kv_heads, max_positions, head_dim]` allocated
-/// once; `len` positions hold values.
+/// Each layer's keys and values so far, stored `[max_positions, B, kv_heads, head_dim]`
+/// (positions outermost, so the next positions are one contiguous run, which 16-bit elements
+/// need), allocated once at a layer's first append in the dtype of its keys; `len` positions
+/// hold values.
 pub(crate) struct KvCache {
-    layers: Vec<(Tensor, Tensor)>,
+    layers: Vec<OnceCell<(Tensor, Tensor)>>,
+    dims: [usize; 4],
     len: usize,
 }
 
 impl KvCache {
     /// An empty cache for `shape`'s model and `batch` sequences.
-    pub fn new(shape: &DecoderShape, batch: usize, device: &Device) -> Result<KvCache> {
-        let dims = [batch, shape.kv_heads, shape.max_positions, shape.head_dim];
-        let layers = (0..shape.layers)
-            .map(|_| Ok((Tensor::zeros(&dims, device)?, Tensor::zeros(&dims, device)?)))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { layers, len: 0 })
+    pub fn new(shape: &DecoderShape, batch: usize) -> KvCache {
+        KvCache {
+            layers: (0..shape.layers).map(|_| OnceCell::new()).collect(),
+            dims: [shape.max_positions, batch, shape.kv_heads, shape.head_dim],
+            len: 0,
+        }
     }
 
     /// Positions already cached: the first position of the next tokens.
@@ -78,13 +82,29 @@ impl KvCache {
     /// Writes layer `layer`'s keys and values for the next `k.shape()[2]` positions
     /// (`[B, kv_heads, T, head_dim]`) and returns every position's so far, read in place.
     pub fn append(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (keys, values) = &self.layers[layer];
+        let (keys, values) = match self.layers[layer].get() {
+            Some(cached) => cached,
+            None => {
+                let empty = || -> Result<Tensor> {
+                    let zeros = Tensor::zeros(&self.dims, k.device())?;
+                    match k.dtype() {
+                        DType::F32 => Ok(zeros),
+                        dtype => zeros.to_dtype(dtype),
+                    }
+                };
+                let made = (empty()?, empty()?);
+                self.layers[layer].get_or_init(|| made)
+            }
+        };
         let t = k.shape()[2];
-        keys.narrow(2, self.len, t)?.copy_(k)?;
-        values.narrow(2, self.len, t)?.copy_(v)?;
+        // [B, H, T, D] as the store's [T, B, H, D], and back (views).
+        let stored = [2, 0, 1, 3];
+        let read = [1, 2, 0, 3];
+        keys.narrow(0, self.len, t)?.copy_(&k.permute(&stored)?)?;
+        values.narrow(0, self.len, t)?.copy_(&v.permute(&stored)?)?;
         Ok((
-            keys.narrow(2, 0, self.len + t)?,
-            values.narrow(2, 0, self.len + t)?,
+            keys.narrow(0, 0, self.len + t)?.permute(&read)?,
+            values.narrow(0, 0, self.len + t)?.permute(&read)?,
         ))
     }
 
@@ -289,7 +309,7 @@ pub(crate) fn generate(
         .map(<[u32]>::to_vec)
         .collect();
     let mut rng = rand::rngs::StdRng::seed_from_u64(sampling.seed);
-    let mut cache = KvCache::new(&shape, batch, device)?;
+    let mut cache = KvCache::new(&shape, batch);
     let mut next = prompt.clone();
     for _ in 0..max_new_tokens {
         let logits = last_logits(op, model, &next, &mut cache)?.to_vec()?;

@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::models::decoder::{self, Attend, Decoder, DecoderShape, Sampling};
-use crate::models::pretrained::{self, Config, Init, Source, WeightDType, Weights};
+use crate::models::pretrained::{self, Config, Init, LoadDType, Source, WeightDType, Weights};
 use crate::nn::{self, prefixed, Module};
 use crate::tensor::Tensor;
 
@@ -365,10 +365,22 @@ impl Gpt2 {
     ///
     /// [`Llama::from_pretrained`]: crate::models::Llama::from_pretrained
     pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device) -> Result<Gpt2> {
+        Gpt2::from_pretrained_with(dir, device, LoadDType::F32)
+    }
+
+    /// As [`Gpt2::from_pretrained`], with the parameters in the dtype `load` says (see
+    /// [`Llama::from_pretrained_with`]).
+    ///
+    /// [`Llama::from_pretrained_with`]: crate::models::Llama::from_pretrained_with
+    pub fn from_pretrained_with(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        load: LoadDType,
+    ) -> Result<Gpt2> {
         let dir = dir.as_ref();
         let raw = Config::read(OP_LOAD, dir)?;
         let config = Gpt2Config::read(OP_LOAD, &raw)?;
-        let mut weights = Weights::read(OP_LOAD, dir, &raw)?;
+        let mut weights = Weights::read(OP_LOAD, dir, &raw, load)?;
         let prefix = match !weights.has("transformer.wte.weight") && weights.has("wte.weight") {
             true => "",
             false => "transformer.",

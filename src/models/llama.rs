@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::models::decoder::{self, Attend, Decoder, DecoderShape, Sampling};
-use crate::models::pretrained::{self, Config, Init, Source, WeightDType, Weights};
+use crate::models::pretrained::{self, Config, Init, LoadDType, Source, WeightDType, Weights};
 use crate::nn::{self, prefixed, Module};
 use crate::tensor::Tensor;
 
@@ -478,10 +478,31 @@ impl Llama {
     /// `model.safetensors` (or a sharded `model.safetensors.index.json`), F32, F16 or BF16
     /// (read as F32). A field, file or tensor the model cannot take is an error naming it.
     pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device) -> Result<Llama> {
+        Llama::from_pretrained_with(dir, device, LoadDType::F32)
+    }
+
+    /// As [`Llama::from_pretrained`], with the parameters in the dtype `load` says: F32, or
+    /// the checkpoint's own (a BF16 checkpoint kept in BF16, transformers' `dtype="auto"`).
+    ///
+    /// ```no_run
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::models::{LoadDType, Llama};
+    /// use wgrad::{DType, Device};
+    /// let dev = Device::new()?;
+    /// let model = Llama::from_pretrained_with("llama-dir", &dev, LoadDType::Checkpoint)?;
+    /// assert_eq!(model.embed_tokens.weight.dtype(), DType::BF16); // a BF16 checkpoint
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_pretrained_with(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        load: LoadDType,
+    ) -> Result<Llama> {
         let dir = dir.as_ref();
         let raw = Config::read(OP_LOAD, dir)?;
         let config = LlamaConfig::read(OP_LOAD, &raw)?;
-        let mut weights = Weights::read(OP_LOAD, dir, &raw)?;
+        let mut weights = Weights::read(OP_LOAD, dir, &raw, load)?;
         let dtype = weights.dtype;
         let tied = config.tie_word_embeddings;
         let model = Llama::build(config, &mut Source::Checkpoint(&mut weights), dtype, device)?;

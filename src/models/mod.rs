@@ -27,4 +27,4 @@ mod pretrained;
 pub use decoder::Sampling;
 pub use gpt2::{Gpt2, Gpt2Attention, Gpt2Block, Gpt2Config, Gpt2Mlp, HfConv1d};
 pub use llama::{Llama, LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaMlp};
-pub use pretrained::WeightDType;
+pub use pretrained::{LoadDType, WeightDType};

@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::io::{read_safetensors, write_atomically};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The file of a checkpoint's configuration.
 pub(crate) const CONFIG: &str = "config.json";
@@ -34,7 +34,29 @@ pub enum WeightDType {
     BF16,
 }
 
+/// The dtype [`Llama::from_pretrained_with`](crate::models::Llama::from_pretrained_with)
+/// gives the parameters it loads: transformers' `dtype` argument of `from_pretrained`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LoadDType {
+    /// Every parameter F32, whatever the file holds (`from_pretrained`): master weights to
+    /// train, with `wgrad::autocast` for 16-bit products.
+    #[default]
+    F32,
+    /// Every parameter in the checkpoint's dtype (transformers' `dtype="auto"`): a BF16
+    /// checkpoint stays BF16 on the device, half the memory, bit for bit as in the file.
+    Checkpoint,
+}
+
 impl WeightDType {
+    /// The tensor dtype of the same name.
+    pub(crate) fn dtype(self) -> DType {
+        match self {
+            WeightDType::F32 => DType::F32,
+            WeightDType::F16 => DType::F16,
+            WeightDType::BF16 => DType::BF16,
+        }
+    }
+
     /// The name `config.json` gives it (`torch_dtype`).
     fn torch_name(self) -> &'static str {
         match self {
@@ -170,12 +192,14 @@ pub(crate) struct Weights {
     tensors: HashMap<String, HostTensor>,
     /// The dtype most of the float tensors had.
     pub dtype: WeightDType,
+    /// The dtype [`Weights::take`] gives parameters.
+    param_dtype: DType,
 }
 
 impl Weights {
     /// The tensors of `dir`: `model.safetensors`, or every shard `model.safetensors.index.json`
     /// names (a shard that is missing, or lacks a tensor the index places in it, is an error).
-    pub fn read(op: &'static str, dir: &Path, config: &Config) -> Result<Weights> {
+    pub fn read(op: &'static str, dir: &Path, config: &Config, load: LoadDType) -> Result<Weights> {
         let single = dir.join(WEIGHTS);
         let index = dir.join(WEIGHTS_INDEX);
         let mut tensors = HashMap::new();
@@ -205,10 +229,16 @@ impl Weights {
             .max_by_key(|(_, n)| *n)
             .map(|(d, _)| d)
             .expect("three dtypes");
+        let dtype = config.dtype().filter(|_| counts == [0; 3]).unwrap_or(most);
+        let param_dtype = match load {
+            LoadDType::F32 => DType::F32,
+            LoadDType::Checkpoint => dtype.dtype(),
+        };
         Ok(Weights {
             dir: dir.to_path_buf(),
             tensors,
-            dtype: config.dtype().filter(|_| counts == [0; 3]).unwrap_or(most),
+            dtype,
+            param_dtype,
         })
     }
 
@@ -246,7 +276,13 @@ impl Weights {
         // Taken out, so its values move to the device without a copy and what is left is
         // what no parameter took.
         let values = self.tensors.remove(name).expect("present").values;
-        Ok(Tensor::from_vec(values, shape, device)?.requires_grad_(true))
+        let param = Tensor::from_vec(values, shape, device)?;
+        let param = match self.param_dtype {
+            DType::F32 => param,
+            // Exact: the host values are the file's 16-bit ones, widened.
+            dtype => param.to_dtype(dtype)?,
+        };
+        Ok(param.requires_grad_(true))
     }
 
     /// Errors when the checkpoint holds a tensor no parameter took, other than those `ignore`

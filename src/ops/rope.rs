@@ -4,6 +4,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -82,6 +83,9 @@ impl RopeTable {
     /// `x` (`[.., T, head_dim]`) with each position `first + t` turned by its angles.
     pub fn apply(&self, x: &Tensor, first: usize) -> Result<Tensor> {
         const OP: &str = "rotary_embedding";
+        if let Some(out) = cast::through_f32(OP, &[x], |w| self.apply(&w[0], first))? {
+            return Ok(out);
+        }
         x.expect_dtype(OP, DType::F32)?;
         let (seq, dim) = match x.shape() {
             [.., seq, dim] => (*seq, *dim),
