@@ -699,3 +699,23 @@ fn checkpoints_keep_16_bit_tensors_in_their_dtype() {
     assert_eq!(wide.b.to_vec().unwrap(), module.b.to_vec().unwrap());
     std::fs::remove_file(&path).unwrap();
 }
+
+#[test]
+fn an_optimizer_step_on_a_16_bit_parameter_is_an_error_that_changes_nothing() {
+    use wgrad::optim::{AdamConfig, AdamW, Optimizer};
+    let p = Tensor::from_vec_f16(vec![f16::ONE; 4], &[4], device())
+        .unwrap()
+        .requires_grad_(true);
+    p.mul_scalar(2.0)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let mut opt = AdamW::new(vec![p.clone()], AdamConfig::default());
+    let err = opt.step().unwrap_err();
+    assert!(err.to_string().contains("F16"), "{err}");
+    assert_eq!(p.to_vec().unwrap(), vec![1.0; 4]);
+}

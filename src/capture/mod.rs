@@ -10,6 +10,7 @@
 //! rate, Adam's step count, dropout seeds) read at each replay.
 
 mod fuse;
+mod memory;
 mod plan;
 
 use std::collections::HashMap;

@@ -24,6 +24,8 @@ use crate::error::{Error, Result};
 use crate::tensor::tape::{Fusion, HostBytes, MergeSite, ReplayHook, SlotEvent, Tape, TapeEntry};
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
+use super::memory;
+
 /// What a captured step's inputs looked like: a replay needs the same, since shapes and
 /// strides are baked into the plan's kernel params. Index values are not part of it: the
 /// plan's [`IndexGuard`] admits them.
@@ -601,49 +603,36 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     let Draft { commands, values } = draft;
     let device = shell.device.clone();
 
-    // Liveness of each value over the commands.
-    let mut first = vec![usize::MAX; values.len()];
-    let mut last = vec![0usize; values.len()];
-    let mut touch = |v: usize, at: usize| {
-        first[v] = first[v].min(at);
-        last[v] = last[v].max(at);
-    };
-    for (at, command) in commands.iter().enumerate() {
-        match command {
-            Command::Launch(l) => l.bindings.iter().for_each(|&(_, v)| touch(v, at)),
-            Command::Upload { target, .. } => touch(*target, at),
-            Command::Copy(BufferCopy { src, dst, .. }) => {
-                touch(src.0, at);
-                touch(dst.0, at);
-            }
-            Command::Hook(_) => {}
-        }
-    }
+    let kinds = place_intermediates(&commands, values, &device)?;
+    let (steps, params_buffer, launches) = encode_steps(commands, &kinds, &device);
+    let inner = &device.inner;
+    inner.take_error(OP)?;
+    Ok(Plan {
+        device,
+        signature: shell.signature,
+        index_guard: shell.index_guard,
+        flags: shell.flags,
+        requires_grad: shell.requires_grad,
+        slots: shell.slots,
+        kinds,
+        steps,
+        params_buffer,
+        loss: shell.loss,
+        dispatches: launches,
+        last_to_submit: Duration::ZERO,
+        prepared: None,
+        last_encoded_ahead: false,
+    })
+}
 
-    // The arena: intermediates in order of first use, each taking a free buffer of its size
-    // whose last user came before, or a new one.
-    let mut kinds = values;
-    let mut order: Vec<usize> = (0..kinds.len())
-        .filter(|&v| matches!(kinds[v], Kind::Intermediate { .. }) && first[v] != usize::MAX)
-        .collect();
-    order.sort_by_key(|&v| first[v]);
-    let mut busy: Vec<(usize, u64, Arc<Storage>)> = Vec::new(); // (free after, bytes, buffer)
-    let mut free: Vec<(u64, Arc<Storage>)> = Vec::new();
-    for v in order {
-        let Kind::Intermediate { bytes } = kinds[v] else {
-            unreachable!()
-        };
-        let (done, still): (Vec<_>, Vec<_>) = busy.drain(..).partition(|(l, _, _)| *l < first[v]);
-        busy = still;
-        free.extend(done.into_iter().map(|(_, b, s)| (b, s)));
-        let storage = match free.iter().position(|(b, _)| *b == bytes) {
-            Some(i) => free.swap_remove(i).1,
-            None => Arc::new(Storage::alloc(OP, bytes, &device)?),
-        };
-        busy.push((last[v], bytes, storage.clone()));
-        kinds[v] = Kind::Fixed(storage);
-    }
-
+/// The replay steps of `commands` (their values placed as `kinds` says), the params buffer
+/// holding every launch's params (one slot each, written once here) and the launch count.
+/// A launch whose buffers are all fixed gets its bind group now, once.
+fn encode_steps(
+    commands: Vec<Command>,
+    kinds: &[Kind],
+    device: &Device,
+) -> (Vec<Step>, Option<wgpu::Buffer>, u64) {
     let inner = &device.inner;
     let launches = commands
         .iter()
@@ -667,35 +656,8 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
                 launch_index += 1;
                 let at = params_offset as usize;
                 static_params[at..at + l.params.len()].copy_from_slice(&l.params);
-                let fixed: Option<Vec<&wgpu::Buffer>> = l
-                    .bindings
-                    .iter()
-                    .map(|&(_, v)| match &kinds[v] {
-                        Kind::Fixed(s) => Some(s.buffer()),
-                        _ => None,
-                    })
-                    .collect();
-                let bind_group = fixed.map(|buffers| {
-                    bind_group(
-                        &device,
-                        &l.pipeline,
-                        params_buffer.as_ref().expect("launches have params"),
-                        params_offset,
-                        &l.bindings,
-                        &buffers,
-                        l.op,
-                    )
-                });
-                Step::Dispatch(Encoded {
-                    op: l.op,
-                    pipeline: l.pipeline,
-                    bindings: l.bindings,
-                    params_offset,
-                    dynamic_params: l.dynamic_params,
-                    workgroups: l.workgroups,
-                    bind_group,
-                    recent: Mutex::new(Vec::new()),
-                })
+                let params = params_buffer.as_ref().expect("launches have params");
+                encoded_launch(l, kinds, device, params, params_offset)
             }
             Command::Upload {
                 target,
@@ -724,23 +686,86 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     if let Some(buffer) = &params_buffer {
         inner.write_buffer(buffer, 0, &static_params);
     }
-    inner.take_error(OP)?;
-    Ok(Plan {
-        device,
-        signature: shell.signature,
-        index_guard: shell.index_guard,
-        flags: shell.flags,
-        requires_grad: shell.requires_grad,
-        slots: shell.slots,
-        kinds,
-        steps,
-        params_buffer,
-        loss: shell.loss,
-        dispatches: launch_index,
-        last_to_submit: Duration::ZERO,
-        prepared: None,
-        last_encoded_ahead: false,
+    (steps, params_buffer, launches)
+}
+
+/// A launch as a replay step, with its bind group made now when every buffer it binds is
+/// fixed (else each replay makes one).
+fn encoded_launch(
+    l: Launch,
+    kinds: &[Kind],
+    device: &Device,
+    params: &wgpu::Buffer,
+    params_offset: u64,
+) -> Step {
+    let fixed: Option<Vec<&wgpu::Buffer>> = l
+        .bindings
+        .iter()
+        .map(|&(_, v)| match &kinds[v] {
+            Kind::Fixed(s) => Some(s.buffer()),
+            _ => None,
+        })
+        .collect();
+    let bind_group = fixed.map(|buffers| {
+        bind_group(
+            device,
+            &l.pipeline,
+            params,
+            params_offset,
+            &l.bindings,
+            &buffers,
+            l.op,
+        )
+    });
+    Step::Dispatch(Encoded {
+        op: l.op,
+        pipeline: l.pipeline,
+        bindings: l.bindings,
+        params_offset,
+        dynamic_params: l.dynamic_params,
+        workgroups: l.workgroups,
+        bind_group,
+        recent: Mutex::new(Vec::new()),
     })
+}
+
+/// `values` with every intermediate placed in an arena buffer (see `capture::memory`): one
+/// storage per arena buffer, shared by the intermediates whose lives do not meet.
+fn place_intermediates(
+    commands: &[Command],
+    mut values: Vec<Kind>,
+    device: &Device,
+) -> Result<Vec<Kind>> {
+    let uses = commands.iter().enumerate().flat_map(|(at, command)| {
+        let used: Vec<usize> = match command {
+            Command::Launch(l) => l.bindings.iter().map(|&(_, v)| v).collect(),
+            Command::Upload { target, .. } => vec![*target],
+            Command::Copy(BufferCopy { src, dst, .. }) => vec![src.0, dst.0],
+            Command::Hook(_) => Vec::new(),
+        };
+        used.into_iter().map(move |v| (at, v))
+    });
+    let live = memory::liveness(values.len(), uses);
+    let intermediates: Vec<(usize, u64)> = values
+        .iter()
+        .enumerate()
+        .filter_map(|(v, kind)| match kind {
+            Kind::Intermediate { bytes } => Some((v, *bytes)),
+            _ => None,
+        })
+        .collect();
+    let arena = memory::plan_arena(&intermediates, &live);
+    let buffers = arena
+        .buffer_bytes
+        .iter()
+        .map(|&bytes| Storage::alloc("capture::Step", bytes, device).map(Arc::new))
+        .collect::<Result<Vec<_>>>()?;
+    for (&(v, _), buffer) in intermediates.iter().zip(&arena.buffer_of) {
+        if let Some(b) = buffer {
+            values[v] = Kind::Fixed(buffers[*b].clone());
+        }
+    }
+    Ok(values)
 }
 
 fn bind_group(
