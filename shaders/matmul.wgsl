@@ -35,10 +35,12 @@
 // A and B are bound as words and read as f32 through a_at/a_quad and b_at/b_quad: F32
 // elements four to a vec4, F16 or BF16 ones eight (A_DTYPE and B_DTYPE are spliced: 0 F32,
 // 2 F16, 3 BF16; see the 16-BIT SECTION of common.wgsl). Offsets and strides count elements
-// whatever the dtype, and products accumulate in f32 into an F32 `out`.
+// whatever the dtype, and products accumulate in f32. `out` is F32 (OUT_WORDS vec4<f32>), or
+// 16-bit where N is a multiple of 4 (OUT_WORDS vec4<u32>, and the 16-BIT STORES below take
+// the place of the EPILOGUE SECTION): each store is then a whole aligned group of four.
 @group(0) @binding(1) var<storage, read> a: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> b: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> out: array<OUT_WORDS>;
 
 const A_DTYPE: u32 = A_DTYPE_CODEu;
 const B_DTYPE: u32 = B_DTYPE_CODEu;
@@ -124,6 +126,19 @@ fn store1(o: u32, v: f32) {
     out[o / 4u][o % 4u] = v;
 }
 // EPILOGUE SECTION END
+
+// 16-BIT STORES BEGIN
+// Stores of a 16-bit `out` (OUT_DTYPE 2 F16, 3 BF16): four elements, two words, rounded once.
+// Only whole groups are stored (N_ALIGNED): no two invocations write one word.
+fn store4(o: u32, v: vec4<f32>) {
+    let w = o / 2u;
+    out[w / 4u][w % 4u] = pack_halves(v.x, v.y, OUT_DTYPE_CODEu);
+    out[w / 4u][w % 4u + 1u] = pack_halves(v.z, v.w, OUT_DTYPE_CODEu);
+}
+
+fn store1(o: u32, v: f32) {
+}
+// 16-BIT STORES END
 
 // A 4x4 block of A as a matrix whose column kk holds rows `rows` of A at k + kk.
 // `at` is the element offset of A[rows.x][k]; `rs`, `cs` are A's strides.

@@ -9,16 +9,24 @@ use wgrad::nn::{self, Module};
 use wgrad::optim::{Optimizer, Sgd, SgdConfig};
 use wgrad::{autocast, DType, Error, Result, Tensor};
 
-/// The same MLP on every call: the global generator is one per process, so the tests of this
-/// file seed and draw from it one at a time.
-fn mlp() -> nn::Sequential {
+/// `make` with the global generator to itself: the generator is one per process, and a test
+/// that draws from it (every module's initialiser does) while another seeds it would change
+/// what the other draws.
+fn drawing<T>(make: impl FnOnce() -> T) -> T {
     static SEEDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one_at_a_time = SEEDING.lock().unwrap_or_else(|e| e.into_inner());
-    wgrad::manual_seed(3);
-    nn::Sequential::new()
-        .add(nn::Linear::new(12, 16, true, device()).unwrap())
-        .add(nn::Relu)
-        .add(nn::Linear::new(16, 5, true, device()).unwrap())
+    make()
+}
+
+/// The same MLP on every call.
+fn mlp() -> nn::Sequential {
+    drawing(|| {
+        wgrad::manual_seed(3);
+        nn::Sequential::new()
+            .add(nn::Linear::new(12, 16, true, device()).unwrap())
+            .add(nn::Relu)
+            .add(nn::Linear::new(16, 5, true, device()).unwrap())
+    })
 }
 
 fn batch() -> (Tensor, Tensor) {
@@ -91,7 +99,7 @@ fn autocast_losses_and_grads_follow_the_f32_ones_within_16_bit_rounding() {
 fn a_parameter_is_cast_once_per_region() {
     // A device of its own: its dispatch count is this test's alone.
     let dev = wgrad::Device::software().unwrap();
-    let lin = nn::Linear::new(12, 6, false, &dev).unwrap();
+    let lin = drawing(|| nn::Linear::new(12, 6, false, &dev).unwrap());
     let x = Tensor::from_vec(common::random_vec(8 * 12, 4), &[8, 12], &dev).unwrap();
     let dispatches = || dev.stats().dispatches;
     autocast(DType::BF16, || {
@@ -133,7 +141,7 @@ fn a_backward_pass_inside_the_region_runs_in_the_forward_dtypes() {
 
 #[test]
 fn convolutions_and_attention_run_in_16_bit_with_f32_grads() {
-    let conv = nn::Conv2d::new(2, 3, 3, 1, 1, device()).unwrap();
+    let conv = drawing(|| nn::Conv2d::new(2, 3, 3, 1, 1, device()).unwrap());
     let (x, _) = random_tensor(&[2, 2, 6, 6], 5);
     let (q, _) = random_tensor(&[1, 2, 5, 4], 6);
     let q = q.requires_grad_(true);
@@ -222,7 +230,7 @@ fn each_input_of_a_two_dtype_op_gets_a_grad_of_its_own_dtype() {
 
 #[test]
 fn a_transformer_block_trains_under_autocast() {
-    let block = nn::TransformerBlock::new(16, 2, true, 0.0, device()).unwrap();
+    let block = drawing(|| nn::TransformerBlock::new(16, 2, true, 0.0, device()).unwrap());
     let (x, _) = random_tensor(&[2, 5, 16], 9);
     let want = block.forward(&x).unwrap().to_vec().unwrap();
     let y = autocast(DType::BF16, || block.forward(&x)).unwrap();

@@ -391,7 +391,7 @@ fn matmul_reads_16_bit_operands_in_every_layout() {
     // offsets (an element in a word's high half), a k tail, batches, the small kernel, and k
     // past one kernel's loop (summed over chunks in f32 before the one rounding).
     type Op = fn(&[Tensor]) -> wgrad::Result<Tensor>;
-    let cases: [(&str, &[&[usize]], Op); 7] = [
+    let cases: [(&str, &[&[usize]], Op); 9] = [
         ("dense", &[&[64, 40], &[40, 96]], |t| t[0].matmul(&t[1])),
         ("both transposed", &[&[40, 64], &[96, 40]], |t| {
             t[0].t()?.matmul(&t[1].t()?)
@@ -400,6 +400,12 @@ fn matmul_reads_16_bit_operands_in_every_layout() {
             t[0].narrow(1, 1, 37)?.matmul(&t[1].narrow(0, 1, 37)?)
         }),
         ("k tail", &[&[24, 37], &[37, 20]], |t| t[0].matmul(&t[1])),
+        ("ragged columns", &[&[24, 32], &[32, 30]], |t| {
+            t[0].matmul(&t[1])
+        }),
+        ("narrow, transposed out", &[&[300, 32], &[32, 8]], |t| {
+            t[0].matmul(&t[1])
+        }),
         ("batched", &[&[3, 17, 12], &[3, 12, 9]], |t| {
             t[0].matmul(&t[1])
         }),
@@ -513,25 +519,31 @@ fn binary_kernels_read_and_write_16_bit_elements_in_every_layout() {
 }
 
 #[test]
-fn a_16_bit_matmul_reads_its_operands_in_place() {
+fn a_16_bit_matmul_reads_its_operands_in_place_and_stores_its_product_in_16_bits() {
     // On a device of its own, so that no other test's dispatches count.
     let dev = wgrad::Device::new().unwrap();
-    let a = Tensor::randn(&[32, 48], 1, &dev)
-        .unwrap()
-        .to_dtype(DType::F16)
-        .unwrap();
-    let b = Tensor::randn(&[48, 40], 2, &dev)
-        .unwrap()
-        .to_dtype(DType::F16)
-        .unwrap();
-    dev.synchronize().unwrap();
-    let before = dev.stats().dispatches;
-    let out = a.matmul(&b).unwrap();
-    dev.synchronize().unwrap();
-    assert_eq!(out.dtype(), DType::F16);
-    // The product (reading F16 as it is, into F32) and its one rounding to F16: no casts of
-    // the operands to F32 first.
-    assert_eq!(dev.stats().dispatches - before, 2);
+    let operand = |shape: &[usize], seed| {
+        let t = Tensor::randn(shape, seed, &dev).unwrap();
+        t.to_dtype(DType::F16).unwrap()
+    };
+    let dispatches = |a: &Tensor, b: &Tensor| {
+        dev.synchronize().unwrap();
+        let before = dev.stats().dispatches;
+        let out = a.matmul(b).unwrap();
+        dev.synchronize().unwrap();
+        assert_eq!(out.dtype(), DType::F16);
+        dev.stats().dispatches - before
+    };
+    // Columns in whole fours: one dispatch, no casts of the operands or of the product.
+    assert_eq!(
+        dispatches(&operand(&[32, 48], 1), &operand(&[48, 40], 2)),
+        1
+    );
+    // A ragged last group of columns: the product is stored in F32 and rounded after.
+    assert_eq!(
+        dispatches(&operand(&[32, 48], 1), &operand(&[48, 39], 2)),
+        2
+    );
 }
 
 #[test]

@@ -3,15 +3,16 @@
 //! input), so its peak device memory is well below the f32 step's. Parameters, grads, AdamW's
 //! moments and the residual stream stay f32, as under torch.autocast.
 //!
-//! Issue 26 asks for at most 0.65x at gpt.rs's defaults and batch 32; measured 0.723x (60.7
-//! against 83.9 MB; docs/ops.md, "Mixed precision", says where the rest goes). This test holds
-//! the line at 0.75x. Each step runs on a device of its own, so the peak is that step's alone.
+//! Issue 26 asks for at most 0.65x at gpt.rs's defaults and batch 32 (its Shakespeare
+//! vocabulary of 84 rows); measured 0.655x (54.95 against 83.90 MB): the peak is LayerNorm's
+//! backward at the top of the step, whose F32 grads an f32 step has too. This test holds the
+//! line at 0.66x. Each step runs on a device of its own, so the peak is that step's alone.
 
 use wgrad::nn::{self, Module};
 use wgrad::optim::{AdamConfig, AdamW, GradScaler, Optimizer};
 use wgrad::{autocast, DType, Device, Result, Tensor};
 
-const VOCAB: usize = 65;
+const VOCAB: usize = 84;
 const WIDTH: usize = 128;
 const BLOCK: usize = 64;
 const BATCH: usize = 32;
@@ -97,13 +98,13 @@ fn step_peak(dtype: Option<DType>) -> u64 {
 }
 
 #[test]
-fn a_gpt_step_under_f16_autocast_peaks_at_most_three_quarters_of_the_f32_step() {
+fn a_gpt_step_under_f16_autocast_peaks_at_most_0_66_of_the_f32_step() {
     let f32_peak = step_peak(None);
     let f16_peak = step_peak(Some(DType::F16));
     let ratio = f16_peak as f64 / f32_peak as f64;
     eprintln!("peak live bytes: f32 {f32_peak}, f16 autocast {f16_peak} ({ratio:.3}x)");
     assert!(
-        ratio <= 0.75,
+        ratio <= 0.66,
         "f16 autocast peaks at {f16_peak} bytes, {ratio:.3}x the f32 step's {f32_peak}"
     );
 }

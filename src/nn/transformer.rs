@@ -5,6 +5,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::linear::uniform_parameter;
 use crate::nn::{Dropout, Gelu, LayerNorm, Linear, Module, Sequential};
+use crate::ops::autocast::for_16_bit_op;
 use crate::tensor::Tensor;
 
 /// Multi-head self-attention over `[B, T, C]`, with PyTorch's `nn.MultiheadAttention`
@@ -73,9 +74,12 @@ impl MultiheadAttention {
             });
         }
         let (b, t) = (x.shape()[0], x.shape()[1]);
+        // As `Linear` does: under autocast the weight and bias are cast (once per region)
+        // before the transpose view, so the projection and its bias add stay 16-bit.
+        let weight = for_16_bit_op(&self.in_proj_weight)?;
         let qkv = x
-            .matmul(&self.in_proj_weight.t()?)?
-            .add(&self.in_proj_bias)?;
+            .matmul(&weight.t()?)?
+            .add(&for_16_bit_op(&self.in_proj_bias)?)?;
         // [B, T, C] -> [B, heads, T, C / heads] for each of q, k and v (one `split`, whose
         // backward writes the three grads into one tensor).
         let heads = qkv

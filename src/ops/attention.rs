@@ -590,7 +590,8 @@ fn forward(
 }
 
 /// The grads of q, k and v (each `None` unless `need` says so) from the out grad `g`; `mask`
-/// is bound at the mask's binding.
+/// is bound at the mask's binding. `out` is dropped once the row statistics are made (a
+/// 16-bit step's F32 copy of it is not held while the grads are).
 #[allow(clippy::too_many_arguments)]
 fn backward(
     s: &Shape,
@@ -598,7 +599,7 @@ fn backward(
     k: &Tensor,
     v: &Tensor,
     mask: &Tensor,
-    (out, stats): (&Tensor, &Tensor),
+    (out, stats): (Tensor, &Tensor),
     g: &Tensor,
     need: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
@@ -609,14 +610,15 @@ fn backward(
     let read: Vec<&HeadLayout> = ops.layouts.iter().collect();
     // (log-sum-exp, delta = rowsum(g * out)) per query row, in one launch.
     let stats = {
-        let lo = HeadLayout::of(out).expect("written by the forward, readable");
+        let lo = HeadLayout::of(&out).expect("written by the forward, readable");
         let lg = &ops.layouts[3];
         let with_stats = Tensor::empty(OP, &[rows_q, 2], DType::F32, dev)?;
         let params = s.params(rows_q, 0, 1, &[lo, lo, lo, *lg], [&lo, &lo]);
-        let bound = [(2, stats), (3, out), (4, g), (5, &with_stats)];
+        let bound = [(2, stats), (3, &out), (4, g), (5, &with_stats)];
         run("backward_stats", &[&lo, lg], s, &bound, &params, rows_q)?;
         with_stats
     };
+    drop(out);
     let (d4, dv4) = (s.d.div_ceil(4), s.dv.div_ceil(4));
     let mut grads = [None, None, None];
     // One launch per span of the other side, each adding to the grads the earlier wrote. A
@@ -833,7 +835,7 @@ impl Tensor {
                 let (q, k, v) = (q?, k?, v?);
                 let (out, g) = (as_f32(&out, narrow)?, as_f32(g, narrow)?);
                 let mask = mask.clone().unwrap_or_else(|| q.clone());
-                let grads = backward(&shape, &q, &k, &v, &mask, (&out, &stats), &g, need)?;
+                let grads = backward(&shape, &q, &k, &v, &mask, (out, &stats), &g, need)?;
                 Ok(grads.into_iter().collect())
             }
         }))

@@ -4,8 +4,8 @@
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    launch_fusible, rows_per_window, without_subgroup_section, Kernel, KernelParams, ShaderFamily,
-    MAX_LOOP_LEN,
+    launch_at, launch_fusible, rows_per_window, without_subgroup_section, Kernel, KernelParams,
+    ShaderFamily, MAX_LOOP_LEN,
 };
 use crate::ops::binary::sum_to_shape;
 use crate::ops::cast;
@@ -97,9 +97,11 @@ struct Specialisation {
     n_aligned: bool,
     /// K is not a multiple of 4.
     k_tail: bool,
-    /// The dtypes of A and B (F32, F16 or BF16; the output is F32).
+    /// The dtypes of A, B and the output (F32, F16 or BF16; a 16-bit output needs
+    /// `n_aligned`).
     a_dtype: DType,
     b_dtype: DType,
+    out_dtype: DType,
 }
 
 /// The module for one specialisation.
@@ -119,6 +121,11 @@ fn source(spec: Specialisation) -> String {
     } else {
         without_subgroup_section(MATMUL.wgsl)
     };
+    let wgsl = with_stores(&wgsl, spec.out_dtype);
+    let out_words = match spec.out_dtype {
+        DType::F32 => "vec4<f32>",
+        _ => "vec4<u32>",
+    };
     let b_source = match spec.b_source {
         BSource::Matrix => "matrix",
         BSource::Image => "image",
@@ -136,7 +143,34 @@ fn source(spec: Specialisation) -> String {
             ("TALL_ROWS", &spec.tall_rows.to_string()),
             ("A_DTYPE_CODE", spec.a_dtype.wgsl_code()),
             ("B_DTYPE_CODE", spec.b_dtype.wgsl_code()),
+            ("OUT_DTYPE_CODE", spec.out_dtype.wgsl_code()),
+            ("OUT_WORDS", out_words),
         ],
+    )
+}
+
+/// `wgsl` with the stores of an `out` of `dtype`: the EPILOGUE SECTION's F32 stores (which a
+/// captured step's fuser may replace), or the 16-BIT STORES in their place; the 16-BIT STORES
+/// section itself is cut out either way.
+fn with_stores(wgsl: &str, dtype: DType) -> String {
+    const EPILOGUE: [&str; 2] = ["// EPILOGUE SECTION BEGIN", "// EPILOGUE SECTION END"];
+    const SIXTEEN: [&str; 2] = ["// 16-BIT STORES BEGIN", "// 16-BIT STORES END"];
+    let span = |[begin, end]: [&str; 2]| {
+        let b = wgsl.find(begin).expect("matmul.wgsl has the section");
+        let e = wgsl.find(end).expect("matmul.wgsl has the section") + end.len();
+        b..e
+    };
+    let (epilogue, sixteen) = (span(EPILOGUE), span(SIXTEEN));
+    debug_assert!(epilogue.end < sixteen.start);
+    let stores = match dtype {
+        DType::F32 => &wgsl[epilogue.clone()],
+        _ => &wgsl[sixteen.clone()],
+    };
+    format!(
+        "{}{stores}{}{}",
+        &wgsl[..epilogue.start],
+        &wgsl[epilogue.end..sixteen.start],
+        &wgsl[sixteen.end..]
     )
 }
 
@@ -157,6 +191,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
                         k_tail,
                         a_dtype: DType::F32,
                         b_dtype: DType::F32,
+                        out_dtype: DType::F32,
                     };
                     all.push((format!("matmul/{spec:?}"), source(spec)));
                 }
@@ -167,12 +202,19 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
         let spec = image_specialisation(AMode::K, tall_rows);
         all.push((format!("matmul/{spec:?}"), source(spec)));
     }
-    for (a_dtype, b_dtype) in [(DType::F16, DType::BF16), (DType::BF16, DType::F32)] {
+    for (a_dtype, b_dtype, out_dtype) in [
+        (DType::F16, DType::BF16, DType::F32),
+        (DType::BF16, DType::F32, DType::F32),
+        (DType::F16, DType::F16, DType::F16),
+        (DType::BF16, DType::BF16, DType::BF16),
+    ] {
         for subgroups in [false, true] {
             let spec = Specialisation {
                 a_dtype,
                 b_dtype,
+                out_dtype,
                 subgroups,
+                n_aligned: true,
                 ..SMALL_SPECIALISATION
             };
             all.push((format!("matmul/{spec:?}"), source(spec)));
@@ -251,6 +293,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
         k_tail: false,
         a_dtype: DType::F32,
         b_dtype: DType::F32,
+        out_dtype: DType::F32,
     };
     match device.kernel_flavor() {
         KernelFlavor::Gpu => KernelChoice {
@@ -328,6 +371,7 @@ const SMALL_SPECIALISATION: Specialisation = Specialisation {
     k_tail: true,
     a_dtype: DType::F32,
     b_dtype: DType::F32,
+    out_dtype: DType::F32,
 };
 
 /// True when products (not small ones) run `register_tiled_tall`: software adapters with
@@ -488,19 +532,20 @@ const K_CHUNK: usize = MAX_LOOP_LEN;
 fn matmul_forward(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
     let Some(dtype) = cast::result_dtype(OP, &[this, other])? else {
-        return product(this, other);
+        return product(this, other, DType::F32);
     };
     if this.exceeds_binding() || other.exceeds_binding() {
         // Windows of a tensor past one binding are read as F32 copies.
         let (dtype, wide) = cast::widened(OP, &[this, other])?.expect("a 16-bit operand");
-        return cast::narrowed(product(&wide[0], &wide[1])?, dtype);
+        return cast::narrowed(product(&wide[0], &wide[1], DType::F32)?, dtype);
     }
-    cast::narrowed(product(this, other)?, dtype)
+    cast::narrowed(product(this, other, dtype)?, dtype)
 }
 
-/// The F32 product of operands of any float dtypes: shape rules, the batch layout, and one
-/// kernel dispatch.
-fn product(this: &Tensor, other: &Tensor) -> Result<Tensor> {
+/// The product of operands of any float dtypes: shape rules, the batch layout, and one
+/// kernel dispatch. It is stored in `out_dtype` where the kernel can store that dtype (a
+/// 16-bit product of whole groups of four columns), else in F32.
+fn product(this: &Tensor, other: &Tensor, out_dtype: DType) -> Result<Tensor> {
     const OP: &str = "matmul";
     this.expect_same_device(OP, other)?;
     for t in [this, other] {
@@ -546,7 +591,7 @@ fn product(this: &Tensor, other: &Tensor) -> Result<Tensor> {
     // out^T = b^T a^T instead, which lays the long side along the tiles' columns, and return
     // its transpose (a view).
     if this.device().kernel_flavor() == KernelFlavor::Cpu && !small && n < 64 && m > n {
-        let out_t = product(&transposed(&b)?, &transposed(&a)?)?;
+        let out_t = product(&transposed(&b)?, &transposed(&a)?, out_dtype)?;
         let mut out_shape = [batch.as_slice(), &[m, n]].concat();
         return finish(transposed(&out_t)?, this, other, &mut out_shape);
     }
@@ -566,12 +611,15 @@ fn product(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         let part = |start, len| {
             let a_part = a.narrow(a.rank() - 1, start, len)?;
             let b_part = b.narrow(b.rank() - 2, start, len)?;
-            product(&a_part, &b_part)
+            product(&a_part, &b_part, DType::F32)
         };
         let sum = sum_over_chunks(k, K_CHUNK, part)?.expect("k > K_CHUNK gives chunks");
         return finish(sum, this, other, &mut out_shape);
     }
-    let out = Tensor::empty(OP, &out_shape, DType::F32, this.device())?;
+    // A 16-bit product is stored as it is where every store is a whole group of four.
+    let direct = out_dtype.is_16_bit() && !small && n.is_multiple_of(4);
+    let stored = if direct { out_dtype } else { DType::F32 };
+    let out = Tensor::empty(OP, &out_shape, stored, this.device())?;
     if out.numel() > 0 {
         let r = a.rank();
         let strides = |t: &Tensor, batch: u32| Strides {
@@ -616,6 +664,7 @@ fn product(this: &Tensor, other: &Tensor) -> Result<Tensor> {
         let spec = Specialisation {
             a_dtype: a.dtype(),
             b_dtype: b.dtype(),
+            out_dtype: stored,
             ..spec
         };
         let workgroups = (batches * tiles_m * tiles_n).div_ceil(choice.tiles_per_workgroup);
@@ -667,6 +716,7 @@ fn image_specialisation(a: AMode, tall_rows: usize) -> Specialisation {
         k_tail: false,
         a_dtype: DType::F32,
         b_dtype: DType::F32,
+        out_dtype: DType::F32,
     }
 }
 
@@ -769,13 +819,18 @@ fn launch_product(
 ) -> Result<()> {
     let variant = format!("{spec:?}");
     let specialised = || source(spec);
-    let sixteen_bit: Vec<u32> = [(1, spec.a_dtype), (2, spec.b_dtype)]
+    let sixteen_bit: Vec<u32> = [(1, spec.a_dtype), (2, spec.b_dtype), (3, spec.out_dtype)]
         .into_iter()
         .filter(|(_, dtype)| dtype.is_16_bit())
         .map(|(binding, _)| binding)
         .collect();
     let kernel =
         Kernel::specialised(&MATMUL, entry, &variant, &specialised).with_16_bit(&sixteen_bit);
+    let bound = [(1, a), (2, b), (3, out)];
+    if spec.out_dtype.is_16_bit() {
+        // The fuser's epilogues store F32: a 16-bit product runs as it is.
+        return launch_at(op, &kernel, &bound, params, workgroups as u32);
+    }
     let site = || {
         Fusion::Epilogue(EpilogueSite {
             entry,
@@ -784,7 +839,6 @@ fn launch_product(
             vec4_output: true,
         })
     };
-    let bound = [(1, a), (2, b), (3, out)];
     launch_fusible(op, &kernel, &bound, params, workgroups as u32, site)
 }
 
