@@ -13,7 +13,7 @@
 //! - **intermediate**: made and dropped within the step; they share the plan's arena, buffers
 //!   assigned by liveness once, at build.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use crate::autograd::is_grad_enabled;
 use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
 use crate::error::{Error, Result};
-use crate::tensor::tape::{Fusion, HostBytes, MergeSite, ReplayHook, SlotEvent, Tape, TapeEntry};
+use crate::tensor::tape::{
+    Fusion, HostBytes, MergeSite, ReplayHook, SlotEvent, Tape, TapeEntry, TapedLaunch, TapedStorage,
+};
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
 use super::memory;
@@ -371,24 +373,99 @@ pub(crate) fn draft(
     if let Some(reason) = tape.refused {
         return Err(reason);
     }
-    let mut ids: HashMap<u64, usize> = HashMap::new();
-    let mut values: Vec<Kind> = Vec::new();
+    let mut values = Values {
+        ids: HashMap::new(),
+        kinds: Vec::new(),
+        inputs: input_values(inputs, &tape.device)?,
+        grad_in: grads_read(&tape),
+        outputs: step_outputs(&tape, loss.storage_id()),
+    };
+    nothing_made_outlives_the_step(&tape, &values.outputs)?;
+    let commands = tape
+        .entries
+        .into_iter()
+        .map(|entry| command(entry, &mut values))
+        .collect();
+    let slots = tape
+        .slots
+        .into_iter()
+        .map(|event| slot(event, &values.ids))
+        .collect::<std::result::Result<Vec<_>, Refusal>>()?;
+    let loss = loss_value(loss, &values, &tape.created)?;
+    Ok((
+        Draft {
+            commands,
+            values: values.kinds,
+        },
+        Shell {
+            device: tape.device,
+            signature: InputSignature::of(inputs),
+            index_guard: IndexGuard::of(inputs, &tape.index_limits),
+            flags: tape.flags,
+            requires_grad: tape.requires_grad,
+            slots,
+            loss,
+        },
+    ))
+}
 
-    // Inputs: one storage each.
-    let mut input_ids: HashMap<u64, usize> = HashMap::new();
+/// The values of a draft, named as the tape's storages are met: one per storage id, its kind
+/// by what the step does with the storage.
+struct Values {
+    ids: HashMap<u64, usize>,
+    kinds: Vec<Kind>,
+    /// The step's inputs' storages, by id: input `i`.
+    inputs: HashMap<u64, usize>,
+    /// The grads the engine read before anything installed one.
+    grad_in: HashSet<u64>,
+    /// What the step hands out: the loss and the grads it leaves installed.
+    outputs: HashSet<u64>,
+}
+
+impl Values {
+    /// The value of `storage`, named on first sight.
+    fn of(&mut self, storage: &TapedStorage) -> usize {
+        if let Some(&v) = self.ids.get(&storage.id) {
+            return v;
+        }
+        let (id, bytes) = (storage.id, storage.bytes);
+        let kind = if let Some(&i) = self.inputs.get(&id) {
+            Kind::Input(i)
+        } else if self.grad_in.contains(&id) {
+            Kind::GradIn
+        } else if let Some(storage) = &storage.external {
+            Kind::Fixed(storage.clone())
+        } else if self.outputs.contains(&id) {
+            Kind::Output { bytes }
+        } else {
+            Kind::Intermediate { bytes }
+        };
+        self.kinds.push(kind);
+        self.ids.insert(id, self.kinds.len() - 1);
+        self.kinds.len() - 1
+    }
+}
+
+/// Input `i`'s storage id to `i`; inputs on another device, or two sharing a buffer, refuse.
+fn input_values(
+    inputs: &[Tensor],
+    device: &Device,
+) -> std::result::Result<HashMap<u64, usize>, Refusal> {
+    let mut ids = HashMap::new();
     for (i, input) in inputs.iter().enumerate() {
-        if !Device::same(input.device(), &tape.device) {
+        if !Device::same(input.device(), device) {
             return Err(format!("input {i} lives on another device than the step's"));
         }
-        if input_ids.insert(input.storage_id(), i).is_some() {
+        if ids.insert(input.storage_id(), i).is_some() {
             return Err("two inputs share one buffer".into());
         }
     }
+    Ok(ids)
+}
 
-    // The grads the engine read at the step's start (before anything installed).
-    let grad_in: std::collections::HashSet<u64> = tape
-        .slots
-        .iter()
+/// The grads the engine read at the step's start (storages the step did not make).
+fn grads_read(tape: &Tape) -> HashSet<u64> {
+    (tape.slots.iter())
         .filter_map(|e| match e {
             SlotEvent::Read {
                 grad: Some((id, _)),
@@ -396,9 +473,11 @@ pub(crate) fn draft(
             } if !tape.created.contains(id) => Some(*id),
             _ => None,
         })
-        .collect();
+        .collect()
+}
 
-    // The storages each leaf's grad slot ends the step with, and the loss's.
+/// The loss's storage and those each leaf's grad slot ends the step with.
+fn step_outputs(tape: &Tape, loss_id: u64) -> HashSet<u64> {
     let mut final_grads: HashMap<usize, u64> = HashMap::new();
     for event in &tape.slots {
         match event {
@@ -411,171 +490,134 @@ pub(crate) fn draft(
             SlotEvent::Read { .. } => {}
         }
     }
-    let loss_id = loss.storage_id();
-    let alive = |id: u64| tape.created.contains(&id) && !tape.released.contains(&id);
-    let is_output = |id: u64| id == loss_id || final_grads.values().any(|&s| s == id);
-    for &id in &tape.created {
-        if alive(id) && !is_output(id) {
-            return Err(
-                "the step keeps a tensor it made beyond its end (new optimizer state, a saved \
-                 graph, or a tensor stored outside the closure)"
-                    .into(),
-            );
-        }
-    }
+    final_grads.into_values().chain([loss_id]).collect()
+}
 
-    let mut value_of =
-        |id: u64, bytes: u64, external: Option<&Arc<Storage>>, values: &mut Vec<Kind>| -> usize {
-            if let Some(&v) = ids.get(&id) {
-                return v;
-            }
-            let kind = if let Some(&i) = input_ids.get(&id) {
-                Kind::Input(i)
-            } else if grad_in.contains(&id) {
-                Kind::GradIn
-            } else if let Some(storage) = external {
-                Kind::Fixed(storage.clone())
-            } else if is_output(id) {
-                Kind::Output { bytes }
-            } else {
-                Kind::Intermediate { bytes }
+/// Refuses a step that keeps a tensor it made, other than its outputs, past its end: a replay
+/// would not make it.
+fn nothing_made_outlives_the_step(
+    tape: &Tape,
+    outputs: &HashSet<u64>,
+) -> std::result::Result<(), Refusal> {
+    let kept = (tape.created.iter()).any(|id| !tape.released.contains(id) && !outputs.contains(id));
+    match kept {
+        true => Err(
+            "the step keeps a tensor it made beyond its end (new optimizer state, a saved \
+             graph, or a tensor stored outside the closure)"
+                .into(),
+        ),
+        false => Ok(()),
+    }
+}
+
+/// A tape entry as a command over values.
+fn command(entry: TapeEntry, values: &mut Values) -> Command {
+    match entry {
+        TapeEntry::Launch(l) => Command::Launch(launch(l, values)),
+        TapeEntry::Upload {
+            target,
+            data,
+            dynamic,
+            ..
+        } => Command::Upload {
+            target: values.of(&target),
+            data,
+            dynamic,
+        },
+        TapeEntry::Copy { src, dst, bytes } => Command::Copy(BufferCopy {
+            src: (values.of(&src.0), src.1),
+            dst: (values.of(&dst.0), dst.1),
+            bytes,
+        }),
+        TapeEntry::Hook(hook) => Command::Hook(hook),
+    }
+}
+
+/// A taped launch with its bindings, and what the fuser may do with it, named as values.
+fn launch(l: TapedLaunch, values: &mut Values) -> Launch {
+    let bindings: Vec<(u32, usize)> = (l.bindings.iter())
+        .map(|(b, s)| (*b, values.of(s)))
+        .collect();
+    let value_at = |binding: u32| -> usize {
+        (bindings.iter())
+            .find(|(b, _)| *b == binding)
+            .map(|&(_, v)| v)
+            .expect("a fusible launch binds its operands")
+    };
+    let fuse_as = match l.fusion {
+        Some(Fusion::Elementwise(e)) => FuseAs::Elementwise(Fusible {
+            params: e.params,
+            expr: e.expr,
+            scalars: e.scalars,
+            operands: (e.operands.into_iter())
+                .map(|(b, layout)| (value_at(b), layout))
+                .collect(),
+            output: value_at(e.output),
+            shape: e.shape,
+        }),
+        Some(Fusion::Epilogue(site)) => FuseAs::Epilogue(Epilogue {
+            entry: site.entry,
+            output: value_at(site.output),
+            numel: site.numel,
+            vec4_output: site.vec4_output,
+        }),
+        Some(Fusion::Merge(site)) => FuseAs::Merge(site),
+        None => FuseAs::Nothing,
+    };
+    Launch {
+        op: l.op,
+        fuse_as,
+        pipeline: l.pipeline,
+        bindings,
+        params: l.params,
+        dynamic_params: l.dynamic_params,
+        workgroups: l.workgroups,
+    }
+}
+
+/// A grad-slot event with its storage named as a value; installing a grad no kernel of the
+/// step wrote refuses.
+fn slot(event: SlotEvent, ids: &HashMap<u64, usize>) -> std::result::Result<Slot, Refusal> {
+    Ok(match event {
+        SlotEvent::Read { leaf, grad } => Slot::Read {
+            leaf,
+            grad: grad.map(|(id, layout)| (ids.get(&id).copied(), layout)),
+        },
+        SlotEvent::Clear { leaf } => Slot::Clear { leaf },
+        SlotEvent::Set { leaf, grad } => Slot::Set { leaf, grad },
+        SlotEvent::Install { leaf, storage } => {
+            let Some(&value) = ids.get(&storage) else {
+                return Err("a grad was installed that no kernel of the step wrote".into());
             };
-            values.push(kind);
-            ids.insert(id, values.len() - 1);
-            values.len() - 1
-        };
-
-    let mut commands = Vec::with_capacity(tape.entries.len());
-    for entry in tape.entries {
-        commands.push(match entry {
-            TapeEntry::Launch(l) => {
-                let bindings: Vec<(u32, usize)> = l
-                    .bindings
-                    .iter()
-                    .map(|(b, s)| {
-                        (
-                            *b,
-                            value_of(s.id, s.bytes, s.external.as_ref(), &mut values),
-                        )
-                    })
-                    .collect();
-                let value_at = |binding: u32| -> usize {
-                    bindings
-                        .iter()
-                        .find(|(b, _)| *b == binding)
-                        .map(|&(_, v)| v)
-                        .expect("an elementwise launch binds its operands")
-                };
-                let fuse_as = match l.fusion {
-                    Some(Fusion::Elementwise(e)) => FuseAs::Elementwise(Fusible {
-                        params: e.params,
-                        expr: e.expr,
-                        scalars: e.scalars,
-                        operands: e
-                            .operands
-                            .into_iter()
-                            .map(|(b, layout)| (value_at(b), layout))
-                            .collect(),
-                        output: value_at(e.output),
-                        shape: e.shape,
-                    }),
-                    Some(Fusion::Epilogue(site)) => FuseAs::Epilogue(Epilogue {
-                        entry: site.entry,
-                        output: value_at(site.output),
-                        numel: site.numel,
-                        vec4_output: site.vec4_output,
-                    }),
-                    Some(Fusion::Merge(site)) => FuseAs::Merge(site),
-                    None => FuseAs::Nothing,
-                };
-                Command::Launch(Launch {
-                    op: l.op,
-                    fuse_as,
-                    pipeline: l.pipeline,
-                    bindings,
-                    params: l.params,
-                    dynamic_params: l.dynamic_params,
-                    workgroups: l.workgroups,
-                })
-            }
-            TapeEntry::Upload {
-                target,
-                data,
-                dynamic,
-                ..
-            } => Command::Upload {
-                target: value_of(
-                    target.id,
-                    target.bytes,
-                    target.external.as_ref(),
-                    &mut values,
-                ),
-                data,
-                dynamic,
-            },
-            TapeEntry::Copy { src, dst, bytes } => Command::Copy(BufferCopy {
-                src: (
-                    value_of(src.0.id, src.0.bytes, src.0.external.as_ref(), &mut values),
-                    src.1,
-                ),
-                dst: (
-                    value_of(dst.0.id, dst.0.bytes, dst.0.external.as_ref(), &mut values),
-                    dst.1,
-                ),
-                bytes,
-            }),
-            TapeEntry::Hook(hook) => Command::Hook(hook),
-        });
-    }
-
-    let mut slots = Vec::with_capacity(tape.slots.len());
-    for event in tape.slots {
-        slots.push(match event {
-            SlotEvent::Read { leaf, grad } => Slot::Read {
+            let layout = leaf
+                .grad()
+                .map(|g| g.layout().clone())
+                .unwrap_or_else(|| Layout::contiguous(leaf.shape()));
+            Slot::Install {
                 leaf,
-                grad: grad.map(|(id, layout)| (ids.get(&id).copied(), layout)),
-            },
-            SlotEvent::Clear { leaf } => Slot::Clear { leaf },
-            SlotEvent::Set { leaf, grad } => Slot::Set { leaf, grad },
-            SlotEvent::Install { leaf, storage } => {
-                let Some(&value) = ids.get(&storage) else {
-                    return Err("a grad was installed that no kernel of the step wrote".into());
-                };
-                let layout = leaf
-                    .grad()
-                    .map(|g| g.layout().clone())
-                    .unwrap_or_else(|| Layout::contiguous(leaf.shape()));
-                Slot::Install {
-                    leaf,
-                    value,
-                    layout: Layout::contiguous(layout.shape.as_slice()),
-                }
+                value,
+                layout: Layout::contiguous(layout.shape.as_slice()),
             }
-        });
-    }
+        }
+    })
+}
 
-    let loss = match ids.get(&loss_id) {
-        Some(&value) if !matches!(values[value], Kind::Fixed(_)) => Loss::Value {
+/// Where a replay finds the loss: a value the step makes, or a tensor from before the step.
+fn loss_value(
+    loss: &Tensor,
+    values: &Values,
+    created: &HashSet<u64>,
+) -> std::result::Result<Loss, Refusal> {
+    let id = loss.storage_id();
+    match values.ids.get(&id) {
+        Some(&value) if !matches!(values.kinds[value], Kind::Fixed(_)) => Ok(Loss::Value {
             value,
             layout: loss.layout().clone(),
             dtype: loss.dtype(),
-        },
-        _ if !tape.created.contains(&loss_id) => Loss::Fixed(loss.clone()),
-        _ => return Err("the loss was made by no kernel of the step".into()),
-    };
-
-    Ok((
-        Draft { commands, values },
-        Shell {
-            device: tape.device,
-            signature: InputSignature::of(inputs),
-            index_guard: IndexGuard::of(inputs, &tape.index_limits),
-            flags: tape.flags,
-            requires_grad: tape.requires_grad,
-            slots,
-            loss,
-        },
-    ))
+        }),
+        _ if !created.contains(&id) => Ok(Loss::Fixed(loss.clone())),
+        _ => Err("the loss was made by no kernel of the step".into()),
+    }
 }
 
 /// The parts of a plan the fuser does not touch.
