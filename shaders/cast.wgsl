@@ -1,5 +1,5 @@
 // Casts between dtypes where one side is 16-bit (F16, BF16), and strided copies of 16-bit
-// tensors (a cast to the same dtype), through the 16-BIT SECTION of common.wgsl.
+// tensors (a cast to the same dtype), through sixteen_bit.wgsl.
 
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<u32>;

@@ -34,7 +34,7 @@
 
 // A and B are bound as words and read as f32 through a_at/a_quad and b_at/b_quad: F32
 // elements four to a vec4, F16 or BF16 ones eight (A_DTYPE and B_DTYPE are spliced: 0 F32,
-// 2 F16, 3 BF16; see the 16-BIT SECTION of common.wgsl). Offsets and strides count elements
+// 2 F16, 3 BF16; see sixteen_bit.wgsl). Offsets and strides count elements
 // whatever the dtype, and products accumulate in f32. `out` is F32 (OUT_WORDS vec4<f32>), or
 // 16-bit where N is a multiple of 4 (OUT_WORDS vec4<u32>, and the 16-BIT STORES below take
 // the place of the EPILOGUE SECTION): each store is then a whole aligned group of four.

@@ -5,7 +5,7 @@
 // lengths and offsets allow (software adapters pay per load, not per element), and so that
 // one module reads and writes any dtype: SRC_DTYPE_CODE and DST_DTYPE_CODE are spliced (0 F32,
 // 1 U32: four elements per vec4, seen as f32 bits; 2 F16, 3 BF16: eight, converted through the
-// 16-BIT SECTION of common.wgsl). Arithmetic is in f32. A 16-bit destination is written a word
+// sixteen_bit.wgsl). Arithmetic is in f32. A 16-bit destination is written a word
 // (two elements) per invocation, so no two invocations write one word.
 @group(0) @binding(1) var<storage, read> src: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<u32>>;

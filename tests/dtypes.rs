@@ -731,3 +731,27 @@ fn an_optimizer_step_on_a_16_bit_parameter_is_an_error_that_changes_nothing() {
     assert!(err.to_string().contains("F16"), "{err}");
     assert_eq!(p.to_vec().unwrap(), vec![1.0; 4]);
 }
+
+#[test]
+fn a_captured_step_installs_the_grads_of_16_bit_leaves_in_their_dtype() {
+    use wgrad::capture::Step;
+    let w = random_tensor(&[6, 4], 71).0.to_dtype(DType::BF16).unwrap();
+    let w = w.requires_grad_(true);
+    let x = random_tensor(&[3, 6], 72).0.to_dtype(DType::BF16).unwrap();
+    let mut train = |b: &[Tensor]| -> wgrad::Result<Tensor> {
+        w.zero_grad();
+        let loss = b[0].matmul(&w)?.to_dtype(DType::F32)?.sum()?;
+        loss.backward()?;
+        Ok(loss)
+    };
+    train(std::slice::from_ref(&x)).unwrap();
+    let eager = w.grad().unwrap().to_vec().unwrap();
+    let mut step = Step::new(&mut train);
+    for _ in 0..3 {
+        step.run(std::slice::from_ref(&x)).unwrap();
+    }
+    assert!(step.stats().replays >= 1, "{:?}", step.stats());
+    let grad = w.grad().unwrap();
+    assert_eq!(grad.dtype(), DType::BF16);
+    assert_eq!(grad.to_vec().unwrap(), eager);
+}

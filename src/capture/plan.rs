@@ -888,28 +888,37 @@ impl Plan {
     /// grads the step clears that nothing else holds (a replay writes its outputs into them,
     /// as the eager step's pool would have reused them).
     fn check(&self, inputs: &[Tensor], signature: &InputSignature) -> Option<Resolved> {
-        if *signature != self.signature || !self.index_guard.admits(inputs) {
+        if !self.guards_hold(inputs, signature) {
             return None;
+        }
+        self.resolve_grad_slots()
+    }
+
+    /// The same signature and admitted indices, inputs in distinct buffers, and the flags and
+    /// `requires_grad` of what the step read as they were at capture.
+    fn guards_hold(&self, inputs: &[Tensor], signature: &InputSignature) -> bool {
+        if *signature != self.signature || !self.index_guard.admits(inputs) {
+            return false;
         }
         // Inputs that share a buffer were refused at capture; at replay they would alias.
-        let ids: std::collections::HashSet<u64> = inputs.iter().map(|t| t.storage_id()).collect();
+        let ids: HashSet<u64> = inputs.iter().map(|t| t.storage_id()).collect();
         if ids.len() != inputs.len() {
-            return None;
+            return false;
         }
-        if self
-            .flags
-            .iter()
-            .any(|(flag, value)| flag.load(Ordering::Relaxed) != *value)
-        {
-            return None;
-        }
-        for (tensor, requires_grad) in &self.requires_grad {
-            if let Some(inner) = tensor.upgrade() {
-                if (Tensor { inner }).requires_grad() != *requires_grad {
-                    return None;
-                }
-            }
-        }
+        let flags_hold =
+            (self.flags.iter()).all(|(flag, value)| flag.load(Ordering::Relaxed) == *value);
+        flags_hold
+            && self.requires_grad.iter().all(|(tensor, requires_grad)| {
+                tensor
+                    .upgrade()
+                    .is_none_or(|inner| (Tensor { inner }).requires_grad() == *requires_grad)
+            })
+    }
+
+    /// Walks the grad-slot events over the slots as they are now: `None` when a read would
+    /// find another grad (or layout) than at capture; else the storage each grad-in value
+    /// binds to and the cleared grads free to reuse.
+    fn resolve_grad_slots(&self) -> Option<Resolved> {
         let mut sim: HashMap<usize, SimGrad> = HashMap::new();
         let key = |t: &Tensor| Arc::as_ptr(&t.inner) as usize;
         let mut grad_in: HashMap<usize, Arc<Storage>> = HashMap::new();
@@ -1016,8 +1025,45 @@ impl Plan {
         };
         let commands = commands.unwrap_or_else(|| self.encode(&storages));
 
-        // Host work: hooks, then the params and data that change per step.
-        let mut writes: Vec<(usize, Vec<u8>)> = Vec::new(); // (step, bytes)
+        let writes = self.host_writes()?;
+        let queue_writes: Vec<(&wgpu::Buffer, u64, &[u8])> = writes
+            .iter()
+            .map(|(i, data)| match &self.steps[*i] {
+                Step::Dispatch(d) => (
+                    self.params_buffer.as_ref().expect("launches"),
+                    d.params_offset,
+                    data.as_slice(),
+                ),
+                Step::Upload { staging, .. } => (staging, 0, data.as_slice()),
+                Step::Hook(_) | Step::Copy(_) => unreachable!("writes nothing from the host"),
+            })
+            .collect();
+        self.last_to_submit = started.elapsed();
+        inner.submit_commands(OP, &queue_writes, commands, self.dispatches)?;
+
+        self.install_grads(&storages)?;
+        let loss = match &self.loss {
+            Loss::Value {
+                value,
+                layout,
+                dtype,
+            } => Tensor::from_parts(
+                storages.of(&self.kinds, *value).clone(),
+                layout.clone(),
+                *dtype,
+                &self.device,
+            ),
+            Loss::Fixed(t) => t.clone(),
+        };
+        drop(storages);
+        self.prepare(inputs, signature);
+        Ok(Some(loss))
+    }
+
+    /// The host's work before a submission: the hooks run, and the params and data that
+    /// change per step, by step index.
+    fn host_writes(&mut self) -> Result<Vec<(usize, Vec<u8>)>> {
+        let mut writes: Vec<(usize, Vec<u8>)> = Vec::new();
         for (i, step) in self.steps.iter_mut().enumerate() {
             match step {
                 Step::Hook(hook) => hook()?,
@@ -1042,23 +1088,13 @@ impl Plan {
                 _ => {}
             }
         }
-        let queue_writes: Vec<(&wgpu::Buffer, u64, &[u8])> = writes
-            .iter()
-            .map(|(i, data)| match &self.steps[*i] {
-                Step::Dispatch(d) => (
-                    self.params_buffer.as_ref().expect("launches"),
-                    d.params_offset,
-                    data.as_slice(),
-                ),
-                Step::Upload { staging, .. } => (staging, 0, data.as_slice()),
-                Step::Hook(_) | Step::Copy(_) => unreachable!("writes nothing from the host"),
-            })
-            .collect();
-        self.last_to_submit = started.elapsed();
-        inner.submit_commands(OP, &queue_writes, commands, self.dispatches)?;
+        Ok(writes)
+    }
 
+    /// The grad slots changed as the step's engine changed them (S-2): cleared, set, and the
+    /// grads it made installed (into a slot's handle, or as a new one).
+    fn install_grads(&self, storages: &CallStorages) -> Result<()> {
         let storage_of = |v: usize| storages.of(&self.kinds, v).clone();
-        // The grad slots change as the step's engine changed them (S-2).
         for slot in &self.slots {
             match slot {
                 Slot::Read { .. } => {}
@@ -1069,10 +1105,11 @@ impl Plan {
                     value,
                     layout,
                 } => {
+                    // A grad has its leaf's dtype (the engine casts each grad to it).
                     let fresh = Tensor::from_parts(
                         storage_of(*value),
                         layout.clone(),
-                        DType::F32,
+                        leaf.dtype(),
                         &self.device,
                     );
                     let current = leaf.grad();
@@ -1083,17 +1120,7 @@ impl Plan {
                 }
             }
         }
-        let loss = match &self.loss {
-            Loss::Value {
-                value,
-                layout,
-                dtype,
-            } => Tensor::from_parts(storage_of(*value), layout.clone(), *dtype, &self.device),
-            Loss::Fixed(t) => t.clone(),
-        };
-        drop(storages);
-        self.prepare(inputs, signature);
-        Ok(Some(loss))
+        Ok(())
     }
 
     /// Encodes the next replay now, for the buffers it would bind if it were called with

@@ -34,6 +34,9 @@ pub(crate) const MAX_LOOP_LEN: usize = 16_384;
 /// Prepended to every family's WGSL: the params uniform, `pu`/`pf`, index helpers.
 pub(crate) const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
 
+/// The one way kernels convert 16-bit elements, for the families that declare `sixteen_bit`.
+pub(crate) const SIXTEEN_BIT_WGSL: &str = include_str!("../../shaders/sixteen_bit.wgsl");
+
 /// The runs `(start, len)` of `n` elements (4 bytes each) that kernels process one window at
 /// a time when a tensor is larger than one binding: each run's window fits a binding even
 /// with a skip of less than one alignment at its front, and starts a multiple of 64 elements
@@ -64,6 +67,9 @@ pub(crate) struct ShaderFamily {
     pub wgsl: &'static str,
     /// The params layouts whose slot constants the file uses.
     pub params: &'static [&'static ParamsLayout],
+    /// The file reads or writes 16-bit elements: its modules get `shaders/sixteen_bit.wgsl`
+    /// after the common prelude (the others stay free of it).
+    pub sixteen_bit: bool,
 }
 
 impl ShaderFamily {
@@ -77,7 +83,12 @@ impl ShaderFamily {
     /// subgroup section where the device has none).
     pub fn source_of(&self, wgsl: &str, specialisation: &[(&str, &str)]) -> String {
         let slots: String = self.params.iter().map(|p| p.wgsl_slots()).collect();
-        let mut source = format!("{COMMON_WGSL}\n{slots}\n{wgsl}");
+        let sixteen_bit = if self.sixteen_bit {
+            SIXTEEN_BIT_WGSL
+        } else {
+            ""
+        };
+        let mut source = format!("{COMMON_WGSL}\n{sixteen_bit}{slots}\n{wgsl}");
         for (placeholder, value) in specialisation {
             source = source.replace(placeholder, value);
         }
@@ -114,7 +125,7 @@ pub(crate) struct Kernel<'a> {
     /// may merge consecutive launches of this kernel into one (see [`Kernel::merging`]).
     pub part: Option<&'static str>,
     /// The bindings this specialisation reads or writes as 16-bit elements (through the
-    /// 16-BIT SECTION of `shaders/common.wgsl`); see [`Kernel::with_16_bit`].
+    /// conversions of `shaders/sixteen_bit.wgsl`); see [`Kernel::with_16_bit`].
     pub sixteen_bit: &'a [u32],
 }
 

@@ -46,6 +46,7 @@ static BINARY: ShaderFamily = ShaderFamily {
     name: "binary",
     wgsl: include_str!("../../shaders/binary.wgsl"),
     params: &[&BinaryParams::LAYOUT],
+    sixteen_bit: true,
 };
 
 /// The binary ops; each is one specialisation of the template.

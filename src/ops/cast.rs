@@ -1,5 +1,6 @@
 //! Casts to and from the 16-bit float dtypes (F16, BF16), and copies of 16-bit tensors:
-//! `shaders/cast.wgsl`, whose 16-BIT SECTION is how kernels read and write 16-bit elements.
+//! `shaders/cast.wgsl`, through `shaders/sixteen_bit.wgsl` (the one way kernels convert
+//! 16-bit elements); and `through_f32`, how ops without 16-bit kernels take 16-bit tensors.
 
 use crate::error::{Error, Result};
 use crate::kernel::{launch, strided_dims, Kernel, KernelParams, ShaderFamily};
@@ -24,6 +25,7 @@ static CAST: ShaderFamily = ShaderFamily {
     name: "cast",
     wgsl: include_str!("../../shaders/cast.wgsl"),
     params: &[&CastParams::LAYOUT],
+    sixteen_bit: true,
 };
 
 /// `x` as a new contiguous tensor of `dtype`, where `x` or `dtype` is 16-bit (the same dtype

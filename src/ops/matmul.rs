@@ -56,6 +56,7 @@ static MATMUL: ShaderFamily = ShaderFamily {
     name: "matmul",
     wgsl: include_str!("../../shaders/matmul.wgsl"),
     params: &[&MatmulParams::LAYOUT],
+    sixteen_bit: true,
 };
 
 /// How the register kernels read A: a vec4 along k, a vec4 along m, or element by element.

@@ -39,6 +39,7 @@ static REDUCE: ShaderFamily = ShaderFamily {
     name: "reduce",
     wgsl: include_str!("../../shaders/reduce.wgsl"),
     params: &[&ReduceParams::LAYOUT],
+    sixteen_bit: false,
 };
 
 /// Elements one `rows` workgroup reduces at least, so large reductions take two passes.

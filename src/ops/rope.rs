@@ -28,6 +28,7 @@ static ROPE: ShaderFamily = ShaderFamily {
     name: "rope",
     wgsl: include_str!("../../shaders/rope.wgsl"),
     params: &[&RopeParams::LAYOUT],
+    sixteen_bit: false,
 };
 
 #[cfg(test)]

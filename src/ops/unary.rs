@@ -32,6 +32,7 @@ static UNARY: ShaderFamily = ShaderFamily {
     name: "unary",
     wgsl: include_str!("../../shaders/unary.wgsl"),
     params: &[&UnaryParams::LAYOUT],
+    sixteen_bit: true,
 };
 
 /// The unary ops; each is one specialisation of the template.

@@ -50,8 +50,8 @@ impl DType {
         self.size() == 2
     }
 
-    /// The code kernels name the dtype by where a module is specialised on it (the 16-BIT
-    /// SECTION of `shaders/common.wgsl`).
+    /// The code kernels name the dtype by where a module is specialised on it
+    /// (`shaders/sixteen_bit.wgsl`).
     pub(crate) fn wgsl_code(self) -> &'static str {
         match self {
             DType::F32 => "0",
