@@ -731,26 +731,22 @@ fn epilogue_source(
     Some((module, bindings))
 }
 
-/// Fuses `group` into the launch that makes the value its first member reads, when that
-/// launch has an epilogue site and only the group reads its output, in place: returns the
-/// launch's index, the members fused, and the launch that replaces them all at the last
-/// member's place.
-fn epilogue(
-    group: &Group,
-    draft: &Draft,
-    users: &HashMap<usize, Vec<usize>>,
-    max_buffers: usize,
-    device: &Device,
-) -> Option<(usize, Vec<usize>, Launch)> {
-    let member = |at: usize| match &draft.commands[at] {
+/// The elementwise description of member `at`.
+fn member(draft: &Draft, at: usize) -> &Fusible {
+    match &draft.commands[at] {
         Command::Launch(Launch {
             fuse_as: FuseAs::Elementwise(f),
             ..
         }) => f,
         _ => unreachable!("members are fusible launches"),
-    };
+    }
+}
+
+/// The launch with an epilogue site that makes a value the group's first member reads: its
+/// index, the launch and the site.
+fn producer_of<'a>(group: &Group, draft: &'a Draft) -> Option<(usize, &'a Launch, &'a Epilogue)> {
     let first = group.members[0];
-    let (at, producer, site) = member(first).operands.iter().find_map(|(v, _)| {
+    member(draft, first).operands.iter().find_map(|(v, _)| {
         (0..first).rev().find_map(|u| match &draft.commands[u] {
             Command::Launch(l) => match &l.fuse_as {
                 FuseAs::Epilogue(site) if site.output == *v => Some((u, l, site)),
@@ -758,18 +754,17 @@ fn epilogue(
             },
             _ => None,
         })
-    })?;
-    let m = site.output;
-    let numel: usize = group.shape.iter().product();
-    if numel != site.numel {
-        return None;
-    }
-    // The group's launches read `m` at their own element, or all read it as the transpose
-    // of a 2-D [n, m] product (a narrow product is computed transposed: a classifier head).
+    })
+}
+
+/// How the group's members read the product `m`: each at its own element (`Some(None)`), or
+/// all as the transpose of a 2-D `[rows, cols]` product (`Some(Some((rows, cols)))`: a narrow
+/// product is computed transposed, a classifier head); `None` when neither, so no fusion.
+fn how_members_read(group: &Group, draft: &Draft, m: usize) -> Option<Option<(usize, usize)>> {
     let reads_of_m: Vec<&Layout> = group
         .members
         .iter()
-        .flat_map(|&u| member(u).operands.iter())
+        .flat_map(|&u| member(draft, u).operands.iter())
         .filter(|(v, _)| *v == m)
         .map(|(_, layout)| layout)
         .collect();
@@ -785,19 +780,33 @@ fn epilogue(
         }
         _ => None,
     };
-    if transposed.is_none() && !reads_of_m.iter().all(|l| reads_in_place(l, &group.shape)) {
+    let in_place = reads_of_m.iter().all(|l| reads_in_place(l, &group.shape));
+    (transposed.is_some() || in_place).then_some(transposed)
+}
+
+/// Fuses `group` into the launch that makes the value its first member reads, when that
+/// launch has an epilogue site and only the group reads its output, in place: returns the
+/// launch's index, the members fused, and the launch that replaces them all at the last
+/// member's place.
+fn epilogue(
+    group: &Group,
+    draft: &Draft,
+    users: &HashMap<usize, Vec<usize>>,
+    max_buffers: usize,
+    device: &Device,
+) -> Option<(usize, Vec<usize>, Launch)> {
+    let (at, producer, site) = producer_of(group, draft)?;
+    let m = site.output;
+    let numel: usize = group.shape.iter().product();
+    if numel != site.numel {
         return None;
     }
-    // The producer's own operands stay bound; its output becomes the first written value.
-    let operands: Vec<(u32, usize)> = producer
-        .bindings
-        .iter()
-        .copied()
-        .filter(|&(_, v)| v != m)
-        .collect();
+    let transposed = how_members_read(group, draft, m)?;
+    // The producer's own operands stay bound (see `epilogue_launch`).
+    let operands = producer.bindings.iter().filter(|&&(_, v)| v != m).count();
     // `m` itself is written too when the plan's output or a later launch reads it (one more
     // buffer); then no launch between the producer and the group's end may read it.
-    let budget = max_buffers.checked_sub(operands.len())?;
+    let budget = max_buffers.checked_sub(operands)?;
     let read_elsewhere = |members: &[usize]| {
         !draft.is_intermediate(m) || users[&m].iter().any(|u| *u != at && !members.contains(u))
     };
@@ -831,7 +840,23 @@ fn epilogue(
     if moved_past {
         return None;
     }
-    let launches: Vec<&Fusible> = group.members.iter().map(|&u| member(u)).collect();
+    let launches: Vec<&Fusible> = group.members.iter().map(|&u| member(draft, u)).collect();
+    let fused = epilogue_launch(producer, site, &launches, &outputs, transposed, device)?;
+    Some((at, group.members, fused))
+}
+
+/// The producer with `launches` run in its stores, writing `outputs` (the first at the
+/// producer's output binding), as one generated launch; `None` when its module does not
+/// validate (the group then stays unfused).
+fn epilogue_launch(
+    producer: &Launch,
+    site: &Epilogue,
+    launches: &[&Fusible],
+    outputs: &[usize],
+    transposed: Option<(usize, usize)>,
+    device: &Device,
+) -> Option<Launch> {
+    let m = site.output;
     let output_binding = producer
         .bindings
         .iter()
@@ -840,8 +865,8 @@ fn epilogue(
     let (source, extra) = epilogue_source(
         &producer.pipeline.source,
         site,
-        &launches,
-        &outputs,
+        launches,
+        outputs,
         transposed,
     )?;
     if let Err(e) = validate(&source) {
@@ -849,22 +874,21 @@ fn epilogue(
         return None;
     }
     let pipeline = generated_pipeline(device, "epilogue", site.entry, &source);
-    let mut bindings = operands;
+    // The producer's own operands stay bound; its output becomes the first written value.
+    let mut bindings: Vec<(u32, usize)> = (producer.bindings.iter().copied())
+        .filter(|&(_, v)| v != m)
+        .collect();
     bindings.push((output_binding, outputs[0]));
     bindings.extend(extra);
-    Some((
-        at,
-        group.members,
-        Launch {
-            op: producer.op,
-            fuse_as: FuseAs::Nothing,
-            pipeline,
-            bindings,
-            params: producer.params.clone(),
-            dynamic_params: producer.dynamic_params.clone(),
-            workgroups: producer.workgroups,
-        },
-    ))
+    Some(Launch {
+        op: producer.op,
+        fuse_as: FuseAs::Nothing,
+        pipeline,
+        bindings,
+        params: producer.params.clone(),
+        dynamic_params: producer.dynamic_params.clone(),
+        workgroups: producer.workgroups,
+    })
 }
 
 /// Whether `a` and `b` may run in either order: neither writes a value the other touches,
