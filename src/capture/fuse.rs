@@ -158,7 +158,45 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
             users.entry(v).or_default().push(at);
         }
     }
+    let mut fused: HashMap<usize, Command> = HashMap::new(); // at the last member's index
+    let mut removed: HashSet<usize> = HashSet::new();
+    for group in elementwise_runs(draft, &users, max_buffers) {
+        if let Some((at, members, launch)) = epilogue(&group, draft, &users, max_buffers, device) {
+            let last = *members.last().expect("one or more");
+            removed.insert(at);
+            removed.extend(members.iter().copied().filter(|&m| m != last));
+            fused.insert(last, Command::Launch(launch));
+            continue;
+        }
+        let Some((group, outputs)) = fit(group, draft, &users, max_buffers, None, 2) else {
+            continue;
+        };
+        let launches: Vec<&Fusible> = group.members.iter().map(|&u| member(draft, u)).collect();
+        let Some(launch) = fused_launch(&launches, &outputs, &group.shape, device) else {
+            continue;
+        };
+        let last = *group.members.last().expect("two or more");
+        removed.extend(group.members.iter().copied().filter(|&at| at != last));
+        fused.insert(last, Command::Launch(launch));
+    }
+    let before = draft.commands.len();
+    let commands = std::mem::take(&mut draft.commands);
+    for (at, command) in commands.into_iter().enumerate() {
+        if removed.contains(&at) {
+            continue;
+        }
+        draft.commands.push(fused.remove(&at).unwrap_or(command));
+    }
+    before - draft.commands.len()
+}
 
+/// The draft's runs of elementwise launches that may fuse, in order: a run grows while each
+/// next launch joins it (see [`joins`]); anything else that touches its values ends it.
+fn elementwise_runs(
+    draft: &Draft,
+    users: &HashMap<usize, Vec<usize>>,
+    max_buffers: usize,
+) -> Vec<Group> {
     let mut groups: Vec<Group> = Vec::new();
     let mut open: Option<Group> = None;
     for (at, command) in draft.commands.iter().enumerate() {
@@ -170,12 +208,11 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
             _ => None,
         };
         if let (Some(f), Some(group)) = (fusible, open.as_mut()) {
-            if joins(group, at, f, max_buffers, draft, &users) {
+            if joins(group, at, f, max_buffers, draft, users) {
                 add(group, at, f);
                 continue;
             }
         }
-        // Anything else that touches the open group's values ends it.
         if let Some(group) = &open {
             if fusible.is_some() || launch_values(command).iter().any(|&v| group.touches(v)) {
                 groups.extend(open.take());
@@ -193,47 +230,7 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
         }
     }
     groups.extend(open);
-
-    let mut fused: HashMap<usize, Command> = HashMap::new(); // at the last member's index
-    let mut removed: HashSet<usize> = HashSet::new();
-    for group in groups {
-        if let Some((at, members, launch)) = epilogue(&group, draft, &users, max_buffers, device) {
-            let last = *members.last().expect("one or more");
-            removed.insert(at);
-            removed.extend(members.iter().copied().filter(|&m| m != last));
-            fused.insert(last, Command::Launch(launch));
-            continue;
-        }
-        let Some((group, outputs)) = fit(group, draft, &users, max_buffers, None, 2) else {
-            continue;
-        };
-        let launches: Vec<&Fusible> = group
-            .members
-            .iter()
-            .map(|&at| match &draft.commands[at] {
-                Command::Launch(Launch {
-                    fuse_as: FuseAs::Elementwise(f),
-                    ..
-                }) => f,
-                _ => unreachable!("members are fusible launches"),
-            })
-            .collect();
-        let Some(launch) = fused_launch(&launches, &outputs, &group.shape, device) else {
-            continue;
-        };
-        let last = *group.members.last().expect("two or more");
-        removed.extend(group.members.iter().copied().filter(|&at| at != last));
-        fused.insert(last, Command::Launch(launch));
-    }
-    let before = draft.commands.len();
-    let commands = std::mem::take(&mut draft.commands);
-    for (at, command) in commands.into_iter().enumerate() {
-        if removed.contains(&at) {
-            continue;
-        }
-        draft.commands.push(fused.remove(&at).unwrap_or(command));
-    }
-    before - draft.commands.len()
+    groups
 }
 
 /// Whether the launch at `at` may join `group`: same shape, earlier results read in place,
@@ -649,13 +646,6 @@ fn epilogue_source(
     // Past every binding the module declares (other entry points' too).
     let first_binding = declared_bindings(source).map(|(b, _)| b).max()? + 1;
     let element = element_fn(launches, outputs, Some(site.output));
-    let out_name = |k: usize| {
-        if k == 0 {
-            "out".to_string()
-        } else {
-            format!("out{k}")
-        }
-    };
     let mut src = String::new();
     let mut bindings: Vec<(u32, usize)> = Vec::new();
     let mut binding = first_binding;
@@ -676,9 +666,34 @@ fn epilogue_source(
         binding += 1;
     }
     src.push_str(&element.code);
-    // One element: the launch's element `o`, the group's element `i` (the same unless the
-    // group reads the launch's [n, m] output as its transpose).
-    src.push_str("fn store1(o: u32, v: f32) {\n");
+    src.push_str(&epilogue_store1(&element, outputs.len(), site, transposed));
+    src.push_str(&epilogue_store4(&element, outputs.len(), site, transposed));
+    let module = format!(
+        "{}{EPILOGUE_BEGIN}\n{src}{}",
+        &source[..begin],
+        &source[end..]
+    );
+    Some((module, bindings))
+}
+
+/// The name of output `k` of an epilogue: the producer's own `out`, then `out1`, ...
+fn out_name(k: usize) -> String {
+    match k {
+        0 => "out".to_string(),
+        _ => format!("out{k}"),
+    }
+}
+
+/// An epilogue's `store1`: the launch's element `o` is the group's element `i` (the same
+/// unless the group reads the launch's `[n, m]` output as its transpose); the group's
+/// element function runs on the product `v` there and each of `outputs` outputs is stored.
+fn epilogue_store1(
+    element: &ElementFn,
+    outputs: usize,
+    site: &Epilogue,
+    transposed: Option<(usize, usize)>,
+) -> String {
+    let mut src = String::from("fn store1(o: u32, v: f32) {\n");
     match transposed {
         Some((m, n)) => {
             let _ = writeln!(src, "    let i = (o % {m}u) * {n}u + o / {m}u;");
@@ -691,7 +706,7 @@ fn epilogue_source(
         "    let r = element({});",
         element.args(Some("v".into()), "")
     );
-    for k in 0..outputs.len() {
+    for k in 0..outputs {
         if k == 0 && !site.vec4_output {
             src.push_str("    out[i] = r.o0;\n");
         } else {
@@ -699,36 +714,41 @@ fn epilogue_source(
         }
     }
     src.push_str("}\n");
-    // Four elements from `o`, a multiple of 4 (a module that binds its output as f32s stores
-    // one at a time, and has no store4).
-    if site.vec4_output && element.loads_vec4() && transposed.is_none() {
-        src.push_str("fn store4(o: u32, v: vec4<f32>) {\n");
-        src.push_str("    let i = o / 4u;\n");
-        src.push_str(&element.load_lines(true, "    "));
-        for c in ["x", "y", "z", "w"] {
-            let args = element.args(Some(format!("v.{c}")), &format!(".{c}"));
-            let _ = writeln!(src, "    let r{c} = element({args});");
-        }
-        for k in 0..outputs.len() {
-            let _ = writeln!(
-                src,
-                "    {}[i] = vec4<f32>(rx.o{k}, ry.o{k}, rz.o{k}, rw.o{k});",
-                out_name(k)
-            );
-        }
-        src.push_str("}\n");
-    } else if site.vec4_output {
-        src.push_str(
-            "fn store4(o: u32, v: vec4<f32>) {\n    store1(o, v.x);\n    store1(o + 1u, v.y);\n    \
-             store1(o + 2u, v.z);\n    store1(o + 3u, v.w);\n}\n",
+    src
+}
+
+/// An epilogue's `store4`: four elements from `o`, a multiple of 4, as vec4s where the group
+/// reads them so, else through `store1`; none for a module that binds its output as f32s
+/// (it stores one element at a time).
+fn epilogue_store4(
+    element: &ElementFn,
+    outputs: usize,
+    site: &Epilogue,
+    transposed: Option<(usize, usize)>,
+) -> String {
+    if !site.vec4_output {
+        return String::new();
+    }
+    if !element.loads_vec4() || transposed.is_some() {
+        return "fn store4(o: u32, v: vec4<f32>) {\n    store1(o, v.x);\n    store1(o + 1u, v.y);\n    \
+                store1(o + 2u, v.z);\n    store1(o + 3u, v.w);\n}\n"
+            .to_string();
+    }
+    let mut src = String::from("fn store4(o: u32, v: vec4<f32>) {\n    let i = o / 4u;\n");
+    src.push_str(&element.load_lines(true, "    "));
+    for c in ["x", "y", "z", "w"] {
+        let args = element.args(Some(format!("v.{c}")), &format!(".{c}"));
+        let _ = writeln!(src, "    let r{c} = element({args});");
+    }
+    for k in 0..outputs {
+        let _ = writeln!(
+            src,
+            "    {}[i] = vec4<f32>(rx.o{k}, ry.o{k}, rz.o{k}, rw.o{k});",
+            out_name(k)
         );
     }
-    let module = format!(
-        "{}{EPILOGUE_BEGIN}\n{src}{}",
-        &source[..begin],
-        &source[end..]
-    );
-    Some((module, bindings))
+    src.push_str("}\n");
+    src
 }
 
 /// The elementwise description of member `at`.
@@ -1072,8 +1092,22 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
         log::debug!("capture: a merged launch failed validation, left unmerged: {e}");
         return unmerged(run);
     }
-    // Each launch's params in a block of its own.
-    let slot_bytes = site.param_slots * 4;
+    let (params, dynamic_params) = merged_params(&run, site.param_slots * 4);
+    let pipeline = generated_pipeline(device, "merged", "main", &src);
+    vec![Command::Launch(Launch {
+        op: run[0].op,
+        fuse_as: FuseAs::Nothing,
+        pipeline,
+        bindings,
+        params,
+        dynamic_params,
+        workgroups,
+    })]
+}
+
+/// The params of a merged launch: each launch's in a block of `slot_bytes` of its own, and,
+/// when any launch computes its params at replay, the function that packs them then.
+fn merged_params(run: &[Launch], slot_bytes: usize) -> (Vec<u8>, Option<HostBytes>) {
     let pack = move |blocks: Vec<Vec<u8>>| -> Vec<u8> {
         let mut out = Vec::with_capacity(blocks.len() * slot_bytes);
         for mut block in blocks {
@@ -1098,16 +1132,7 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
         });
         dynamic
     });
-    let pipeline = generated_pipeline(device, "merged", "main", &src);
-    vec![Command::Launch(Launch {
-        op: run[0].op,
-        fuse_as: FuseAs::Nothing,
-        pipeline,
-        bindings,
-        params,
-        dynamic_params,
-        workgroups,
-    })]
+    (params, dynamic_params)
 }
 
 /// How many binding numbers a member section spans (from its lowest to its highest).

@@ -1203,33 +1203,7 @@ impl Plan {
                         pass.set_pipeline(&d.pipeline.pipeline);
                         match &d.bind_group {
                             Some(group) => pass.set_bind_group(0, group, &[]),
-                            None => {
-                                let buffers: Vec<wgpu::Buffer> = d
-                                    .bindings
-                                    .iter()
-                                    .map(|&(_, v)| buffer_of(v).clone())
-                                    .collect();
-                                let mut recent = d.recent.lock().unwrap_or_else(|e| e.into_inner());
-                                let hit = recent.iter().position(|(b, _)| *b == buffers);
-                                if hit.is_none() {
-                                    let refs: Vec<&wgpu::Buffer> = buffers.iter().collect();
-                                    let group = bind_group(
-                                        &self.device,
-                                        &d.pipeline,
-                                        self.params_buffer.as_ref().expect("launches"),
-                                        d.params_offset,
-                                        &d.bindings,
-                                        &refs,
-                                        d.op,
-                                    );
-                                    if recent.len() == 2 {
-                                        recent.remove(0);
-                                    }
-                                    recent.push((buffers, group));
-                                }
-                                let at = hit.unwrap_or(recent.len() - 1);
-                                pass.set_bind_group(0, &recent[at].1, &[]);
-                            }
+                            None => pass.set_bind_group(0, &self.call_bind_group(d, storages), &[]),
                         }
                         let (x, y) = workgroup_grid(d.workgroups);
                         pass.dispatch_workgroups(x, y, 1);
@@ -1266,6 +1240,33 @@ impl Plan {
             }
         }
         encoder.finish()
+    }
+
+    /// The bind group of a dispatch whose buffers change between calls: one of the two it
+    /// made last (a training loop alternates between two sets of buffers), or a new one.
+    fn call_bind_group(&self, d: &Encoded, storages: &CallStorages) -> wgpu::BindGroup {
+        let buffers: Vec<wgpu::Buffer> = (d.bindings.iter())
+            .map(|&(_, v)| storages.of(&self.kinds, v).buffer().clone())
+            .collect();
+        let mut recent = d.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(hit) = recent.iter().find(|(b, _)| *b == buffers) {
+            return hit.1.clone();
+        }
+        let refs: Vec<&wgpu::Buffer> = buffers.iter().collect();
+        let group = bind_group(
+            &self.device,
+            &d.pipeline,
+            self.params_buffer.as_ref().expect("launches"),
+            d.params_offset,
+            &d.bindings,
+            &refs,
+            d.op,
+        );
+        if recent.len() == 2 {
+            recent.remove(0);
+        }
+        recent.push((buffers, group.clone()));
+        group
     }
 
     /// Dispatches one replay records.
