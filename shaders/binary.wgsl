@@ -55,27 +55,6 @@ fn rhs_quad(q: u32) -> vec4<f32> {
     return halves_to_f32x4(rhs[q / 2u], q, RHS_DTYPE);
 }
 
-// Stores elements 4q .. 4q + 4 of dst.
-fn store_quad(q: u32, v: vec4<f32>) {
-    if (DST_DTYPE < 2u) {
-        dst[q] = bitcast<vec4<u32>>(v);
-        return;
-    }
-    let c = (q & 1u) * 2u;
-    dst[q / 2u][c] = pack_halves(v.x, v.y, DST_DTYPE);
-    dst[q / 2u][c + 1u] = pack_halves(v.z, v.w, DST_DTYPE);
-}
-
-// Stores element i of a 32-bit dst.
-fn store1(i: u32, v: f32) {
-    dst[i / 4u][i % 4u] = bitcast<u32>(v);
-}
-
-// Stores word w of a 16-bit dst: elements 2w (`lo`) and 2w + 1 (`hi`).
-fn store_pair(w: u32, lo: f32, hi: f32) {
-    dst[w / 4u][w % 4u] = pack_halves(lo, hi, DST_DTYPE);
-}
-
 // Output element i of each entry, element by element.
 fn contiguous_at(i: u32) -> f32 {
     return op(lhs_at(pu(BINARY_LHS_OFFSET) + i), rhs_at(pu(BINARY_RHS_OFFSET) + i));

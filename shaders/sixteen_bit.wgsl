@@ -1,5 +1,5 @@
 // How wgrad's kernels read and write 16-bit elements (F16, BF16): prepended, after
-// common.wgsl, to the modules of the families that declare `sixteen_bit` (src/kernel). Two
+// common.wgsl, to the modules of the families that list it among their `preludes`. Two
 // elements per u32 word, the element at an even index in the word's low half (the byte order
 // safetensors and torch keep them in), converted to and from f32 in integer arithmetic, so
 // every adapter rounds alike, to nearest even as torch does. Kernels name a dtype by its code:

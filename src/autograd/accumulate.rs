@@ -30,7 +30,7 @@ static ACCUMULATE: ShaderFamily = ShaderFamily {
     name: "accumulate_grad",
     wgsl: include_str!("../../shaders/accumulate_grad.wgsl"),
     params: &[&AccumulateParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

@@ -34,8 +34,12 @@ pub(crate) const MAX_LOOP_LEN: usize = 16_384;
 /// Prepended to every family's WGSL: the params uniform, `pu`/`pf`, index helpers.
 pub(crate) const COMMON_WGSL: &str = include_str!("../../shaders/common.wgsl");
 
-/// The one way kernels convert 16-bit elements, for the families that declare `sixteen_bit`.
+/// The one way kernels convert 16-bit elements: a prelude of the families that read them.
 pub(crate) const SIXTEEN_BIT_WGSL: &str = include_str!("../../shaders/sixteen_bit.wgsl");
+
+/// The stores of the elementwise families (unary, binary) into any dtype: a prelude of theirs.
+pub(crate) const ELEMENTWISE_STORES_WGSL: &str =
+    include_str!("../../shaders/elementwise_stores.wgsl");
 
 /// The runs `(start, len)` of `n` elements (4 bytes each) that kernels process one window at
 /// a time when a tensor is larger than one binding: each run's window fits a binding even
@@ -67,9 +71,10 @@ pub(crate) struct ShaderFamily {
     pub wgsl: &'static str,
     /// The params layouts whose slot constants the file uses.
     pub params: &'static [&'static ParamsLayout],
-    /// The file reads or writes 16-bit elements: its modules get `shaders/sixteen_bit.wgsl`
-    /// after the common prelude (the others stay free of it).
-    pub sixteen_bit: bool,
+    /// Shared WGSL the family's modules get after the common prelude, in order:
+    /// [`SIXTEEN_BIT_WGSL`] where the file reads or writes 16-bit elements,
+    /// [`ELEMENTWISE_STORES_WGSL`] for the elementwise families' stores.
+    pub preludes: &'static [&'static str],
 }
 
 impl ShaderFamily {
@@ -83,12 +88,8 @@ impl ShaderFamily {
     /// subgroup section where the device has none).
     pub fn source_of(&self, wgsl: &str, specialisation: &[(&str, &str)]) -> String {
         let slots: String = self.params.iter().map(|p| p.wgsl_slots()).collect();
-        let sixteen_bit = if self.sixteen_bit {
-            SIXTEEN_BIT_WGSL
-        } else {
-            ""
-        };
-        let mut source = format!("{COMMON_WGSL}\n{sixteen_bit}{slots}\n{wgsl}");
+        let preludes: String = self.preludes.concat();
+        let mut source = format!("{COMMON_WGSL}\n{preludes}{slots}\n{wgsl}");
         for (placeholder, value) in specialisation {
             source = source.replace(placeholder, value);
         }

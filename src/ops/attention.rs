@@ -186,7 +186,7 @@ static ATTENTION: ShaderFamily = ShaderFamily {
     name: "attention",
     wgsl: include_str!("../../shaders/attention.wgsl"),
     params: &[&AttentionParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 /// The module for heads of `d` q/k features and `dv` v features, reading four features per

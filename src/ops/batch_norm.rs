@@ -34,7 +34,7 @@ static BATCH_NORM: ShaderFamily = ShaderFamily {
     name: "batch_norm",
     wgsl: include_str!("../../shaders/batch_norm.wgsl"),
     params: &[&BatchNormParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::kernel::{
     groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
-    CONTIGUOUS_PER_GROUP, WORKGROUP,
+    CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL, WORKGROUP,
 };
 use crate::ops::cast;
 use crate::ops::too_large_view;
@@ -46,7 +46,7 @@ static BINARY: ShaderFamily = ShaderFamily {
     name: "binary",
     wgsl: include_str!("../../shaders/binary.wgsl"),
     params: &[&BinaryParams::LAYOUT],
-    sixteen_bit: true,
+    preludes: &[SIXTEEN_BIT_WGSL, ELEMENTWISE_STORES_WGSL],
 };
 
 /// The binary ops; each is one specialisation of the template.

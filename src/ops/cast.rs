@@ -3,7 +3,7 @@
 //! 16-bit elements); and `through_f32`, how ops without 16-bit kernels take 16-bit tensors.
 
 use crate::error::{Error, Result};
-use crate::kernel::{launch, strided_dims, Kernel, KernelParams, ShaderFamily};
+use crate::kernel::{launch, strided_dims, Kernel, KernelParams, ShaderFamily, SIXTEEN_BIT_WGSL};
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
@@ -25,7 +25,7 @@ static CAST: ShaderFamily = ShaderFamily {
     name: "cast",
     wgsl: include_str!("../../shaders/cast.wgsl"),
     params: &[&CastParams::LAYOUT],
-    sixteen_bit: true,
+    preludes: &[SIXTEEN_BIT_WGSL],
 };
 
 /// `x` as a new contiguous tensor of `dtype`, where `x` or `dtype` is 16-bit (the same dtype

@@ -46,7 +46,7 @@ static CONV: ShaderFamily = ShaderFamily {
     name: "conv",
     wgsl: include_str!("../../shaders/conv.wgsl"),
     params: &[&ConvParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

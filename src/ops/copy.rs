@@ -36,14 +36,14 @@ static COPY: ShaderFamily = ShaderFamily {
     name: "copy",
     wgsl: include_str!("../../shaders/copy.wgsl"),
     params: &[&CopyParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 static FILL: ShaderFamily = ShaderFamily {
     name: "fill",
     wgsl: include_str!("../../shaders/fill.wgsl"),
     params: &[&FillParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

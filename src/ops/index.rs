@@ -67,7 +67,7 @@ static INDEX: ShaderFamily = ShaderFamily {
         &GatherParams::LAYOUT,
         &GatherBackwardParams::LAYOUT,
     ],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
     launch_at, launch_fusible, rows_per_window, without_subgroup_section, Kernel, KernelParams,
-    ShaderFamily, MAX_LOOP_LEN,
+    ShaderFamily, MAX_LOOP_LEN, SIXTEEN_BIT_WGSL,
 };
 use crate::ops::binary::sum_to_shape;
 use crate::ops::cast;
@@ -56,7 +56,7 @@ static MATMUL: ShaderFamily = ShaderFamily {
     name: "matmul",
     wgsl: include_str!("../../shaders/matmul.wgsl"),
     params: &[&MatmulParams::LAYOUT],
-    sixteen_bit: true,
+    preludes: &[SIXTEEN_BIT_WGSL],
 };
 
 /// How the register kernels read A: a vec4 along k, a vec4 along m, or element by element.

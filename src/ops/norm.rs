@@ -32,7 +32,7 @@ static NORM: ShaderFamily = ShaderFamily {
     name: "norm",
     wgsl: include_str!("../../shaders/norm.wgsl"),
     params: &[&NormParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ static POOL: ShaderFamily = ShaderFamily {
     name: "pool",
     wgsl: include_str!("../../shaders/pool.wgsl"),
     params: &[&PoolParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

@@ -39,7 +39,7 @@ static REDUCE: ShaderFamily = ShaderFamily {
     name: "reduce",
     wgsl: include_str!("../../shaders/reduce.wgsl"),
     params: &[&ReduceParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 /// Elements one `rows` workgroup reduces at least, so large reductions take two passes.

@@ -28,7 +28,7 @@ static ROPE: ShaderFamily = ShaderFamily {
     name: "rope",
     wgsl: include_str!("../../shaders/rope.wgsl"),
     params: &[&RopeParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ static SOFTMAX: ShaderFamily = ShaderFamily {
     name: "softmax",
     wgsl: include_str!("../../shaders/softmax.wgsl"),
     params: &[&SoftmaxParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

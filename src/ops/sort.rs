@@ -29,7 +29,7 @@ static SORT: ShaderFamily = ShaderFamily {
     name: "sort",
     wgsl: include_str!("../../shaders/sort.wgsl"),
     params: &[&SortParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

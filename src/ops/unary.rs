@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::kernel::{
     groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
-    CONTIGUOUS_PER_GROUP, WORKGROUP,
+    CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL, WORKGROUP,
 };
 use crate::ops::binary::{binary, binary_with, BinaryOp};
 use crate::ops::cast;
@@ -32,7 +32,7 @@ static UNARY: ShaderFamily = ShaderFamily {
     name: "unary",
     wgsl: include_str!("../../shaders/unary.wgsl"),
     params: &[&UnaryParams::LAYOUT],
-    sixteen_bit: true,
+    preludes: &[SIXTEEN_BIT_WGSL, ELEMENTWISE_STORES_WGSL],
 };
 
 /// The unary ops; each is one specialisation of the template.

@@ -40,7 +40,7 @@ static OPTIM: ShaderFamily = ShaderFamily {
     name: "optim",
     wgsl: include_str!("../../shaders/optim.wgsl"),
     params: &[&SgdParams::LAYOUT, &AdamParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]

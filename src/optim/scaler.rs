@@ -17,7 +17,7 @@ static GRAD_SCALE: ShaderFamily = ShaderFamily {
     name: "grad_scale",
     wgsl: include_str!("../../shaders/grad_scale.wgsl"),
     params: &[&UnscaleParams::LAYOUT],
-    sixteen_bit: false,
+    preludes: &[],
 };
 
 #[cfg(test)]
