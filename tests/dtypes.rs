@@ -269,6 +269,15 @@ fn families_through_f32() -> Vec<(&'static str, &'static [&'static [usize]], Op)
         ("conv2d", &[&[2, 3, 6, 6], &[4, 3, 3, 3], &[4]], |t| {
             t[0].conv2d(&t[1], Some(&t[2]), 1, 1)
         }),
+        ("scatter_add", &[&[3, 5], &[3, 4]], |t| {
+            let at = vec![4, 0, 4, 1, 2, 2, 3, 0, 1, 1, 0, 4];
+            let at = Tensor::from_vec_u32(at, &[3, 4], device())?;
+            t[0].scatter_add(1, &at, &t[1])
+        }),
+        ("batch_norm", &[&[4, 3, 2, 2]], |t| {
+            use wgrad::nn::Module;
+            wgrad::nn::BatchNorm2d::new(3, device())?.forward(&t[0])
+        }),
         (
             "attention",
             &[&[2, 2, 5, 8], &[2, 2, 5, 8], &[2, 2, 5, 8]],

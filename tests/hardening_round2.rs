@@ -512,19 +512,20 @@ fn memory_stays_flat_over_500_recaptures_and_returns_when_the_step_drops() {
             opt.step()?;
             Ok(loss)
         });
-        // Warm up: the library's own kernels compiled, a few plans captured.
-        for rows in 8..16 {
+        // Warm up: the library's own kernels compiled, and enough batch sizes captured that
+        // the step holds as many plans (and their generated kernels) as it ever will.
+        for rows in 8..64 {
             let b = batch(rows);
             step.run(&b).unwrap();
             step.run(&b).unwrap();
         }
         baseline = resident_mib();
         let mut midway = 0;
-        for rows in 16..516 {
+        for rows in 64..564 {
             let b = batch(rows);
             step.run(&b).unwrap();
             step.run(&b).unwrap();
-            if rows == 266 {
+            if rows == 314 {
                 midway = dev.stats().pipelines;
             }
         }
@@ -546,7 +547,10 @@ fn memory_stays_flat_over_500_recaptures_and_returns_when_the_step_drops() {
     if let (Some(baseline), Some(after_500), Some(dropped)) = (baseline, after_500, resident_mib())
     {
         eprintln!("resident MiB: {baseline} warmed up, {after_500} after 500 re-captures, {dropped} dropped");
-        assert!(after_500 < baseline + 50, "{baseline} -> {after_500} MiB");
-        assert!(dropped < baseline + 50, "{baseline} -> {dropped} MiB");
+        // Flat: 500 more plans made and dropped hold what the first few did (this bound was
+        // 50 MiB above a baseline taken after 8 captures, which the plans' first fill took
+        // most of: +38 to +46 MiB on lavapipe, then +3 over the next 450).
+        assert!(after_500 < baseline + 16, "{baseline} -> {after_500} MiB");
+        assert!(dropped < baseline + 16, "{baseline} -> {dropped} MiB");
     }
 }

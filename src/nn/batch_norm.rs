@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::nn::{Module, TrainingFlag};
 use crate::ops::batch_norm::{batch_norm_training, fused_applies};
 use crate::ops::norm::{check_eps, scaled_for_statistics};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The inputs a [`BatchNorm`] takes: channels on dim 1, statistics over every other dim.
 pub trait BatchNormInput {
@@ -168,6 +168,11 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // Under autocast, in f32 (its statistics need f32's range).
         let x = &crate::ops::autocast::for_f32_op(x)?;
+        if x.dtype().is_16_bit() {
+            // A 16-bit input with F32 parameters, as torch's mixed batch norm: statistics,
+            // parameters and running stats in f32, the output in the input's dtype.
+            return self.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype());
+        }
         let c = self.weight.numel();
         if !Input::takes_rank(x.rank()) || x.shape()[1] != c {
             return Err(Error::Shape {

@@ -372,6 +372,11 @@ impl Tensor {
     pub fn scatter_add(&self, dim: impl Dim, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
         let dim = dim.resolve("scatter_add", self.rank())?;
         const OP: &str = "scatter_add";
+        if let Some(out) = cast::through_f32(OP, &[self, source], |w| {
+            w[0].scatter_add(dim, indices, &w[1])
+        })? {
+            return Ok(out);
+        }
         self.expect_same_device(OP, source)?;
         self.expect_same_device(OP, indices)?;
         for t in [self, source] {
