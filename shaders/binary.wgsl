@@ -17,7 +17,10 @@ const LHS_DTYPE: u32 = LHS_DTYPE_CODEu;
 const RHS_DTYPE: u32 = RHS_DTYPE_CODEu;
 const DST_DTYPE: u32 = DST_DTYPE_CODEu;
 
+// The op's expression reads `a`, `b` and the op's scalar `s` (masked_fill's value,
+// leaky_relu's slope), the same names a captured step's fused kernels give them.
 fn op(a: f32, b: f32) -> f32 {
+    let s = pf(BINARY_SCALAR);
     return BINARY_EXPR;
 }
 

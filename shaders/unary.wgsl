@@ -13,7 +13,10 @@
 const SRC_DTYPE: u32 = SRC_DTYPE_CODEu;
 const DST_DTYPE: u32 = DST_DTYPE_CODEu;
 
+// The op's expression reads the element `x`, the op's scalar `s` and its second scalar `t`
+// (clamp's upper bound), the same names a captured step's fused kernels give them.
 fn op(x: f32, s: f32) -> f32 {
+    let t = pf(UNARY_SCALAR2);
     return UNARY_EXPR;
 }
 

@@ -185,7 +185,7 @@ impl BinaryOp {
             // d/dx erf(x) = 2 / sqrt(pi) e^(-x^2)
             BinaryOp::ErfBackward => "a * 1.1283791670955126 * exp(-b * b)",
             // The mask's u32 bits, read through the f32 binding unchanged.
-            BinaryOp::MaskedFill => "select(a, pf(BINARY_SCALAR), bitcast<u32>(b) != 0u)",
+            BinaryOp::MaskedFill => "select(a, s, bitcast<u32>(b) != 0u)",
             BinaryOp::Minimum => "nan_min(a, b)",
             BinaryOp::Pow => "pow_exact(a, b)",
             BinaryOp::PowLogBase => "select(log(a), 0.0, a == 0.0 && b >= 0.0)",
@@ -205,7 +205,7 @@ impl BinaryOp {
                 "a * (1.0 / (1.0 + exp(-b))) * (1.0 + b * (1.0 - 1.0 / (1.0 + exp(-b))))"
             }
             BinaryOp::SoftplusBackward => "select(a / (1.0 + exp(-b)), a, b > 20.0)",
-            BinaryOp::LeakyReluBackward => "select(a * pf(BINARY_SCALAR), a, b > 0.0)",
+            BinaryOp::LeakyReluBackward => "select(a * s, a, b > 0.0)",
         }
     }
 
@@ -405,7 +405,7 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
     let kernel = Kernel::specialised(&BINARY, entry, name, &source);
     let describe = || Elementwise {
         params: "a: f32, b: f32, s: f32",
-        expr: op.expr().replace("pf(BINARY_SCALAR)", "s"),
+        expr: op.expr().to_string(),
         scalars: vec![scalar],
         operands: vec![(1, la.clone()), (2, lb.clone())],
         output: 3,

@@ -197,8 +197,8 @@ impl UnaryOp {
             UnaryOp::Abs => "abs(x)",
             UnaryOp::Sign => "sign(x)",
             UnaryOp::Erf => "erf_approx(x)",
-            UnaryOp::Clamp => "select(clamp(x, s, pf(UNARY_SCALAR2)), x, is_nan(x))",
-            UnaryOp::InRange => "select(0.0, 1.0, x >= s && x <= pf(UNARY_SCALAR2))",
+            UnaryOp::Clamp => "select(clamp(x, s, t), x, is_nan(x))",
+            UnaryOp::InRange => "select(0.0, 1.0, x >= s && x <= t)",
             UnaryOp::Sin => "sin(x)",
             UnaryOp::Cos => "cos(x)",
             // Not inverseSqrt: WGSL leaves its value at 0 to the driver (torch: inf).
@@ -343,7 +343,7 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
     let kernel = Kernel::specialised(&UNARY, entry, name, &source);
     let describe = || Elementwise {
         params: "x: f32, s: f32, t: f32",
-        expr: op.expr().replace("pf(UNARY_SCALAR2)", "t"),
+        expr: op.expr().to_string(),
         scalars: vec![scalar, scalar2],
         operands: vec![(1, layout.clone())],
         output: 2,
