@@ -647,7 +647,15 @@ fn a_16_bit_tensor_displays_its_values() {
         device(),
     )
     .unwrap();
-    assert_eq!(h.to_string(), "tensor([ 1.5000, -2.0000])");
+    assert_eq!(
+        h.to_string(),
+        "tensor([ 1.5000, -2.0000], dtype=torch.float16)"
+    );
+    let b = h.to_dtype(DType::BF16).unwrap();
+    assert_eq!(
+        b.to_string(),
+        "tensor([ 1.5000, -2.0000], dtype=torch.bfloat16)"
+    );
 }
 
 #[test]

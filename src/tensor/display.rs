@@ -154,8 +154,12 @@ impl fmt::Display for Tensor {
         if self.numel() == 0 && self.rank() > 1 {
             extras.push(format!("size={:?}", self.shape()));
         }
-        if integer {
-            extras.push("dtype=u32".to_string());
+        // The dtype where it is not the default, as torch prints it.
+        match self.dtype() {
+            DType::F32 => {}
+            DType::U32 => extras.push("dtype=u32".to_string()),
+            DType::F16 => extras.push("dtype=torch.float16".to_string()),
+            DType::BF16 => extras.push("dtype=torch.bfloat16".to_string()),
         }
         if self.requires_grad() {
             extras.push("requires_grad=True".to_string());
