@@ -16,7 +16,7 @@ use crate::device::{BufferSlice, Device, PipelineSource};
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
 use crate::tensor::tape::{self, Fusion, HostBytes, MergeSite};
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{DType, Storage, Tensor};
 
 /// Invocations per workgroup of the elementwise kernels.
 pub(crate) const WORKGROUP: usize = 256;
@@ -126,8 +126,9 @@ pub(crate) struct Kernel<'a> {
     /// may merge consecutive launches of this kernel into one (see [`Kernel::merging`]).
     pub part: Option<&'static str>,
     /// The bindings this specialisation reads or writes as 16-bit elements (through the
-    /// conversions of `shaders/sixteen_bit.wgsl`); see [`Kernel::with_16_bit`].
-    pub sixteen_bit: &'a [u32],
+    /// conversions of `shaders/sixteen_bit.wgsl`), bit `b` for binding `b`; see
+    /// [`Kernel::with_dtypes`].
+    pub sixteen_bit: u64,
 }
 
 impl<'a> Kernel<'a> {
@@ -139,7 +140,7 @@ impl<'a> Kernel<'a> {
             variant: "",
             specialise: None,
             part: None,
-            sixteen_bit: &[],
+            sixteen_bit: 0,
         }
     }
 
@@ -156,15 +157,18 @@ impl<'a> Kernel<'a> {
             variant,
             specialise: Some(source),
             part: None,
-            sixteen_bit: &[],
+            sixteen_bit: 0,
         }
     }
 
-    /// Declares the bindings this specialisation reads or writes as F16 or BF16 elements. A
-    /// launch must bind 16-bit tensors at exactly these: any other kernel would read their
-    /// words as f32 or u32 and answer wrong, and these would misread an F32 tensor.
-    pub fn with_16_bit(mut self, bindings: &'a [u32]) -> Self {
-        self.sixteen_bit = bindings;
+    /// Declares the dtype each binding of this specialisation was built for; those of F16 or
+    /// BF16 it reads or writes as 16-bit elements. A launch must bind 16-bit tensors at
+    /// exactly these: any other kernel would read their words as f32 or u32 and answer
+    /// wrong, and these would misread an F32 tensor.
+    pub fn with_dtypes(mut self, bindings: &[(u32, DType)]) -> Self {
+        self.sixteen_bit = (bindings.iter())
+            .filter(|(_, dtype)| dtype.is_16_bit())
+            .fold(0, |mask, (binding, _)| mask | 1 << binding);
         self
     }
 
@@ -278,7 +282,7 @@ fn launch_with(
     // 16-bit tensors only where the kernel was specialised to read them as such.
     let misbound = tensors
         .iter()
-        .find(|(b, t)| t.dtype().is_16_bit() != kernel.sixteen_bit.contains(b));
+        .find(|(b, t)| t.dtype().is_16_bit() != (kernel.sixteen_bit >> b & 1 == 1));
     if let Some((_, t)) = misbound {
         return Err(Error::DType {
             op,

@@ -392,13 +392,12 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
         // Read or written as 16-bit elements: a module of its own, which a captured step
         // runs as it is (the fuser's elementwise kernels read and write 32-bit elements).
         let variant = format!("{name}_{dtypes:?}");
-        let sixteen_bit: Vec<u32> = (1..)
-            .zip(dtypes)
-            .filter(|(_, dtype)| dtype.is_16_bit())
-            .map(|(binding, _)| binding)
-            .collect();
-        let kernel =
-            Kernel::specialised(&BINARY, entry, &variant, &source).with_16_bit(&sixteen_bit);
+        let [lhs, rhs, dst] = dtypes;
+        let kernel = Kernel::specialised(&BINARY, entry, &variant, &source).with_dtypes(&[
+            (1, lhs),
+            (2, rhs),
+            (3, dst),
+        ]);
         let bound = [(1, a), (2, b), (3, out)];
         return launch_at(name, &kernel, &bound, &params, groups(n, per_group));
     }

@@ -222,12 +222,8 @@ fn launch_cast(op: &'static str, x: &Tensor, out: &Tensor, first: usize) -> Resu
     let (from, to) = (x.dtype(), out.dtype());
     let variant = format!("{from:?}_to_{to:?}");
     let source = || source(from, to);
-    let sixteen_bit: Vec<u32> = [(1, from), (2, to)]
-        .into_iter()
-        .filter(|(_, dtype)| dtype.is_16_bit())
-        .map(|(binding, _)| binding)
-        .collect();
-    let kernel = Kernel::specialised(&CAST, "convert", &variant, &source).with_16_bit(&sixteen_bit);
+    let kernel =
+        Kernel::specialised(&CAST, "convert", &variant, &source).with_dtypes(&[(1, from), (2, to)]);
     // One invocation per destination word: two elements of a 16-bit destination.
     let words = match to.size() {
         2 => (first + n).div_ceil(2) - first / 2,

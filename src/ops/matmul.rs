@@ -820,13 +820,8 @@ fn launch_product(
 ) -> Result<()> {
     let variant = format!("{spec:?}");
     let specialised = || source(spec);
-    let sixteen_bit: Vec<u32> = [(1, spec.a_dtype), (2, spec.b_dtype), (3, spec.out_dtype)]
-        .into_iter()
-        .filter(|(_, dtype)| dtype.is_16_bit())
-        .map(|(binding, _)| binding)
-        .collect();
-    let kernel =
-        Kernel::specialised(&MATMUL, entry, &variant, &specialised).with_16_bit(&sixteen_bit);
+    let dtypes = [(1, spec.a_dtype), (2, spec.b_dtype), (3, spec.out_dtype)];
+    let kernel = Kernel::specialised(&MATMUL, entry, &variant, &specialised).with_dtypes(&dtypes);
     let bound = [(1, a), (2, b), (3, out)];
     if spec.out_dtype.is_16_bit() {
         // The fuser's epilogues store F32: a 16-bit product runs as it is.

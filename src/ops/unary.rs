@@ -330,13 +330,8 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
         // Read or written as 16-bit elements: a module of its own, which a captured step
         // runs as it is (the fuser's elementwise kernels read and write 32-bit elements).
         let variant = format!("{name}_{src:?}_to_{dst:?}");
-        let sixteen_bit: Vec<u32> = [(1, src), (2, dst)]
-            .into_iter()
-            .filter(|(_, dtype)| dtype.is_16_bit())
-            .map(|(binding, _)| binding)
-            .collect();
-        let kernel =
-            Kernel::specialised(&UNARY, entry, &variant, &source).with_16_bit(&sixteen_bit);
+        let kernel = Kernel::specialised(&UNARY, entry, &variant, &source)
+            .with_dtypes(&[(1, src), (2, dst)]);
         let bound = [(1, x), (2, out)];
         return launch_at(name, &kernel, &bound, &params, groups(n, per_group));
     }
