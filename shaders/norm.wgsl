@@ -14,19 +14,22 @@ const ALIGNED: bool = NORM_ALIGNED;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> weight: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> bias: array<vec4<f32>>;
-// forward: the output. backward: the input grad. Both written a vec4 per four features
-// where ALIGNED (software adapters pay per store, as per load).
+// forward: the output. backward: the input grad. Both written through `store_group` (a vec4
+// per four features where ALIGNED: software adapters pay per store, as per load), so that a
+// captured step can run the elementwise ops consuming either in the stores.
 @group(0) @binding(4) var<storage, read_write> out: array<vec4<f32>>;
 // [rows, 2]: mean (0 for RMSNorm) and 1 / sqrt(var + eps) of each row (written forward,
 // read backward); RMSNorm's "var" is the mean square.
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
 // backward: the out grad.
 @group(0) @binding(6) var<storage, read> grad: array<vec4<f32>>;
-// backward: grad * xhat per element, summed over rows by the host into the weight grad.
-@group(0) @binding(7) var<storage, read_write> grad_xhat: array<vec4<f32>>;
+// weight_grads: [chunks, 4 * groups] partial column sums over WEIGHT_GRAD_ROWS rows each, of
+// grad * xhat (the weight grad's) and of grad (the bias grad's); the host sums the chunks.
+@group(0) @binding(7) var<storage, read_write> weight_partials: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read_write> bias_partials: array<vec4<f32>>;
 
 // EPILOGUE SECTION BEGIN
-// How the forward stores out[o..o+4] (o a multiple of 4) and out[o]. A captured step's fuser
+// How the forward and the backward store out[o..o+4] (o a multiple of 4) and out[o]. A captured step's fuser
 // replaces this section with stores that first run the elementwise ops consuming the output
 // (an activation, a residual add), so that they cost no pass of their own
 // (src/capture/fuse.rs).
@@ -89,6 +92,25 @@ fn lanes(c: u32, len: u32) -> u32 {
         return 4u;
     }
     return min(4u, len - 4u * c);
+}
+
+// Stores elements 4c..4c+4 of a row (those inside it) at out[o..]: one vec4 where ALIGNED.
+fn store_group(o: u32, v: vec4<f32>, c: u32, len: u32) {
+    if (ALIGNED) {
+        store4(o, v);
+        return;
+    }
+    let n = lanes(c, len);
+    store1(o, v.x);
+    if (n > 1u) {
+        store1(o + 1u, v.y);
+    }
+    if (n > 2u) {
+        store1(o + 2u, v.z);
+    }
+    if (n > 3u) {
+        store1(o + 3u, v.w);
+    }
 }
 
 fn sum4(v: vec4<f32>) -> f32 {
@@ -157,30 +179,14 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
             b = bias4(b_at + 4u * c, b_at + len);
         }
         let y = (x4(base + 4u * c, end) - mean) * rstd * w + b;
-        let o = row * len + 4u * c;
-        if (ALIGNED) {
-            store4(o, y);
-            continue;
-        }
-        let n = lanes(c, len);
-        store1(o, y.x);
-        if (n > 1u) {
-            store1(o + 1u, y.y);
-        }
-        if (n > 2u) {
-            store1(o + 2u, y.z);
-        }
-        if (n > 3u) {
-            store1(o + 3u, y.w);
-        }
+        store_group(row * len + 4u * c, y, c, len);
     }
     stats[2u * row] = mean;
     stats[2u * row + 1u] = rstd;
 }
 
 // dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) with gw = grad * weight and
-// xhat = (x - mean) * rstd (RMSNorm: no mean(gw) term, mean 0); also grad * xhat, for the
-// weight grad.
+// xhat = (x - mean) * rstd (RMSNorm: no mean(gw) term, mean 0).
 @compute @workgroup_size(64)
 fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -200,27 +206,9 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     for (var c = 0u; c < groups; c = c + 1u) {
         // Zero past the row's end: grad and weight read as 0 there.
         let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
-        let g = grad4(g_base + 4u * c, g_base + len);
-        let gw = g * weight4(w_at + 4u * c, w_at + len);
+        let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
         sum_gw = sum_gw + gw;
         sum_gw_xhat = sum_gw_xhat + gw * xhat;
-        let gx = g * xhat;
-        let o = row * len + 4u * c;
-        if (ALIGNED) {
-            grad_xhat[o / 4u] = gx;
-            continue;
-        }
-        let n = lanes(c, len);
-        grad_xhat[o / 4u][o % 4u] = gx.x;
-        if (n > 1u) {
-            grad_xhat[(o + 1u) / 4u][(o + 1u) % 4u] = gx.y;
-        }
-        if (n > 2u) {
-            grad_xhat[(o + 2u) / 4u][(o + 2u) % 4u] = gx.z;
-        }
-        if (n > 3u) {
-            grad_xhat[(o + 3u) / 4u][(o + 3u) % 4u] = gx.w;
-        }
     }
     let mean_gw = select(0.0, sum4(sum_gw) / f32(len), pu(NORM_CENTER) == 1u);
     let mean_gw_xhat = sum4(sum_gw_xhat) / f32(len);
@@ -228,21 +216,42 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
         let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
         let dx = rstd * (gw - mean_gw - xhat * mean_gw_xhat);
-        let o = row * len + 4u * c;
-        if (ALIGNED) {
-            out[o / 4u] = dx;
-            continue;
-        }
-        let n = lanes(c, len);
-        out[o / 4u][o % 4u] = dx.x;
-        if (n > 1u) {
-            out[(o + 1u) / 4u][(o + 1u) % 4u] = dx.y;
-        }
-        if (n > 2u) {
-            out[(o + 2u) / 4u][(o + 2u) % 4u] = dx.z;
-        }
-        if (n > 3u) {
-            out[(o + 3u) / 4u][(o + 3u) % 4u] = dx.w;
-        }
+        store_group(row * len + 4u * c, dx, c, len);
     }
+}
+
+// The weight and bias grads' partial sums: invocation i sums features 4c..4c+4
+// (c = i % groups) over the WEIGHT_GRAD_ROWS rows of chunk i / groups, recomputing xhat from x
+// and the row's stats, so that no [rows, len] tensor of grad * xhat is ever stored. Neighbour
+// invocations read neighbour features of one row (coalesced on a GPU).
+const WEIGHT_GRAD_ROWS: u32 = 64u;
+
+@compute @workgroup_size(64)
+fn weight_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 64u + lid;
+    let rows = pu(NORM_ROWS);
+    let len = pu(NORM_LEN);
+    let groups = (len + 3u) / 4u;
+    let chunks = (rows + WEIGHT_GRAD_ROWS - 1u) / WEIGHT_GRAD_ROWS;
+    if (i >= chunks * groups) {
+        return;
+    }
+    let c = i % groups;
+    let chunk = i / groups;
+    let first = chunk * WEIGHT_GRAD_ROWS;
+    let count = min(WEIGHT_GRAD_ROWS, rows - first);
+    var sum_g_xhat = vec4<f32>(0.0);
+    var sum_g = vec4<f32>(0.0);
+    for (var r = 0u; r < count; r = r + 1u) {
+        let row = first + r;
+        let at = pu(NORM_X_OFFSET) + row * len + 4u * c;
+        let g_at = pu(NORM_GRAD_OFFSET) + row * len + 4u * c;
+        let xhat = (x4(at, at - 4u * c + len) - stats[2u * row]) * stats[2u * row + 1u];
+        let g = grad4(g_at, g_at - 4u * c + len);
+        sum_g_xhat = sum_g_xhat + g * xhat;
+        sum_g = sum_g + g;
+    }
+    weight_partials[chunk * groups + c] = sum_g_xhat;
+    bias_partials[chunk * groups + c] = sum_g;
 }

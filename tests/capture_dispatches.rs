@@ -32,10 +32,12 @@ fn labels(n: usize, classes: u32) -> Tensor {
     Tensor::from_labels((0..n as u32).map(|i| i % classes).collect(), device()).unwrap()
 }
 
-/// The counts (MLP, CNN, GPT) when this test was written (session 13): on lavapipe (22.3 and
-/// 25.0.7 alike) and on llvmpipe through GL, whose kernels differ (no subgroups).
-const VULKAN_SOFTWARE: [u64; 3] = [17, 41, 141];
-const GL_SOFTWARE: [u64; 3] = [18, 40, 146];
+/// The counts (MLP, CNN, GPT) on lavapipe (22.3 and 25.0.7 alike) and on llvmpipe through GL,
+/// whose kernels differ (no subgroups). Written at 17, 41, 141 and 18, 40, 146 (session 13);
+/// the GPT's went down by 5 when LayerNorm's backward took the residual grad's add into its
+/// stores (session 17).
+const VULKAN_SOFTWARE: [u64; 3] = [17, 41, 136];
+const GL_SOFTWARE: [u64; 3] = [18, 40, 141];
 
 #[test]
 fn dispatches_per_replay_do_not_grow() {

@@ -317,6 +317,28 @@ fn the_ops_after_a_layer_norm_run_in_its_stores() {
 }
 
 #[test]
+fn a_layer_norm_backward_adds_the_residual_grad_in_its_stores() {
+    // x feeds a LayerNorm and, as a residual stream does, the loss directly: its grad is the
+    // LayerNorm's input grad plus the direct one, added in the backward kernel's stores.
+    let (x, _) = random_tensor(&[70, 12], 41);
+    let (weight, _) = random_tensor(&[12], 42);
+    let (bias, _) = random_tensor(&[12], 43);
+    let (c, _) = random_tensor(&[70, 12], 44);
+    let (d, _) = random_tensor(&[70, 12], 45);
+    let grads = |t: &[Tensor]| -> Result<Tensor> {
+        let x = t[0].detach().requires_grad_(true);
+        let y = x.layer_norm(&t[1], &t[2], 1e-5)?.mul(&t[3])?;
+        let loss = y.add(&x.mul(&t[4])?)?.sum()?;
+        let dx = wgrad::autograd::grad(&[loss], &[x], None, false)?;
+        Ok(dx[0].clone().expect("x is used"))
+    };
+    let (want, got, stats) = eager_and_replayed(&[x, weight, bias, c, d], grads);
+    assert_close(&want, &got, "the grad of x");
+    // 11 with the add in a launch of its own.
+    assert_eq!(stats.replay_dispatches, 10, "{stats:?}");
+}
+
+#[test]
 fn consecutive_reductions_run_as_one_launch() {
     let (a, _) = random_tensor(&[64, 16], 31);
     let (b, _) = random_tensor(&[64, 16], 32);

@@ -4,9 +4,11 @@
 //! moments and the residual stream stay f32, as under torch.autocast.
 //!
 //! Issue 26 asks for at most 0.65x at gpt.rs's defaults and batch 32 (its Shakespeare
-//! vocabulary of 84 rows); measured 0.655x (54.95 against 83.90 MB): the peak is LayerNorm's
-//! backward at the top of the step, whose F32 grads an f32 step has too. This test holds the
-//! line at 0.66x. Each step runs on a device of its own, so the peak is that step's alone.
+//! vocabulary of 84 rows); measured 0.645x (53.62 against 83.11 MB). The peak is the last
+//! block's MLP backward, where the saved 16-bit activations of all four blocks are still held
+//! beside the F32 residual stream, the F32 parameters, their grads and AdamW's moments (as
+//! under torch.autocast). Each step runs on a device of its own, so the peak is that step's
+//! alone.
 
 use wgrad::nn::{self, Module};
 use wgrad::optim::{AdamConfig, AdamW, GradScaler, Optimizer};
@@ -98,13 +100,13 @@ fn step_peak(dtype: Option<DType>) -> u64 {
 }
 
 #[test]
-fn a_gpt_step_under_f16_autocast_peaks_at_most_0_66_of_the_f32_step() {
+fn a_gpt_step_under_f16_autocast_peaks_at_most_0_65_of_the_f32_step() {
     let f32_peak = step_peak(None);
     let f16_peak = step_peak(Some(DType::F16));
     let ratio = f16_peak as f64 / f32_peak as f64;
     eprintln!("peak live bytes: f32 {f32_peak}, f16 autocast {f16_peak} ({ratio:.3}x)");
     assert!(
-        ratio <= 0.66,
+        ratio <= 0.65,
         "f16 autocast peaks at {f16_peak} bytes, {ratio:.3}x the f32 step's {f32_peak}"
     );
 }

@@ -231,6 +231,55 @@ fn layer_norm_reference(x: &[f32], len: usize, w: &[f32], b: &[f32]) -> Vec<f64>
         .collect()
 }
 
+/// The weight and bias grads of a norm over `rows` of `len` with upstream grad `g`, on the
+/// host: column sums of `g * xhat` and of `g` (`center` false: RMSNorm, no mean).
+fn norm_param_grads(x: &[f32], g: &[f32], len: usize, center: bool) -> (Vec<f64>, Vec<f64>) {
+    let (mut gw, mut gb) = (vec![0.0f64; len], vec![0.0f64; len]);
+    for (row, g_row) in x.chunks(len).zip(g.chunks(len)) {
+        let mean = match center {
+            true => row.iter().map(|&v| v as f64).sum::<f64>() / len as f64,
+            false => 0.0,
+        };
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / len as f64;
+        for j in 0..len {
+            let xhat = (row[j] as f64 - mean) / (var + 1e-5).sqrt();
+            gw[j] += g_row[j] as f64 * xhat;
+            gb[j] += g_row[j] as f64;
+        }
+    }
+    (gw, gb)
+}
+
+/// The weight and bias grads are summed over chunks of 64 rows and then over the chunks: many
+/// chunks, a last partial one, rows of odd length, and more rows than one loop may count.
+#[test]
+fn norm_weight_and_bias_grads_sum_over_every_row() {
+    let _s = serial();
+    for (rows, len) in [(1, 8), (64, 8), (200, 7), (130, 12), (70_001, 3)] {
+        let (x, xs) = random_tensor(&[rows, len], 21);
+        let (g, gs) = random_tensor(&[rows, len], 22);
+        let w = Tensor::ones(&[len], device()).unwrap().requires_grad_(true);
+        let b = Tensor::zeros(&[len], device())
+            .unwrap()
+            .requires_grad_(true);
+        let loss = |y: Tensor| y.mul(&g).unwrap().sum().unwrap();
+        loss(x.layer_norm(&w, &b, 1e-5).unwrap())
+            .backward()
+            .unwrap();
+        let (want_w, want_b) = norm_param_grads(&xs, &gs, len, true);
+        let what = format!("layer_norm [{rows}, {len}]");
+        let tol = 1e-5 * (rows as f64).sqrt();
+        assert_close(&w.grad().unwrap().to_vec().unwrap(), &want_w, tol, &what);
+        assert_close(&b.grad().unwrap().to_vec().unwrap(), &want_b, tol, &what);
+
+        let w = Tensor::ones(&[len], device()).unwrap().requires_grad_(true);
+        loss(x.rms_norm(&w, 1e-5).unwrap()).backward().unwrap();
+        let (want_w, _) = norm_param_grads(&xs, &gs, len, false);
+        let what = format!("rms_norm [{rows}, {len}]");
+        assert_close(&w.grad().unwrap().to_vec().unwrap(), &want_w, tol, &what);
+    }
+}
+
 #[test]
 fn layer_norm_reads_rows_whole_or_element_by_element_alike() {
     let _s = serial();

@@ -7,12 +7,16 @@ use std::collections::HashMap;
 /// wgpu does not bind zero-sized buffers.
 const MIN_BYTES: u64 = 256;
 
-/// The size class a request of `bytes` is rounded up to: powers of two up to 1 MiB, then four
-/// classes per octave (so at most 25% of a large buffer is slack).
+/// Largest size class that is a power of two; above it there are four classes per octave.
+const LAST_POW2_CLASS: u64 = 64 << 10;
+
+/// The size class a request of `bytes` is rounded up to: powers of two up to 64 KiB, then four
+/// classes per octave (so at most 25% of a buffer past 64 KiB is slack: a [384, 128] f16
+/// weight takes 96 KiB, not 128).
 pub(crate) fn size_class(bytes: u64) -> u64 {
     let bytes = bytes.max(MIN_BYTES);
     let pow2 = bytes.next_power_of_two();
-    if pow2 <= 1 << 20 {
+    if pow2 <= LAST_POW2_CLASS {
         return pow2;
     }
     let quarter = pow2 / 8; // classes at 4/8, 5/8, 6/8, 7/8 and 8/8 of pow2
@@ -78,9 +82,12 @@ mod tests {
         assert_eq!(size_class(0), 256);
         assert_eq!(size_class(4), 256);
         assert_eq!(size_class(257), 512);
+        assert_eq!(size_class(1 << 16), 1 << 16);
+        assert_eq!(size_class((1 << 16) + 1), (1 << 17) / 8 * 5);
+        assert_eq!(size_class(96 << 10), 96 << 10);
         assert_eq!(size_class(1 << 20), 1 << 20);
         assert_eq!(size_class((1 << 20) + 1), (1 << 21) / 8 * 5);
-        for bytes in [3_000_000u64, 64 << 20, (64 << 20) + 4] {
+        for bytes in [70_000u64, 700_000, 3_000_000, 64 << 20, (64 << 20) + 4] {
             let class = size_class(bytes);
             assert!(
                 class >= bytes && class <= bytes + bytes / 4 + 256,

@@ -63,6 +63,9 @@ const FUSED_MAX_LEN: usize = MAX_LOOP_LEN;
 
 const NORM_WORKGROUP: usize = 64;
 
+/// Rows each invocation of the weight-grad kernel sums (`WEIGHT_GRAD_ROWS` in norm.wgsl).
+const WEIGHT_GRAD_ROWS: usize = 64;
+
 /// Which normalisation a row kernel runs.
 #[derive(Clone, Copy)]
 enum Norm {
@@ -342,7 +345,6 @@ fn fused_norm(
         && [&x, &weight_c, &bias_c]
             .iter()
             .all(|t| t.layout().offset % 4 == 0);
-    let source = move || norm_source(aligned);
     if rows > 0 && len > 0 {
         let bound = [
             (1, &x),
@@ -351,51 +353,99 @@ fn fused_norm(
             (4, &out),
             (5, &stats),
         ];
-        let kernel = Kernel::specialised(&NORM, "forward", norm_variant(aligned), &source);
-        let site = || {
-            Fusion::Epilogue(EpilogueSite {
-                entry: "forward",
-                output: 4,
-                numel: rows * len,
-                vec4_output: true,
-            })
-        };
-        let workgroups = groups(rows, NORM_WORKGROUP);
-        launch_fusible(op, &kernel, &bound, &params, workgroups, site)?;
+        launch_rows(op, "forward", aligned, &bound, &params, rows, len)?;
     }
     let inputs: Vec<&Tensor> = [input, weight].into_iter().chain(bias).collect();
     Ok(record(op, out, &inputs, |_| {
         let (x, weight_c) = (x.detach(), weight_c.detach());
         move |g: &Tensor| {
             let g = g.contiguous()?;
-            let dev = g.device();
-            let grad_x = Tensor::empty(op, x.shape(), DType::F32, dev)?;
-            let grad_xhat = Tensor::empty(op, &[rows, len], DType::F32, dev)?;
             let aligned = aligned && g.layout().offset % 4 == 0;
-            let source = || norm_source(aligned);
+            let params = NormParams {
+                grad_offset: g.layout().offset as u32,
+                ..params
+            };
+            // The parameters' grads first, so that the input grad's launch is the last to
+            // touch the row statistics, right before its consumer (see `launch_rows`).
+            let (grad_weight, grad_bias) = param_grads(op, &x, &stats, &g, &params, aligned)?;
+            let grad_x = Tensor::empty(op, x.shape(), DType::F32, g.device())?;
             if rows > 0 && len > 0 {
-                let params = NormParams {
-                    grad_offset: g.layout().offset as u32,
-                    ..params
-                };
-                let bound = [
-                    (1, &x),
-                    (2, &weight_c),
-                    (4, &grad_x),
-                    (5, &stats),
-                    (6, &g),
-                    (7, &grad_xhat),
-                ];
-                let variant = norm_variant(aligned);
-                let kernel = Kernel::specialised(&NORM, "backward", variant, &source);
-                launch_at(op, &kernel, &bound, &params, groups(rows, NORM_WORKGROUP))?;
+                let bound = [(1, &x), (2, &weight_c), (4, &grad_x), (5, &stats), (6, &g)];
+                launch_rows(op, "backward", aligned, &bound, &params, rows, len)?;
             }
-            let grad_weight = grad_xhat.sum_dims(&[0], false)?;
             let mut grads = vec![Some(grad_x), Some(grad_weight)];
-            if matches!(norm, Norm::Layer) {
-                grads.push(Some(g.reshape(&[rows, len])?.sum_dims(&[0], false)?));
-            }
+            grads.extend(grad_bias.map(Some));
             Ok(grads)
         }
     }))
+}
+
+/// Launches `entry` of the row kernels (forward or backward: an invocation per row, writing
+/// binding 4 through the EPILOGUE SECTION's stores), which a captured step may give the
+/// elementwise ops that consume its output: an activation after the forward, the residual
+/// stream's other grad added to the backward's.
+fn launch_rows(
+    op: &'static str,
+    entry: &'static str,
+    aligned: bool,
+    bound: &[(u32, &Tensor)],
+    params: &NormParams,
+    rows: usize,
+    len: usize,
+) -> Result<()> {
+    let source = move || norm_source(aligned);
+    let kernel = Kernel::specialised(&NORM, entry, norm_variant(aligned), &source);
+    let site = || {
+        Fusion::Epilogue(EpilogueSite {
+            entry,
+            output: 4,
+            numel: rows * len,
+            vec4_output: true,
+        })
+    };
+    launch_fusible(op, &kernel, bound, params, groups(rows, NORM_WORKGROUP), site)
+}
+
+/// The weight's and (LayerNorm's) the bias's grads: column sums of `g * xhat` and of `g` over the rows.
+/// One launch sums each chunk of `WEIGHT_GRAD_ROWS` rows (recomputing `xhat` from `x` and the
+/// row statistics, so no `[rows, len]` tensor of `g * xhat` is stored: at the top of a
+/// backward pass that would be the peak), then a reduction sums the chunks.
+fn param_grads(
+    op: &'static str,
+    x: &Tensor,
+    stats: &Tensor,
+    g: &Tensor,
+    params: &NormParams,
+    aligned: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (rows, len) = (params.rows as usize, params.len as usize);
+    let (chunks, width) = (rows.div_ceil(WEIGHT_GRAD_ROWS), len.div_ceil(4) * 4);
+    let weight_partials = Tensor::empty(op, &[chunks, width], DType::F32, g.device())?;
+    let bias_partials = Tensor::empty(op, &[chunks, width], DType::F32, g.device())?;
+    if rows > 0 && len > 0 {
+        let bound = [
+            (1, x),
+            (5, stats),
+            (6, g),
+            (7, &weight_partials),
+            (8, &bias_partials),
+        ];
+        let source = move || norm_source(aligned);
+        let kernel = Kernel::specialised(&NORM, "weight_grads", norm_variant(aligned), &source);
+        let workgroups = groups(chunks * width / 4, NORM_WORKGROUP);
+        launch_at(op, &kernel, &bound, params, workgroups)?;
+    }
+    // One chunk of whole fours holds the sums already.
+    let column_sums = |partials: Tensor| {
+        if chunks == 1 && width == len {
+            partials.reshape(&[len])
+        } else {
+            partials.narrow(1, 0, len)?.sum_dims(&[0], false)
+        }
+    };
+    let grad_bias = match params.center {
+        1 => Some(column_sums(bias_partials)?),
+        _ => None, // RMSNorm has no bias
+    };
+    Ok((column_sums(weight_partials)?, grad_bias))
 }
