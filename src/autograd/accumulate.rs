@@ -3,12 +3,11 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
-    CONTIGUOUS_PER_GROUP, WORKGROUP,
+    groups, launch_at, launch_fusible, strided_dims, windows, Elementwise, Fusion, Kernel,
+    KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::copy::copy_into;
 use crate::ops::too_large_view;
-use crate::tensor::tape::{Elementwise, Fusion};
 use crate::tensor::{DType, Storage, Tensor};
 
 crate::kernel_params! {

@@ -26,11 +26,14 @@ use std::fmt::Write;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use crate::capture::plan::{Command, Draft, Epilogue, FuseAs, Fusible, Launch};
+use crate::capture::plan::{Command, Draft, Launch};
 use crate::device::{declared_bindings, Device, PipelineSource, GENERATED};
-use crate::kernel::{groups, COMMON_WGSL, CONTIGUOUS_PER_GROUP, MAX_SLOTS};
+use crate::kernel::{
+    groups, Elementwise, EpilogueSite, Fusion, MergeSite, COMMON_WGSL, CONTIGUOUS_PER_GROUP,
+    MAX_SLOTS,
+};
 use crate::tensor::layout::row_major_strides;
-use crate::tensor::tape::{HostBytes, MergeSite};
+use crate::tensor::tape::HostBytes;
 use crate::tensor::Layout;
 
 /// The most launches one fused kernel takes in.
@@ -134,7 +137,7 @@ fn rename(command: &mut Command, from: usize, to: usize) {
     match command {
         Command::Launch(l) => {
             l.bindings.iter_mut().for_each(|(_, v)| swap(v));
-            if let FuseAs::Elementwise(f) = &mut l.fuse_as {
+            if let Some(Fusion::Elementwise(f)) = &mut l.fuse_as {
                 f.operands.iter_mut().for_each(|(v, _)| swap(v));
                 swap(&mut f.output);
             }
@@ -171,7 +174,8 @@ pub(crate) fn fuse(draft: &mut Draft, device: &Device) -> usize {
         let Some((group, outputs)) = fit(group, draft, &users, max_buffers, None, 2) else {
             continue;
         };
-        let launches: Vec<&Fusible> = group.members.iter().map(|&u| member(draft, u)).collect();
+        let launches: Vec<&Elementwise<usize>> =
+            group.members.iter().map(|&u| member(draft, u)).collect();
         let Some(launch) = fused_launch(&launches, &outputs, &group.shape, device) else {
             continue;
         };
@@ -202,7 +206,7 @@ fn elementwise_runs(
     for (at, command) in draft.commands.iter().enumerate() {
         let fusible = match command {
             Command::Launch(Launch {
-                fuse_as: FuseAs::Elementwise(f),
+                fuse_as: Some(Fusion::Elementwise(f)),
                 ..
             }) => Some(f),
             _ => None,
@@ -263,7 +267,7 @@ fn fit(
             .iter()
             .flat_map(|&at| match &draft.commands[at] {
                 Command::Launch(Launch {
-                    fuse_as: FuseAs::Elementwise(f),
+                    fuse_as: Some(Fusion::Elementwise(f)),
                     ..
                 }) => f.operands.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
                 _ => Vec::new(),
@@ -282,7 +286,7 @@ fn fit(
 fn joins(
     group: &Group,
     at: usize,
-    f: &Fusible,
+    f: &Elementwise<usize>,
     max_buffers: usize,
     draft: &Draft,
     users: &HashMap<usize, Vec<usize>>,
@@ -311,7 +315,7 @@ fn joins(
         }
         match &draft.commands[u] {
             Command::Launch(Launch {
-                fuse_as: FuseAs::Elementwise(g),
+                fuse_as: Some(Fusion::Elementwise(g)),
                 ..
             }) => u < at || g.shape != *shape,
             _ => true,
@@ -326,7 +330,7 @@ fn joins(
     group.read.len() + new_reads + written <= max_buffers
 }
 
-fn add(group: &mut Group, at: usize, f: &Fusible) {
+fn add(group: &mut Group, at: usize, f: &Elementwise<usize>) {
     group.members.push(at);
     for (v, _) in &f.operands {
         if !group.produced.contains(v) {
@@ -390,7 +394,7 @@ fn strided_index(layout: &Layout) -> String {
 /// The generated kernel for `launches` (in order), writing `outputs`, or `None` when naga
 /// rejects it (the members then run unfused).
 fn fused_launch(
-    launches: &[&Fusible],
+    launches: &[&Elementwise<usize>],
     outputs: &[usize],
     shape: &[usize],
     device: &Device,
@@ -410,7 +414,7 @@ fn fused_launch(
     );
     Some(Launch {
         op: "fused elementwise",
-        fuse_as: FuseAs::Nothing,
+        fuse_as: None,
         pipeline,
         bindings,
         params: bytemuck::bytes_of(&(n as u32)).to_vec(),
@@ -484,7 +488,11 @@ impl ElementFn {
 
 /// The element function for `launches` (in order) writing `outputs`, where `in_register`
 /// is the value `element` takes as `m` instead of loading it.
-fn element_fn(launches: &[&Fusible], outputs: &[usize], in_register: Option<usize>) -> ElementFn {
+fn element_fn(
+    launches: &[&Elementwise<usize>],
+    outputs: &[usize],
+    in_register: Option<usize>,
+) -> ElementFn {
     let produced: Vec<usize> = launches.iter().map(|f| f.output).collect();
     let mut inputs: Vec<usize> = Vec::new();
     let mut loads: Vec<(usize, Access)> = Vec::new();
@@ -552,7 +560,7 @@ fn element_fn(launches: &[&Fusible], outputs: &[usize], in_register: Option<usiz
 /// The WGSL module of the kernel that runs `launches` (in order) and writes `outputs`, and
 /// the value each of its bindings takes; `None` when it would write nothing.
 fn fused_source(
-    launches: &[&Fusible],
+    launches: &[&Elementwise<usize>],
     outputs: &[usize],
     shape: &[usize],
 ) -> Option<(String, Vec<(u32, usize)>)> {
@@ -633,8 +641,8 @@ const EPILOGUE_END: &str = "// EPILOGUE SECTION END";
 /// `None` when it would write nothing or the source has no epilogue section.
 fn epilogue_source(
     source: &str,
-    site: &Epilogue,
-    launches: &[&Fusible],
+    site: &EpilogueSite<usize>,
+    launches: &[&Elementwise<usize>],
     outputs: &[usize],
     transposed: Option<(usize, usize)>,
 ) -> Option<(String, Vec<(u32, usize)>)> {
@@ -690,7 +698,7 @@ fn out_name(k: usize) -> String {
 fn epilogue_store1(
     element: &ElementFn,
     outputs: usize,
-    site: &Epilogue,
+    site: &EpilogueSite<usize>,
     transposed: Option<(usize, usize)>,
 ) -> String {
     let mut src = String::from("fn store1(o: u32, v: f32) {\n");
@@ -723,7 +731,7 @@ fn epilogue_store1(
 fn epilogue_store4(
     element: &ElementFn,
     outputs: usize,
-    site: &Epilogue,
+    site: &EpilogueSite<usize>,
     transposed: Option<(usize, usize)>,
 ) -> String {
     if !site.vec4_output {
@@ -752,10 +760,10 @@ fn epilogue_store4(
 }
 
 /// The elementwise description of member `at`.
-fn member(draft: &Draft, at: usize) -> &Fusible {
+fn member(draft: &Draft, at: usize) -> &Elementwise<usize> {
     match &draft.commands[at] {
         Command::Launch(Launch {
-            fuse_as: FuseAs::Elementwise(f),
+            fuse_as: Some(Fusion::Elementwise(f)),
             ..
         }) => f,
         _ => unreachable!("members are fusible launches"),
@@ -764,12 +772,15 @@ fn member(draft: &Draft, at: usize) -> &Fusible {
 
 /// The launch with an epilogue site that makes a value the group's first member reads: its
 /// index, the launch and the site.
-fn producer_of<'a>(group: &Group, draft: &'a Draft) -> Option<(usize, &'a Launch, &'a Epilogue)> {
+fn producer_of<'a>(
+    group: &Group,
+    draft: &'a Draft,
+) -> Option<(usize, &'a Launch, &'a EpilogueSite<usize>)> {
     let first = group.members[0];
     member(draft, first).operands.iter().find_map(|(v, _)| {
         (0..first).rev().find_map(|u| match &draft.commands[u] {
             Command::Launch(l) => match &l.fuse_as {
-                FuseAs::Epilogue(site) if site.output == *v => Some((u, l, site)),
+                Some(Fusion::Epilogue(site)) if site.output == *v => Some((u, l, site)),
                 _ => None,
             },
             _ => None,
@@ -860,7 +871,8 @@ fn epilogue(
     if moved_past {
         return None;
     }
-    let launches: Vec<&Fusible> = group.members.iter().map(|&u| member(draft, u)).collect();
+    let launches: Vec<&Elementwise<usize>> =
+        group.members.iter().map(|&u| member(draft, u)).collect();
     let fused = epilogue_launch(producer, site, &launches, &outputs, transposed, device)?;
     Some((at, group.members, fused))
 }
@@ -870,8 +882,8 @@ fn epilogue(
 /// validate (the group then stays unfused).
 fn epilogue_launch(
     producer: &Launch,
-    site: &Epilogue,
-    launches: &[&Fusible],
+    site: &EpilogueSite<usize>,
+    launches: &[&Elementwise<usize>],
     outputs: &[usize],
     transposed: Option<(usize, usize)>,
     device: &Device,
@@ -902,7 +914,7 @@ fn epilogue_launch(
     bindings.extend(extra);
     Some(Launch {
         op: producer.op,
-        fuse_as: FuseAs::Nothing,
+        fuse_as: None,
         pipeline,
         bindings,
         params: producer.params.clone(),
@@ -973,7 +985,7 @@ pub(crate) fn merge_parts(draft: &mut Draft, device: &Device) -> usize {
     let mut run: Vec<Launch> = Vec::new();
     for command in std::mem::take(&mut draft.commands) {
         match command {
-            Command::Launch(l) if matches!(l.fuse_as, FuseAs::Merge(_)) => {
+            Command::Launch(l) if matches!(l.fuse_as, Some(Fusion::Merge(_))) => {
                 if run
                     .first()
                     .is_some_and(|r| !Arc::ptr_eq(&r.pipeline, &l.pipeline))
@@ -1030,7 +1042,7 @@ fn merged_run(run: Vec<Launch>, max_buffers: usize, device: &Device) -> Vec<Comm
 
 fn merge_site(launch: &Launch) -> &MergeSite {
     match &launch.fuse_as {
-        FuseAs::Merge(site) => site,
+        Some(Fusion::Merge(site)) => site,
         _ => unreachable!("runs hold mergeable launches"),
     }
 }
@@ -1096,7 +1108,7 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
     let pipeline = generated_pipeline(device, "merged", "main", &src);
     vec![Command::Launch(Launch {
         op: run[0].op,
-        fuse_as: FuseAs::Nothing,
+        fuse_as: None,
         pipeline,
         bindings,
         params,
@@ -1225,7 +1237,7 @@ pub(crate) fn validate(source: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::{fused_source, validate};
-    use crate::capture::plan::Fusible;
+    use crate::kernel::Elementwise;
     use crate::tensor::Layout;
 
     fn op(
@@ -1235,8 +1247,8 @@ mod tests {
         operands: &[(usize, Layout)],
         output: usize,
         shape: &[usize],
-    ) -> Fusible {
-        Fusible {
+    ) -> Elementwise<usize> {
+        Elementwise {
             params,
             expr: expr.into(),
             scalars: scalars.to_vec(),
@@ -1295,7 +1307,7 @@ mod tests {
                     &shape,
                 ),
             ];
-            let refs: Vec<&Fusible> = ops.iter().collect();
+            let refs: Vec<&Elementwise<usize>> = ops.iter().collect();
             let (source, bindings) = fused_source(&refs, &[2, 4], &shape).unwrap();
             validate(&source).unwrap_or_else(|e| panic!("{e}\n{source}"));
             // Two inputs, two outputs (the product is kept, the sum stays in registers).

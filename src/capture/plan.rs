@@ -21,8 +21,9 @@ use std::time::{Duration, Instant};
 use crate::autograd::is_grad_enabled;
 use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
 use crate::error::{Error, Result};
+use crate::kernel::Fusion;
 use crate::tensor::tape::{
-    Fusion, HostBytes, MergeSite, ReplayHook, SlotEvent, Tape, TapeEntry, TapedLaunch, TapedStorage,
+    HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry, TapedLaunch, TapedStorage,
 };
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
@@ -110,38 +111,11 @@ enum Kind {
     Intermediate { bytes: u64 },
 }
 
-/// What an elementwise launch computes (the tape's [`Elementwise`] with its operands and
-/// output named as values), for the fuser.
-pub(crate) struct Fusible {
-    pub params: &'static str,
-    pub expr: String,
-    pub scalars: Vec<f32>,
-    pub operands: Vec<(usize, Layout)>,
-    pub output: usize,
-    pub shape: Vec<usize>,
-}
-
-/// Where a launch can run the elementwise ops that consume its output (the tape's
-/// [`EpilogueSite`](crate::tensor::tape::EpilogueSite) with its output named as a value).
-pub(crate) struct Epilogue {
-    pub entry: &'static str,
-    pub output: usize,
-    pub numel: usize,
-    pub vec4_output: bool,
-}
-
-/// What the fuser may do with a launch (the tape's [`Fusion`] with its values named).
-pub(crate) enum FuseAs {
-    Nothing,
-    Elementwise(Fusible),
-    Epilogue(Epilogue),
-    Merge(MergeSite),
-}
-
 /// One launch of the plan, its bindings naming values.
 pub(crate) struct Launch {
     pub op: &'static str,
-    pub fuse_as: FuseAs,
+    /// What the fuser may do with it, naming values.
+    pub fuse_as: Option<Fusion<usize>>,
     pub pipeline: Arc<CachedPipeline>,
     pub bindings: Vec<(u32, usize)>,
     pub params: Vec<u8>,
@@ -544,26 +518,7 @@ fn launch(l: TapedLaunch, values: &mut Values) -> Launch {
             .map(|&(_, v)| v)
             .expect("a fusible launch binds its operands")
     };
-    let fuse_as = match l.fusion {
-        Some(Fusion::Elementwise(e)) => FuseAs::Elementwise(Fusible {
-            params: e.params,
-            expr: e.expr,
-            scalars: e.scalars,
-            operands: (e.operands.into_iter())
-                .map(|(b, layout)| (value_at(b), layout))
-                .collect(),
-            output: value_at(e.output),
-            shape: e.shape,
-        }),
-        Some(Fusion::Epilogue(site)) => FuseAs::Epilogue(Epilogue {
-            entry: site.entry,
-            output: value_at(site.output),
-            numel: site.numel,
-            vec4_output: site.vec4_output,
-        }),
-        Some(Fusion::Merge(site)) => FuseAs::Merge(site),
-        None => FuseAs::Nothing,
-    };
+    let fuse_as = l.fusion.map(|fusion| fusion.named(value_at));
     Launch {
         op: l.op,
         fuse_as,

@@ -8,6 +8,8 @@
 
 mod params;
 
+pub(crate) use crate::tensor::fusion::{Elementwise, EpilogueSite, Fusion, MergeSite};
+
 pub(crate) use params::{KernelParams, ParamsLayout, MAX_SLOTS};
 
 use std::sync::Arc;
@@ -15,7 +17,7 @@ use std::sync::Arc;
 use crate::device::{BufferSlice, Device, PipelineSource};
 use crate::error::{Error, Result};
 use crate::tensor::layout::merge_dims;
-use crate::tensor::tape::{self, Fusion, HostBytes, MergeSite};
+use crate::tensor::tape::{self, HostBytes};
 use crate::tensor::{DType, Storage, Tensor};
 
 /// Invocations per workgroup of the elementwise kernels.
@@ -233,7 +235,7 @@ pub(crate) fn launch_fusible<P: KernelParams>(
     tensors: &[(u32, &Tensor)],
     params: &P,
     workgroups: u32,
-    describe: impl FnOnce() -> Fusion,
+    describe: impl FnOnce() -> Fusion<u32>,
 ) -> Result<()> {
     launch_with(
         op,
@@ -277,7 +279,7 @@ fn launch_with(
     params: &[u8],
     dynamic_params: Option<HostBytes>,
     workgroups: u32,
-    fusion: Option<Fusion>,
+    fusion: Option<Fusion<u32>>,
 ) -> Result<()> {
     // 16-bit tensors only where the kernel was specialised to read them as such.
     let misbound = tensors

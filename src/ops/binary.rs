@@ -3,8 +3,9 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
-    CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL, WORKGROUP,
+    groups, launch_at, launch_fusible, strided_dims, windows, Elementwise, Fusion, Kernel,
+    KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL,
+    WORKGROUP,
 };
 use crate::ops::cast;
 use crate::ops::too_large_view;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use crate::tensor::creation::{checked_host_numel, from_host_fn, uniform_values};
 use crate::tensor::graph::record;
 use crate::tensor::layout::broadcast_shapes;
-use crate::tensor::tape::{Elementwise, Fusion, HostBytes};
+use crate::tensor::tape::HostBytes;
 use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {

@@ -4,8 +4,8 @@
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    launch_at, launch_fusible, rows_per_window, without_subgroup_section, Kernel, KernelParams,
-    ShaderFamily, MAX_LOOP_LEN, SIXTEEN_BIT_WGSL,
+    launch_at, launch_fusible, rows_per_window, without_subgroup_section, EpilogueSite, Fusion,
+    Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, SIXTEEN_BIT_WGSL,
 };
 use crate::ops::binary::sum_to_shape;
 use crate::ops::cast;
@@ -13,7 +13,6 @@ use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, merge_dims};
-use crate::tensor::tape::{EpilogueSite, Fusion};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {

@@ -5,12 +5,12 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_fusible, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
+    groups, launch_at, launch_fusible, EpilogueSite, Fusion, Kernel, KernelParams, ShaderFamily,
+    MAX_LOOP_LEN,
 };
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
-use crate::tensor::tape::{EpilogueSite, Fusion};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
@@ -403,7 +403,14 @@ fn launch_rows(
             vec4_output: true,
         })
     };
-    launch_fusible(op, &kernel, bound, params, groups(rows, NORM_WORKGROUP), site)
+    launch_fusible(
+        op,
+        &kernel,
+        bound,
+        params,
+        groups(rows, NORM_WORKGROUP),
+        site,
+    )
 }
 
 /// The weight's and (LayerNorm's) the bias's grads: column sums of `g * xhat` and of `g` over the rows.

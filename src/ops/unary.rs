@@ -3,14 +3,14 @@
 
 use crate::error::Result;
 use crate::kernel::{
-    groups, launch_at, launch_fusible, strided_dims, windows, Kernel, KernelParams, ShaderFamily,
-    CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL, WORKGROUP,
+    groups, launch_at, launch_fusible, strided_dims, windows, Elementwise, Fusion, Kernel,
+    KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL,
+    WORKGROUP,
 };
 use crate::ops::binary::{binary, binary_with, BinaryOp};
 use crate::ops::cast;
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
-use crate::tensor::tape::{Elementwise, Fusion};
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {

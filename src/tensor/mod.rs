@@ -3,6 +3,7 @@
 pub(crate) mod creation;
 pub(crate) mod dim;
 mod display;
+pub(crate) mod fusion;
 pub(crate) mod grad_mode;
 pub(crate) mod graph;
 pub(crate) mod layout;

@@ -13,6 +13,7 @@ use std::sync::{Arc, Weak};
 
 use crate::device::{CachedPipeline, Device};
 use crate::error::{Error, Result};
+use crate::tensor::fusion::Fusion;
 use crate::tensor::{Layout, Storage, Tensor, TensorInner};
 
 thread_local! {
@@ -35,57 +36,6 @@ pub(crate) struct TapedStorage {
     pub external: Option<Arc<Storage>>,
 }
 
-/// What an elementwise launch computes, for the fuser: `out[i] = f(operands at i, scalars)`
-/// over a contiguous output, where `f` is a WGSL expression.
-pub(crate) struct Elementwise {
-    /// The expression's parameters, e.g. `"a: f32, b: f32, s: f32"`: one per operand, then
-    /// one per scalar.
-    pub params: &'static str,
-    /// The expression, e.g. `"a * b"`.
-    pub expr: String,
-    /// The scalar arguments.
-    pub scalars: Vec<f32>,
-    /// Each operand's binding and its layout, expanded to the output's shape.
-    pub operands: Vec<(u32, Layout)>,
-    /// The output's binding (a fresh contiguous tensor of `shape`).
-    pub output: u32,
-    pub shape: Vec<usize>,
-}
-
-/// A launch that can run the elementwise ops consuming its output inside its own stores
-/// (matmul, LayerNorm): the fuser replaces the `EPILOGUE SECTION` of its pipeline's module
-/// source.
-pub(crate) struct EpilogueSite {
-    /// The entry point.
-    pub entry: &'static str,
-    /// The output's binding: a fresh dense tensor of `numel` elements, each stored once.
-    pub output: u32,
-    pub numel: usize,
-    /// Whether the module binds the output as vec4s (and stores through `store4` and
-    /// `store1`) rather than as f32s (`store1` only).
-    pub vec4_output: bool,
-}
-
-/// A launch that runs one function of its family's MEMBER SECTION (`part`) over its own
-/// workgroups, which the fuser may merge with the next launches of the same pipeline (an
-/// optimizer's update of each parameter, the reductions of a backward pass) into one launch
-/// that repeats the section per member.
-pub(crate) struct MergeSite {
-    pub part: &'static str,
-    /// The param slots the launch's params take.
-    pub param_slots: usize,
-}
-
-/// What the fuser may do with a launch.
-pub(crate) enum Fusion {
-    /// Merge it with the elementwise launches around it.
-    Elementwise(Elementwise),
-    /// Run the elementwise launches that consume its output in its stores.
-    Epilogue(EpilogueSite),
-    /// Merge it with the next launches of the same pipeline.
-    Merge(MergeSite),
-}
-
 /// One kernel launch as the step made it.
 pub(crate) struct TapedLaunch {
     pub op: &'static str,
@@ -96,8 +46,8 @@ pub(crate) struct TapedLaunch {
     /// Recomputes the params at each replay, for params that change per step.
     pub dynamic_params: Option<HostBytes>,
     pub workgroups: u32,
-    /// Set for launches the fuser may merge.
-    pub fusion: Option<Fusion>,
+    /// Set for launches the fuser may merge, naming buffers by binding.
+    pub fusion: Option<Fusion<u32>>,
 }
 
 /// What a step did to the device, in order.
@@ -254,7 +204,7 @@ pub(crate) fn record_launch(
     params: &[u8],
     dynamic_params: Option<HostBytes>,
     workgroups: u32,
-    fusion: Option<Fusion>,
+    fusion: Option<Fusion<u32>>,
 ) {
     with_tape(|tape| {
         check_device(tape, op, tensors[0].1.device());
