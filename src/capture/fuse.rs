@@ -63,12 +63,7 @@ fn reads_in_place(layout: &Layout, shape: &[usize]) -> bool {
 }
 
 fn launch_values(command: &Command) -> Vec<usize> {
-    match command {
-        Command::Launch(l) => l.bindings.iter().map(|&(_, v)| v).collect(),
-        Command::Upload { target, .. } => vec![*target],
-        Command::Copy(copy) => vec![copy.src.0, copy.dst.0],
-        Command::Hook(_) => Vec::new(),
-    }
+    command.buffers().into_iter().copied().collect()
 }
 
 /// Whether launch `l` may write `value`: bound where its module declares `read_write`.
@@ -82,7 +77,7 @@ fn launch_writes(l: &Launch, value: usize) -> bool {
 fn writes(command: &Command, value: usize) -> bool {
     match command {
         Command::Launch(l) => launch_writes(l, value),
-        Command::Upload { target, .. } => *target == value,
+        Command::Upload(upload) => upload.target == value,
         Command::Copy(copy) => copy.dst.0 == value,
         Command::Hook(_) => false,
     }
@@ -137,12 +132,12 @@ fn rename(command: &mut Command, from: usize, to: usize) {
     match command {
         Command::Launch(l) => {
             l.bindings.iter_mut().for_each(|(_, v)| swap(v));
-            if let Some(Fusion::Elementwise(f)) = &mut l.fuse_as {
+            if let Some(Fusion::Elementwise(f)) = &mut l.fusion {
                 f.operands.iter_mut().for_each(|(v, _)| swap(v));
                 swap(&mut f.output);
             }
         }
-        Command::Upload { target, .. } => swap(target),
+        Command::Upload(upload) => swap(&mut upload.target),
         Command::Copy(copy) => {
             swap(&mut copy.src.0);
             swap(&mut copy.dst.0);
@@ -206,7 +201,7 @@ fn elementwise_runs(
     for (at, command) in draft.commands.iter().enumerate() {
         let fusible = match command {
             Command::Launch(Launch {
-                fuse_as: Some(Fusion::Elementwise(f)),
+                fusion: Some(Fusion::Elementwise(f)),
                 ..
             }) => Some(f),
             _ => None,
@@ -267,7 +262,7 @@ fn fit(
             .iter()
             .flat_map(|&at| match &draft.commands[at] {
                 Command::Launch(Launch {
-                    fuse_as: Some(Fusion::Elementwise(f)),
+                    fusion: Some(Fusion::Elementwise(f)),
                     ..
                 }) => f.operands.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
                 _ => Vec::new(),
@@ -315,7 +310,7 @@ fn joins(
         }
         match &draft.commands[u] {
             Command::Launch(Launch {
-                fuse_as: Some(Fusion::Elementwise(g)),
+                fusion: Some(Fusion::Elementwise(g)),
                 ..
             }) => u < at || g.shape != *shape,
             _ => true,
@@ -414,12 +409,13 @@ fn fused_launch(
     );
     Some(Launch {
         op: "fused elementwise",
-        fuse_as: None,
+        fusion: None,
         pipeline,
         bindings,
         params: bytemuck::bytes_of(&(n as u32)).to_vec(),
         dynamic_params: None,
         workgroups: groups(n, CONTIGUOUS_PER_GROUP),
+        encoded: None,
     })
 }
 
@@ -763,7 +759,7 @@ fn epilogue_store4(
 fn member(draft: &Draft, at: usize) -> &Elementwise<usize> {
     match &draft.commands[at] {
         Command::Launch(Launch {
-            fuse_as: Some(Fusion::Elementwise(f)),
+            fusion: Some(Fusion::Elementwise(f)),
             ..
         }) => f,
         _ => unreachable!("members are fusible launches"),
@@ -779,7 +775,7 @@ fn producer_of<'a>(
     let first = group.members[0];
     member(draft, first).operands.iter().find_map(|(v, _)| {
         (0..first).rev().find_map(|u| match &draft.commands[u] {
-            Command::Launch(l) => match &l.fuse_as {
+            Command::Launch(l) => match &l.fusion {
                 Some(Fusion::Epilogue(site)) if site.output == *v => Some((u, l, site)),
                 _ => None,
             },
@@ -914,12 +910,13 @@ fn epilogue_launch(
     bindings.extend(extra);
     Some(Launch {
         op: producer.op,
-        fuse_as: None,
+        fusion: None,
         pipeline,
         bindings,
         params: producer.params.clone(),
         dynamic_params: producer.dynamic_params.clone(),
         workgroups: producer.workgroups,
+        encoded: None,
     })
 }
 
@@ -985,7 +982,7 @@ pub(crate) fn merge_parts(draft: &mut Draft, device: &Device) -> usize {
     let mut run: Vec<Launch> = Vec::new();
     for command in std::mem::take(&mut draft.commands) {
         match command {
-            Command::Launch(l) if matches!(l.fuse_as, Some(Fusion::Merge(_))) => {
+            Command::Launch(l) if matches!(l.fusion, Some(Fusion::Merge(_))) => {
                 if run
                     .first()
                     .is_some_and(|r| !Arc::ptr_eq(&r.pipeline, &l.pipeline))
@@ -1041,7 +1038,7 @@ fn merged_run(run: Vec<Launch>, max_buffers: usize, device: &Device) -> Vec<Comm
 }
 
 fn merge_site(launch: &Launch) -> &MergeSite {
-    match &launch.fuse_as {
+    match &launch.fusion {
         Some(Fusion::Merge(site)) => site,
         _ => unreachable!("runs hold mergeable launches"),
     }
@@ -1108,12 +1105,13 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
     let pipeline = generated_pipeline(device, "merged", "main", &src);
     vec![Command::Launch(Launch {
         op: run[0].op,
-        fuse_as: None,
+        fusion: None,
         pipeline,
         bindings,
         params,
         dynamic_params,
         workgroups,
+        encoded: None,
     })]
 }
 

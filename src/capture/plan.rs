@@ -21,10 +21,8 @@ use std::time::{Duration, Instant};
 use crate::autograd::is_grad_enabled;
 use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
 use crate::error::{Error, Result};
-use crate::kernel::Fusion;
-use crate::tensor::tape::{
-    HostBytes, ReplayHook, SlotEvent, Tape, TapeEntry, TapedLaunch, TapedStorage,
-};
+use crate::tensor::command::{self, EncodedLaunch, Upload};
+use crate::tensor::tape::{SlotEvent, Tape, TapedStorage};
 use crate::tensor::{DType, Layout, Storage, Tensor, TensorInner};
 
 use super::memory;
@@ -111,35 +109,10 @@ enum Kind {
     Intermediate { bytes: u64 },
 }
 
-/// One launch of the plan, its bindings naming values.
-pub(crate) struct Launch {
-    pub op: &'static str,
-    /// What the fuser may do with it, naming values.
-    pub fuse_as: Option<Fusion<usize>>,
-    pub pipeline: Arc<CachedPipeline>,
-    pub bindings: Vec<(u32, usize)>,
-    pub params: Vec<u8>,
-    pub dynamic_params: Option<HostBytes>,
-    pub workgroups: u32,
-}
-
-/// A buffer-to-buffer copy between two values, at byte offsets.
-pub(crate) struct BufferCopy {
-    pub src: (usize, u64),
-    pub dst: (usize, u64),
-    pub bytes: u64,
-}
-
-pub(crate) enum Command {
-    Launch(Launch),
-    Upload {
-        target: usize,
-        data: Vec<u8>,
-        dynamic: Option<HostBytes>,
-    },
-    Copy(BufferCopy),
-    Hook(ReplayHook),
-}
+/// The plan's commands name buffers as values (indices into [`Draft`]'s values).
+pub(crate) type Command = command::Command<usize>;
+pub(crate) type Launch = command::Launch<usize>;
+type BufferCopy = command::BufferCopy<usize>;
 
 /// A grad-slot event with its storage named as a value.
 enum Slot {
@@ -208,33 +181,6 @@ impl Draft {
     }
 }
 
-/// A dispatch ready to encode.
-struct Encoded {
-    op: &'static str,
-    pipeline: Arc<CachedPipeline>,
-    bindings: Vec<(u32, usize)>,
-    params_offset: u64,
-    dynamic_params: Option<HostBytes>,
-    workgroups: u32,
-    /// Built once when every binding is fixed; otherwise built per replay, reusing one of the
-    /// last two when the replay's buffers are the same (grads alternate between two buffers
-    /// when a step accumulates into them).
-    bind_group: Option<wgpu::BindGroup>,
-    recent: Mutex<Vec<(Vec<wgpu::Buffer>, wgpu::BindGroup)>>,
-}
-
-enum Step {
-    Dispatch(Encoded),
-    Upload {
-        staging: wgpu::Buffer,
-        target: usize,
-        bytes: u64,
-        dynamic: Option<HostBytes>,
-    },
-    Copy(BufferCopy),
-    Hook(ReplayHook),
-}
-
 /// A captured step, ready to replay.
 pub(crate) struct Plan {
     device: Device,
@@ -244,7 +190,8 @@ pub(crate) struct Plan {
     requires_grad: Vec<(Weak<TensorInner>, bool)>,
     slots: Vec<Slot>,
     kinds: Vec<Kind>,
-    steps: Vec<Step>,
+    /// The commands, laid out: each launch and upload encoded.
+    commands: Vec<Command>,
     params_buffer: Option<wgpu::Buffer>,
     loss: Loss,
     dispatches: u64,
@@ -356,9 +303,9 @@ pub(crate) fn draft(
     };
     nothing_made_outlives_the_step(&tape, &values.outputs)?;
     let commands = tape
-        .entries
+        .commands
         .into_iter()
-        .map(|entry| command(entry, &mut values))
+        .map(|command| command.named(|storage| values.of(&storage)))
         .collect();
     let slots = tape
         .slots
@@ -484,52 +431,6 @@ fn nothing_made_outlives_the_step(
     }
 }
 
-/// A tape entry as a command over values.
-fn command(entry: TapeEntry, values: &mut Values) -> Command {
-    match entry {
-        TapeEntry::Launch(l) => Command::Launch(launch(l, values)),
-        TapeEntry::Upload {
-            target,
-            data,
-            dynamic,
-            ..
-        } => Command::Upload {
-            target: values.of(&target),
-            data,
-            dynamic,
-        },
-        TapeEntry::Copy { src, dst, bytes } => Command::Copy(BufferCopy {
-            src: (values.of(&src.0), src.1),
-            dst: (values.of(&dst.0), dst.1),
-            bytes,
-        }),
-        TapeEntry::Hook(hook) => Command::Hook(hook),
-    }
-}
-
-/// A taped launch with its bindings, and what the fuser may do with it, named as values.
-fn launch(l: TapedLaunch, values: &mut Values) -> Launch {
-    let bindings: Vec<(u32, usize)> = (l.bindings.iter())
-        .map(|(b, s)| (*b, values.of(s)))
-        .collect();
-    let value_at = |binding: u32| -> usize {
-        (bindings.iter())
-            .find(|(b, _)| *b == binding)
-            .map(|&(_, v)| v)
-            .expect("a fusible launch binds its operands")
-    };
-    let fuse_as = l.fusion.map(|fusion| fusion.named(value_at));
-    Launch {
-        op: l.op,
-        fuse_as,
-        pipeline: l.pipeline,
-        bindings,
-        params: l.params,
-        dynamic_params: l.dynamic_params,
-        workgroups: l.workgroups,
-    }
-}
-
 /// A grad-slot event with its storage named as a value; installing a grad no kernel of the
 /// step wrote refuses.
 fn slot(event: SlotEvent, ids: &HashMap<u64, usize>) -> std::result::Result<Slot, Refusal> {
@@ -601,7 +502,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     let device = shell.device.clone();
 
     let kinds = place_intermediates(&commands, values, &device)?;
-    let (steps, params_buffer, launches) = encode_steps(commands, &kinds, &device);
+    let (commands, params_buffer, launches) = encode_commands(commands, &kinds, &device);
     let inner = &device.inner;
     inner.take_error(OP)?;
     Ok(Plan {
@@ -612,7 +513,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
         requires_grad: shell.requires_grad,
         slots: shell.slots,
         kinds,
-        steps,
+        commands,
         params_buffer,
         loss: shell.loss,
         dispatches: launches,
@@ -622,14 +523,15 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     })
 }
 
-/// The replay steps of `commands` (their values placed as `kinds` says), the params buffer
-/// holding every launch's params (one slot each, written once here) and the launch count.
-/// A launch whose buffers are all fixed gets its bind group now, once.
-fn encode_steps(
+/// `commands` encoded for replay (their values placed as `kinds` says): each launch given its
+/// slot of the params buffer (written once here, one slot each) and, when every buffer it
+/// binds is fixed, its bind group, once; each upload its staging buffer. Also the params
+/// buffer and the launch count.
+fn encode_commands(
     commands: Vec<Command>,
     kinds: &[Kind],
     device: &Device,
-) -> (Vec<Step>, Option<wgpu::Buffer>, u64) {
+) -> (Vec<Command>, Option<wgpu::Buffer>, u64) {
     let inner = &device.inner;
     let launches = commands
         .iter()
@@ -644,57 +546,48 @@ fn encode_steps(
         })
     });
     let mut static_params = vec![0u8; (PARAMS_BYTES * launches) as usize];
-    let mut steps = Vec::with_capacity(commands.len());
+    let mut encoded = Vec::with_capacity(commands.len());
     let mut launch_index = 0u64;
     for command in commands {
-        steps.push(match command {
-            Command::Launch(l) => {
+        encoded.push(match command {
+            Command::Launch(mut l) => {
                 let params_offset = launch_index * PARAMS_BYTES;
                 launch_index += 1;
                 let at = params_offset as usize;
                 static_params[at..at + l.params.len()].copy_from_slice(&l.params);
                 let params = params_buffer.as_ref().expect("launches have params");
-                encoded_launch(l, kinds, device, params, params_offset)
+                l.encoded = Some(encoded_launch(&l, kinds, device, params, params_offset));
+                Command::Launch(l)
             }
-            Command::Upload {
-                target,
-                data,
-                dynamic,
-            } => {
-                let bytes = data.len() as u64;
+            Command::Upload(mut upload) => {
                 let staging = inner.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("wgrad plan upload"),
-                    size: bytes.max(4),
+                    size: (upload.data.len() as u64).max(4),
                     usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 });
-                inner.write_buffer(&staging, 0, &data);
-                Step::Upload {
-                    staging,
-                    target,
-                    bytes,
-                    dynamic,
-                }
+                inner.write_buffer(&staging, 0, &upload.data);
+                upload.staging = Some(staging);
+                Command::Upload(upload)
             }
-            Command::Copy(copy) => Step::Copy(copy),
-            Command::Hook(hook) => Step::Hook(hook),
+            other => other,
         });
     }
     if let Some(buffer) = &params_buffer {
         inner.write_buffer(buffer, 0, &static_params);
     }
-    (steps, params_buffer, launches)
+    (encoded, params_buffer, launches)
 }
 
-/// A launch as a replay step, with its bind group made now when every buffer it binds is
-/// fixed (else each replay makes one).
+/// A launch's encoding, with its bind group made now when every buffer it binds is fixed
+/// (else each replay makes one).
 fn encoded_launch(
-    l: Launch,
+    l: &Launch,
     kinds: &[Kind],
     device: &Device,
     params: &wgpu::Buffer,
     params_offset: u64,
-) -> Step {
+) -> EncodedLaunch {
     let fixed: Option<Vec<&wgpu::Buffer>> = l
         .bindings
         .iter()
@@ -714,16 +607,24 @@ fn encoded_launch(
             l.op,
         )
     });
-    Step::Dispatch(Encoded {
-        op: l.op,
-        pipeline: l.pipeline,
-        bindings: l.bindings,
+    EncodedLaunch {
         params_offset,
-        dynamic_params: l.dynamic_params,
-        workgroups: l.workgroups,
         bind_group,
         recent: Mutex::new(Vec::new()),
-    })
+    }
+}
+
+/// What laying out made for a launch of the plan.
+fn encoding(l: &Launch) -> &EncodedLaunch {
+    l.encoded.as_ref().expect("a plan's launches are encoded")
+}
+
+/// The staging buffer laying out made for an upload of the plan.
+fn staging(upload: &Upload<usize>) -> &wgpu::Buffer {
+    upload
+        .staging
+        .as_ref()
+        .expect("a plan's uploads are encoded")
 }
 
 /// `values` with every intermediate placed in an arena buffer (see `capture::memory`): one
@@ -734,12 +635,7 @@ fn place_intermediates(
     device: &Device,
 ) -> Result<Vec<Kind>> {
     let uses = commands.iter().enumerate().flat_map(|(at, command)| {
-        let used: Vec<usize> = match command {
-            Command::Launch(l) => l.bindings.iter().map(|&(_, v)| v).collect(),
-            Command::Upload { target, .. } => vec![*target],
-            Command::Copy(BufferCopy { src, dst, .. }) => vec![src.0, dst.0],
-            Command::Hook(_) => Vec::new(),
-        };
+        let used: Vec<usize> = command.buffers().into_iter().copied().collect();
         used.into_iter().map(move |v| (at, v))
     });
     let live = memory::liveness(values.len(), uses);
@@ -983,14 +879,16 @@ impl Plan {
         let writes = self.host_writes()?;
         let queue_writes: Vec<(&wgpu::Buffer, u64, &[u8])> = writes
             .iter()
-            .map(|(i, data)| match &self.steps[*i] {
-                Step::Dispatch(d) => (
+            .map(|(i, data)| match &self.commands[*i] {
+                Command::Launch(l) => (
                     self.params_buffer.as_ref().expect("launches"),
-                    d.params_offset,
+                    encoding(l).params_offset,
                     data.as_slice(),
                 ),
-                Step::Upload { staging, .. } => (staging, 0, data.as_slice()),
-                Step::Hook(_) | Step::Copy(_) => unreachable!("writes nothing from the host"),
+                Command::Upload(upload) => (staging(upload), 0, data.as_slice()),
+                Command::Hook(_) | Command::Copy(_) => {
+                    unreachable!("writes nothing from the host")
+                }
             })
             .collect();
         self.last_to_submit = started.elapsed();
@@ -1019,23 +917,24 @@ impl Plan {
     /// change per step, by step index.
     fn host_writes(&mut self) -> Result<Vec<(usize, Vec<u8>)>> {
         let mut writes: Vec<(usize, Vec<u8>)> = Vec::new();
-        for (i, step) in self.steps.iter_mut().enumerate() {
-            match step {
-                Step::Hook(hook) => hook()?,
-                Step::Dispatch(Encoded {
+        for (i, command) in self.commands.iter_mut().enumerate() {
+            match command {
+                Command::Hook(hook) => hook()?,
+                Command::Launch(Launch {
                     dynamic_params: Some(f),
                     ..
                 }) => writes.push((i, f())),
-                Step::Upload {
+                Command::Upload(Upload {
                     dynamic: Some(f),
-                    bytes,
+                    data: captured,
                     ..
-                } => {
+                }) => {
                     let data = f();
-                    if data.len() as u64 != *bytes {
+                    if data.len() != captured.len() {
                         return Err(capture_error(format!(
-                            "replayed host data of {} bytes where the capture had {bytes}",
-                            data.len()
+                            "replayed host data of {} bytes where the capture had {}",
+                            data.len(),
+                            captured.len()
                         )));
                     }
                     writes.push((i, data));
@@ -1146,42 +1045,39 @@ impl Plan {
                     label: Some("wgrad replay"),
                 });
         let mut i = 0;
-        while i < self.steps.len() {
+        while i < self.commands.len() {
             // Consecutive dispatches share one compute pass.
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("wgrad replay"),
                 timestamp_writes: None,
             });
-            while i < self.steps.len() {
-                match &self.steps[i] {
-                    Step::Dispatch(d) => {
-                        pass.set_pipeline(&d.pipeline.pipeline);
-                        match &d.bind_group {
+            while i < self.commands.len() {
+                match &self.commands[i] {
+                    Command::Launch(l) => {
+                        pass.set_pipeline(&l.pipeline.pipeline);
+                        match &encoding(l).bind_group {
                             Some(group) => pass.set_bind_group(0, group, &[]),
-                            None => pass.set_bind_group(0, &self.call_bind_group(d, storages), &[]),
+                            None => pass.set_bind_group(0, &self.call_bind_group(l, storages), &[]),
                         }
-                        let (x, y) = workgroup_grid(d.workgroups);
+                        let (x, y) = workgroup_grid(l.workgroups);
                         pass.dispatch_workgroups(x, y, 1);
                         i += 1;
                     }
-                    Step::Hook(_) => i += 1,
-                    Step::Upload { .. } | Step::Copy(_) => break,
+                    Command::Hook(_) => i += 1,
+                    Command::Upload(_) | Command::Copy(_) => break,
                 }
             }
             drop(pass);
-            match self.steps.get(i) {
-                Some(Step::Upload {
-                    staging,
-                    target,
-                    bytes,
-                    ..
-                }) => {
-                    if *bytes > 0 {
-                        encoder.copy_buffer_to_buffer(staging, 0, buffer_of(*target), 0, *bytes);
+            match self.commands.get(i) {
+                Some(Command::Upload(upload)) => {
+                    let bytes = upload.data.len() as u64;
+                    if bytes > 0 {
+                        let target = buffer_of(upload.target);
+                        encoder.copy_buffer_to_buffer(staging(upload), 0, target, 0, bytes);
                     }
                     i += 1;
                 }
-                Some(Step::Copy(BufferCopy { src, dst, bytes })) => {
+                Some(Command::Copy(BufferCopy { src, dst, bytes })) => {
                     encoder.copy_buffer_to_buffer(
                         buffer_of(src.0),
                         src.1,
@@ -1199,23 +1095,24 @@ impl Plan {
 
     /// The bind group of a dispatch whose buffers change between calls: one of the two it
     /// made last (a training loop alternates between two sets of buffers), or a new one.
-    fn call_bind_group(&self, d: &Encoded, storages: &CallStorages) -> wgpu::BindGroup {
-        let buffers: Vec<wgpu::Buffer> = (d.bindings.iter())
+    fn call_bind_group(&self, l: &Launch, storages: &CallStorages) -> wgpu::BindGroup {
+        let buffers: Vec<wgpu::Buffer> = (l.bindings.iter())
             .map(|&(_, v)| storages.of(&self.kinds, v).buffer().clone())
             .collect();
-        let mut recent = d.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let encoded = encoding(l);
+        let mut recent = encoded.recent.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(hit) = recent.iter().find(|(b, _)| *b == buffers) {
             return hit.1.clone();
         }
         let refs: Vec<&wgpu::Buffer> = buffers.iter().collect();
         let group = bind_group(
             &self.device,
-            &d.pipeline,
+            &l.pipeline,
             self.params_buffer.as_ref().expect("launches"),
-            d.params_offset,
-            &d.bindings,
+            encoded.params_offset,
+            &l.bindings,
             &refs,
-            d.op,
+            l.op,
         );
         if recent.len() == 2 {
             recent.remove(0);

@@ -59,7 +59,7 @@ pub(crate) enum Fusion<N> {
 
 impl<N> Fusion<N> {
     /// The same descriptor with every buffer named by `name` instead.
-    pub fn named<M>(self, name: impl Fn(N) -> M) -> Fusion<M> {
+    pub fn named<M>(self, mut name: impl FnMut(N) -> M) -> Fusion<M> {
         match self {
             Fusion::Elementwise(e) => Fusion::Elementwise(Elementwise {
                 params: e.params,

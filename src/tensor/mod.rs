@@ -1,5 +1,6 @@
 //! `Tensor`: a cheap, thread-safe handle to a strided view of a GPU buffer.
 
+pub(crate) mod command;
 pub(crate) mod creation;
 pub(crate) mod dim;
 mod display;

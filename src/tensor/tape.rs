@@ -13,6 +13,7 @@ use std::sync::{Arc, Weak};
 
 use crate::device::{CachedPipeline, Device};
 use crate::error::{Error, Result};
+use crate::tensor::command::{BufferCopy, Command, Launch, Upload};
 use crate::tensor::fusion::Fusion;
 use crate::tensor::{Layout, Storage, Tensor, TensorInner};
 
@@ -28,45 +29,13 @@ pub(crate) type ReplayHook = Box<dyn FnMut() -> Result<()> + Send>;
 
 /// A buffer a taped command touches. Storages made while taping are named by id only (the
 /// plan gives them buffers of its own); storages from before are kept alive by the tape.
+#[derive(Clone)]
 pub(crate) struct TapedStorage {
     pub id: u64,
     /// The buffer's size (its pool size class).
     pub bytes: u64,
     /// The storage itself, for storages that existed before the tape opened.
     pub external: Option<Arc<Storage>>,
-}
-
-/// One kernel launch as the step made it.
-pub(crate) struct TapedLaunch {
-    pub op: &'static str,
-    pub pipeline: Arc<CachedPipeline>,
-    pub bindings: Vec<(u32, TapedStorage)>,
-    /// The params as they were at capture.
-    pub params: Vec<u8>,
-    /// Recomputes the params at each replay, for params that change per step.
-    pub dynamic_params: Option<HostBytes>,
-    pub workgroups: u32,
-    /// Set for launches the fuser may merge, naming buffers by binding.
-    pub fusion: Option<Fusion<u32>>,
-}
-
-/// What a step did to the device, in order.
-pub(crate) enum TapeEntry {
-    Launch(TapedLaunch),
-    /// Host data copied into a buffer.
-    Upload {
-        target: TapedStorage,
-        data: Vec<u8>,
-        /// Recomputes the data at each replay.
-        dynamic: Option<HostBytes>,
-    },
-    /// A buffer-to-buffer copy of `bytes` bytes.
-    Copy {
-        src: (TapedStorage, u64),
-        dst: (TapedStorage, u64),
-        bytes: u64,
-    },
-    Hook(ReplayHook),
 }
 
 /// A change to (or read of) a grad slot.
@@ -88,7 +57,7 @@ pub(crate) enum SlotEvent {
 /// Everything one captured step did.
 pub(crate) struct Tape {
     pub device: Device,
-    pub entries: Vec<TapeEntry>,
+    pub commands: Vec<Command<TapedStorage>>,
     pub slots: Vec<SlotEvent>,
     /// Storages made while taping, and those of them dropped before it closed.
     pub created: HashSet<u64>,
@@ -134,7 +103,7 @@ pub(crate) fn open(device: &Device) -> Recording {
     TAPE.with(|t| {
         *t.borrow_mut() = Some(Tape {
             device: device.clone(),
-            entries: Vec::new(),
+            commands: Vec::new(),
             slots: Vec::new(),
             created: HashSet::new(),
             released: HashSet::new(),
@@ -224,7 +193,16 @@ pub(crate) fn record_launch(
             }
             bindings.push((*binding, entry));
         }
-        tape.entries.push(TapeEntry::Launch(TapedLaunch {
+        // The fuser's descriptor names the launch's storages, as its bindings do.
+        let fusion = fusion.map(|f| {
+            f.named(|binding| {
+                let (_, storage) = (bindings.iter())
+                    .find(|(b, _)| *b == binding)
+                    .expect("a fusible launch binds what its descriptor names");
+                storage.clone()
+            })
+        });
+        tape.commands.push(Command::Launch(Launch {
             op,
             pipeline: pipeline.clone(),
             bindings,
@@ -232,6 +210,7 @@ pub(crate) fn record_launch(
             dynamic_params,
             workgroups,
             fusion,
+            encoded: None,
         }));
     });
 }
@@ -240,30 +219,31 @@ pub(crate) fn record_launch(
 pub(crate) fn record_upload(target: &Arc<Storage>, data: &[u8], dynamic: Option<HostBytes>) {
     with_tape(|tape| {
         let target = taped(tape, target);
-        tape.entries.push(TapeEntry::Upload {
+        tape.commands.push(Command::Upload(Upload {
             target,
             data: data.to_vec(),
             dynamic,
-        });
+            staging: None,
+        }));
     });
 }
 
 /// Writes down a copy of `bytes` bytes from `src` to `dst` (storages and byte offsets).
 pub(crate) fn record_copy(src: (&Arc<Storage>, u64), dst: (&Arc<Storage>, u64), bytes: u64) {
     with_tape(|tape| {
-        let entry = TapeEntry::Copy {
+        let copy = BufferCopy {
             src: (taped(tape, src.0), src.1),
             dst: (taped(tape, dst.0), dst.1),
             bytes,
         };
-        tape.entries.push(entry);
+        tape.commands.push(Command::Copy(copy));
     });
 }
 
 /// Registers host work to run again before each replay's kernels, at this point of the step
 /// (kept only while a tape is open).
 pub(crate) fn on_replay(hook: impl FnMut() -> Result<()> + Send + 'static) {
-    with_tape(|tape| tape.entries.push(TapeEntry::Hook(Box::new(hook))));
+    with_tape(|tape| tape.commands.push(Command::Hook(Box::new(hook))));
 }
 
 /// Notes that the step read a module's train/eval flag: a replay under another value of the
