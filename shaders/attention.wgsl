@@ -88,38 +88,44 @@ fn row_start(h: u32, r: u32, at: u32) -> u32 {
     return head_start(h, at) + r * pu(at + 4u);
 }
 
-// Features 4c..4c+4 of the row starting at element `at`, zero past `len`.
-fn q4(at: u32, c: u32, len: u32) -> vec4<f32> {
+// Vec4 `i` of the input bound as `side` (0 q, 1 k, 2 v, 3 o): one loader for the four, each
+// call site's `side` a constant (a function cannot take a storage buffer). An entry that
+// reads through it binds all four.
+fn word(side: u32, i: u32) -> vec4<f32> {
+    switch side {
+        case 0u: { return q[i]; }
+        case 1u: { return k[i]; }
+        case 2u: { return v[i]; }
+        default: { return o[i]; }
+    }
+}
+
+// Features 4c..4c+4 of the row of `side` starting at element `at`, zero past `len`.
+fn row4(side: u32, at: u32, c: u32, len: u32) -> vec4<f32> {
     let i = at + 4u * c;
     if (ALIGNED) {
-        return q[i / 4u];
+        return word(side, i / 4u);
     }
-    return vec4<f32>(q[i / 4u][i % 4u], q[(i + 1u) / 4u][(i + 1u) % 4u], q[(i + 2u) / 4u][(i + 2u) % 4u], q[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
+    let e = vec4<f32>(word(side, i / 4u)[i % 4u], word(side, (i + 1u) / 4u)[(i + 1u) % 4u],
+                      word(side, (i + 2u) / 4u)[(i + 2u) % 4u], word(side, (i + 3u) / 4u)[(i + 3u) % 4u]);
+    return e * masked(4u * c, len);
+}
+
+fn q4(at: u32, c: u32, len: u32) -> vec4<f32> {
+    return row4(0u, at, c, len);
 }
 
 fn k4(at: u32, c: u32, len: u32) -> vec4<f32> {
-    let i = at + 4u * c;
-    if (ALIGNED) {
-        return k[i / 4u];
-    }
-    return vec4<f32>(k[i / 4u][i % 4u], k[(i + 1u) / 4u][(i + 1u) % 4u], k[(i + 2u) / 4u][(i + 2u) % 4u], k[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
+    return row4(1u, at, c, len);
 }
 
 fn v4(at: u32, c: u32, len: u32) -> vec4<f32> {
-    let i = at + 4u * c;
-    if (ALIGNED) {
-        return v[i / 4u];
-    }
-    return vec4<f32>(v[i / 4u][i % 4u], v[(i + 1u) / 4u][(i + 1u) % 4u], v[(i + 2u) / 4u][(i + 2u) % 4u], v[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
+    return row4(2u, at, c, len);
 }
 
 // The out grad (bound at `o` in the backward).
 fn dout4(at: u32, c: u32, len: u32) -> vec4<f32> {
-    let i = at + 4u * c;
-    if (ALIGNED) {
-        return o[i / 4u];
-    }
-    return vec4<f32>(o[i / 4u][i % 4u], o[(i + 1u) / 4u][(i + 1u) % 4u], o[(i + 2u) / 4u][(i + 2u) % 4u], o[(i + 3u) / 4u][(i + 3u) % 4u]) * masked(4u * c, len);
+    return row4(3u, at, c, len);
 }
 
 // Element `i` of the vec4 arrays, one at a time (the combine pass and the forward's stores).
@@ -158,60 +164,133 @@ fn lanes(c: u32, len: u32) -> u32 {
     return min(4u, len - 4u * c);
 }
 
+// The head sizes and the score scale, as the params give them: features per q/k row (`d`)
+// and per v row (`dv`), and their four-feature groups, which bound the row loops.
+struct Sizes {
+    d: u32,
+    d4: u32,
+    dv: u32,
+    dv4: u32,
+    scale: f32,
+}
+
+fn sizes() -> Sizes {
+    let d = pu(ATTENTION_D);
+    let dv = pu(ATTENTION_DV);
+    return Sizes(d, (d + 3u) / 4u, dv, (dv + 3u) / 4u, pf(ATTENTION_SCALE));
+}
+
+// Where the k and v rows that q head `h` reads start, and how far apart their rows are.
+struct KeyValueRows {
+    k_head: u32,
+    k_rs: u32,
+    v_head: u32,
+    v_rs: u32,
+}
+
+fn key_value_rows(h: u32) -> KeyValueRows {
+    return KeyValueRows(head_start(kv_head(h), ATTENTION_K_LAYOUT), pu(ATTENTION_K_LAYOUT + 4u),
+                        head_start(kv_head(h), ATTENTION_V_LAYOUT), pu(ATTENTION_V_LAYOUT + 4u));
+}
+
+// Where the forward writes query row `row` (row `i` of head `h`) of split `s`: the output
+// when there is one split, else that split's partial sums.
+fn forward_out_start(row: u32, h: u32, i: u32, s: u32) -> u32 {
+    let partial = (s * pu(ATTENTION_ROWS) + row) * pu(ATTENTION_DV);
+    return select(partial, row_start(h, i, ATTENTION_OUT_LAYOUT), pu(ATTENTION_SPLITS) == 1u);
+}
+
+// What the forward scales a row's sums by: 1 / l for a whole row (a row with no key, causal
+// with Tq > Tk, has l = 0 and output 0, as 0 / 0 would not be), 1 for a split's partial sums.
+fn forward_out_scale(l: f32) -> f32 {
+    return select(1.0, select(0.0, 1.0 / l, l > 0.0), pu(ATTENTION_SPLITS) == 1u);
+}
+
+// The forward's stats of query row `row` in split `s`: (log-sum-exp, 0) of a whole row, else
+// the split's running (max, sum).
+fn store_forward_stats(row: u32, s: u32, m: f32, l: f32) {
+    if (pu(ATTENTION_SPLITS) == 1u) {
+        stats[2u * row] = m + log(l);
+        stats[2u * row + 1u] = 0.0;
+        return;
+    }
+    let at = 2u * (s * pu(ATTENTION_ROWS) + row);
+    stats[at] = m;
+    stats[at + 1u] = l;
+}
+
+// Writes the first `n` features of `value` to o from element `at` (one vec4 where aligned).
+fn store_out(at: u32, value: vec4<f32>, n: u32) {
+    if (ALIGNED) {
+        o[at / 4u] = value;
+        return;
+    }
+    for (var e = 0u; e < n; e = e + 1u) {
+        o[(at + e) / 4u][(at + e) % 4u] = value[e];
+    }
+}
+
+// Writes the first `n` features of `value` to grad_a (grad_b) from element `at`, added to what
+// is there when `add` (a later split).
+fn add_grad_a(at: u32, value: vec4<f32>, n: u32, add: bool) {
+    for (var e = 0u; e < n; e = e + 1u) {
+        grad_a[at + e] = select(value[e], grad_a[at + e] + value[e], add);
+    }
+}
+
+fn add_grad_b(at: u32, value: vec4<f32>, n: u32, add: bool) {
+    for (var e = 0u; e < n; e = e + 1u) {
+        grad_b[at + e] = select(value[e], grad_b[at + e] + value[e], add);
+    }
+}
+
+// The dot product of a register row of q/k features with the row of `side` at `at`.
+fn dot_row(row: ptr<function, array<vec4<f32>, D4>>, side: u32, at: u32, z: Sizes) -> f32 {
+    var sum = 0.0;
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        sum = sum + dot((*row)[c], row4(side, at, c, z.d));
+    }
+    return sum;
+}
+
 // The row (of `rows`) and the split of its loop that invocation `lid` of workgroup `wid`
-// owns; not valid past the last.
+// owns, and where that row lies: row `i` of head `h`, each head having `t` rows; not valid
+// past the last. A forward runs its splits side by side (`split` param 0); a backward runs
+// one per launch (`splits` param 1), the one the `split` param names.
 struct Owned {
     row: u32,
+    h: u32,
+    i: u32,
     split: u32,
     valid: bool,
 }
 
-fn owned_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> Owned {
-    let t = workgroup_index(wid, nwg) * 64u + lid;
+fn owned_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, t: u32) -> Owned {
+    let g = workgroup_index(wid, nwg) * 64u + lid;
     let rows = pu(ATTENTION_ROWS);
-    return Owned(t % rows, t / rows, t < rows * pu(ATTENTION_SPLITS));
+    let row = g % rows;
+    return Owned(row, row / t, row % t, g / rows + pu(ATTENTION_SPLIT), g < rows * pu(ATTENTION_SPLITS));
 }
 
 @compute @workgroup_size(64)
 fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
-    let owned = owned_row(wid, nwg, lid);
-    if (!owned.valid) {
+    let row = owned_row(wid, nwg, lid, pu(ATTENTION_T_Q));
+    if (!row.valid) {
         return;
     }
-    let rows = pu(ATTENTION_ROWS);
-    let splits = pu(ATTENTION_SPLITS);
-    let row = owned.row;
-    let s = owned.split;
-    let t_q = pu(ATTENTION_T_Q);
-    let h = row / t_q;
-    let d = pu(ATTENTION_D);
-    let d4 = (d + 3u) / 4u;
-    let dv = pu(ATTENTION_DV);
-    let dv4 = (dv + 3u) / 4u;
-    let scale = pf(ATTENTION_SCALE);
-    let q_at = row_start(h, row % t_q, ATTENTION_Q_LAYOUT);
-    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
-    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
-    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
+    let z = sizes();
+    let kv = key_value_rows(row.h);
     var query: array<vec4<f32>, D4>;
-    for (var c = 0u; c < d4; c = c + 1u) {
-        query[c] = q4(q_at, c, d) * scale;
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        query[c] = q4(row_start(row.h, row.i, ATTENTION_Q_LAYOUT), c, z.d) * z.scale;
     }
-    var acc: array<vec4<f32>, DV4>;
-    for (var c = 0u; c < dv4; c = c + 1u) {
-        acc[c] = vec4<f32>(0.0);
-    }
-    var m = bitcast<f32>(0xff800000u);
+    var acc: array<vec4<f32>, DV4>; // zero, as every var without an initialiser
+    var m = neg_inf();
     var l = 0.0;
-    let keys = key_range(row % t_q, s);
+    let keys = key_range(row.i, row.split);
     for (var j = keys.x; j < keys.y; j = j + 1u) {
-        var score = 0.0;
-        for (var c = 0u; c < d4; c = c + 1u) {
-            score = score + dot(query[c], k4(k_head + j * k_rs, c, d));
-        }
-        score = masked_score(score, h, row % t_q, j);
+        let score = masked_score(dot_row(&query, 1u, kv.k_head + j * kv.k_rs, z), row.h, row.i, j);
         if (score == neg_inf()) {
             continue;
         }
@@ -219,31 +298,16 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         let correction = exp(m - m_new);
         let p = exp(score - m_new);
         l = l * correction + p;
-        for (var c = 0u; c < dv4; c = c + 1u) {
-            acc[c] = acc[c] * correction + p * v4(v_head + j * v_rs, c, dv);
+        for (var c = 0u; c < z.dv4; c = c + 1u) {
+            acc[c] = acc[c] * correction + p * v4(kv.v_head + j * kv.v_rs, c, z.dv);
         }
         m = m_new;
     }
-    let out_base = select((s * rows + row) * dv, row_start(h, row % t_q, ATTENTION_OUT_LAYOUT), splits == 1u);
-    // A row with no key (causal, Tq > Tk) has l = 0: its output is 0, as a 0 / 0 would not be.
-    var inv = 1.0;
-    if (splits == 1u) {
-        inv = select(0.0, 1.0 / l, l > 0.0);
+    let out_base = forward_out_start(row.row, row.h, row.i, row.split);
+    for (var c = 0u; c < z.dv4; c = c + 1u) {
+        store_out(out_base + 4u * c, acc[c] * forward_out_scale(l), lanes(c, z.dv));
     }
-    for (var c = 0u; c < dv4; c = c + 1u) {
-        let value = acc[c] * inv;
-        for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
-            let at = out_base + 4u * c + e;
-            o[at / 4u][at % 4u] = value[e];
-        }
-    }
-    if (splits == 1u) {
-        stats[2u * row] = m + log(l);
-        stats[2u * row + 1u] = 0.0;
-    } else {
-        stats[2u * (s * rows + row)] = m;
-        stats[2u * (s * rows + row) + 1u] = l;
-    }
+    store_forward_stats(row.row, row.split, m, l);
 }
 
 // Joins the splits of `forward`: one invocation per query row. Reads the partial sums from
@@ -313,66 +377,47 @@ fn backward_stats(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 @compute @workgroup_size(64)
 fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
-    let owned = owned_row(wid, nwg, lid);
-    if (!owned.valid) {
+    let query_row = owned_row(wid, nwg, lid, pu(ATTENTION_T_Q));
+    let z = sizes();
+    if (!query_row.valid) {
         return;
     }
-    let rows = pu(ATTENTION_ROWS);
-    let row = owned.row;
-    // One split per launch: `split` names it, and each launch after the first adds to the
-    // grads the earlier ones wrote (a row is one invocation's alone, so no race).
-    let s = pu(ATTENTION_SPLIT);
-    let t_q = pu(ATTENTION_T_Q);
-    let h = row / t_q;
-    let d = pu(ATTENTION_D);
-    let d4 = (d + 3u) / 4u;
-    let dv = pu(ATTENTION_DV);
-    let dv4 = (dv + 3u) / 4u;
-    let scale = pf(ATTENTION_SCALE);
-    let q_at = row_start(h, row % t_q, ATTENTION_Q_LAYOUT);
-    let o_at = row_start(h, row % t_q, ATTENTION_O_LAYOUT);
-    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
-    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
-    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
+    let h = query_row.h;
+    let i = query_row.i;
+    // Each launch after a row's first split adds to the grads the earlier ones wrote (a row
+    // is one invocation's alone, so no race).
+    let s = query_row.split;
+    let kv = key_value_rows(h);
     var query: array<vec4<f32>, D4>;
-    var grad: array<vec4<f32>, D4>;
-    for (var c = 0u; c < d4; c = c + 1u) {
-        query[c] = q4(q_at, c, d) * scale;
-        grad[c] = vec4<f32>(0.0);
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        query[c] = q4(row_start(h, i, ATTENTION_Q_LAYOUT), c, z.d) * z.scale;
     }
     var dout: array<vec4<f32>, DV4>;
-    for (var c = 0u; c < dv4; c = c + 1u) {
-        dout[c] = dout4(o_at, c, dv);
+    for (var c = 0u; c < z.dv4; c = c + 1u) {
+        dout[c] = dout4(row_start(h, i, ATTENTION_O_LAYOUT), c, z.dv);
     }
-    let lse = stats[2u * row];
-    let delta = stats[2u * row + 1u];
-    let keys = key_range(row % t_q, s);
+    var grad: array<vec4<f32>, D4>;
+    let lse = stats[2u * query_row.row];
+    let delta = stats[2u * query_row.row + 1u];
+    let keys = key_range(i, s);
     for (var j = keys.x; j < keys.y; j = j + 1u) {
-        let k_row = k_head + j * k_rs;
-        var score = 0.0;
-        for (var c = 0u; c < d4; c = c + 1u) {
-            score = score + dot(query[c], k4(k_row, c, d));
-        }
-        score = masked_score(score, h, row % t_q, j);
+        let k_row = kv.k_head + j * kv.k_rs;
+        let score = masked_score(dot_row(&query, 1u, k_row, z), h, i, j);
         if (score == neg_inf()) {
             continue;
         }
         var dp = 0.0;
-        for (var c = 0u; c < dv4; c = c + 1u) {
-            dp = dp + dot(dout[c], v4(v_head + j * v_rs, c, dv));
+        for (var c = 0u; c < z.dv4; c = c + 1u) {
+            dp = dp + dot(dout[c], v4(kv.v_head + j * kv.v_rs, c, z.dv));
         }
-        let ds = exp(score - lse) * (dp - delta) * scale;
-        for (var c = 0u; c < d4; c = c + 1u) {
-            grad[c] = grad[c] + ds * k4(k_row, c, d);
+        let ds = exp(score - lse) * (dp - delta) * z.scale;
+        for (var c = 0u; c < z.d4; c = c + 1u) {
+            grad[c] = grad[c] + ds * k4(k_row, c, z.d);
         }
     }
-    let base = row_start(h, row % t_q, ATTENTION_OUT_LAYOUT);
-    for (var c = 0u; c < d4; c = c + 1u) {
-        for (var e = 0u; e < lanes(c, d); e = e + 1u) {
-            let at = base + 4u * c + e;
-            grad_a[at] = select((grad[c])[e], grad_a[at] + (grad[c])[e], s > 0u);
-        }
+    let base = row_start(h, i, ATTENTION_OUT_LAYOUT);
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        add_grad_a(base + 4u * c, grad[c], lanes(c, z.d), s > 0u);
     }
 }
 
@@ -382,82 +427,57 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 @compute @workgroup_size(64)
 fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let owned = owned_row(wid, nwg, lid);
-    if (!owned.valid) {
+    let t_q = pu(ATTENTION_T_Q);
+    let key_row = owned_row(wid, nwg, lid, pu(ATTENTION_T_K));
+    if (!key_row.valid) {
         return;
     }
-    let rows = pu(ATTENTION_ROWS);
-    let row = owned.row;
-    // One split per launch: `split` names it, and each launch after the first adds to the
-    // grads the earlier ones wrote (a row is one invocation's alone, so no race).
-    let s = pu(ATTENTION_SPLIT);
-    let t_q = pu(ATTENTION_T_Q);
-    let t_k = pu(ATTENTION_T_K);
-    let h = row / t_k;
-    let d = pu(ATTENTION_D);
-    let d4 = (d + 3u) / 4u;
-    let dv = pu(ATTENTION_DV);
-    let dv4 = (dv + 3u) / 4u;
-    let scale = pf(ATTENTION_SCALE);
-    let k_at_row = row_start(h, row % t_k, ATTENTION_K_LAYOUT);
-    let v_at_row = row_start(h, row % t_k, ATTENTION_V_LAYOUT);
+    let h = key_row.h;
+    let j = key_row.i;
+    let s = key_row.split; // as in backward_query
+    let z = sizes();
     let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
     let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
     let group = pu(ATTENTION_GROUP);
-    var key: array<vec4<f32>, D4>;
-    var grad_key: array<vec4<f32>, D4>;
-    for (var c = 0u; c < d4; c = c + 1u) {
-        key[c] = k4(k_at_row, c, d) * scale;
-        grad_key[c] = vec4<f32>(0.0);
-    }
     var value: array<vec4<f32>, DV4>;
-    var grad_value: array<vec4<f32>, DV4>;
-    for (var c = 0u; c < dv4; c = c + 1u) {
-        value[c] = v4(v_at_row, c, dv);
-        grad_value[c] = vec4<f32>(0.0);
+    for (var c = 0u; c < z.dv4; c = c + 1u) {
+        value[c] = v4(row_start(h, j, ATTENTION_V_LAYOUT), c, z.dv);
     }
-    let queries = query_range(row % t_k, s);
+    var key: array<vec4<f32>, D4>;
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        key[c] = k4(row_start(h, j, ATTENTION_K_LAYOUT), c, z.d) * z.scale;
+    }
+    var grad_key: array<vec4<f32>, D4>;
+    var grad_value: array<vec4<f32>, DV4>;
+    let queries = query_range(j, s);
     for (var hq = h * group; hq < (h + 1u) * group; hq = hq + 1u) {
         let q_head = head_start(hq, ATTENTION_Q_LAYOUT);
         let o_head = head_start(hq, ATTENTION_O_LAYOUT);
         for (var i = queries.x; i < queries.y; i = i + 1u) {
             let q_row = q_head + i * q_rs;
-            let o_row = o_head + i * o_rs;
             let stat = 2u * (hq * t_q + i);
-            var score = 0.0;
-            for (var c = 0u; c < d4; c = c + 1u) {
-                score = score + dot(key[c], q4(q_row, c, d));
-            }
-            score = masked_score(score, hq, i, row % t_k);
+            let score = masked_score(dot_row(&key, 0u, q_row, z), hq, i, j);
             if (score == neg_inf()) {
                 continue;
             }
             let p = exp(score - stats[stat]);
             var dp = 0.0;
-            for (var c = 0u; c < dv4; c = c + 1u) {
-                let g = dout4(o_row, c, dv);
+            for (var c = 0u; c < z.dv4; c = c + 1u) {
+                let g = dout4(o_head + i * o_rs, c, z.dv);
                 dp = dp + dot(g, value[c]);
                 grad_value[c] = grad_value[c] + p * g;
             }
-            let ds = p * (dp - stats[stat + 1u]) * scale;
-            for (var c = 0u; c < d4; c = c + 1u) {
-                grad_key[c] = grad_key[c] + ds * q4(q_row, c, d);
+            let ds = p * (dp - stats[stat + 1u]) * z.scale;
+            for (var c = 0u; c < z.d4; c = c + 1u) {
+                grad_key[c] = grad_key[c] + ds * q4(q_row, c, z.d);
             }
         }
     }
-    let key_base = row_start(h, row % t_k, ATTENTION_OUT_LAYOUT);
-    let value_base = row_start(h, row % t_k, ATTENTION_OUT2_LAYOUT);
-    for (var c = 0u; c < d4; c = c + 1u) {
-        for (var e = 0u; e < lanes(c, d); e = e + 1u) {
-            let at = key_base + 4u * c + e;
-            grad_a[at] = select((grad_key[c])[e], grad_a[at] + (grad_key[c])[e], s > 0u);
-        }
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        add_grad_a(row_start(h, j, ATTENTION_OUT_LAYOUT) + 4u * c, grad_key[c], lanes(c, z.d), s > 0u);
     }
-    for (var c = 0u; c < dv4; c = c + 1u) {
-        for (var e = 0u; e < lanes(c, dv); e = e + 1u) {
-            let at = value_base + 4u * c + e;
-            grad_b[at] = select((grad_value[c])[e], grad_b[at] + (grad_value[c])[e], s > 0u);
-        }
+    for (var c = 0u; c < z.dv4; c = c + 1u) {
+        add_grad_b(row_start(h, j, ATTENTION_OUT2_LAYOUT) + 4u * c, grad_value[c], lanes(c, z.dv), s > 0u);
     }
 }
 
@@ -474,17 +494,6 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 
 const D8: u32 = (D4 + 7u) / 8u * 8u;
 const DV8: u32 = (DV4 + 7u) / 8u * 8u;
-
-// Writes the first `n` features of `value` to o from element `at` (one vec4 where aligned).
-fn store_out(at: u32, value: vec4<f32>, n: u32) {
-    if (ALIGNED) {
-        o[at / 4u] = value;
-        return;
-    }
-    for (var e = 0u; e < n; e = e + 1u) {
-        o[(at + e) / 4u][(at + e) % 4u] = value[e];
-    }
-}
 
 // Group `c` of a row kept in registers (`D8` or `DV8` groups), picked with selects: indexing
 // the array with `c` would move it to memory, and a loop over the groups with a constant bound
@@ -519,6 +528,36 @@ fn lane_group(g: u32, lane: u32, n4: u32) -> u32 {
     return min(g + lane, n4 - 1u);
 }
 
+// Group `c` of the row of `side` at `at` (of `n4` groups), zero from the row's last group on:
+// the register rows of the `*_shared` entries are padded to whole 8s of groups.
+fn padded_group(side: u32, at: u32, c: u32, n4: u32, len: u32) -> vec4<f32> {
+    return select(vec4<f32>(0.0), row4(side, at, min(c, n4 - 1u), len), c < n4);
+}
+
+// The dot product of a register row (`D8` groups of q/k features) with the row of `side` at
+// `at`, which the subgroup's lanes load a group each and broadcast.
+fn dot_shared(row: ptr<function, array<vec4<f32>, D8>>, side: u32, at: u32, lane: u32, z: Sizes) -> f32 {
+    var sum = 0.0;
+    for (var g = 0u; g < D8; g = g + 8u) {
+        let other = groups8(row4(side, at, lane_group(g, lane, z.d4), z.d));
+        for (var e = 0u; e < 8u; e = e + 1u) {
+            sum = sum + dot((*row)[g + e], other[e]);
+        }
+    }
+    return sum;
+}
+
+// Adds `ds` times the row of `side` at `at` (loaded and broadcast as in `dot_shared`) to a
+// register row of q/k features.
+fn add_scaled_shared(row: ptr<function, array<vec4<f32>, D8>>, ds: f32, side: u32, at: u32, lane: u32, z: Sizes) {
+    for (var g = 0u; g < D8; g = g + 8u) {
+        let other = groups8(row4(side, at, lane_group(g, lane, z.d4), z.d));
+        for (var e = 0u; e < 8u; e = e + 1u) {
+            (*row)[g + e] = (*row)[g + e] + ds * other[e];
+        }
+    }
+}
+
 // The row a `*_shared` invocation owns, where each head's `t` rows are padded to whole 8s so
 // that a subgroup owns 8 rows of one head: `i`, the row in head `h`, is clamped to the last
 // real row for the padding's lanes (`ghost`), which load and broadcast with their subgroup but
@@ -542,87 +581,54 @@ fn owned_in_head(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, t: u32) -> OwnedInHea
     let first = i - i % 8u;
     let valid = g < per_split * pu(ATTENTION_SPLITS);
     let ghost = i >= t;
-    return OwnedInHead(p / padded, min(i, t - 1u), first, min(first + 7u, t - 1u), g / per_split,
-                       valid, ghost);
+    let split = g / per_split + pu(ATTENTION_SPLIT);
+    return OwnedInHead(p / padded, min(i, t - 1u), first, min(first + 7u, t - 1u), split, valid, ghost);
 }
 
 @compute @workgroup_size(64)
 fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
-    let t_q = pu(ATTENTION_T_Q);
-    let owned = owned_in_head(wid, nwg, lid, t_q);
+    let row = owned_in_head(wid, nwg, lid, pu(ATTENTION_T_Q));
     // Heads are padded to whole 8s of rows, so whole subgroups leave here.
-    if (!owned.valid) {
+    if (!row.valid) {
         return;
     }
-    let rows = pu(ATTENTION_ROWS);
-    let splits = pu(ATTENTION_SPLITS);
-    let s = owned.split;
-    let h = owned.h;
-    let i = owned.i;
-    let row = h * t_q + i;
-    let d = pu(ATTENTION_D);
-    let d4 = (d + 3u) / 4u;
-    let dv = pu(ATTENTION_DV);
-    let dv4 = (dv + 3u) / 4u;
-    let scale = pf(ATTENTION_SCALE);
-    let q_at = row_start(h, i, ATTENTION_Q_LAYOUT);
-    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
-    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
-    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
+    let kv = key_value_rows(row.h);
+    let z = sizes();
     var query: array<vec4<f32>, D8>;
     for (var c = 0u; c < D8; c = c + 1u) {
-        query[c] = select(vec4<f32>(0.0), q4(q_at, min(c, d4 - 1u), d) * scale, c < d4);
+        query[c] = padded_group(0u, row_start(row.h, row.i, ATTENTION_Q_LAYOUT), c, z.d4, z.d) * z.scale;
     }
     var acc: array<vec4<f32>, DV8>;
-    var m = bitcast<f32>(0xff800000u);
+    var m = neg_inf();
     var l = 0.0;
-    let keys = key_range(i, s);
+    let keys = key_range(row.i, row.split);
     // The subgroup's first row starts earliest and its last ends latest.
-    let shared_keys = vec2<u32>(key_range(owned.first, s).x, key_range(owned.last, s).y);
+    let shared_keys = vec2<u32>(key_range(row.first, row.split).x, key_range(row.last, row.split).y);
     for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
-        let k_row = k_head + j * k_rs;
-        var score = 0.0;
-        for (var g = 0u; g < D8; g = g + 8u) {
-            let kg = groups8(k4(k_row, lane_group(g, lane, d4), d));
-            for (var e = 0u; e < 8u; e = e + 1u) {
-                score = score + dot(query[g + e], kg[e]);
-            }
-        }
-        score = masked_score(score, h, i, j);
+        let score = masked_score(dot_shared(&query, 1u, kv.k_head + j * kv.k_rs, lane, z), row.h, row.i, j);
         let live = j >= keys.x && j < keys.y && score != neg_inf();
         let m_new = select(m, max(m, score), live);
         let correction = select(1.0, exp(m - m_new), live);
         let p = select(0.0, exp(score - m_new), live);
         l = l * correction + p;
-        let v_row = v_head + j * v_rs;
         for (var g = 0u; g < DV8; g = g + 8u) {
-            let vg = groups8(v4(v_row, lane_group(g, lane, dv4), dv));
+            let vg = groups8(v4(kv.v_head + j * kv.v_rs, lane_group(g, lane, z.dv4), z.dv));
             for (var e = 0u; e < 8u; e = e + 1u) {
                 acc[g + e] = acc[g + e] * correction + p * vg[e];
             }
         }
         m = m_new;
     }
-    if (owned.ghost) {
+    if (row.ghost) {
         return;
     }
-    let out_base = select((s * rows + row) * dv, row_start(h, i, ATTENTION_OUT_LAYOUT), splits == 1u);
-    var inv = 1.0;
-    if (splits == 1u) {
-        inv = select(0.0, 1.0 / l, l > 0.0);
+    let at = row.h * pu(ATTENTION_T_Q) + row.i;
+    let out_base = forward_out_start(at, row.h, row.i, row.split);
+    for (var c = 0u; c < z.dv4; c = c + 1u) {
+        store_out(out_base + 4u * c, group_of_dv(&acc, c) * forward_out_scale(l), lanes(c, z.dv));
     }
-    for (var c = 0u; c < dv4; c = c + 1u) {
-        store_out(out_base + 4u * c, group_of_dv(&acc, c) * inv, lanes(c, dv));
-    }
-    if (splits == 1u) {
-        stats[2u * row] = m + log(l);
-        stats[2u * row + 1u] = 0.0;
-    } else {
-        stats[2u * (s * rows + row)] = m;
-        stats[2u * (s * rows + row) + 1u] = l;
-    }
+    store_forward_stats(at, row.split, m, l);
 }
 
 // The query grad, as backward_query, for a subgroup owning 8 query rows of one head.
@@ -630,72 +636,46 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
     let t_q = pu(ATTENTION_T_Q);
-    let owned = owned_in_head(wid, nwg, lid, t_q);
-    if (!owned.valid) {
+    let query_row = owned_in_head(wid, nwg, lid, t_q);
+    let z = sizes();
+    if (!query_row.valid) {
         return;
     }
-    let s = pu(ATTENTION_SPLIT);
-    let h = owned.h;
-    let i = owned.i;
-    let row = h * t_q + i;
-    let d = pu(ATTENTION_D);
-    let d4 = (d + 3u) / 4u;
-    let dv = pu(ATTENTION_DV);
-    let dv4 = (dv + 3u) / 4u;
-    let scale = pf(ATTENTION_SCALE);
-    let q_at = row_start(h, i, ATTENTION_Q_LAYOUT);
-    let o_at = row_start(h, i, ATTENTION_O_LAYOUT);
-    let k_head = head_start(kv_head(h), ATTENTION_K_LAYOUT);
-    let k_rs = pu(ATTENTION_K_LAYOUT + 4u);
-    let v_head = head_start(kv_head(h), ATTENTION_V_LAYOUT);
-    let v_rs = pu(ATTENTION_V_LAYOUT + 4u);
+    let kv = key_value_rows(query_row.h);
     var query: array<vec4<f32>, D8>;
     var grad: array<vec4<f32>, D8>;
     for (var c = 0u; c < D8; c = c + 1u) {
-        query[c] = select(vec4<f32>(0.0), q4(q_at, min(c, d4 - 1u), d) * scale, c < d4);
+        query[c] = padded_group(0u, row_start(query_row.h, query_row.i, ATTENTION_Q_LAYOUT), c, z.d4, z.d) * z.scale;
     }
     var dout: array<vec4<f32>, DV8>;
     for (var c = 0u; c < DV8; c = c + 1u) {
-        dout[c] = select(vec4<f32>(0.0), dout4(o_at, min(c, dv4 - 1u), dv), c < dv4);
+        dout[c] = padded_group(3u, row_start(query_row.h, query_row.i, ATTENTION_O_LAYOUT), c, z.dv4, z.dv);
     }
-    let lse = stats[2u * row];
-    let delta = stats[2u * row + 1u];
-    let keys = key_range(i, s);
-    let shared_keys = vec2<u32>(key_range(owned.first, s).x, key_range(owned.last, s).y);
+    let lse = stats[2u * (query_row.h * t_q + query_row.i)];
+    let delta = stats[2u * (query_row.h * t_q + query_row.i) + 1u];
+    let keys = key_range(query_row.i, query_row.split);
+    let shared_keys = vec2<u32>(key_range(query_row.first, query_row.split).x, key_range(query_row.last, query_row.split).y);
     for (var j = shared_keys.x; j < shared_keys.y; j = j + 1u) {
-        let k_row = k_head + j * k_rs;
-        let v_row = v_head + j * v_rs;
-        var score = 0.0;
-        for (var g = 0u; g < D8; g = g + 8u) {
-            let kg = groups8(k4(k_row, lane_group(g, lane, d4), d));
-            for (var e = 0u; e < 8u; e = e + 1u) {
-                score = score + dot(query[g + e], kg[e]);
-            }
-        }
+        let k_row = kv.k_head + j * kv.k_rs;
+        let score = masked_score(dot_shared(&query, 1u, k_row, lane, z), query_row.h, query_row.i, j);
         var dp = 0.0;
         for (var g = 0u; g < DV8; g = g + 8u) {
-            let vg = groups8(v4(v_row, lane_group(g, lane, dv4), dv));
+            let vg = groups8(v4(kv.v_head + j * kv.v_rs, lane_group(g, lane, z.dv4), z.dv));
             for (var e = 0u; e < 8u; e = e + 1u) {
                 dp = dp + dot(dout[g + e], vg[e]);
             }
         }
-        score = masked_score(score, h, i, j);
         let live = j >= keys.x && j < keys.y && score != neg_inf();
-        let ds = select(0.0, exp(score - lse) * (dp - delta) * scale, live);
+        let ds = select(0.0, exp(score - lse) * (dp - delta) * z.scale, live);
         // Key row j again: one load and 8 broadcasts per lane, which measured no slower than
         // keeping the row from the score loop (a fourth register array).
-        for (var g = 0u; g < D8; g = g + 8u) {
-            let kg = groups8(k4(k_row, lane_group(g, lane, d4), d));
-            for (var e = 0u; e < 8u; e = e + 1u) {
-                grad[g + e] = grad[g + e] + ds * kg[e];
-            }
-        }
+        add_scaled_shared(&grad, ds, 1u, k_row, lane, z);
     }
-    if (owned.ghost) {
+    if (query_row.ghost) {
         return;
     }
-    for (var c = 0u; c < d4; c = c + 1u) {
-        add_grad_a(row_start(h, i, ATTENTION_OUT_LAYOUT) + 4u * c, group_of_d(&grad, c), lanes(c, d), s > 0u);
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        add_grad_a(row_start(query_row.h, query_row.i, ATTENTION_OUT_LAYOUT) + 4u * c, group_of_d(&grad, c), lanes(c, z.d), query_row.split > 0u);
     }
 }
 
@@ -704,95 +684,56 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
 fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) lane: u32) {
     let t_q = pu(ATTENTION_T_Q);
-    let t_k = pu(ATTENTION_T_K);
-    let owned = owned_in_head(wid, nwg, lid, t_k);
-    if (!owned.valid) {
+    let key_row = owned_in_head(wid, nwg, lid, pu(ATTENTION_T_K));
+    if (!key_row.valid) {
         return;
     }
-    let s = pu(ATTENTION_SPLIT);
-    let h = owned.h;
-    let j = owned.i;
-    let row = h * t_k + j;
-    let d = pu(ATTENTION_D);
-    let d4 = (d + 3u) / 4u;
-    let dv = pu(ATTENTION_DV);
-    let dv4 = (dv + 3u) / 4u;
-    let scale = pf(ATTENTION_SCALE);
-    let k_at_row = row_start(h, j, ATTENTION_K_LAYOUT);
-    let v_at_row = row_start(h, j, ATTENTION_V_LAYOUT);
+    let z = sizes();
     let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
     let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
     let group = pu(ATTENTION_GROUP);
     var key: array<vec4<f32>, D8>;
     var grad_key: array<vec4<f32>, D8>;
     for (var c = 0u; c < D8; c = c + 1u) {
-        key[c] = select(vec4<f32>(0.0), k4(k_at_row, min(c, d4 - 1u), d) * scale, c < d4);
+        key[c] = padded_group(1u, row_start(key_row.h, key_row.i, ATTENTION_K_LAYOUT), c, z.d4, z.d) * z.scale;
     }
     var value: array<vec4<f32>, DV8>;
     var grad_value: array<vec4<f32>, DV8>;
     for (var c = 0u; c < DV8; c = c + 1u) {
-        value[c] = select(vec4<f32>(0.0), v4(v_at_row, min(c, dv4 - 1u), dv), c < dv4);
+        value[c] = padded_group(2u, row_start(key_row.h, key_row.i, ATTENTION_V_LAYOUT), c, z.dv4, z.dv);
     }
-    let queries = query_range(j, s);
+    let queries = query_range(key_row.i, key_row.split);
     // The subgroup's first key row is attended to by the most queries (causal: from itself on).
-    let shared_queries = query_range(owned.first, s);
-    for (var hq = h * group; hq < (h + 1u) * group; hq = hq + 1u) {
+    let shared_queries = query_range(key_row.first, key_row.split);
+    for (var hq = key_row.h * group; hq < (key_row.h + 1u) * group; hq = hq + 1u) {
         let q_head = head_start(hq, ATTENTION_Q_LAYOUT);
         let o_head = head_start(hq, ATTENTION_O_LAYOUT);
         for (var i = shared_queries.x; i < shared_queries.y; i = i + 1u) {
             let q_row = q_head + i * q_rs;
-            let o_row = o_head + i * o_rs;
             let stat = 2u * (hq * t_q + i);
-            var score = 0.0;
-            for (var g = 0u; g < D8; g = g + 8u) {
-                let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
-                for (var e = 0u; e < 8u; e = e + 1u) {
-                    score = score + dot(key[g + e], qg[e]);
-                }
-            }
-            score = masked_score(score, hq, i, j);
+            let score = masked_score(dot_shared(&key, 0u, q_row, lane, z), hq, i, key_row.i);
             let live = i >= queries.x && i < queries.y && score != neg_inf();
             let p = select(0.0, exp(score - stats[stat]), live);
             var dp = 0.0;
             for (var g = 0u; g < DV8; g = g + 8u) {
-                let og = groups8(dout4(o_row, lane_group(g, lane, dv4), dv));
+                let og = groups8(dout4(o_head + i * o_rs, lane_group(g, lane, z.dv4), z.dv));
                 for (var e = 0u; e < 8u; e = e + 1u) {
                     dp = dp + dot(og[e], value[g + e]);
                     grad_value[g + e] = grad_value[g + e] + p * og[e];
                 }
             }
-            let ds = p * (dp - stats[stat + 1u]) * scale;
             // Query row i again, as backward_query_shared reloads its key row.
-            for (var g = 0u; g < D8; g = g + 8u) {
-                let qg = groups8(q4(q_row, lane_group(g, lane, d4), d));
-                for (var e = 0u; e < 8u; e = e + 1u) {
-                    grad_key[g + e] = grad_key[g + e] + ds * qg[e];
-                }
-            }
+            add_scaled_shared(&grad_key, p * (dp - stats[stat + 1u]) * z.scale, 0u, q_row, lane, z);
         }
     }
-    if (owned.ghost) {
+    if (key_row.ghost) {
         return;
     }
-    for (var c = 0u; c < d4; c = c + 1u) {
-        add_grad_a(row_start(h, j, ATTENTION_OUT_LAYOUT) + 4u * c, group_of_d(&grad_key, c), lanes(c, d), s > 0u);
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        add_grad_a(row_start(key_row.h, key_row.i, ATTENTION_OUT_LAYOUT) + 4u * c, group_of_d(&grad_key, c), lanes(c, z.d), key_row.split > 0u);
     }
-    for (var c = 0u; c < dv4; c = c + 1u) {
-        add_grad_b(row_start(h, j, ATTENTION_OUT2_LAYOUT) + 4u * c, group_of_dv(&grad_value, c), lanes(c, dv), s > 0u);
-    }
-}
-
-// Writes the first `n` features of `value` to grad_a (grad_b) from element `at`, added to what
-// is there when `add` (a later split).
-fn add_grad_a(at: u32, value: vec4<f32>, n: u32, add: bool) {
-    for (var e = 0u; e < n; e = e + 1u) {
-        grad_a[at + e] = select(value[e], grad_a[at + e] + value[e], add);
-    }
-}
-
-fn add_grad_b(at: u32, value: vec4<f32>, n: u32, add: bool) {
-    for (var e = 0u; e < n; e = e + 1u) {
-        grad_b[at + e] = select(value[e], grad_b[at + e] + value[e], add);
+    for (var c = 0u; c < z.dv4; c = c + 1u) {
+        add_grad_b(row_start(key_row.h, key_row.i, ATTENTION_OUT2_LAYOUT) + 4u * c, group_of_dv(&grad_value, c), lanes(c, z.dv), key_row.split > 0u);
     }
 }
 

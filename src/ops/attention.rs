@@ -615,7 +615,8 @@ fn backward(
         let lg = &ops.layouts[3];
         let with_stats = Tensor::empty(OP, &[rows_q, 2], DType::F32, dev)?;
         let params = s.params(rows_q, 0, 1, &[lo, lo, lo, *lg], [&lo, &lo]);
-        let bound = [(2, stats), (3, &out), (4, g), (5, &with_stats)];
+        // q is bound, unread: the kernel's one row loader names all four inputs.
+        let bound = [(1, q), (2, stats), (3, &out), (4, g), (5, &with_stats)];
         run("backward_stats", &[&lo, lg], s, &bound, &params, rows_q)?;
         with_stats
     };
