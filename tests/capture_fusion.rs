@@ -413,3 +413,46 @@ fn two_optimizers_keep_their_own_step_counts_when_merged() {
         assert_close(&a.to_vec().unwrap(), &b.to_vec().unwrap(), "parameter");
     }
 }
+
+#[test]
+fn each_pass_reports_the_commands_it_removed() {
+    // An MLP training step: grads installed into empty slots (copies), bias adds and ReLUs
+    // (fused), AdamW's updates and the bias grads' column sums (merged).
+    let stats_with = |fusion: bool| {
+        let dev = device();
+        let model = wgrad::nn::Sequential::new()
+            .add(wgrad::nn::Linear::new(12, 16, true, dev).unwrap())
+            .add(wgrad::nn::Relu)
+            .add(wgrad::nn::Linear::new(16, 3, true, dev).unwrap());
+        use wgrad::nn::Module;
+        let mut opt = AdamW::new(model.parameters(), AdamConfig::default());
+        let mut step = Step::new(|b: &[Tensor]| {
+            opt.zero_grad();
+            let loss = wgrad::nn::loss::cross_entropy(&model.forward(&b[0])?, &b[1])?;
+            loss.backward()?;
+            opt.step()?;
+            Ok(loss)
+        })
+        .with_fusion(fusion);
+        let (x, _) = random_tensor(&[8, 12], 51);
+        let y = Tensor::from_labels(vec![0, 1, 2, 0, 1, 2, 0, 1], dev).unwrap();
+        for _ in 0..3 {
+            step.run(&[x.clone(), y.clone()]).unwrap();
+        }
+        step.stats()
+    };
+    let (fused, unfused) = (stats_with(true), stats_with(false));
+    let passes = fused.passes;
+    assert!(passes.copies_forwarded > 0, "{fused:?}");
+    assert!(passes.fused > 0 && passes.merged > 0, "{fused:?}");
+    assert_eq!(fused.fused_away, passes.fused + passes.merged);
+    assert_eq!(unfused.passes, wgrad::capture::PassStats::default());
+    // Forwarded copies are buffer copies, not dispatches: the launches the fused plan lacks
+    // are the fused and merged ones.
+    let removed = unfused.replay_dispatches - fused.replay_dispatches;
+    assert_eq!(
+        removed,
+        (passes.fused + passes.merged) as u64,
+        "{fused:?} {unfused:?}"
+    );
+}

@@ -15,6 +15,7 @@ mod plan;
 
 use std::collections::HashMap;
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::tensor::tape;
 use crate::tensor::Tensor;
@@ -39,8 +40,10 @@ pub struct StepStats {
     pub replays: u64,
     /// Plans kept, one per input signature, at most [`MAX_PLANS`].
     pub plans: usize,
-    /// Launches the fuser merged away in the latest plan.
+    /// Launches the fuser merged away in the latest plan (`passes.fused + passes.merged`).
     pub fused_away: usize,
+    /// What each pass did to the latest plan.
+    pub passes: PassStats,
     /// Dispatches one replay of the latest plan records.
     pub replay_dispatches: u64,
     /// Host time of the latest replay from the start of `run` to its queue submission:
@@ -52,6 +55,37 @@ pub struct StepStats {
     /// buffers (a pool hands a training loop's batches the same ones), the grads as that
     /// replay left them, and no grad of the step held elsewhere.
     pub replays_encoded_ahead: u64,
+}
+
+/// The commands each pass of a capture removed from its plan, in the order they run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PassStats {
+    /// Whole copies of an intermediate into a value the step makes (a grad installed into an
+    /// empty slot), gone because the intermediate's writers write the value itself.
+    pub copies_forwarded: usize,
+    /// Elementwise launches run inside another kernel: one generated kernel per run of them,
+    /// or the stores of the matmul or LayerNorm whose output they consume.
+    pub fused: usize,
+    /// Launches of one pipeline merged into one launch (an optimizer's updates, a backward
+    /// pass's reductions).
+    pub merged: usize,
+}
+
+/// A capture pass: rewrites a draft's commands and returns how many it removed.
+type Pass = fn(&mut plan::Draft, &Device) -> usize;
+
+/// Runs the passes over `draft`, in order, and what each removed.
+fn run_passes(draft: &mut plan::Draft, device: &Device) -> PassStats {
+    let mut stats = PassStats::default();
+    let passes: [(Pass, &mut usize); 3] = [
+        (|d, _| fuse::forward_copies(d), &mut stats.copies_forwarded),
+        (fuse::fuse, &mut stats.fused),
+        (fuse::merge_parts, &mut stats.merged),
+    ];
+    for (pass, removed) in passes {
+        *removed = pass(draft, device);
+    }
+    stats
 }
 
 /// A training step that is captured on its second call and replayed after that.
@@ -162,18 +196,17 @@ where
         let loss = result?;
         let device = first.device().clone();
         let fusion = self.fusion;
-        let mut fused_away = 0;
+        let mut passes = PassStats::default();
         let planned = plan::draft(tape, inputs, &loss).and_then(|(mut draft, shell)| {
             if fusion {
-                fuse::forward_copies(&mut draft);
-                fused_away = fuse::fuse(&mut draft, &device);
-                fused_away += fuse::merge_parts(&mut draft, &device);
+                passes = run_passes(&mut draft, &device);
             }
             plan::lay_out(draft, shell).map_err(|e| e.to_string())
         });
         match planned {
             Ok(plan) => {
-                self.stats.fused_away = fused_away;
+                self.stats.passes = passes;
+                self.stats.fused_away = passes.fused + passes.merged;
                 self.stats.replay_dispatches = plan.dispatches();
                 // Older plans whose guards no longer pass are kept, a few: a later call may
                 // match them.
