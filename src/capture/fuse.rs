@@ -587,45 +587,53 @@ fn fused_source(
     }
     src.push_str(&element.code);
 
-    // The entry point: the contiguous kernels' loop (shaders/common.wgsl).
-    src.push_str(
-        "@compute @workgroup_size(256)\n\
-         fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,\n\
-         \x20       @builtin(local_invocation_index) lid: u32) {\n\
-         \x20   let n = pu(0u);\n",
-    );
-    if vec4 {
-        src.push_str(
-            "    let per_group = CONTIGUOUS_PER_GROUP / 4u;\n\
-             \x20   for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {\n\
-             \x20       let i = contiguous_item(wid, nwg, lid, j, per_group);\n\
-             \x20       if (i >= n / 4u) {\n            break;\n        }\n",
-        );
-        src.push_str(&element.load_lines(true, "        "));
-        for c in ["x", "y", "z", "w"] {
-            let args = element.args(None, &format!(".{c}"));
-            let _ = writeln!(src, "        let r{c} = element({args});");
-        }
-        for k in 0..outputs.len() {
-            let _ = writeln!(
-                src,
-                "        out{k}[i] = vec4<f32>(rx.o{k}, ry.o{k}, rz.o{k}, rw.o{k});"
-            );
-        }
+    // The entry point: a section of shaders/fused.wgsl, filled in.
+    let indent = "        ";
+    let (template, args) = if vec4 {
+        let args: Vec<(String, String)> = (["X", "Y", "Z", "W"].iter())
+            .map(|c| {
+                (
+                    format!("ARGS_{c}"),
+                    element.args(None, &format!(".{}", c.to_lowercase())),
+                )
+            })
+            .collect();
+        (entry_template("VEC4 ENTRY"), args)
     } else {
-        src.push_str(
-            "    for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {\n\
-             \x20       let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);\n\
-             \x20       if (i >= n) {\n            break;\n        }\n",
-        );
-        src.push_str(&element.load_lines(false, "        "));
-        let _ = writeln!(src, "        let r = element({});", element.args(None, ""));
-        for k in 0..outputs.len() {
-            let _ = writeln!(src, "        out{k}[i / 4u][i % 4u] = r.o{k};");
-        }
+        (
+            entry_template("ELEMENT ENTRY"),
+            vec![("ARGS".to_string(), element.args(None, ""))],
+        )
+    };
+    let store = |k: usize| match vec4 {
+        true => format!("{indent}out{k}[i] = vec4<f32>(rx.o{k}, ry.o{k}, rz.o{k}, rw.o{k});\n"),
+        false => format!("{indent}out{k}[i / 4u][i % 4u] = r.o{k};\n"),
+    };
+    let stores: String = (0..outputs.len()).map(store).collect();
+    let mut entry = template
+        .replace(
+            &format!("{indent}LOADS\n"),
+            &element.load_lines(vec4, indent),
+        )
+        .replace(&format!("{indent}STORES\n"), &stores);
+    for (placeholder, value) in args {
+        entry = entry.replace(&placeholder, &value);
     }
-    src.push_str("    }\n}\n");
+    src.push_str(&entry);
     Some((format!("{COMMON_WGSL}\n{src}"), bindings))
+}
+
+/// The entry points of generated kernels, as templates (`shaders/fused.wgsl`).
+const FUSED_WGSL: &str = include_str!("../../shaders/fused.wgsl");
+
+/// The section `name` of [`FUSED_WGSL`] (between its `// {name} BEGIN` and `END` lines).
+fn entry_template(name: &str) -> String {
+    let begin = format!("// {name} BEGIN\n");
+    let start = FUSED_WGSL.find(&begin).expect("a section of fused.wgsl") + begin.len();
+    let end = FUSED_WGSL[start..]
+        .find(&format!("// {name} END"))
+        .expect("a closed section");
+    FUSED_WGSL[start..start + end].to_string()
 }
 
 const EPILOGUE_BEGIN: &str = "// EPILOGUE SECTION BEGIN";
@@ -1079,24 +1087,19 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
         starts.push(workgroups);
         workgroups += launch.workgroups;
     }
-    // Each launch's workgroups follow the previous one's.
-    src.push_str(
-        "@compute @workgroup_size(256)\n\
-         fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,\n\
-         \x20       @builtin(local_invocation_index) lid: u32) {\n\
-         \x20   let w = workgroup_index(wid, nwg);\n",
-    );
     let part = site.part;
+    let mut parts = String::new();
     for k in 0..run.len() - 1 {
         let _ = writeln!(
-            src,
+            parts,
             "    if (w < {}u) {{\n        {part}_{k}(w - {}u, lid);\n        return;\n    }}",
             starts[k + 1],
             starts[k]
         );
     }
     let last = run.len() - 1;
-    let _ = writeln!(src, "    {part}_{last}(w - {}u, lid);\n}}", starts[last]);
+    let _ = writeln!(parts, "    {part}_{last}(w - {}u, lid);", starts[last]);
+    src.push_str(&entry_template("MERGED ENTRY").replace("    PARTS\n", &parts));
     if let Err(e) = validate(&src) {
         log::debug!("capture: a merged launch failed validation, left unmerged: {e}");
         return unmerged(run);
