@@ -51,25 +51,197 @@ fn summed(slot: &mut Option<Tensor>, grad: Tensor) -> Result<Tensor> {
     }
 }
 
-/// Adds `grad` to the engine-owned sum under `key`.
-fn add_to(sums: &mut HashMap<usize, Tensor>, key: usize, grad: Tensor) -> Result<()> {
-    let sum = summed(&mut sums.remove(&key), grad)?;
-    sums.insert(key, sum);
-    Ok(())
+/// What the caller wants grads of, by key: listed leaves, and listed non-leaves as (node,
+/// output index).
+struct Wants {
+    all_leaves: bool,
+    leaves: HashSet<usize>,
+    outputs: HashSet<(usize, usize)>,
+    /// The nodes of the listed non-leaves.
+    nodes: HashSet<usize>,
 }
 
-/// Adds `grad` to the engine-owned sum for output `index` of `node` (one slot per output).
-fn add_to_output(
-    sums: &mut HashMap<usize, Vec<Option<Tensor>>>,
-    node: &Arc<Node>,
-    index: usize,
-    grad: Tensor,
-) -> Result<()> {
-    let slots = sums
-        .entry(node_key(node))
-        .or_insert_with(|| vec![None; node.outputs.len()]);
-    slots[index] = Some(summed(&mut slots[index], grad)?);
-    Ok(())
+impl Wants {
+    fn of(wanted: &Wanted) -> Wants {
+        let (leaves, outputs): (HashSet<usize>, HashSet<(usize, usize)>) = match wanted {
+            Wanted::AllLeaves => Default::default(),
+            Wanted::Listed(tensors) => (
+                (tensors.iter().filter(|t| t.is_leaf()).map(tensor_key)).collect(),
+                (tensors.iter().filter_map(|t| t.grad_fn_output()))
+                    .map(|(n, index)| (node_key(&n), index))
+                    .collect(),
+            ),
+        };
+        Wants {
+            all_leaves: matches!(wanted, Wanted::AllLeaves),
+            nodes: outputs.iter().map(|&(key, _)| key).collect(),
+            leaves,
+            outputs,
+        }
+    }
+
+    fn leaf(&self, leaf: &Tensor) -> bool {
+        self.all_leaves || self.leaves.contains(&tensor_key(leaf))
+    }
+
+    /// Whether output `index` of `node` is handed out: listed, or (backward()) retained.
+    fn output(&self, key: usize, index: usize, output: &Tensor) -> bool {
+        (self.all_leaves && output.meta().retains_grad) || self.outputs.contains(&(key, index))
+    }
+}
+
+/// Every node the roots reach, each after all the nodes its edges lead to (a DFS postorder),
+/// so a single pass over it can decide which nodes lead to wanted tensors.
+fn postorder(roots: &[Tensor]) -> Vec<Arc<Node>> {
+    let mut visited: HashSet<usize> = HashSet::new();
+    let mut order: Vec<Arc<Node>> = Vec::new();
+    let mut stack: Vec<(Arc<Node>, usize)> = Vec::new();
+    for node in roots.iter().filter_map(|root| root.grad_fn()) {
+        if visited.insert(node_key(&node)) {
+            stack.push((node, 0));
+        }
+    }
+    while let Some((node, next_edge)) = stack.pop() {
+        if next_edge == node.edges.len() {
+            order.push(node);
+            continue;
+        }
+        stack.push((node.clone(), next_edge + 1));
+        if let Some(Edge::Node(child, _)) = &node.edges[next_edge] {
+            if visited.insert(node_key(child)) {
+                stack.push((child.clone(), 0));
+            }
+        }
+    }
+    order
+}
+
+/// Which nodes run their backward rule and, per node, how many edges from running nodes still
+/// owe it a grad.
+struct RunPlan {
+    /// Nodes with an edge leading (directly or through other nodes) to a wanted tensor.
+    runs: HashSet<usize>,
+    pending: HashMap<usize, usize>,
+}
+
+impl RunPlan {
+    /// The plan over `postorder`; an error if a node that must run was freed (S-10), before
+    /// anything runs.
+    fn of(postorder: &[Arc<Node>], wants: &Wants) -> Result<RunPlan> {
+        let mut plan = RunPlan {
+            runs: HashSet::new(),
+            pending: HashMap::new(),
+        };
+        for node in postorder {
+            let leads_to_wanted = node.edges.iter().flatten().any(|edge| match edge {
+                Edge::Leaf(leaf) => wants.leaf(leaf),
+                Edge::Node(child, index) => {
+                    plan.runs.contains(&node_key(child))
+                        || wants.outputs.contains(&(node_key(child), *index))
+                }
+            });
+            if leads_to_wanted {
+                plan.runs.insert(node_key(node));
+            }
+        }
+        for node in postorder
+            .iter()
+            .filter(|n| plan.runs.contains(&node_key(n)))
+        {
+            if node.backward.lock().map(|b| b.is_none()).unwrap_or(true) {
+                return Err(Error::InvalidArgument {
+                    op: "backward",
+                    msg: format!(
+                        "trying to backward through the graph a second time (through {}), but its \
+                         saved tensors were already freed; graph already freed; pass \
+                         retain_graph: true to the first backward",
+                        node.name
+                    ),
+                });
+            }
+            for edge in node.edges.iter().flatten() {
+                if let Edge::Node(child, _) = edge {
+                    if plan.needed(node_key(child), wants) {
+                        *plan.pending.entry(node_key(child)).or_default() += 1;
+                    }
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Whether a node needs its grad: it runs, or is itself wanted (S-5).
+    fn needed(&self, key: usize, wants: &Wants) -> bool {
+        self.runs.contains(&key) || wants.nodes.contains(&key)
+    }
+}
+
+/// The engine-owned grads of the walk: per node output and per wanted leaf, each a sum of
+/// what reached it, and the grads handed out so far.
+#[derive(Default)]
+struct GradStore {
+    nodes: HashMap<usize, Vec<Option<Tensor>>>,
+    leaves: HashMap<usize, (Tensor, Option<Tensor>)>,
+    results: Vec<(Tensor, Tensor)>,
+}
+
+impl GradStore {
+    /// Adds `grad` to the sum for output `index` of `node` (one slot per output).
+    fn add_to_output(&mut self, node: &Arc<Node>, index: usize, grad: Tensor) -> Result<()> {
+        let slots = self
+            .nodes
+            .entry(node_key(node))
+            .or_insert_with(|| vec![None; node.outputs.len()]);
+        slots[index] = Some(summed(&mut slots[index], grad)?);
+        Ok(())
+    }
+
+    /// Adds `grad` to the sum for `leaf`.
+    fn add_to_leaf(&mut self, leaf: &Tensor, grad: Tensor) -> Result<()> {
+        let (_, sum) = self
+            .leaves
+            .entry(tensor_key(leaf))
+            .or_insert_with(|| (leaf.clone(), None));
+        *sum = Some(summed(sum, grad)?);
+        Ok(())
+    }
+
+    /// The grads handed out: the wanted non-leaves' as they were met, then the leaves'.
+    fn finish(mut self) -> Vec<(Tensor, Tensor)> {
+        let leaves = self.leaves.into_values();
+        self.results
+            .extend(leaves.filter_map(|(leaf, sum)| sum.map(|grad| (leaf, grad))));
+        self.results
+    }
+}
+
+/// `grad` in the dtype of the tensor it is for (as torch's engine casts it): an op of two
+/// float dtypes under autocast gives both inputs its own dtype's grad.
+fn in_dtype_of(edge: &Edge, grad: Tensor) -> Result<Tensor> {
+    let dtype = match edge {
+        Edge::Leaf(leaf) => leaf.dtype(),
+        Edge::Node(child, index) => child.output_dtypes[*index],
+    };
+    if grad.dtype() == dtype || !dtype.is_float() {
+        return Ok(grad);
+    }
+    grad.to_dtype(dtype)
+}
+
+/// Runs `node`'s backward rule on its summed output grads (dropping the rule unless
+/// `retain_graph`), and returns the grads of its inputs, by edge.
+fn run_node(
+    node: &Node,
+    grads: &[Option<Tensor>],
+    retain_graph: bool,
+) -> Result<Vec<Option<Tensor>>> {
+    let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
+    let backward = slot.as_ref().expect("checked before the walk");
+    let input_grads = backward(grads)?;
+    if !retain_graph {
+        *slot = None;
+    }
+    Ok(input_grads)
 }
 
 /// Stage one: the grads of the wanted tensors with respect to `roots` (seeded with
@@ -84,137 +256,29 @@ pub(crate) fn compute(
     let _no_grad = NoGradGuard::new();
     // Backward rules run in the dtypes of their forward, inside an autocast region too.
     let _autocast = crate::ops::autocast::Suspend::new();
-    let listed_leaves: HashSet<usize>;
-    // Listed non-leaves as (node, output index), and the nodes they come from.
-    let listed_outputs: HashSet<(usize, usize)>;
-    match &wanted {
-        Wanted::AllLeaves => {
-            listed_leaves = HashSet::new();
-            listed_outputs = HashSet::new();
-        }
-        Wanted::Listed(tensors) => {
-            listed_leaves = tensors
-                .iter()
-                .filter(|t| t.is_leaf())
-                .map(tensor_key)
-                .collect();
-            listed_outputs = tensors
-                .iter()
-                .filter_map(|t| t.grad_fn_output())
-                .map(|(n, index)| (node_key(&n), index))
-                .collect();
-        }
-    }
-    let listed_nodes: HashSet<usize> = listed_outputs.iter().map(|&(key, _)| key).collect();
-    let wants_leaf = |leaf: &Tensor| match wanted {
-        Wanted::AllLeaves => true,
-        Wanted::Listed(_) => listed_leaves.contains(&tensor_key(leaf)),
-    };
-
-    // Every node the roots reach, each after all the nodes its edges lead to (a DFS postorder),
-    // so a single pass over it can decide which nodes lead to wanted tensors.
-    let mut visited: HashSet<usize> = HashSet::new();
-    let mut postorder: Vec<Arc<Node>> = Vec::new();
-    let mut stack: Vec<(Arc<Node>, usize)> = Vec::new();
-    for root in roots {
-        if let Some(node) = root.grad_fn() {
-            if visited.insert(node_key(&node)) {
-                stack.push((node, 0));
-            }
-        }
-    }
-    while let Some((node, next_edge)) = stack.pop() {
-        if next_edge < node.edges.len() {
-            stack.push((node.clone(), next_edge + 1));
-            if let Some(Edge::Node(child, _)) = &node.edges[next_edge] {
-                if visited.insert(node_key(child)) {
-                    stack.push((child.clone(), 0));
-                }
-            }
-        } else {
-            postorder.push(node);
-        }
-    }
-
-    // A node runs its backward rule when some edge leads (directly or through other nodes) to
-    // a wanted tensor; it needs its grad when it runs or is itself wanted (S-5).
-    let mut runs: HashSet<usize> = HashSet::new();
-    for node in &postorder {
-        let leads_to_wanted = node.edges.iter().flatten().any(|edge| match edge {
-            Edge::Leaf(leaf) => wants_leaf(leaf),
-            Edge::Node(child, index) => {
-                runs.contains(&node_key(child))
-                    || listed_outputs.contains(&(node_key(child), *index))
-            }
-        });
-        if leads_to_wanted {
-            runs.insert(node_key(node));
-        }
-    }
-    let needed = |key: usize| runs.contains(&key) || listed_nodes.contains(&key);
-
-    // Refuse before anything runs if a node that must run was freed (S-10).
-    for node in &postorder {
-        if runs.contains(&node_key(node))
-            && node.backward.lock().map(|b| b.is_none()).unwrap_or(true)
-        {
-            return Err(Error::InvalidArgument {
-                op: "backward",
-                msg: format!(
-                    "trying to backward through the graph a second time (through {}), but its saved \
-                     tensors were already freed; graph already freed; pass retain_graph: true to the \
-                     first backward",
-                    node.name
-                ),
-            });
-        }
-    }
-
-    // Dependency counts: how many edges from running nodes still owe each node a grad.
-    let mut pending: HashMap<usize, usize> = HashMap::new();
-    for node in &postorder {
-        if !runs.contains(&node_key(node)) {
-            continue;
-        }
-        for edge in node.edges.iter().flatten() {
-            if let Edge::Node(child, _) = edge {
-                if needed(node_key(child)) {
-                    *pending.entry(node_key(child)).or_default() += 1;
-                }
-            }
-        }
-    }
-
-    let mut node_grads: HashMap<usize, Vec<Option<Tensor>>> = HashMap::new();
-    let mut leaf_grads: HashMap<usize, Tensor> = HashMap::new();
-    let mut leaf_handles: HashMap<usize, Tensor> = HashMap::new();
-    let mut results: Vec<(Tensor, Tensor)> = Vec::new();
+    let wants = Wants::of(&wanted);
+    let mut plan = RunPlan::of(&postorder(roots), &wants)?;
+    let mut store = GradStore::default();
     for (root, grad) in roots.iter().zip(root_grads) {
         match root.grad_fn_output() {
-            Some((node, index)) => add_to_output(&mut node_grads, &node, index, grad.clone())?,
-            None if wants_leaf(root) => {
-                leaf_handles.insert(tensor_key(root), root.clone());
-                add_to(&mut leaf_grads, tensor_key(root), grad.clone())?;
-            }
+            Some((node, index)) => store.add_to_output(&node, index, grad.clone())?,
+            None if wants.leaf(root) => store.add_to_leaf(root, grad.clone())?,
             None => {}
         }
     }
     let mut ready: Vec<Arc<Node>> = Vec::new();
-    for root in roots {
-        if let Some(node) = root.grad_fn() {
-            let key = node_key(&node);
-            if needed(key)
-                && pending.get(&key).copied().unwrap_or(0) == 0
-                && !ready.iter().any(|n| node_key(n) == key)
-            {
-                ready.push(node);
-            }
+    for node in roots.iter().filter_map(|root| root.grad_fn()) {
+        let key = node_key(&node);
+        if plan.needed(key, &wants)
+            && plan.pending.get(&key).copied().unwrap_or(0) == 0
+            && !ready.iter().any(|n| node_key(n) == key)
+        {
+            ready.push(node);
         }
     }
-
     while let Some(node) = ready.pop() {
         let key = node_key(&node);
-        let Some(grads) = node_grads.remove(&key) else {
+        let Some(grads) = store.nodes.remove(&key) else {
             continue;
         };
         for (index, (output, grad)) in node.outputs.iter().zip(&grads).enumerate() {
@@ -222,51 +286,30 @@ pub(crate) fn compute(
                 continue;
             };
             let output = Tensor { inner: output };
-            let retained = matches!(wanted, Wanted::AllLeaves) && output.meta().retains_grad;
-            if retained || listed_outputs.contains(&(key, index)) {
-                results.push((output, grad.clone()));
+            if wants.output(key, index, &output) {
+                store.results.push((output, grad.clone()));
             }
         }
-        if !runs.contains(&key) {
+        if !plan.runs.contains(&key) {
             continue;
         }
-        let input_grads = {
-            let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
-            let backward = slot.as_ref().expect("checked before the walk");
-            let grads = backward(&grads)?;
-            if !retain_graph {
-                *slot = None;
-            }
-            grads
-        };
+        let input_grads = run_node(&node, &grads, retain_graph)?;
         for (edge, input_grad) in node.edges.iter().zip(input_grads) {
             let (Some(edge), Some(input_grad)) = (edge, input_grad) else {
                 continue;
             };
-            // A grad takes the dtype of the tensor it is for (as torch's engine casts it): an
-            // op of two float dtypes under autocast gives both inputs its own dtype's grad.
-            let dtype = match edge {
-                Edge::Leaf(leaf) => leaf.dtype(),
-                Edge::Node(child, index) => child.output_dtypes[*index],
-            };
-            let input_grad = match input_grad.dtype() == dtype || !dtype.is_float() {
-                true => input_grad,
-                false => input_grad.to_dtype(dtype)?,
-            };
             match edge {
-                Edge::Leaf(leaf) => {
-                    if wants_leaf(leaf) {
-                        leaf_handles.insert(tensor_key(leaf), leaf.clone());
-                        add_to(&mut leaf_grads, tensor_key(leaf), input_grad)?;
-                    }
+                Edge::Leaf(leaf) if wants.leaf(leaf) => {
+                    store.add_to_leaf(leaf, in_dtype_of(edge, input_grad)?)?;
                 }
+                Edge::Leaf(_) => {}
                 Edge::Node(child, index) => {
                     let child_key = node_key(child);
-                    if !needed(child_key) {
+                    if !plan.needed(child_key, &wants) {
                         continue;
                     }
-                    add_to_output(&mut node_grads, child, *index, input_grad)?;
-                    let left = pending.get_mut(&child_key).expect("counted");
+                    store.add_to_output(child, *index, in_dtype_of(edge, input_grad)?)?;
+                    let left = plan.pending.get_mut(&child_key).expect("counted");
                     *left -= 1;
                     if *left == 0 {
                         ready.push(child.clone());
@@ -275,13 +318,7 @@ pub(crate) fn compute(
             }
         }
     }
-    for (key, grad) in leaf_grads {
-        results.push((
-            leaf_handles.remove(&key).expect("recorded with its grad"),
-            grad,
-        ));
-    }
-    Ok(results)
+    Ok(store.finish())
 }
 
 /// Stage two: installs each computed grad into its tensor's slot.
