@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::autograd::is_grad_enabled;
-use crate::device::{workgroup_grid, CachedPipeline, Device, PARAMS_BYTES};
+use crate::device::{workgroup_grid, BufferSlice, CachedPipeline, Device, PARAMS_BYTES};
 use crate::error::{Error, Result};
 use crate::tensor::command::{self, EncodedLaunch, Upload};
 use crate::tensor::tape::{SlotEvent, Tape, TapedStorage};
@@ -670,28 +670,17 @@ fn bind_group(
     buffers: &[&wgpu::Buffer],
     op: &'static str,
 ) -> wgpu::BindGroup {
-    let mut entries = vec![wgpu::BindGroupEntry {
-        binding: 0,
-        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-            buffer: params,
-            offset: params_offset,
-            size: wgpu::BufferSize::new(PARAMS_BYTES),
-        }),
-    }];
-    for ((binding, _), buffer) in bindings.iter().zip(buffers) {
-        entries.push(wgpu::BindGroupEntry {
-            binding: *binding,
-            resource: buffer.as_entire_binding(),
-        });
-    }
-    device
-        .inner
-        .device
-        .create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some(op),
-            layout: &pipeline.layout,
-            entries: &entries,
+    let whole: Vec<(u32, BufferSlice)> = (bindings.iter().zip(buffers))
+        .map(|(&(binding, _), buffer)| {
+            let slice = BufferSlice {
+                buffer,
+                offset: 0,
+                size: buffer.size(),
+            };
+            (binding, slice)
         })
+        .collect();
+    (device.inner).bind_group(op, pipeline, (params, params_offset), &whole)
 }
 
 /// The buffers a replay binds that change from call to call.

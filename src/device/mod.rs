@@ -568,6 +568,41 @@ impl DeviceInner {
         )
     }
 
+    /// The bind group of one dispatch of `cached`: its params slot (`PARAMS_BYTES` at an
+    /// offset of a uniform buffer) at binding 0 and each `(binding, buffer)` as storage. Eager
+    /// dispatches and captured replays both bind through here.
+    pub(crate) fn bind_group(
+        &self,
+        op: &'static str,
+        cached: &CachedPipeline,
+        (params, params_offset): (&wgpu::Buffer, u64),
+        buffers: &[(u32, BufferSlice)],
+    ) -> wgpu::BindGroup {
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: params,
+                offset: params_offset,
+                size: wgpu::BufferSize::new(PARAMS_BYTES),
+            }),
+        }];
+        for (binding, slice) in buffers {
+            entries.push(wgpu::BindGroupEntry {
+                binding: *binding,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: slice.buffer,
+                    offset: slice.offset,
+                    size: wgpu::BufferSize::new(slice.size),
+                }),
+            });
+        }
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(op),
+            layout: &cached.layout,
+            entries: &entries,
+        })
+    }
+
     /// Records one dispatch of `cached` over `workgroups` workgroups, binding `params` as the
     /// uniform at binding 0 and each `(binding, buffer)` as storage.
     pub(crate) fn dispatch(
@@ -599,29 +634,7 @@ impl DeviceInner {
         rec.params.extend_from_slice(params);
         rec.params.resize((offset + PARAMS_BYTES) as usize, 0);
 
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: &self.params_buffer,
-                offset,
-                size: wgpu::BufferSize::new(PARAMS_BYTES),
-            }),
-        }];
-        for (binding, slice) in buffers {
-            entries.push(wgpu::BindGroupEntry {
-                binding: *binding,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: slice.buffer,
-                    offset: slice.offset,
-                    size: wgpu::BufferSize::new(slice.size),
-                }),
-            });
-        }
-        let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some(op),
-            layout: &cached.layout,
-            entries: &entries,
-        });
+        let bind_group = self.bind_group(op, cached, (&self.params_buffer, offset), buffers);
 
         let (x, y) = workgroup_grid(workgroups);
         let encoder = self.open_encoder(&mut rec);
