@@ -27,12 +27,28 @@ pub(crate) fn declared_bindings(source: &str) -> impl Iterator<Item = (u32, &str
     })
 }
 
-/// The bindings of group 0 that `source` declares as `var<storage, read_write>`.
+/// The bindings of group 0 that `source` declares as storage the module may write (`var<storage,
+/// read_write>`), read from the module naga parses (every binding when it does not parse:
+/// wgpu then reports the module's error, and nothing may be assumed unwritten).
 fn writable_bindings(source: &str) -> Vec<u32> {
-    declared_bindings(source)
-        .filter(|(_, line)| line.contains("var<storage, read_write>"))
-        .map(|(binding, _)| binding)
-        .collect()
+    let Ok(module) = naga::front::wgsl::parse_str(source) else {
+        return declared_bindings(source)
+            .map(|(binding, _)| binding)
+            .collect();
+    };
+    let mut writable: Vec<u32> = (module.global_variables.iter())
+        .filter_map(|(_, var)| {
+            let binding = var.binding.as_ref().filter(|b| b.group == 0)?;
+            match var.space {
+                naga::AddressSpace::Storage { access } => access
+                    .contains(naga::StorageAccess::STORE)
+                    .then_some(binding.binding),
+                _ => None,
+            }
+        })
+        .collect();
+    writable.sort_unstable();
+    writable
 }
 
 /// The module-key prefix of the kernels the capture fuser generates: one per plan's shapes,
@@ -118,10 +134,12 @@ impl PipelineCache {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn read_write_bindings_are_found_in_the_source() {
-        let source = "@group(0) @binding(1) var<storage, read> a: array<f32>;\n\
-                      @group(0) @binding(3) var<storage, read_write> out: array<f32>;\n\
-                      @group(0) @binding(12) var<storage, read_write> out1: array<f32>;";
+    fn read_write_bindings_are_read_from_the_parsed_module() {
+        let source = "@group(0) @binding(0) var<uniform> params: vec4<u32>;\n\
+                      @group(0) @binding(1) var<storage, read> a: array<f32>;\n\
+                      // @group(0) @binding(5) var<storage, read_write> gone: array<f32>;\n\
+                      @group(0) @binding(12) var<storage, read_write> out1: array<f32>;\n\
+                      @group(0)\n@binding(3)\nvar<storage, read_write> out: array<f32>;";
         assert_eq!(super::writable_bindings(source), vec![3, 12]);
     }
 }
