@@ -57,7 +57,7 @@ pub struct LmArgs {
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Write a PNG of the train and validation loss per estimate here.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::plot::png_path)]
     pub plot: Option<PathBuf>,
     /// Run every step eagerly instead of capturing it once and replaying it (to compare).
     #[arg(long)]

@@ -76,7 +76,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Write a PNG of the loss and test accuracy per epoch here.
-    #[arg(long)]
+    #[arg(long, value_parser = plot::png_path)]
     pub plot: Option<PathBuf>,
     /// Run every step eagerly instead of capturing it once and replaying it (to compare).
     #[arg(long)]

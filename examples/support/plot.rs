@@ -1,6 +1,20 @@
 //! PNG plots of training curves for the examples (plotters; text where a system font exists).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// A `--plot` path, checked when the arguments are read (not after the training it plots):
+/// the plots are PNGs.
+pub fn png_path(path: &str) -> Result<PathBuf, String> {
+    let png = Path::new(path)
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+    if !png {
+        return Err(format!(
+            "plots are written as PNG: give a path ending in .png, not {path:?}"
+        ));
+    }
+    Ok(PathBuf::from(path))
+}
 
 /// A PNG of two series side by side, each `(title, value per point)`, over `x_label`
 /// (points numbered from 1).
