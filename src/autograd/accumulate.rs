@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_fusible, strided_dims, windows, Elementwise, Fusion, Kernel,
-    KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP, WORKGROUP,
+    groups, strided_dims, windows, Elementwise, Fusion, Kernel, KernelParams, Launch, ShaderFamily,
+    CONTIGUOUS_PER_GROUP, WORKGROUP,
 };
 use crate::ops::copy::copy_into;
 use crate::ops::too_large_view;
@@ -178,14 +178,14 @@ fn clone_add(current: &Tensor, new_grad: &Tensor, out: &Tensor) -> Result<()> {
         output: 3,
         shape: current.shape().to_vec(),
     };
-    launch_fusible(
+    Launch::new(
         OP,
         &pass.kernel("clone_add", "clone_add_dense"),
         &[(1, new_grad), (2, current), (3, out)],
         &pass.params,
-        pass.workgroups,
-        || Fusion::Elementwise(describe()),
     )
+    .fusible(|| Fusion::Elementwise(describe()))
+    .record(pass.workgroups)
 }
 
 /// `current += new_grad` in place: same handle, same storage (S-3).
@@ -207,13 +207,13 @@ pub(crate) fn add_into(current: &Tensor, new_grad: &Tensor) -> Result<()> {
         new_grad.clone()
     };
     let pass = Pass::new(OP, current, &new_grad)?;
-    launch_at(
+    Launch::new(
         OP,
         &pass.kernel("add_into", "add_into_dense"),
         &[(1, &new_grad), (3, current)],
         &pass.params,
-        pass.workgroups,
     )
+    .record(pass.workgroups)
 }
 
 /// Points the grad handle `slot_grad` at the values of `fresh` (a contiguous result of

@@ -3,7 +3,7 @@
 //! A kernel is an entry point of a [`ShaderFamily`] (one WGSL file under `shaders/`), possibly
 //! specialised by replacing placeholders in its text. Its parameters are a typed struct
 //! declared with [`kernel_params!`](crate::kernel_params), whose layout the family's WGSL sees
-//! as named slot constants. [`launch`] binds tensors' buffers, uploads the params and records
+//! as named slot constants. A [`Launch`] binds tensors' buffers, uploads the params and records
 //! one dispatch into the device's open batch.
 
 mod params;
@@ -194,144 +194,133 @@ impl<'a> Kernel<'a> {
     }
 }
 
-/// Records one dispatch of `kernel` over `workgroups` workgroups, binding `params` as the
-/// uniform at binding 0 and `tensors`' buffers at bindings 1, 2, ... in order.
-pub(crate) fn launch<P: KernelParams>(
+/// One dispatch of a kernel, described then recorded with [`Launch::record`]: the kernel, the
+/// tensors it binds, its params, and what a captured step may do with it.
+///
+/// ```ignore
+/// Launch::new(op, &kernel, &[(1, &x), (2, &out)], &params).record(groups(n, 256))?;
+/// ```
+pub(crate) struct Launch<'a> {
     op: &'static str,
-    kernel: &Kernel,
-    tensors: &[&Tensor],
-    params: &P,
-    workgroups: u32,
-) -> Result<()> {
-    let bound: Vec<(u32, &Tensor)> = (1..).zip(tensors.iter().copied()).collect();
-    launch_at(op, kernel, &bound, params, workgroups)
-}
-
-/// As [`launch`], binding each tensor's buffer at the binding number beside it.
-pub(crate) fn launch_at<P: KernelParams>(
-    op: &'static str,
-    kernel: &Kernel,
-    tensors: &[(u32, &Tensor)],
-    params: &P,
-    workgroups: u32,
-) -> Result<()> {
-    launch_with(
-        op,
-        kernel,
-        tensors,
-        bytemuck::bytes_of(params),
-        None,
-        workgroups,
-        None,
-    )
-}
-
-/// As [`launch_at`], for a launch the capture fuser can do more with: while a step is
-/// captured, `describe` tells it what (an elementwise launch it may merge with its
-/// neighbours, or a kernel with an `EPILOGUE SECTION` whose consumers may run in its stores).
-pub(crate) fn launch_fusible<P: KernelParams>(
-    op: &'static str,
-    kernel: &Kernel,
-    tensors: &[(u32, &Tensor)],
-    params: &P,
-    workgroups: u32,
-    describe: impl FnOnce() -> Fusion<u32>,
-) -> Result<()> {
-    launch_with(
-        op,
-        kernel,
-        tensors,
-        bytemuck::bytes_of(params),
-        None,
-        workgroups,
-        tape::is_open().then(describe),
-    )
-}
-
-/// As [`launch_at`], for params that change from step to step (a learning rate, a step
-/// count): `params` is called now, and again before each replay of a captured step.
-pub(crate) fn launch_dynamic<P: KernelParams>(
-    op: &'static str,
-    kernel: &Kernel,
-    tensors: &[(u32, &Tensor)],
-    params: impl Fn() -> P + Send + Sync + 'static,
-    workgroups: u32,
-) -> Result<()> {
-    let now = params();
-    // Kept for replays only while a step is captured.
-    let dynamic = tape::is_open()
-        .then(|| -> HostBytes { Arc::new(move || bytemuck::bytes_of(&params()).to_vec()) });
-    launch_with(
-        op,
-        kernel,
-        tensors,
-        bytemuck::bytes_of(&now),
-        dynamic,
-        workgroups,
-        None,
-    )
-}
-
-fn launch_with(
-    op: &'static str,
-    kernel: &Kernel,
-    tensors: &[(u32, &Tensor)],
-    params: &[u8],
+    kernel: &'a Kernel<'a>,
+    bound: &'a [(u32, &'a Tensor)],
+    params: Vec<u8>,
+    /// Recomputes the params before each replay of a captured step.
     dynamic_params: Option<HostBytes>,
-    workgroups: u32,
     fusion: Option<Fusion<u32>>,
-) -> Result<()> {
-    // 16-bit tensors only where the kernel was specialised to read them as such.
-    let misbound = tensors
-        .iter()
-        .find(|(b, t)| t.dtype().is_16_bit() != (kernel.sixteen_bit >> b & 1 == 1));
-    if let Some((_, t)) = misbound {
-        return Err(Error::DType {
+}
+
+impl<'a> Launch<'a> {
+    /// `kernel` binding `params` as the uniform at binding 0 and each tensor's buffer at the
+    /// binding number beside it.
+    pub fn new<P: KernelParams>(
+        op: &'static str,
+        kernel: &'a Kernel<'a>,
+        bound: &'a [(u32, &'a Tensor)],
+        params: &P,
+    ) -> Launch<'a> {
+        Launch {
             op,
-            msg: format!(
-                "{op} does not take {:?} tensors here (got one of shape {:?}): cast with to_dtype first",
-                t.dtype(),
-                t.shape()
-            ),
-        });
+            kernel,
+            bound,
+            params: bytemuck::bytes_of(params).to_vec(),
+            dynamic_params: None,
+            fusion: None,
+        }
     }
-    let storages: Vec<(u32, Arc<Storage>)> =
-        tensors.iter().map(|(b, t)| (*b, t.storage())).collect();
-    let buffers: Vec<(u32, BufferSlice)> = storages.iter().map(|(b, s)| (*b, s.slice())).collect();
-    let (key, module_len) = kernel.key();
-    let module_key = &key[..module_len];
-    let family = kernel.family;
-    let plain_source = || family.source(&[]);
-    let source = kernel.specialise.unwrap_or(&plain_source);
-    let device = tensors[0].1.device();
-    let pipeline = device.inner.pipeline(&PipelineSource {
-        key: &key,
-        module_key,
-        entry: kernel.entry,
-        source,
-    });
-    if workgroups > 0 && tape::is_open() {
-        let fusion = fusion.or_else(|| {
-            kernel.part.map(|part| {
-                Fusion::Merge(MergeSite {
-                    part,
-                    param_slots: params.len() / 4,
-                })
-            })
-        });
-        tape::record_launch(
+
+    /// For params that change from step to step (a learning rate, a step count): `params` is
+    /// called now, and again before each replay of a captured step.
+    pub fn new_dynamic<P: KernelParams>(
+        op: &'static str,
+        kernel: &'a Kernel<'a>,
+        bound: &'a [(u32, &'a Tensor)],
+        params: impl Fn() -> P + Send + Sync + 'static,
+    ) -> Launch<'a> {
+        let mut launch = Launch::new(op, kernel, bound, &params());
+        // Kept for replays only while a step is captured.
+        launch.dynamic_params = tape::is_open()
+            .then(|| -> HostBytes { Arc::new(move || bytemuck::bytes_of(&params()).to_vec()) });
+        launch
+    }
+
+    /// What the capture fuser may do with the launch (an elementwise launch it may merge with
+    /// its neighbours, a kernel whose `EPILOGUE SECTION` may run its consumers); `describe`
+    /// runs only while a step is captured.
+    pub fn fusible(mut self, describe: impl FnOnce() -> Fusion<u32>) -> Launch<'a> {
+        self.fusion = tape::is_open().then(describe);
+        self
+    }
+
+    /// Records the dispatch over `workgroups` workgroups (none: nothing is recorded).
+    pub fn record(self, workgroups: u32) -> Result<()> {
+        let Launch {
             op,
-            &pipeline,
-            tensors,
+            kernel,
+            bound,
             params,
             dynamic_params,
-            workgroups,
             fusion,
-        );
+        } = self;
+        // 16-bit tensors only where the kernel was specialised to read them as such.
+        let misbound = bound
+            .iter()
+            .find(|(b, t)| t.dtype().is_16_bit() != (kernel.sixteen_bit >> b & 1 == 1));
+        if let Some((_, t)) = misbound {
+            return Err(Error::DType {
+                op,
+                msg: format!(
+                    "{op} does not take {:?} tensors here (got one of shape {:?}): cast with to_dtype first",
+                    t.dtype(),
+                    t.shape()
+                ),
+            });
+        }
+        let storages: Vec<(u32, Arc<Storage>)> =
+            bound.iter().map(|(b, t)| (*b, t.storage())).collect();
+        let buffers: Vec<(u32, BufferSlice)> =
+            storages.iter().map(|(b, s)| (*b, s.slice())).collect();
+        let device = bound[0].1.device();
+        let pipeline = kernel.pipeline(device);
+        if workgroups > 0 && tape::is_open() {
+            let fusion = fusion.or_else(|| {
+                kernel.part.map(|part| {
+                    Fusion::Merge(MergeSite {
+                        part,
+                        param_slots: params.len() / 4,
+                    })
+                })
+            });
+            tape::record_launch(
+                op,
+                &pipeline,
+                bound,
+                &params,
+                dynamic_params,
+                workgroups,
+                fusion,
+            );
+        }
+        device
+            .inner
+            .dispatch(op, &pipeline, &buffers, &params, workgroups)
     }
-    device
-        .inner
-        .dispatch(op, &pipeline, &buffers, params, workgroups)
+}
+
+impl Kernel<'_> {
+    /// The compiled pipeline of this kernel on `device`, compiling it at its first use.
+    fn pipeline(&self, device: &Device) -> Arc<crate::device::CachedPipeline> {
+        let (key, module_len) = self.key();
+        let family = self.family;
+        let plain_source = || family.source(&[]);
+        let source = self.specialise.unwrap_or(&plain_source);
+        device.inner.pipeline(&PipelineSource {
+            key: &key,
+            module_key: &key[..module_len],
+            entry: self.entry,
+            source,
+        })
+    }
 }
 
 /// The dims a strided kernel walks: size-1 dims dropped, dense runs merged, padded at the

@@ -10,9 +10,7 @@
 
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
-use crate::kernel::{
-    groups, launch_at, without_subgroup_section, Kernel, KernelParams, ShaderFamily,
-};
+use crate::kernel::{groups, without_subgroup_section, Kernel, KernelParams, Launch, ShaderFamily};
 use crate::ops::autocast::for_16_bit_op;
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -264,13 +262,7 @@ fn run(
     );
     let kernel = Kernel::specialised(&ATTENTION, entry, &variant, &specialise);
     let workgroups = groups(invocations, ATTENTION_WORKGROUP);
-    launch_at(
-        "scaled_dot_product_attention",
-        &kernel,
-        bound,
-        params,
-        workgroups,
-    )
+    Launch::new("scaled_dot_product_attention", &kernel, bound, params).record(workgroups)
 }
 
 /// Features a row may have (the kernels keep rows in registers).

@@ -6,7 +6,7 @@
 //! inputs larger than one binding.
 
 use crate::error::Result;
-use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, CONTIGUOUS_PER_GROUP};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -101,10 +101,10 @@ pub(crate) fn batch_norm_training(
     if x.numel() > 0 {
         let kernel = Kernel::plain(&BATCH_NORM, "partial_stats");
         let bound = [(1, &x_c), (5, &partials)];
-        launch_at(op, &kernel, &bound, &params, (channels * parts) as u32)?;
+        Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
         let kernel = Kernel::plain(&BATCH_NORM, "channel_stats");
         let bound = [(5, &partials), (6, &stats)];
-        launch_at(op, &kernel, &bound, &params, groups(channels, 64))?;
+        Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
         let kernel = Kernel::plain(&BATCH_NORM, "normalise");
         let bound = [
             (1, &x_c),
@@ -114,7 +114,7 @@ pub(crate) fn batch_norm_training(
             (6, &stats),
         ];
         let workgroups = groups(x.numel(), CONTIGUOUS_PER_GROUP);
-        launch_at(op, &kernel, &bound, &params, workgroups)?;
+        Launch::new(op, &kernel, &bound, &params).record(workgroups)?;
     }
     let statistics = BatchStatistics {
         mean: stats.narrow(1, 0, 1)?.reshape(&[channels])?,
@@ -141,10 +141,10 @@ pub(crate) fn batch_norm_training(
             if x_c.numel() > 0 {
                 let kernel = Kernel::plain(&BATCH_NORM, "partial_grad_sums");
                 let bound = [(1, &x_c), (5, &partials), (6, &stats), (7, &g)];
-                launch_at(op, &kernel, &bound, &params, (channels * parts) as u32)?;
+                Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
                 let kernel = Kernel::plain(&BATCH_NORM, "channel_grad_sums");
                 let bound = [(5, &partials), (8, &sums)];
-                launch_at(op, &kernel, &bound, &params, groups(channels, 64))?;
+                Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
                 let kernel = Kernel::plain(&BATCH_NORM, "input_grad");
                 let bound = [
                     (1, &x_c),
@@ -155,7 +155,7 @@ pub(crate) fn batch_norm_training(
                     (8, &sums),
                 ];
                 let workgroups = groups(x_c.numel(), CONTIGUOUS_PER_GROUP);
-                launch_at(op, &kernel, &bound, &params, workgroups)?;
+                Launch::new(op, &kernel, &bound, &params).record(workgroups)?;
             }
             let mut grads = vec![Some(grad_x)];
             if has_affine {

@@ -3,9 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_fusible, strided_dims, windows, Elementwise, Fusion, Kernel,
-    KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL,
-    WORKGROUP,
+    groups, strided_dims, windows, Elementwise, Fusion, Kernel, KernelParams, Launch, ShaderFamily,
+    CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL, WORKGROUP,
 };
 use crate::ops::cast;
 use crate::ops::too_large_view;
@@ -400,7 +399,7 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
             (3, dst),
         ]);
         let bound = [(1, a), (2, b), (3, out)];
-        return launch_at(name, &kernel, &bound, &params, groups(n, per_group));
+        return Launch::new(name, &kernel, &bound, &params).record(groups(n, per_group));
     }
     let kernel = Kernel::specialised(&BINARY, entry, name, &source);
     let describe = || Elementwise {
@@ -411,14 +410,9 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
         output: 3,
         shape: shape.clone(),
     };
-    launch_fusible(
-        name,
-        &kernel,
-        &[(1, a), (2, b), (3, out)],
-        &params,
-        groups(n, per_group),
-        || Fusion::Elementwise(describe()),
-    )
+    Launch::new(name, &kernel, &[(1, a), (2, b), (3, out)], &params)
+        .fusible(|| Fusion::Elementwise(describe()))
+        .record(groups(n, per_group))
 }
 
 /// `grad` summed over the dims along which an input of `shape` was broadcast, so that it has

@@ -3,7 +3,7 @@
 //! 16-bit elements); and `through_f32`, how ops without 16-bit kernels take 16-bit tensors.
 
 use crate::error::{Error, Result};
-use crate::kernel::{launch, strided_dims, Kernel, KernelParams, ShaderFamily, SIXTEEN_BIT_WGSL};
+use crate::kernel::{strided_dims, Kernel, KernelParams, Launch, ShaderFamily, SIXTEEN_BIT_WGSL};
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
@@ -229,5 +229,5 @@ fn launch_cast(op: &'static str, x: &Tensor, out: &Tensor, first: usize) -> Resu
         2 => (first + n).div_ceil(2) - first / 2,
         _ => n,
     };
-    launch(op, &kernel, &[x, out], &params, words.div_ceil(256) as u32)
+    Launch::new(op, &kernel, &[(1, x), (2, out)], &params).record(words.div_ceil(256) as u32)
 }

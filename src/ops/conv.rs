@@ -11,7 +11,7 @@
 //! broadcast add; groups are one convolution per channel group.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
 use crate::ops::autocast::in_f32;
 use crate::ops::matmul::{conv_product, conv_product_applies, ImageColumns};
 use crate::ops::sum_over_chunks;
@@ -250,13 +250,8 @@ fn im2col(images: &Tensor, geo: &Geometry) -> Result<Tensor> {
         let rows = count * geo.cols.k() * geo.cols.out_h;
         let kernel = Kernel::plain(&CONV, "im2col");
         let params = geo.params(rows, images);
-        launch(
-            OP,
-            &kernel,
-            &[images, &cols],
-            &params,
-            groups(rows, WORKGROUP),
-        )?;
+        Launch::new(OP, &kernel, &[(1, images), (2, &cols)], &params)
+            .record(groups(rows, WORKGROUP))?;
     }
     Ok(cols)
 }
@@ -277,13 +272,8 @@ fn col2im(cols_grad: &Tensor, geo: &Geometry) -> Result<Tensor> {
         };
         let kernel = Kernel::plain(&CONV, entry);
         let params = geo.params(n, cols_grad);
-        launch(
-            OP,
-            &kernel,
-            &[cols_grad, &grad],
-            &params,
-            groups(n, WORKGROUP),
-        )?;
+        Launch::new(OP, &kernel, &[(1, cols_grad), (2, &grad)], &params)
+            .record(groups(n, WORKGROUP))?;
     }
     Ok(grad)
 }

@@ -4,7 +4,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, strided_dims, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+    groups, strided_dims, windows, Kernel, KernelParams, Launch, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
 use crate::ops::cast;
 use crate::tensor::dim::Dim;
@@ -106,15 +106,10 @@ pub(crate) fn copy_into(
             let kernel =
                 Kernel::specialised(&COPY, "strided_copy", GROUPS_OF_FOUR, &groups_of_four);
             let groups = groups(params.n as usize, CONTIGUOUS_PER_GROUP);
-            return launch(op, &kernel, &[src, dst], &params, groups);
+            return Launch::new(op, &kernel, &[(1, src), (2, dst)], &params).record(groups);
         }
-        return launch(
-            op,
-            &kernel,
-            &[src, dst],
-            &params,
-            groups(n, CONTIGUOUS_PER_GROUP),
-        );
+        return Launch::new(op, &kernel, &[(1, src), (2, dst)], &params)
+            .record(groups(n, CONTIGUOUS_PER_GROUP));
     }
     // Past one binding: a dense destination region, a window of it per launch; the source
     // (a broadcast or strided view) is bound whole.
@@ -127,13 +122,8 @@ pub(crate) fn copy_into(
         // Element `first + j` lands at `skip + j` of the window: dst_offset counts back.
         let back = target.layout().offset.wrapping_sub(start) as u32 as usize;
         let params = params(start, len, back);
-        launch(
-            op,
-            &kernel,
-            &[src, &target],
-            &params,
-            groups(len, CONTIGUOUS_PER_GROUP),
-        )?;
+        Launch::new(op, &kernel, &[(1, src), (2, &target)], &params)
+            .record(groups(len, CONTIGUOUS_PER_GROUP))?;
     }
     Ok(())
 }
@@ -217,13 +207,8 @@ pub(crate) fn fill(
             start: start + step * first as f32,
             step,
         };
-        launch(
-            op,
-            &kernel,
-            &[&target],
-            &params,
-            groups(n, CONTIGUOUS_PER_GROUP),
-        )?;
+        Launch::new(op, &kernel, &[(1, &target)], &params)
+            .record(groups(n, CONTIGUOUS_PER_GROUP))?;
     }
     Ok(out)
 }

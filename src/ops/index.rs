@@ -3,8 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, launch_at, rows_per_window, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN,
-    WORKGROUP,
+    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP,
 };
 use crate::ops::cast;
 use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
@@ -107,7 +106,7 @@ fn index_select_scatter(
         let (src, at) = (g.layout().offset, table.layout().offset);
         let params = IndexSelectParams::new(n, &idx, (inner, shape[dim]), src, rows, at);
         let bound = [(1, &g), (3, &idx), (4, &table)];
-        launch_at(OP, &kernel, &bound, &params, groups(n, WORKGROUP))?;
+        Launch::new(OP, &kernel, &bound, &params).record(groups(n, WORKGROUP))?;
     }
     Ok(out)
 }
@@ -309,13 +308,8 @@ impl Tensor {
         let params = mat.params(chunks, ARGMAX_CHUNK, 1.0, false);
         let pass = |entry, src: &Tensor, dst: &Tensor, invocations: usize| {
             let kernel = Kernel::plain(&INDEX, entry);
-            launch(
-                OP,
-                &kernel,
-                &[src, dst],
-                &params,
-                groups(invocations, WORKGROUP),
-            )
+            Launch::new(OP, &kernel, &[(1, src), (2, dst)], &params)
+                .record(groups(invocations, WORKGROUP))
         };
         if chunks == 1 {
             pass("argmax", &mat.tensor, &out, mat.m)?;
@@ -440,13 +434,8 @@ fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<T
         // Each launch writes the picked slices whose rows its window holds.
         let at = table.layout().offset;
         let params = IndexSelectParams::new(n, &idx, (inner, dim_size), 0, rows, at);
-        launch(
-            OP,
-            &kernel,
-            &[&table, &out, &idx],
-            &params,
-            groups(n, WORKGROUP),
-        )?;
+        Launch::new(OP, &kernel, &[(1, &table), (2, &out), (3, &idx)], &params)
+            .record(groups(n, WORKGROUP))?;
     }
     Ok(out)
 }
@@ -491,13 +480,13 @@ fn gather_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor>
         shape: padded(indices.shape(), 1),
         src_strides: padded(&this.layout().strides, 0),
     };
-    launch(
+    Launch::new(
         OP,
         &Kernel::plain(&INDEX, "gather"),
-        &[this, &out, &idx],
+        &[(1, this), (2, &out), (3, &idx)],
         &params,
-        groups(n, WORKGROUP),
-    )?;
+    )
+    .record(groups(n, WORKGROUP))?;
     Ok(out)
 }
 
@@ -538,13 +527,13 @@ fn index_select_backward(
     // One invocation per run of 16 elements of a table row.
     let runs = (n / inner) * inner.div_ceil(16);
     let params = IndexSelectParams::new(runs, &idx, (inner, shape[dim]), src, all_rows, 0);
-    launch(
+    Launch::new(
         OP,
         &Kernel::plain(&INDEX, "index_select_backward"),
-        &[&g, &out, &idx],
+        &[(1, &g), (2, &out), (3, &idx)],
         &params,
-        groups(runs, WORKGROUP),
-    )?;
+    )
+    .record(groups(runs, WORKGROUP))?;
     Ok(out)
 }
 
@@ -579,12 +568,12 @@ fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize])
         dst_shape: padded(shape, 1),
         indices_shape: padded(indices.shape(), 1),
     };
-    launch(
+    Launch::new(
         OP,
         &Kernel::plain(&INDEX, "gather_backward"),
-        &[&g, &out, &idx],
+        &[(1, &g), (2, &out), (3, &idx)],
         &params,
-        groups(n, WORKGROUP),
-    )?;
+    )
+    .record(groups(n, WORKGROUP))?;
     Ok(out)
 }

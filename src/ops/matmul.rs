@@ -4,8 +4,8 @@
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    launch_at, launch_fusible, rows_per_window, without_subgroup_section, EpilogueSite, Fusion,
-    Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, SIXTEEN_BIT_WGSL,
+    rows_per_window, without_subgroup_section, EpilogueSite, Fusion, Kernel, KernelParams, Launch,
+    ShaderFamily, MAX_LOOP_LEN, SIXTEEN_BIT_WGSL,
 };
 use crate::ops::binary::sum_to_shape;
 use crate::ops::cast;
@@ -824,7 +824,7 @@ fn launch_product(
     let bound = [(1, a), (2, b), (3, out)];
     if spec.out_dtype.is_16_bit() {
         // The fuser's epilogues store F32: a 16-bit product runs as it is.
-        return launch_at(op, &kernel, &bound, params, workgroups as u32);
+        return Launch::new(op, &kernel, &bound, params).record(workgroups as u32);
     }
     let site = || {
         Fusion::Epilogue(EpilogueSite {
@@ -834,7 +834,9 @@ fn launch_product(
             vec4_output: true,
         })
     };
-    launch_fusible(op, &kernel, &bound, params, workgroups as u32, site)
+    Launch::new(op, &kernel, &bound, params)
+        .fusible(site)
+        .record(workgroups as u32)
 }
 
 /// A 2-D product with an operand larger than one binding, along the outer dimension: a

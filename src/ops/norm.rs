@@ -5,8 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_at, launch_fusible, EpilogueSite, Fusion, Kernel, KernelParams, ShaderFamily,
-    MAX_LOOP_LEN,
+    groups, EpilogueSite, Fusion, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN,
 };
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -403,14 +402,9 @@ fn launch_rows(
             vec4_output: true,
         })
     };
-    launch_fusible(
-        op,
-        &kernel,
-        bound,
-        params,
-        groups(rows, NORM_WORKGROUP),
-        site,
-    )
+    Launch::new(op, &kernel, bound, params)
+        .fusible(site)
+        .record(groups(rows, NORM_WORKGROUP))
 }
 
 /// The weight's and (LayerNorm's) the bias's grads: column sums of `g * xhat` and of `g` over the rows.
@@ -440,7 +434,7 @@ fn param_grads(
         let source = move || norm_source(aligned);
         let kernel = Kernel::specialised(&NORM, "weight_grads", norm_variant(aligned), &source);
         let workgroups = groups(chunks * width / 4, NORM_WORKGROUP);
-        launch_at(op, &kernel, &bound, params, workgroups)?;
+        Launch::new(op, &kernel, &bound, params).record(workgroups)?;
     }
     // One chunk of whole fours holds the sums already.
     let column_sums = |partials: Tensor| {

@@ -5,7 +5,7 @@
 //! whose grads come through the products.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -128,20 +128,14 @@ fn run(
         return Ok(());
     }
     let src = src.contiguous()?;
-    let mut tensors = vec![&src, dst];
-    tensors.extend(argmax);
+    let mut bound = vec![(1, &src), (2, dst)];
+    bound.extend(argmax.map(|a| (3, a)));
     let params = PoolParams {
         n: n as u32,
         ..params
     };
     let kernel = Kernel::plain(&POOL, entry);
-    launch(
-        kind.name(),
-        &kernel,
-        &tensors,
-        &params,
-        groups(n, WORKGROUP),
-    )
+    Launch::new(kind.name(), &kernel, &bound, &params).record(groups(n, WORKGROUP))
 }
 
 fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> {

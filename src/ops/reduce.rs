@@ -5,7 +5,7 @@
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, rows_per_window, Kernel, KernelParams, ShaderFamily, WORKGROUP,
+    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP,
 };
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::cast;
@@ -278,7 +278,7 @@ fn reduce_pass(
         "rows" => (mat.m * chunks) as u32,
         _ => groups(invocations_per_chunk(mat, fours) * chunks, WORKGROUP),
     };
-    launch(op_name, &kernel, &[&mat.tensor, &out], &params, workgroups)?;
+    Launch::new(op_name, &kernel, &[(1, &mat.tensor), (2, &out)], &params).record(workgroups)?;
     Ok(out)
 }
 

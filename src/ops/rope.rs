@@ -3,7 +3,7 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, WORKGROUP};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -72,7 +72,7 @@ impl RopeTable {
         if positions > 0 {
             let kernel = Kernel::plain(&ROPE, "build_table");
             let workgroups = groups(positions * half, WORKGROUP);
-            launch_at(OP, &kernel, &[(1, &table)], &params, workgroups)?;
+            Launch::new(OP, &kernel, &[(1, &table)], &params).record(workgroups)?;
         }
         Ok(RopeTable {
             table,
@@ -148,7 +148,7 @@ impl RopeTable {
             };
             let kernel = Kernel::plain(&ROPE, "apply");
             let bound = [(1, &self.table), (2, &x), (3, &out)];
-            launch_at(OP, &kernel, &bound, &params, groups(pairs, WORKGROUP))?;
+            Launch::new(OP, &kernel, &bound, &params).record(groups(pairs, WORKGROUP))?;
         }
         Ok(out)
     }

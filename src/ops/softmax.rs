@@ -3,7 +3,7 @@
 
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch_at, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN};
 use crate::ops::index::expect_indices_below;
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -146,7 +146,7 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
         // The class weights' binding needs a buffer when there are none: the logits.
         bindings.push((5, pass.loss.weight.as_ref().unwrap_or(pass.src)));
     }
-    launch_at(op, &kernel, &bindings, &params, workgroups)
+    Launch::new(op, &kernel, &bindings, &params).record(workgroups)
 }
 
 /// Softmax or log_softmax over `x` moved so that `dim` is last; its backward is one fused

@@ -6,7 +6,7 @@
 //! thousand scores), not for sorting millions.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, launch, Kernel, KernelParams, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -84,16 +84,17 @@ fn sorted(
             for span_start in (0..len).step_by(MAX_LOOP_LEN) {
                 params.span_start = span_start as u32;
                 let count = Kernel::plain(&SORT, "count");
-                launch(op, &count, &[&rows_t, &ranks], &params, workgroups)?;
+                Launch::new(op, &count, &[(1, &rows_t), (2, &ranks)], &params)
+                    .record(workgroups)?;
             }
             let place = Kernel::plain(&SORT, "place");
-            launch(
+            Launch::new(
                 op,
                 &place,
-                &[&rows_t, &ranks, &values, &indices],
+                &[(1, &rows_t), (2, &ranks), (3, &values), (4, &indices)],
                 &params,
-                workgroups,
-            )?;
+            )
+            .record(workgroups)?;
         }
         // Clamped to `keep` by the place pass.
         (

@@ -3,9 +3,8 @@
 
 use crate::error::Result;
 use crate::kernel::{
-    groups, launch_at, launch_fusible, strided_dims, windows, Elementwise, Fusion, Kernel,
-    KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL,
-    WORKGROUP,
+    groups, strided_dims, windows, Elementwise, Fusion, Kernel, KernelParams, Launch, ShaderFamily,
+    CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL, WORKGROUP,
 };
 use crate::ops::binary::{binary, binary_with, BinaryOp};
 use crate::ops::cast;
@@ -333,7 +332,7 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
         let kernel = Kernel::specialised(&UNARY, entry, &variant, &source)
             .with_dtypes(&[(1, src), (2, dst)]);
         let bound = [(1, x), (2, out)];
-        return launch_at(name, &kernel, &bound, &params, groups(n, per_group));
+        return Launch::new(name, &kernel, &bound, &params).record(groups(n, per_group));
     }
     let kernel = Kernel::specialised(&UNARY, entry, name, &source);
     let describe = || Elementwise {
@@ -344,14 +343,9 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
         output: 2,
         shape: x.shape().to_vec(),
     };
-    launch_fusible(
-        name,
-        &kernel,
-        &[(1, x), (2, out)],
-        &params,
-        groups(n, per_group),
-        || Fusion::Elementwise(describe()),
-    )
+    Launch::new(name, &kernel, &[(1, x), (2, out)], &params)
+        .fusible(|| Fusion::Elementwise(describe()))
+        .record(groups(n, per_group))
 }
 
 /// Records a unary op whose input grad is `rule(g, saved)`, where `saved` is the op's input

@@ -17,7 +17,7 @@ pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch_dynamic, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+    groups, windows, Kernel, KernelParams, Launch, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
 use crate::tensor::Tensor;
 
@@ -272,7 +272,7 @@ fn run_update<P: KernelParams>(
         bindings.extend(state.iter().enumerate().map(|(i, t)| (3 + i as u32, *t)));
         let all = n as u32;
         let workgroups = groups(n, CONTIGUOUS_PER_GROUP);
-        return launch_dynamic(op, &kernel, &bindings, move || params(all), workgroups);
+        return Launch::new_dynamic(op, &kernel, &bindings, move || params(all)).record(workgroups);
     }
     // Past one binding: windows of the parameter, its grad and its state (all offset 0, so
     // every window starts on an alignment boundary, as the kernel's dense reads need).
@@ -283,13 +283,8 @@ fn run_update<P: KernelParams>(
         bindings.extend(states.iter().enumerate().map(|(i, t)| (3 + i as u32, t)));
         let params = params.clone();
         let workgroups = groups(len, CONTIGUOUS_PER_GROUP);
-        launch_dynamic(
-            op,
-            &kernel,
-            &bindings,
-            move || params(len as u32),
-            workgroups,
-        )?;
+        Launch::new_dynamic(op, &kernel, &bindings, move || params(len as u32))
+            .record(workgroups)?;
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 use crate::autograd::NoGradGuard;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, launch, windows, Kernel, KernelParams, ShaderFamily, CONTIGUOUS_PER_GROUP,
+    groups, windows, Kernel, KernelParams, Launch, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
 use crate::optim::Optimizer;
 use crate::tensor::{DType, Tensor};
@@ -274,13 +274,8 @@ fn unscale(op: &'static str, grad: &Tensor, inv_scale: f32, found: &Tensor) -> R
             offset: part.layout().offset as u32,
             inv_scale,
         };
-        launch(
-            op,
-            &kernel,
-            &[&part, found],
-            &params,
-            groups(len, CONTIGUOUS_PER_GROUP),
-        )?;
+        Launch::new(op, &kernel, &[(1, &part), (2, found)], &params)
+            .record(groups(len, CONTIGUOUS_PER_GROUP))?;
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! What a captured step's fuser may do with a launch: the descriptors an op gives with its
-//! launch (through `kernel::launch_fusible`, which re-exports them), once, generic over how
+//! launch (through `kernel::Launch::fusible`; `kernel` re-exports them), once, generic over how
 //! they name the buffers involved. They live beside the tape, which records them. An op names them by binding
 //! (`Fusion<u32>`, as it launches); the capture draft renames them to the step's values
 //! (`Fusion<usize>`) with [`Fusion::named`], and the fuser decides on those.
