@@ -192,6 +192,9 @@ pub(crate) struct Plan {
     kinds: Vec<Kind>,
     /// The commands, laid out: each launch and upload encoded.
     commands: Vec<Command>,
+    /// The commands with host work at each replay, in order: hooks, and launches and uploads
+    /// whose params or data are computed again (most commands have none).
+    host_work: Vec<usize>,
     params_buffer: Option<wgpu::Buffer>,
     loss: Loss,
     dispatches: u64,
@@ -513,6 +516,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
         requires_grad: shell.requires_grad,
         slots: shell.slots,
         kinds,
+        host_work: host_work(&commands),
         commands,
         params_buffer,
         loss: shell.loss,
@@ -612,6 +616,19 @@ fn encoded_launch(
         bind_group,
         recent: Mutex::new(Vec::new()),
     }
+}
+
+/// The indices of the commands a replay runs host work for (see [`Plan::host_work`]).
+fn host_work(commands: &[Command]) -> Vec<usize> {
+    (commands.iter().enumerate())
+        .filter(|(_, command)| match command {
+            Command::Hook(_) => true,
+            Command::Launch(l) => l.dynamic_params.is_some(),
+            Command::Upload(u) => u.dynamic.is_some(),
+            Command::Copy(_) => false,
+        })
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// What laying out made for a launch of the plan.
@@ -906,8 +923,8 @@ impl Plan {
     /// change per step, by step index.
     fn host_writes(&mut self) -> Result<Vec<(usize, Vec<u8>)>> {
         let mut writes: Vec<(usize, Vec<u8>)> = Vec::new();
-        for (i, command) in self.commands.iter_mut().enumerate() {
-            match command {
+        for &i in &self.host_work {
+            match &mut self.commands[i] {
                 Command::Hook(hook) => hook()?,
                 Command::Launch(Launch {
                     dynamic_params: Some(f),
