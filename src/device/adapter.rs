@@ -1,0 +1,237 @@
+//! Choosing an adapter: which backends `WGPU_BACKEND` allows, which kernels
+//! `WGRAD_KERNEL_FLAVOR` asks for, software adapters told apart from GPUs, and the device
+//! opened on the chosen adapter with the features and limits wgrad uses.
+
+use super::*;
+
+impl Device {
+    /// The best adapter on this machine: a discrete GPU, else an integrated one, else a
+    /// software adapter (and then says so through the `log` crate, at info level). Honours
+    /// `WGPU_BACKEND`
+    /// (vulkan, metal, dx12, gl), `WGRAD_ADAPTER=software` and `WGRAD_KERNEL_FLAVOR` (gpu or
+    /// cpu: the kernels to run, whatever the adapter).
+    pub fn new() -> Result<Device> {
+        let software_only = std::env::var("WGRAD_ADAPTER")
+            .map(|v| v.eq_ignore_ascii_case("software"))
+            .unwrap_or(false);
+        let device = Self::open(software_only)?;
+        if device.inner.info.is_software() && !software_only {
+            log::info!(
+                "no hardware GPU adapter found; using software adapter {}",
+                device.inner.info
+            );
+        }
+        Ok(device)
+    }
+
+    /// Alias of [`Device::new`].
+    pub fn default_device() -> Result<Device> {
+        Self::new()
+    }
+
+    /// A software adapter (lavapipe, llvmpipe, WARP), or `Error::NoAdapter`. Tests and CI use
+    /// it so results do not depend on which GPU a machine has.
+    pub fn software() -> Result<Device> {
+        Self::open(true)
+    }
+
+    fn open(software_only: bool) -> Result<Device> {
+        let backends = backends_from_env()?;
+        quiet_device_select_layer();
+        // The native APIs first; GL only where they find nothing (probing GL starts EGL,
+        // which prints errors on machines without a display).
+        let native = backends & !wgpu::Backends::GL;
+        let mut adapters = if native.is_empty() {
+            Vec::new()
+        } else {
+            enumerate(native)
+        };
+        if adapters.is_empty() && backends.contains(wgpu::Backends::GL) {
+            adapters = enumerate(wgpu::Backends::GL);
+        }
+        let rank = |a: &wgpu::Adapter| {
+            let info = a.get_info();
+            let kind = match info.device_type {
+                wgpu::DeviceType::DiscreteGpu => 0,
+                wgpu::DeviceType::IntegratedGpu => 1,
+                wgpu::DeviceType::VirtualGpu => 2,
+                wgpu::DeviceType::Other => 3,
+                wgpu::DeviceType::Cpu => 4,
+            };
+            let kind = if looks_like_software(&info.name) {
+                4
+            } else {
+                kind
+            };
+            // Prefer the native APIs over GL for the same kind of adapter.
+            let api = if info.backend == wgpu::Backend::Gl {
+                1
+            } else {
+                0
+            };
+            (kind, api)
+        };
+        let adapter = adapters
+            .into_iter()
+            .filter(|a| !software_only || rank(a).0 == 4)
+            .min_by_key(rank)
+            .ok_or_else(|| {
+                let what = if software_only {
+                    "software adapter"
+                } else {
+                    "adapter"
+                };
+                Error::NoAdapter(format!(
+                    "wgpu found no {what} for backends {backends:?}; {INSTALL_HINT}"
+                ))
+            })?;
+        Self::from_adapter(adapter)
+    }
+
+    fn from_adapter(adapter: wgpu::Adapter) -> Result<Device> {
+        let adapter_info = adapter.get_info();
+        let limits = adapter.limits();
+        // Subgroup operations, where the adapter has them, let kernels share loads across a
+        // subgroup (matmul on llvmpipe).
+        let features = adapter.features() & wgpu::Features::SUBGROUP;
+        let subgroup_size = (features.contains(wgpu::Features::SUBGROUP)
+            && adapter_info.subgroup_min_size == adapter_info.subgroup_max_size)
+            .then_some(adapter_info.subgroup_min_size);
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("wgrad"),
+            required_features: features,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| Error::NoAdapter(format!("{}: {e}; {INSTALL_HINT}", adapter_info.name)))?;
+
+        let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            lock(&sink).push(e.to_string())
+        }));
+        let sink = errors.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            lock(&sink).push(format!("device lost ({reason:?}): {msg}"))
+        });
+
+        let batch_limit = if adapter_info.backend == wgpu::Backend::Gl {
+            16
+        } else {
+            64
+        };
+        let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("wgrad params"),
+            size: PARAMS_BYTES * batch_limit as u64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let info = DeviceInfo {
+            name: adapter_info.name.clone(),
+            backend: adapter_info.backend,
+            device_type: adapter_info.device_type,
+            driver: format!("{} {}", adapter_info.driver, adapter_info.driver_info)
+                .trim()
+                .to_string(),
+        };
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                gpu_flavor: AtomicBool::new(
+                    kernel_flavor_from_env()?
+                        .map_or(!info.is_software(), |f| f == KernelFlavor::Gpu),
+                ),
+                subgroup_size,
+                info,
+                device,
+                queue,
+                limits,
+                batch_limit,
+                params_buffer,
+                recorder: Mutex::default(),
+                queue_lock: Mutex::default(),
+                pool: Mutex::default(),
+                pipelines: Mutex::default(),
+                errors,
+                submits: AtomicU64::new(0),
+                dispatches: AtomicU64::new(0),
+                next_storage_id: AtomicU64::new(1),
+            }),
+        })
+    }
+}
+
+/// The backends `WGPU_BACKEND` names (vulkan, metal, dx12, gl; comma-separated), or all of
+/// them when it is unset. A value that names none is an error, not a silent fallback.
+fn backends_from_env() -> Result<wgpu::Backends> {
+    backends_from(std::env::var("WGPU_BACKEND").ok())
+}
+
+/// `WGRAD_KERNEL_FLAVOR=gpu` or `=cpu`: the kernels every device runs, whatever its adapter
+/// (how `tools/gpu_check.sh` runs the GPU kernels' tests on a software adapter).
+fn kernel_flavor_from_env() -> Result<Option<KernelFlavor>> {
+    kernel_flavor_from(std::env::var("WGRAD_KERNEL_FLAVOR").ok())
+}
+
+pub(super) fn kernel_flavor_from(setting: Option<String>) -> Result<Option<KernelFlavor>> {
+    match setting {
+        None => Ok(None),
+        Some(v) if v.eq_ignore_ascii_case("gpu") => Ok(Some(KernelFlavor::Gpu)),
+        Some(v) if v.eq_ignore_ascii_case("cpu") => Ok(Some(KernelFlavor::Cpu)),
+        Some(v) => Err(Error::InvalidArgument {
+            op: "Device::new",
+            msg: format!("WGRAD_KERNEL_FLAVOR={v:?}: use gpu or cpu, or unset it"),
+        }),
+    }
+}
+
+pub(super) fn backends_from(setting: Option<String>) -> Result<wgpu::Backends> {
+    match setting {
+        Some(value) => {
+            let backends = wgpu::Backends::from_comma_list(&value);
+            if backends.is_empty() {
+                return Err(Error::NoAdapter(format!(
+                    "WGPU_BACKEND={value:?} names no backend; use vulkan, metal, dx12 or gl \
+                     (comma-separated), or unset it"
+                )));
+            }
+            Ok(backends)
+        }
+        None => Ok(wgpu::Backends::all()),
+    }
+}
+
+/// Mesa's device-select Vulkan layer connects to Wayland to order GPUs; without a session
+/// (`XDG_RUNTIME_DIR` unset: CI, servers, containers) libwayland then prints two `error:`
+/// lines at every start. wgrad ranks adapters itself, so there the layer is switched off
+/// (`NODEVICE_SELECT=1`), unless the user has set that variable. This runs when a device is
+/// opened, before wgpu starts any thread of its own.
+fn quiet_device_select_layer() {
+    let headless = std::env::var_os("XDG_RUNTIME_DIR").is_none();
+    if headless && std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
+}
+
+/// The adapters of `backends`.
+fn enumerate(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends,
+        flags: wgpu::InstanceFlags::empty().with_env(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    pollster::block_on(instance.enumerate_adapters(backends))
+}
+
+pub(super) fn looks_like_software(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    [
+        "llvmpipe",
+        "lavapipe",
+        "softpipe",
+        "swiftshader",
+        "warp",
+        "microsoft basic render",
+    ]
+    .iter()
+    .any(|s| name.contains(s))
+}
