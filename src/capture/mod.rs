@@ -9,6 +9,7 @@
 //! replay as the engine's apply stage installs them (S-2), and per-step host values (learning
 //! rate, Adam's step count, dropout seeds) read at each replay.
 
+mod codegen;
 mod fuse;
 mod memory;
 mod plan;
