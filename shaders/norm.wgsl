@@ -29,10 +29,10 @@ const ALIGNED: bool = NORM_ALIGNED;
 @group(0) @binding(8) var<storage, read_write> bias_partials: array<vec4<f32>>;
 
 // EPILOGUE SECTION BEGIN
-// How the forward and the backward store out[o..o+4] (o a multiple of 4) and out[o]. A captured step's fuser
-// replaces this section with stores that first run the elementwise ops consuming the output
-// (an activation, a residual add), so that they cost no pass of their own
-// (src/capture/fuse.rs).
+// How the forward and the backward store out[o..o+4] (o a multiple of 4) and out[o]. A
+// captured step's fuser replaces this section with stores that first run the elementwise ops
+// consuming the output (an activation, a residual add), so that they cost no pass of their
+// own (src/capture/fuse.rs).
 fn store4(o: u32, v: vec4<f32>) {
     out[o / 4u] = v;
 }
@@ -245,10 +245,10 @@ fn weight_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     var sum_g = vec4<f32>(0.0);
     for (var r = 0u; r < count; r = r + 1u) {
         let row = first + r;
-        let at = pu(NORM_X_OFFSET) + row * len + 4u * c;
-        let g_at = pu(NORM_GRAD_OFFSET) + row * len + 4u * c;
-        let xhat = (x4(at, at - 4u * c + len) - stats[2u * row]) * stats[2u * row + 1u];
-        let g = grad4(g_at, g_at - 4u * c + len);
+        let x_row = pu(NORM_X_OFFSET) + row * len;
+        let g_row = pu(NORM_GRAD_OFFSET) + row * len;
+        let xhat = (x4(x_row + 4u * c, x_row + len) - stats[2u * row]) * stats[2u * row + 1u];
+        let g = grad4(g_row + 4u * c, g_row + len);
         sum_g_xhat = sum_g_xhat + g * xhat;
         sum_g = sum_g + g;
     }

@@ -501,11 +501,14 @@ fn capture_error(msg: String) -> Error {
 /// params buffer, and bind groups for the launches whose buffers never change.
 pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     const OP: &str = "capture::Step";
-    let Draft { commands, values } = draft;
+    let Draft {
+        mut commands,
+        values,
+    } = draft;
     let device = shell.device.clone();
 
     let kinds = place_intermediates(&commands, values, &device)?;
-    let (commands, params_buffer, launches) = encode_commands(commands, &kinds, &device);
+    let (params_buffer, launches) = encode_commands(&mut commands, &kinds, &device);
     let inner = &device.inner;
     inner.take_error(OP)?;
     Ok(Plan {
@@ -527,15 +530,15 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     })
 }
 
-/// `commands` encoded for replay (their values placed as `kinds` says): each launch given its
+/// Encodes `commands` for replay (their values placed as `kinds` says): each launch gets its
 /// slot of the params buffer (written once here, one slot each) and, when every buffer it
-/// binds is fixed, its bind group, once; each upload its staging buffer. Also the params
+/// binds is fixed, its bind group, once; each upload its staging buffer. Returns the params
 /// buffer and the launch count.
 fn encode_commands(
-    commands: Vec<Command>,
+    commands: &mut [Command],
     kinds: &[Kind],
     device: &Device,
-) -> (Vec<Command>, Option<wgpu::Buffer>, u64) {
+) -> (Option<wgpu::Buffer>, u64) {
     let inner = &device.inner;
     let launches = commands
         .iter()
@@ -550,20 +553,18 @@ fn encode_commands(
         })
     });
     let mut static_params = vec![0u8; (PARAMS_BYTES * launches) as usize];
-    let mut encoded = Vec::with_capacity(commands.len());
     let mut launch_index = 0u64;
-    for command in commands {
-        encoded.push(match command {
-            Command::Launch(mut l) => {
+    for command in commands.iter_mut() {
+        match command {
+            Command::Launch(l) => {
                 let params_offset = launch_index * PARAMS_BYTES;
                 launch_index += 1;
                 let at = params_offset as usize;
                 static_params[at..at + l.params.len()].copy_from_slice(&l.params);
                 let params = params_buffer.as_ref().expect("launches have params");
-                l.encoded = Some(encoded_launch(&l, kinds, device, params, params_offset));
-                Command::Launch(l)
+                l.encoded = Some(encoded_launch(l, kinds, device, params, params_offset));
             }
-            Command::Upload(mut upload) => {
+            Command::Upload(upload) => {
                 let staging = inner.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("wgrad plan upload"),
                     size: (upload.data.len() as u64).max(4),
@@ -572,15 +573,14 @@ fn encode_commands(
                 });
                 inner.write_buffer(&staging, 0, &upload.data);
                 upload.staging = Some(staging);
-                Command::Upload(upload)
             }
-            other => other,
-        });
+            Command::Copy(_) | Command::Hook(_) => {}
+        }
     }
     if let Some(buffer) = &params_buffer {
         inner.write_buffer(buffer, 0, &static_params);
     }
-    (encoded, params_buffer, launches)
+    (params_buffer, launches)
 }
 
 /// A launch's encoding, with its bind group made now when every buffer it binds is fixed

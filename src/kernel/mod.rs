@@ -12,6 +12,7 @@ pub(crate) use crate::tensor::fusion::{Elementwise, EpilogueSite, Fusion, MergeS
 
 pub(crate) use params::{KernelParams, ParamsLayout, MAX_SLOTS};
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::device::{BufferSlice, Device, PipelineSource};
@@ -192,6 +193,20 @@ impl<'a> Kernel<'a> {
             module_len,
         )
     }
+
+    /// The compiled pipeline of this kernel on `device`, compiling it at its first use.
+    fn pipeline(&self, device: &Device) -> Arc<crate::device::CachedPipeline> {
+        let (key, module_len) = self.key();
+        let family = self.family;
+        let plain_source = || family.source(&[]);
+        let source = self.specialise.unwrap_or(&plain_source);
+        device.inner.pipeline(&PipelineSource {
+            key: &key,
+            module_key: &key[..module_len],
+            entry: self.entry,
+            source,
+        })
+    }
 }
 
 /// One dispatch of a kernel, described then recorded with [`Launch::record`]: the kernel, the
@@ -204,7 +219,8 @@ pub(crate) struct Launch<'a> {
     op: &'static str,
     kernel: &'a Kernel<'a>,
     bound: &'a [(u32, &'a Tensor)],
-    params: Vec<u8>,
+    /// Borrowed from the caller; owned when computed here (`new_dynamic`).
+    params: Cow<'a, [u8]>,
     /// Recomputes the params before each replay of a captured step.
     dynamic_params: Option<HostBytes>,
     fusion: Option<Fusion<u32>>,
@@ -217,13 +233,13 @@ impl<'a> Launch<'a> {
         op: &'static str,
         kernel: &'a Kernel<'a>,
         bound: &'a [(u32, &'a Tensor)],
-        params: &P,
+        params: &'a P,
     ) -> Launch<'a> {
         Launch {
             op,
             kernel,
             bound,
-            params: bytemuck::bytes_of(params).to_vec(),
+            params: Cow::Borrowed(bytemuck::bytes_of(params)),
             dynamic_params: None,
             fusion: None,
         }
@@ -237,11 +253,18 @@ impl<'a> Launch<'a> {
         bound: &'a [(u32, &'a Tensor)],
         params: impl Fn() -> P + Send + Sync + 'static,
     ) -> Launch<'a> {
-        let mut launch = Launch::new(op, kernel, bound, &params());
+        let now = bytemuck::bytes_of(&params()).to_vec();
         // Kept for replays only while a step is captured.
-        launch.dynamic_params = tape::is_open()
+        let dynamic_params = tape::is_open()
             .then(|| -> HostBytes { Arc::new(move || bytemuck::bytes_of(&params()).to_vec()) });
-        launch
+        Launch {
+            op,
+            kernel,
+            bound,
+            params: Cow::Owned(now),
+            dynamic_params,
+            fusion: None,
+        }
     }
 
     /// What the capture fuser may do with the launch (an elementwise launch it may merge with
@@ -304,22 +327,6 @@ impl<'a> Launch<'a> {
         device
             .inner
             .dispatch(op, &pipeline, &buffers, &params, workgroups)
-    }
-}
-
-impl Kernel<'_> {
-    /// The compiled pipeline of this kernel on `device`, compiling it at its first use.
-    fn pipeline(&self, device: &Device) -> Arc<crate::device::CachedPipeline> {
-        let (key, module_len) = self.key();
-        let family = self.family;
-        let plain_source = || family.source(&[]);
-        let source = self.specialise.unwrap_or(&plain_source);
-        device.inner.pipeline(&PipelineSource {
-            key: &key,
-            module_key: &key[..module_len],
-            entry: self.entry,
-            source,
-        })
     }
 }
 
