@@ -1,7 +1,7 @@
 //! The WGSL a captured step's passes generate: the fused elementwise kernel (bindings, the
 //! element function, an entry point from `shaders/fused.wgsl`), the stores an epilogue puts
 //! in a producer's EPILOGUE SECTION, the copies of a MEMBER SECTION a merged launch repeats,
-//! and naga's validation of each. The passes (`fuse.rs`) decide; this file only writes.
+//! and naga's validation of each. The passes (`passes/`) decide; this file only writes.
 
 use std::collections::HashMap;
 use std::fmt::Write;

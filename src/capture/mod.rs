@@ -10,17 +10,21 @@
 //! rate, Adam's step count, dropout seeds) read at each replay.
 
 mod codegen;
-mod fuse;
+mod draft;
+mod guard;
+mod ir;
 mod memory;
+mod passes;
 mod plan;
+mod replay;
 
 use std::collections::HashMap;
 
-use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::tensor::tape;
 use crate::tensor::Tensor;
-use plan::{InputSignature, Plan};
+use guard::InputSignature;
+use plan::Plan;
 
 /// How often a signature may fail to capture before its calls stay eager.
 const MAX_CAPTURE_ATTEMPTS: u32 = 3;
@@ -41,7 +45,7 @@ pub struct StepStats {
     pub replays: u64,
     /// Plans kept, one per input signature, at most [`MAX_PLANS`].
     pub plans: usize,
-    /// Launches the fuser merged away in the latest plan (`passes.fused + passes.merged`).
+    /// Launches the fuser merged away in the latest plan (`passes.epilogues + passes.fused + passes.merged`).
     pub fused_away: usize,
     /// What each pass did to the latest plan.
     pub passes: PassStats,
@@ -64,29 +68,14 @@ pub struct PassStats {
     /// Whole copies of an intermediate into a value the step makes (a grad installed into an
     /// empty slot), gone because the intermediate's writers write the value itself.
     pub copies_forwarded: usize,
-    /// Elementwise launches run inside another kernel: one generated kernel per run of them,
-    /// or the stores of the matmul or LayerNorm whose output they consume.
+    /// Elementwise launches run in the stores of the matmul or norm whose product they
+    /// consume (that launch's own count included: it moves to the run's end).
+    pub epilogues: usize,
+    /// Elementwise launches run inside another: one generated kernel per run of them.
     pub fused: usize,
     /// Launches of one pipeline merged into one launch (an optimizer's updates, a backward
     /// pass's reductions).
     pub merged: usize,
-}
-
-/// A capture pass: rewrites a draft's commands and returns how many it removed.
-type Pass = fn(&mut plan::Draft, &Device) -> usize;
-
-/// Runs the passes over `draft`, in order, and what each removed.
-fn run_passes(draft: &mut plan::Draft, device: &Device) -> PassStats {
-    let mut stats = PassStats::default();
-    let passes: [(Pass, &mut usize); 3] = [
-        (|d, _| fuse::forward_copies(d), &mut stats.copies_forwarded),
-        (fuse::fuse, &mut stats.fused),
-        (fuse::merge_parts, &mut stats.merged),
-    ];
-    for (pass, removed) in passes {
-        *removed = pass(draft, device);
-    }
-    stats
 }
 
 /// A training step that is captured on its second call and replayed after that.
@@ -198,16 +187,16 @@ where
         let device = first.device().clone();
         let fusion = self.fusion;
         let mut passes = PassStats::default();
-        let planned = plan::draft(tape, inputs, &loss).and_then(|(mut draft, shell)| {
+        let planned = draft::draft(tape, inputs, &loss).and_then(|(mut draft, shell)| {
             if fusion {
-                passes = run_passes(&mut draft, &device);
+                passes = passes::run_passes(&mut draft, &device);
             }
             plan::lay_out(draft, shell).map_err(|e| e.to_string())
         });
         match planned {
             Ok(plan) => {
                 self.stats.passes = passes;
-                self.stats.fused_away = passes.fused + passes.merged;
+                self.stats.fused_away = passes.epilogues + passes.fused + passes.merged;
                 self.stats.replay_dispatches = plan.dispatches();
                 // Older plans whose guards no longer pass are kept, a few: a later call may
                 // match them.
