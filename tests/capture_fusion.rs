@@ -445,10 +445,13 @@ fn each_pass_reports_the_commands_it_removed() {
     let passes = fused.passes;
     assert!(passes.copies_forwarded > 0, "{fused:?}");
     assert!(passes.epilogues > 0 && passes.merged > 0, "{fused:?}");
-    assert_eq!(fused.fused_away, passes.epilogues + passes.fused + passes.merged);
+    assert_eq!(
+        fused.fused_away,
+        passes.epilogues + passes.fused + passes.merged
+    );
     assert_eq!(unfused.passes, wgrad::capture::PassStats::default());
     // Forwarded copies are buffer copies, not dispatches: the launches the fused plan lacks
-    // are the fused and merged ones.
+    // are those the other passes removed.
     let removed = unfused.replay_dispatches - fused.replay_dispatches;
     assert_eq!(
         removed,
