@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use wgrad::{Device, Tensor};
+use wgrad::{DType, Device, F16Reads, Tensor};
 
 fn device() -> Device {
     let dev = Device::new().expect("a wgpu adapter");
@@ -152,12 +152,51 @@ fn rope(c: &mut Criterion, dev: &Device) {
     group.finish();
 }
 
+/// F16 reads through the adapter's conversions against integer arithmetic, in one run: a
+/// 512 matmul of F16 operands and an F16 `exp` over 4M elements (its result F16 too).
+fn f16_reads(c: &mut Criterion, dev: &Device) {
+    const N: usize = 4 << 20;
+    let mut group = c.benchmark_group("f16_reads");
+    let a = Tensor::randn(&[512, 512], 1, dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let b = Tensor::randn(&[512, 512], 2, dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let x = Tensor::randn(&[N], 3, dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    for reads in [F16Reads::Hardware, F16Reads::Integer] {
+        dev.set_f16_reads(reads);
+        group.throughput(Throughput::Elements(2 * 512 * 512 * 512));
+        group.bench_function(format!("matmul_512/{reads:?}"), |bench| {
+            bench.iter(|| {
+                let _c = a.matmul(&b).unwrap();
+                dev.synchronize().unwrap();
+            })
+        });
+        group.throughput(Throughput::Bytes((N * 4) as u64));
+        group.bench_function(format!("exp_4M/{reads:?}"), |bench| {
+            bench.iter(|| {
+                let _y = x.exp().unwrap();
+                dev.synchronize().unwrap();
+            })
+        });
+    }
+    dev.set_f16_reads(F16Reads::Hardware);
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let dev = device();
     matmul(c, &dev);
     memory_bound(c, &dev);
     rms_norm(c, &dev);
     rope(c, &dev);
+    f16_reads(c, &dev);
 }
 
 criterion_group! {

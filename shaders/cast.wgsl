@@ -18,11 +18,7 @@ fn load(i: u32) -> f32 {
     if (SRC == 1u) {
         return f32(src[at]);
     }
-    let h = half_of(src[at / 2u], at);
-    if (SRC == 2u) {
-        return f16_to_f32(h);
-    }
-    return bf16_to_f32(h);
+    return half_to_f32(half_of(src[at / 2u], at), SRC);
 }
 
 // The bits `x` is stored as in the destination (16 bits for F16 and BF16).

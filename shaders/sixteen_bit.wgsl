@@ -60,6 +60,25 @@ fn round_shifted(v: u32, shift: u32) -> u32 {
     return kept + select(0u, 1u, up);
 }
 
+// The four halves of two words as f32, in integer arithmetic.
+fn f16_to_f32x4(w: vec2<u32>) -> vec4<f32> {
+    return vec4<f32>(f16_to_f32(w.x & 0xffffu), f16_to_f32(w.x >> 16u),
+                     f16_to_f32(w.y & 0xffffu), f16_to_f32(w.y >> 16u));
+}
+
+// F16 READS BEGIN
+// How kernels read F16 elements: here in integer arithmetic (`F16Reads::Integer`). By
+// default the device compiles every module with `shaders/f16_hardware_reads.wgsl` in place of
+// this section: the adapter's own conversion instructions.
+fn f16_read(h: u32) -> f32 {
+    return f16_to_f32(h);
+}
+
+fn f16_read4(w: vec2<u32>) -> vec4<f32> {
+    return f16_to_f32x4(w);
+}
+// F16 READS END
+
 // bfloat16 bits as f32 (exact).
 fn bf16_to_f32(h: u32) -> f32 {
     return bitcast<f32>(h << 16u);
@@ -77,7 +96,7 @@ fn f32_to_bf16(x: f32) -> u32 {
 // 16-bit bits `h` of the dtype coded `dtype` (2 F16, 3 BF16) as f32.
 fn half_to_f32(h: u32, dtype: u32) -> f32 {
     if (dtype == 2u) {
-        return f16_to_f32(h);
+        return f16_read(h);
     }
     return bf16_to_f32(h);
 }
@@ -99,6 +118,9 @@ fn pack_halves(lo: f32, hi: f32, dtype: u32) -> u32 {
 // vec4: `words` is the vec4 at q / 2), as f32.
 fn halves_to_f32x4(words: vec4<u32>, q: u32, dtype: u32) -> vec4<f32> {
     let w = select(words.xy, words.zw, (q & 1u) == 1u);
-    return vec4<f32>(half_to_f32(w.x & 0xffffu, dtype), half_to_f32(w.x >> 16u, dtype),
-                     half_to_f32(w.y & 0xffffu, dtype), half_to_f32(w.y >> 16u, dtype));
+    if (dtype == 2u) {
+        return f16_read4(w);
+    }
+    return vec4<f32>(bf16_to_f32(w.x & 0xffffu), bf16_to_f32(w.x >> 16u),
+                     bf16_to_f32(w.y & 0xffffu), bf16_to_f32(w.y >> 16u));
 }

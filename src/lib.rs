@@ -35,7 +35,7 @@ mod shader_tests;
 mod tensor;
 
 pub use autograd::{no_grad, BackwardOptions};
-pub use device::{Device, DeviceInfo, DeviceStats, KernelFlavor};
+pub use device::{Device, DeviceInfo, DeviceStats, F16Reads, KernelFlavor};
 pub use error::{Error, Result};
 pub use ops::attention::SdpaOptions;
 pub use ops::autocast::autocast;

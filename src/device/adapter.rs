@@ -1,5 +1,5 @@
 //! Choosing an adapter: which backends `WGPU_BACKEND` allows, which kernels
-//! `WGRAD_KERNEL_FLAVOR` asks for, software adapters told apart from GPUs, and the device
+//! `WGRAD_KERNEL_FLAVOR` asks for, how `WGRAD_F16_READS` reads F16 elements, software adapters told apart from GPUs, and the device
 //! opened on the chosen adapter with the features and limits wgrad uses.
 
 use super::*;
@@ -8,8 +8,9 @@ impl Device {
     /// The best adapter on this machine: a discrete GPU, else an integrated one, else a
     /// software adapter (and then says so through the `log` crate, at info level). Honours
     /// `WGPU_BACKEND`
-    /// (vulkan, metal, dx12, gl), `WGRAD_ADAPTER=software` and `WGRAD_KERNEL_FLAVOR` (gpu or
-    /// cpu: the kernels to run, whatever the adapter).
+    /// (vulkan, metal, dx12, gl), `WGRAD_ADAPTER=software`, `WGRAD_KERNEL_FLAVOR` (gpu or
+    /// cpu: the kernels to run, whatever the adapter) and `WGRAD_F16_READS` (hardware or integer:
+    /// see [`F16Reads`]).
     pub fn new() -> Result<Device> {
         let software_only = std::env::var("WGRAD_ADAPTER")
             .map(|v| v.eq_ignore_ascii_case("software"))
@@ -94,6 +95,7 @@ impl Device {
         // Subgroup operations, where the adapter has them, let kernels share loads across a
         // subgroup (matmul on llvmpipe).
         let features = adapter.features() & wgpu::Features::SUBGROUP;
+        let hardware_f16_reads = f16_reads_from_env()? != Some(F16Reads::Integer);
         let subgroup_size = (features.contains(wgpu::Features::SUBGROUP)
             && adapter_info.subgroup_min_size == adapter_info.subgroup_max_size)
             .then_some(adapter_info.subgroup_min_size);
@@ -141,6 +143,7 @@ impl Device {
                         .map_or(!info.is_software(), |f| f == KernelFlavor::Gpu),
                 ),
                 subgroup_size,
+                hardware_f16_reads: AtomicBool::new(hardware_f16_reads),
                 info,
                 device,
                 queue,
@@ -180,6 +183,24 @@ pub(super) fn kernel_flavor_from(setting: Option<String>) -> Result<Option<Kerne
         Some(v) => Err(Error::InvalidArgument {
             op: "Device::new",
             msg: format!("WGRAD_KERNEL_FLAVOR={v:?}: use gpu or cpu, or unset it"),
+        }),
+    }
+}
+
+/// `WGRAD_F16_READS=hardware` or `=integer`: how kernels read F16 elements (see
+/// [`F16Reads`]); unset, hardware.
+fn f16_reads_from_env() -> Result<Option<F16Reads>> {
+    f16_reads_from(std::env::var("WGRAD_F16_READS").ok())
+}
+
+pub(super) fn f16_reads_from(setting: Option<String>) -> Result<Option<F16Reads>> {
+    match setting {
+        None => Ok(None),
+        Some(v) if v.eq_ignore_ascii_case("hardware") => Ok(Some(F16Reads::Hardware)),
+        Some(v) if v.eq_ignore_ascii_case("integer") => Ok(Some(F16Reads::Integer)),
+        Some(v) => Err(Error::InvalidArgument {
+            op: "Device::new",
+            msg: format!("WGRAD_F16_READS={v:?}: use hardware or integer, or unset it"),
         }),
     }
 }

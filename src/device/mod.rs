@@ -73,6 +73,18 @@ pub enum KernelFlavor {
     Gpu,
 }
 
+/// How kernels read F16 elements (they write them in integer arithmetic on every path, to
+/// round as torch does). Storage is the same either way, IEEE half bits two to a 32-bit word,
+/// and so are the values read: the paths differ in speed only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum F16Reads {
+    /// The adapter's conversion instructions (WGSL `unpack2x16float`); zeros, subnormals,
+    /// infinities and NaNs in integer arithmetic, which keeps their bits. The default.
+    Hardware,
+    /// Integer arithmetic throughout.
+    Integer,
+}
+
 /// The adapter a [`Device`] runs on.
 #[derive(Debug, Clone)]
 pub struct DeviceInfo {
@@ -160,6 +172,8 @@ pub(crate) struct DeviceInner {
     subgroup_size: Option<u32>,
     /// True when the device runs `KernelFlavor::Gpu`.
     gpu_flavor: AtomicBool,
+    /// True when modules are compiled with `F16Reads::Hardware`.
+    hardware_f16_reads: AtomicBool,
     submits: AtomicU64,
     dispatches: AtomicU64,
     next_storage_id: AtomicU64,
@@ -236,6 +250,28 @@ impl Device {
     pub fn set_kernel_flavor(&self, flavor: KernelFlavor) {
         let gpu = flavor == KernelFlavor::Gpu;
         self.inner.gpu_flavor.store(gpu, Ordering::Relaxed);
+    }
+
+    /// How this device's kernels read F16 elements.
+    pub fn f16_reads(&self) -> F16Reads {
+        match self.inner.hardware_f16_reads.load(Ordering::Relaxed) {
+            true => F16Reads::Hardware,
+            false => F16Reads::Integer,
+        }
+    }
+
+    /// Overrides how kernels read F16 elements (to test one path against the other, as CI
+    /// does); kernels compiled from now on take it.
+    pub fn set_f16_reads(&self, reads: F16Reads) {
+        let hardware = reads == F16Reads::Hardware;
+        if self
+            .inner
+            .hardware_f16_reads
+            .swap(hardware, Ordering::Relaxed)
+            != hardware
+        {
+            lock(&self.inner.pipelines).clear();
+        }
     }
 
     /// The largest tensor, in bytes, this adapter holds (its largest buffer, at most 4 GiB).
@@ -323,8 +359,10 @@ impl DeviceInner {
 
     /// The compiled pipeline of `kernel`, compiling it at its first use.
     pub(crate) fn pipeline(&self, kernel: &PipelineSource) -> Arc<CachedPipeline> {
+        let hardware_f16_reads = self.hardware_f16_reads.load(Ordering::Relaxed);
         lock(&self.pipelines).get_or_compile(
             &self.device,
+            hardware_f16_reads,
             kernel.key,
             kernel.module_key,
             kernel.entry,
@@ -349,8 +387,21 @@ impl DeviceInner {
 
 #[cfg(test)]
 mod tests {
-    use super::adapter::{backends_from, kernel_flavor_from};
-    use super::{Device, KernelFlavor};
+    use super::adapter::{backends_from, f16_reads_from, kernel_flavor_from};
+    use super::{Device, F16Reads, KernelFlavor};
+
+    #[test]
+    fn wgrad_f16_reads_picks_the_path_or_is_an_error() {
+        let reads = |v: &str| f16_reads_from(Some(v.into()));
+        assert_eq!(reads("hardware").unwrap(), Some(F16Reads::Hardware));
+        assert_eq!(reads("Integer").unwrap(), Some(F16Reads::Integer));
+        assert_eq!(f16_reads_from(None).unwrap(), None);
+        let err = reads("native").unwrap_err().to_string();
+        assert!(
+            err.contains("WGRAD_F16_READS") && err.contains("native"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn wgrad_kernel_flavor_picks_the_kernels_or_is_an_error() {

@@ -2,6 +2,7 @@
 //! the device; the modules a captured step generates (keys under [`GENERATED`]) are dropped
 //! once no plan holds their pipelines.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -51,6 +52,25 @@ fn writable_bindings(source: &str) -> Vec<u32> {
     writable
 }
 
+/// What the device compiles for `source`: the source itself, or, with `F16Reads::Hardware`,
+/// with `shaders/f16_hardware_reads.wgsl` in place of `sixteen_bit.wgsl`'s F16 READS section.
+/// A module keeps the source it was given (`CachedPipeline::source`): that is what the
+/// capture fuser builds from.
+fn compiled_source(source: &str, hardware_f16_reads: bool) -> Cow<'_, str> {
+    const BEGIN: &str = "// F16 READS BEGIN";
+    const END: &str = "// F16 READS END";
+    const HARDWARE: &str = include_str!("../../shaders/f16_hardware_reads.wgsl");
+    let section = source
+        .find(BEGIN)
+        .and_then(|start| Some((start, source[start..].find(END)? + start + END.len())));
+    match (hardware_f16_reads, section) {
+        (true, Some((start, end))) => {
+            Cow::Owned(format!("{}{HARDWARE}{}", &source[..start], &source[end..]))
+        }
+        _ => Cow::Borrowed(source),
+    }
+}
+
 /// The module-key prefix of the kernels the capture fuser generates: one per plan's shapes,
 /// so they are released with the plans that use them, not kept for the device's life.
 pub(crate) const GENERATED: &str = "generated/";
@@ -70,6 +90,7 @@ impl PipelineCache {
     pub fn get_or_compile(
         &mut self,
         device: &wgpu::Device,
+        hardware_f16_reads: bool,
         key: &str,
         module_key: &str,
         entry: &str,
@@ -86,7 +107,7 @@ impl PipelineCache {
                 let writable = writable_bindings(&source);
                 let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                     label: Some(module_key),
-                    source: wgpu::ShaderSource::Wgsl((*source).into()),
+                    source: wgpu::ShaderSource::Wgsl(compiled_source(&source, hardware_f16_reads)),
                 });
                 (module, writable, source)
             });
@@ -108,6 +129,13 @@ impl PipelineCache {
         });
         self.pipelines.insert(key.to_string(), cached.clone());
         cached
+    }
+
+    /// Forgets every pipeline and module (they compile again at their next use); pipelines
+    /// a captured plan holds live on with it.
+    pub fn clear(&mut self) {
+        self.pipelines.clear();
+        self.modules.clear();
     }
 
     /// How many pipelines the cache holds.
@@ -133,6 +161,18 @@ impl PipelineCache {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn hardware_f16_reads_replace_the_integer_section_of_a_module() {
+        let source = format!("{}\nfn main() {{}}", crate::kernel::SIXTEEN_BIT_WGSL);
+        let hardware = super::compiled_source(&source, true);
+        assert!(hardware.contains("unpack2x16float(h).x"));
+        assert!(!hardware.contains("// F16 READS BEGIN\n"));
+        assert_eq!(hardware.matches("fn f16_read(").count(), 1);
+        assert_eq!(super::compiled_source(&source, false), source.as_str());
+        let plain = "fn main() {}";
+        assert_eq!(super::compiled_source(plain, true), plain);
+    }
+
     #[test]
     fn read_write_bindings_are_read_from_the_parsed_module() {
         let source = "@group(0) @binding(0) var<uniform> params: vec4<u32>;\n\

@@ -6,9 +6,17 @@ use std::sync::OnceLock;
 use wgrad::{Device, Tensor};
 
 /// The device every test shares: creating one per test would cost seconds on software adapters.
+/// The `dtypes_integer_f16_reads` target runs `tests/dtypes.rs` with F16 read in integer
+/// arithmetic.
 pub fn device() -> &'static Device {
     static DEVICE: OnceLock<Device> = OnceLock::new();
-    DEVICE.get_or_init(|| Device::new().expect("a wgpu adapter (install mesa-vulkan-drivers)"))
+    DEVICE.get_or_init(|| {
+        let device = Device::new().expect("a wgpu adapter (install mesa-vulkan-drivers)");
+        if env!("CARGO_CRATE_NAME") == "dtypes_integer_f16_reads" {
+            device.set_f16_reads(wgrad::F16Reads::Integer);
+        }
+        device
+    })
 }
 
 /// Deterministic pseudo-random values in [-1, 1) for CPU references (SplitMix64).
