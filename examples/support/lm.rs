@@ -314,10 +314,16 @@ pub fn train(
                     "the loss became {val_loss} at step {step}; try a smaller --lr"
                 ));
             }
+            // The time since the process started, so that runs of two models can be compared
+            // by the loss each reached at a given wall time.
+            let elapsed = process_start.elapsed().as_secs_f64();
             bar.suspend(|| {
                 say(
                     dist,
-                    format!("step {step}: train_loss={train_loss:.4} val_loss={val_loss:.4}"),
+                    format!(
+                        "step {step} ({elapsed:.0} s): train_loss={train_loss:.4} \
+                         val_loss={val_loss:.4}"
+                    ),
                 )
             });
             train_losses.push(train_loss);
