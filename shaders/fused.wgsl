@@ -1,4 +1,4 @@
-// The entry points of the kernels a captured step generates (src/capture/fuse.rs). The codegen
+// The entry points of the kernels a captured step generates (src/capture/codegen.rs). The codegen
 // writes the bindings (`in0`.., `out0`..) and the element function (`element`, running the
 // fused ops at one element) above one of these sections, and fills in its LOADS (the
 // `let a{k} = ..;` lines), ARGS and STORES. Each section is a template, not a module.

@@ -117,7 +117,7 @@ fn store_row_at(o: u32, row: u32, col: u32, v: vec4<f32>) {
 // How an output value is stored: out[o..o+4] (o a multiple of 4) and out[o]. A captured
 // step's fuser replaces this section with stores that first run the elementwise ops that
 // consume the product (a bias add, an activation, a residual add), so that they cost no
-// pass of their own (src/capture/fuse.rs).
+// pass of their own (src/capture/passes/epilogue.rs).
 fn store4(o: u32, v: vec4<f32>) {
     out[o / 4u] = v;
 }
@@ -504,13 +504,14 @@ fn outer(a: vec4<f32>, b: vec4<f32>) -> mat4x4<f32> {
     return mat4x4<f32>(a * b.x, a * b.y, a * b.z, a * b.w);
 }
 
-// Stores an 8x8 block of out from rows row0.. and columns col0.., kept as four 4x4
-// accumulators whose column j holds 4 rows of one output column: `ll` rows row0..,
-// columns col0..; `hl` rows row0 + 4..; `lh` columns col0 + 4..; `hh` both. One rolled loop
+// Stores an 8x8 block of out, kept as four 4x4 accumulators whose column j holds 4 rows of
+// one output column: `ll` rows row0.. and columns col0..; `hl` rows row0 + hi.x..; `lh`
+// columns col0 + hi.y..; `hh` both (`hi` is (4, 4) for a whole 8x8 block, (64, 64) for
+// `block_tiled`'s split one). One rolled loop
 // picks each row's 4 columns with selects: 16 unrolled stores compiled into 16 loops over
 // lanes (software adapters), which tripled small_tiled's compile time.
-fn store_block8(base: u32, row0: u32, col0: u32, ll: mat4x4<f32>, hl: mat4x4<f32>, lh: mat4x4<f32>,
-                hh: mat4x4<f32>) {
+fn store_block8(base: u32, row0: u32, col0: u32, hi: vec2<u32>, ll: mat4x4<f32>, hl: mat4x4<f32>,
+                lh: mat4x4<f32>, hh: mat4x4<f32>) {
     // Transposed, column i of each accumulator is one output row's 4 columns.
     let ll_rows = transpose(ll);
     let hl_rows = transpose(hl);
@@ -520,7 +521,8 @@ fn store_block8(base: u32, row0: u32, col0: u32, ll: mat4x4<f32>, hl: mat4x4<f32
         let r = i % 8u;
         let right = i >= 8u;
         let rows = pick(pick(ll_rows, hl_rows, r >= 4u), pick(lh_rows, hh_rows, r >= 4u), right);
-        store_row(base, row0 + r, col0 + select(0u, 4u, right), column_of(rows, r % 4u));
+        let row = row0 + r % 4u + select(0u, hi.x, r >= 4u);
+        store_row(base, row, col0 + select(0u, hi.y, right), column_of(rows, r % 4u));
     }
 }
 
@@ -581,7 +583,7 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         acc_hh = acc_hh + outer_at(a_base, b_base, k, rows_hi, cols_hi);
     }
     let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
-    store_block8(base, t.row0, col_lo, acc_ll, acc_hl, acc_lh, acc_hh);
+    store_block8(base, t.row0, col_lo, vec2<u32>(4u), acc_ll, acc_hl, acc_lh, acc_hh);
 }
 
 // Small products (a dim under 16, as a classifier head's 10 classes): each invocation owns one
@@ -630,7 +632,27 @@ fn small_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         acc_lh = acc_lh + outer(a_lo, b_hi);
         acc_hh = acc_hh + outer(a_hi, b_hi);
     }
-    store_block8(batch * pu(MATMUL_M) * pu(MATMUL_N), row0, col0, acc_ll, acc_hl, acc_lh, acc_hh);
+    store_block8(batch * pu(MATMUL_M) * pu(MATMUL_N), row0, col0, vec2<u32>(4u), acc_ll, acc_hl,
+                 acc_lh, acc_hh);
+}
+
+// The product's sizes, and where batch `batch`'s A and B start and their strides (elements).
+struct Operands {
+    m: u32,
+    n: u32,
+    k_len: u32,
+    a_base: u32,
+    a_rs: u32,
+    a_cs: u32,
+    b_base: u32,
+    b_rs: u32,
+    b_cs: u32,
+}
+
+fn operands_of(batch: u32) -> Operands {
+    return Operands(pu(MATMUL_M), pu(MATMUL_N), pu(MATMUL_K), pu(MATMUL_A_OFFSET) + batch * pu(MATMUL_A_BATCH_STRIDE), pu(MATMUL_A_ROW_STRIDE),
+                    pu(MATMUL_A_COL_STRIDE), pu(MATMUL_B_OFFSET) + batch * pu(MATMUL_B_BATCH_STRIDE),
+                    pu(MATMUL_B_ROW_STRIDE), pu(MATMUL_B_COL_STRIDE));
 }
 
 const TILE: u32 = 64u;
@@ -646,22 +668,14 @@ fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (t.batch >= pu(MATMUL_BATCHES)) {
         return;
     }
-    let m = pu(MATMUL_M);
-    let n = pu(MATMUL_N);
-    let k_len = pu(MATMUL_K);
-    let a_base = pu(MATMUL_A_OFFSET) + t.batch * pu(MATMUL_A_BATCH_STRIDE);
-    let a_rs = pu(MATMUL_A_ROW_STRIDE);
-    let a_cs = pu(MATMUL_A_COL_STRIDE);
-    let b_base = pu(MATMUL_B_OFFSET) + t.batch * pu(MATMUL_B_BATCH_STRIDE);
-    let b_rs = pu(MATMUL_B_ROW_STRIDE);
-    let b_cs = pu(MATMUL_B_COL_STRIDE);
+    let o = operands_of(t.batch);
     let tr = (lid / 16u) * 4u;
     let tc = (lid % 16u) * 4u;
     var acc0 = vec4<f32>(0.0);
     var acc1 = vec4<f32>(0.0);
     var acc2 = vec4<f32>(0.0);
     var acc3 = vec4<f32>(0.0);
-    for (var k0 = 0u; k0 < k_len; k0 = k0 + TILE_K) {
+    for (var k0 = 0u; k0 < o.k_len; k0 = k0 + TILE_K) {
         // Each of the 256 invocations loads 4 elements of each panel; out-of-range ones are 0.
         for (var j = 0u; j < 4u; j = j + 1u) {
             let e = lid * 4u + j;
@@ -671,12 +685,12 @@ fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             let r = t.row0 + rc;
             let c = t.col0 + rc;
             var av = 0.0;
-            if (k < k_len && r < m) {
-                av = a_at(a_base + r * a_rs + k * a_cs);
+            if (k < o.k_len && r < o.m) {
+                av = a_at(o.a_base + r * o.a_rs + k * o.a_cs);
             }
             var bv = 0.0;
-            if (k < k_len && c < n) {
-                bv = b_at(b_base + k * b_rs + c * b_cs);
+            if (k < o.k_len && c < o.n) {
+                bv = b_at(o.b_base + k * o.b_rs + c * o.b_cs);
             }
             a_panel[e] = av;
             b_panel[e] = bv;
@@ -692,9 +706,81 @@ fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         }
         workgroupBarrier();
     }
-    let base = t.batch * m * n;
+    let base = t.batch * o.m * o.n;
     store_row(base, t.row0 + tr, t.col0 + tc, acc0);
     store_row(base, t.row0 + tr + 1u, t.col0 + tc, acc1);
     store_row(base, t.row0 + tr + 2u, t.col0 + tc, acc2);
     store_row(base, t.row0 + tr + 3u, t.col0 + tc, acc3);
+}
+
+const BLOCK: u32 = 128u;
+const BLOCK_K: u32 = 16u;
+// `block_tiled`'s panels of A and B, k-major, four rows (columns) to a vec4:
+// [BLOCK_K][BLOCK / 4]. 16 KiB in all, WebGPU's default workgroup storage.
+var<workgroup> a_block: array<vec4<f32>, 512>;
+var<workgroup> b_block: array<vec4<f32>, 512>;
+
+// The element of a BLOCK x BLOCK_K panel that invocation `lid` stages in its `j`th load:
+// (k within the panel, row or column within the tile). Consecutive invocations read
+// consecutive elements of the operand in memory: along k where k is its unit stride.
+fn panel_element(lid: u32, j: u32, k_contiguous: bool) -> vec2<u32> {
+    let e = lid + j * 256u;
+    if (k_contiguous) {
+        return vec2<u32>(e % BLOCK_K, e / BLOCK_K);
+    }
+    return vec2<u32>(e / BLOCK, e % BLOCK);
+}
+
+// 128 x 128 outputs per workgroup of 256 invocations, 8 x 8 per invocation, for GPUs: each
+// step of BLOCK_K along k stages a panel of A and of B in workgroup memory (8 loads each per
+// invocation), then every invocation reads 4 vec4s per k for 64 multiply-adds. Invocation
+// (ty, tx) keeps rows ty*4.. and 64 + ty*4.., columns tx*4.. and 64 + tx*4.., so that the
+// 16 invocations reading one panel row read 16 consecutive vec4s.
+@compute @workgroup_size(256)
+fn block_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let t = tile_of(wid, nwg, BLOCK, BLOCK);
+    // Uniform across the workgroup, so the early return cannot split a barrier.
+    if (t.batch >= pu(MATMUL_BATCHES)) {
+        return;
+    }
+    let o = operands_of(t.batch);
+    let ty = lid / 16u;
+    let tx = lid % 16u;
+    var acc_ll = mat4x4<f32>();
+    var acc_hl = mat4x4<f32>();
+    var acc_lh = mat4x4<f32>();
+    var acc_hh = mat4x4<f32>();
+    for (var k0 = 0u; k0 < o.k_len; k0 = k0 + BLOCK_K) {
+        for (var j = 0u; j < 8u; j = j + 1u) {
+            let ea = panel_element(lid, j, o.a_cs == 1u);
+            let r = t.row0 + ea.y;
+            var av = 0.0;
+            if (k0 + ea.x < o.k_len && r < o.m) {
+                av = a_at(o.a_base + r * o.a_rs + (k0 + ea.x) * o.a_cs);
+            }
+            a_block[ea.x * 32u + ea.y / 4u][ea.y % 4u] = av;
+            let eb = panel_element(lid, j, o.b_rs == 1u);
+            let c = t.col0 + eb.y;
+            var bv = 0.0;
+            if (k0 + eb.x < o.k_len && c < o.n) {
+                bv = b_at(o.b_base + (k0 + eb.x) * o.b_rs + c * o.b_cs);
+            }
+            b_block[eb.x * 32u + eb.y / 4u][eb.y % 4u] = bv;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BLOCK_K; kk = kk + 1u) {
+            let a_lo = a_block[kk * 32u + ty];
+            let a_hi = a_block[kk * 32u + 16u + ty];
+            let b_lo = b_block[kk * 32u + tx];
+            let b_hi = b_block[kk * 32u + 16u + tx];
+            acc_ll = acc_ll + outer(a_lo, b_lo);
+            acc_hl = acc_hl + outer(a_hi, b_lo);
+            acc_lh = acc_lh + outer(a_lo, b_hi);
+            acc_hh = acc_hh + outer(a_hi, b_hi);
+        }
+        workgroupBarrier();
+    }
+    store_block8(t.batch * o.m * o.n, t.row0 + ty * 4u, t.col0 + tx * 4u, vec2<u32>(64u), acc_ll, acc_hl,
+                 acc_lh, acc_hh);
 }

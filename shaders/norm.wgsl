@@ -32,7 +32,7 @@ const ALIGNED: bool = NORM_ALIGNED;
 // How the forward and the backward store out[o..o+4] (o a multiple of 4) and out[o]. A
 // captured step's fuser replaces this section with stores that first run the elementwise ops
 // consuming the output (an activation, a residual add), so that they cost no pass of their
-// own (src/capture/fuse.rs).
+// own (src/capture/passes/epilogue.rs).
 fn store4(o: u32, v: vec4<f32>) {
     out[o / 4u] = v;
 }

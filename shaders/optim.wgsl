@@ -9,7 +9,7 @@
 //
 // A captured step merges the updates of many parameters into one launch: it repeats the
 // MEMBER SECTION once per parameter, with the section's names, bindings and param slots moved
-// to that parameter's own (src/capture/fuse.rs, `merge_parts`).
+// to that parameter's own (src/capture/passes/merge.rs, `merge_parts`).
 
 fn has_flag(flags: u32, bit: u32) -> bool {
     return (flags & bit) != 0u;

@@ -4,7 +4,7 @@
 //
 // The input is bound as vec4s so that `serial` can read four elements at a time: software
 // adapters pay per load, not per element. A captured step merges consecutive `serial`
-// launches into one, repeating the MEMBER SECTION per launch (src/capture/fuse.rs).
+// launches into one, repeating the MEMBER SECTION per launch (src/capture/passes/merge.rs).
 
 fn combine(a: f32, b: f32) -> f32 {
     return REDUCE_COMBINE;

@@ -8,7 +8,7 @@ mod common;
 use common::*;
 use wgrad::nn::loss::{cross_entropy_with, CrossEntropyOptions};
 use wgrad::{
-    Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, Device, Interpolate, KernelFlavor,
+    Conv1dOptions, Conv2dOptions, ConvTranspose2dOptions, DType, Device, Interpolate, KernelFlavor,
     Pool2dOptions, Result, Tensor,
 };
 
@@ -36,6 +36,12 @@ fn run(dev: &Device, shapes: &[&[usize]], op: Op) -> Vec<Vec<f32>> {
 }
 
 fn assert_flavours_agree(name: &str, shapes: &[&[usize]], op: Op) {
+    assert_flavours_agree_within(name, shapes, 1e-4, op);
+}
+
+/// As [`assert_flavours_agree`], to relative error `rel` (a 16-bit result may round the other
+/// way when the flavours sum in another order).
+fn assert_flavours_agree_within(name: &str, shapes: &[&[usize]], rel: f64, op: Op) {
     let cpu = run(device(), shapes, op);
     let gpu_device = Device::software().unwrap();
     gpu_device.set_kernel_flavor(KernelFlavor::Gpu);
@@ -47,7 +53,7 @@ fn assert_flavours_agree(name: &str, shapes: &[&[usize]], op: Op) {
         } else {
             format!("{name}: grad {i}")
         };
-        assert_close(g, &want, 1e-4, &what);
+        assert_close(g, &want, rel, &what);
     }
 }
 
@@ -138,4 +144,35 @@ fn losses_sorting_and_scatter_agree_across_flavours() {
         )?;
         t[0].scatter_add(1, &idx, &t[1])
     });
+}
+
+#[test]
+fn matmuls_of_128_by_128_tiles_agree_across_flavours() {
+    // Products of at least 128 rows and columns run the GPU flavour's `block_tiled` (128 x 128
+    // tiles); their grads read the operands transposed. Odd sizes leave partial tiles and a k
+    // tail within a panel.
+    assert_flavours_agree("matmul 130x70x200", &[&[130, 70], &[70, 200]], |t| {
+        t[0].matmul(&t[1])
+    });
+    assert_flavours_agree(
+        "batched matmul 3x150x260x129",
+        &[&[3, 150, 260], &[260, 129]],
+        |t| t[0].matmul(&t[1]),
+    );
+    assert_flavours_agree(
+        "matmul of a transposed view",
+        &[&[200, 131], &[200, 140]],
+        |t| t[0].t()?.matmul(&t[1]),
+    );
+    // One F16 rounding of the product (and of each grad) apart at most.
+    let f16_matmul: Op = |t| {
+        let (a, b) = (t[0].to_dtype(DType::F16)?, t[1].to_dtype(DType::F16)?);
+        a.matmul(&b)?.to_dtype(DType::F32)
+    };
+    assert_flavours_agree_within(
+        "F16 matmul 129x64x257",
+        &[&[129, 64], &[64, 257]],
+        1e-3,
+        f16_matmul,
+    );
 }

@@ -67,7 +67,8 @@ pub enum KernelFlavor {
     /// where subgroups are 8 wide); reductions, softmax and cross-entropy give each row (or
     /// row chunk) one invocation. No workgroup memory, no barriers.
     Cpu,
-    /// matmul stages 64x16 panels of A and B in workgroup memory for 64x64 output tiles;
+    /// matmul stages panels of A and B in workgroup memory: 128x128 output tiles of 8x8 per
+    /// invocation (vec4 reads of workgroup memory) where the product fills them, else 64x64;
     /// reductions, softmax and cross-entropy give each row a workgroup that reduces in
     /// workgroup memory.
     Gpu,

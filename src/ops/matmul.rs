@@ -276,13 +276,14 @@ struct KernelChoice {
     spec: Specialisation,
 }
 
-/// The kernel for this device, these operand layouts and `m` output rows. GPUs stage panels
-/// in workgroup memory. Software adapters keep the outputs in registers and pay per load:
+/// The kernel for this device, these operand layouts and an `m x n` product. GPUs stage
+/// panels in workgroup memory: 128 x 128 tiles of 8 x 8 per invocation where the product
+/// fills them and the device has the 16 KiB of workgroup storage they take, else 64 x 64. Software adapters keep the outputs in registers and pay per load:
 /// where subgroups are 8 wide (one SIMD group), the A loads are shared across the subgroup and
 /// each invocation keeps 32 x 4 outputs (a quarter of the loads per multiply-add of 8 x 8), or
 /// 16 x 4 where the product has at most 16 rows (a 32-row tile would compute twice the rows it
 /// keeps); otherwise each invocation loads its own A and keeps 8 x 8.
-fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
+fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> KernelChoice {
     let spec = |a, b, subgroups, tall_rows| Specialisation {
         a,
         b,
@@ -296,6 +297,13 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
         out_dtype: DType::F32,
     };
     match device.kernel_flavor() {
+        KernelFlavor::Gpu if m >= BLOCK && n >= BLOCK && fits_block_tiles(device) => KernelChoice {
+            entry: "block_tiled",
+            tile_rows: BLOCK,
+            tile_cols: BLOCK,
+            tiles_per_workgroup: 1,
+            spec: spec(AMode::Any, BMode::Any, false, 32),
+        },
         KernelFlavor::Gpu => KernelChoice {
             entry: "shared_tiled",
             tile_rows: 64,
@@ -321,6 +329,19 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, m: usize) -> KernelChoice {
             spec: spec(a, b, false, 32),
         },
     }
+}
+
+/// The output tile of `block_tiled` (the GPU kernel for products of at least this many rows
+/// and columns).
+const BLOCK: usize = 128;
+
+/// Whether the device runs `block_tiled`'s workgroups: 256 invocations and 16 KiB of
+/// workgroup storage (WebGPU's defaults; an adapter may offer less).
+fn fits_block_tiles(device: &Device) -> bool {
+    let limits = &device.inner.limits;
+    limits.max_compute_workgroup_storage_size >= 16 << 10
+        && limits.max_compute_invocations_per_workgroup >= 256
+        && limits.max_compute_workgroup_size_x >= 256
 }
 
 /// Products below both of these (a dim, and multiply-adds) run `small_tiled` on software
@@ -633,7 +654,7 @@ fn product(this: &Tensor, other: &Tensor, out_dtype: DType) -> Result<Tensor> {
             small_kernel()
         } else {
             let tall = runs_tall(this.device());
-            kernel_for(this.device(), a_mode(&sa, m, tall), b_mode(&sb, n), m)
+            kernel_for(this.device(), a_mode(&sa, m, tall), b_mode(&sb, n), (m, n))
         };
         let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
         let params = MatmulParams {
