@@ -163,7 +163,8 @@ impl PipelineCache {
 mod tests {
     #[test]
     fn hardware_f16_reads_replace_the_integer_section_of_a_module() {
-        let source = format!("{}\nfn main() {{}}", crate::kernel::SIXTEEN_BIT_WGSL);
+        let prelude = include_str!("../../shaders/sixteen_bit.wgsl");
+        let source = format!("{prelude}\nfn main() {{}}");
         let hardware = super::compiled_source(&source, true);
         assert!(hardware.contains("unpack2x16float(h).x"));
         assert!(!hardware.contains("// F16 READS BEGIN\n"));
