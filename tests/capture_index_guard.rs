@@ -95,6 +95,54 @@ fn a_language_model_step_replays_batches_of_random_tokens() {
     assert_flat(at_20, at_end);
 }
 
+/// Token and learned position embeddings, as GPT-2 has them: the positions are uploaded inside
+/// the step, and the position embedding checks them.
+struct WithPositions {
+    tokens: nn::Embedding,
+    positions: nn::Embedding,
+    head: nn::Linear,
+}
+
+impl Module for WithPositions {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let t = x.shape()[0];
+        let at = Tensor::from_vec_u32((0..t as u32).collect(), &[t], x.device())?;
+        let h = self.tokens.forward(x)?.add(&self.positions.forward(&at)?)?;
+        self.head.forward(&h)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut params = self.tokens.named_parameters();
+        params.extend(self.positions.named_parameters());
+        params.extend(self.head.named_parameters());
+        params
+    }
+}
+
+#[test]
+fn positions_uploaded_inside_the_step_do_not_narrow_the_token_bound() {
+    // The positions are the same host data at every replay, so their check says nothing of
+    // the tokens: batches of random tokens share one plan, as without position embeddings.
+    const VOCAB: usize = 5_000;
+    let dev = Device::new().unwrap();
+    let model = WithPositions {
+        tokens: nn::Embedding::new(VOCAB, 32, &dev).unwrap(),
+        positions: nn::Embedding::new(64, 32, &dev).unwrap(),
+        head: nn::Linear::new(32, VOCAB, true, &dev).unwrap(),
+    };
+    let batch = |i: u64| {
+        let tokens = random_indices(64, VOCAB as u32, 2 * i);
+        let next = random_indices(64, VOCAB as u32, 2 * i + 1);
+        (
+            Tensor::from_vec_u32(tokens, &[64], &dev).unwrap(),
+            Tensor::from_vec_u32(next, &[64], &dev).unwrap(),
+        )
+    };
+    let (stats, at_20, at_end) = run_steps(&dev, &model, 60, batch);
+    assert_eq!(stats.captures, 1, "{stats:?}");
+    assert_flat(at_20, at_end);
+}
+
 #[test]
 fn an_mlp_with_a_thousand_classes_replays_batches_of_random_labels() {
     const CLASSES: usize = 1_000;

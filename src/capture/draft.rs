@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::guard::{IndexGuard, InputSignature};
 use super::ir::{Draft, Kind, Loss, Refusal, Shell, Slot};
 use crate::device::Device;
+use crate::tensor::command::Command;
 use crate::tensor::tape::{SlotEvent, Tape, TapedStorage};
 use crate::tensor::{Layout, Tensor};
 
@@ -20,6 +21,7 @@ pub(super) fn draft(
     if let Some(reason) = tape.refused {
         return Err(reason);
     }
+    let index_guard = IndexGuard::of(inputs, &checks_on_values_that_vary(&tape));
     let mut values = Values {
         ids: HashMap::new(),
         kinds: Vec::new(),
@@ -47,13 +49,43 @@ pub(super) fn draft(
         Shell {
             device: tape.device,
             signature: InputSignature::of(inputs),
-            index_guard: IndexGuard::of(inputs, &tape.index_limits),
+            index_guard,
             flags: tape.flags,
             requires_grad: tape.requires_grad,
             slots,
             loss,
         },
     ))
+}
+
+/// The step's index checks, less those on a tensor the step fills with the same host bytes at
+/// every replay and nothing else writes (a position embedding's positions): such a check holds
+/// at every replay as it did at capture, and says nothing of the inputs.
+fn checks_on_values_that_vary(tape: &Tape) -> Vec<(u64, usize)> {
+    let mut constant: HashSet<u64> = HashSet::new();
+    let mut written: HashSet<u64> = HashSet::new();
+    for command in &tape.commands {
+        match command {
+            Command::Upload(upload) if upload.dynamic.is_none() => {
+                constant.insert(upload.target.id);
+            }
+            Command::Upload(upload) => {
+                written.insert(upload.target.id);
+            }
+            Command::Launch(l) => written.extend(
+                (l.bindings.iter())
+                    .filter(|(binding, _)| l.pipeline.writable.contains(binding))
+                    .map(|(_, storage)| storage.id),
+            ),
+            Command::Copy(copy) => {
+                written.insert(copy.dst.0.id);
+            }
+            Command::Hook(_) => {}
+        }
+    }
+    (tape.index_limits.iter().copied())
+        .filter(|(id, _)| !constant.contains(id) || written.contains(id))
+        .collect()
 }
 
 /// The values of a draft, named as the tape's storages are met: one per storage id, its kind
