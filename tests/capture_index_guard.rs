@@ -67,6 +67,16 @@ fn run_steps(
     (stats, live_at_20, dev.stats().live_bytes)
 }
 
+/// Batch `i` of 64 random tokens in `0..vocab`, and 64 random next tokens.
+fn token_batch(i: u64, vocab: usize, dev: &Device) -> (Tensor, Tensor) {
+    let tokens = random_indices(64, vocab as u32, 2 * i);
+    let next = random_indices(64, vocab as u32, 2 * i + 1);
+    (
+        Tensor::from_vec_u32(tokens, &[64], dev).unwrap(),
+        Tensor::from_vec_u32(next, &[64], dev).unwrap(),
+    )
+}
+
 fn assert_flat(at_20: u64, at_end: u64) {
     let growth = at_end as f64 / at_20 as f64;
     assert!(
@@ -82,14 +92,7 @@ fn a_language_model_step_replays_batches_of_random_tokens() {
     let model = nn::Sequential::new()
         .add(nn::Embedding::new(VOCAB, 32, &dev).unwrap())
         .add(nn::Linear::new(32, VOCAB, true, &dev).unwrap());
-    let batch = |i: u64| {
-        let tokens = random_indices(64, VOCAB as u32, 2 * i);
-        let next = random_indices(64, VOCAB as u32, 2 * i + 1);
-        (
-            Tensor::from_vec_u32(tokens, &[64], &dev).unwrap(),
-            Tensor::from_vec_u32(next, &[64], &dev).unwrap(),
-        )
-    };
+    let batch = |i: u64| token_batch(i, VOCAB, &dev);
     let (stats, at_20, at_end) = run_steps(&dev, &model, 120, batch);
     assert!(stats.plans <= 2, "{stats:?}");
     assert_flat(at_20, at_end);
@@ -130,14 +133,7 @@ fn positions_uploaded_inside_the_step_do_not_narrow_the_token_bound() {
         positions: nn::Embedding::new(64, 32, &dev).unwrap(),
         head: nn::Linear::new(32, VOCAB, true, &dev).unwrap(),
     };
-    let batch = |i: u64| {
-        let tokens = random_indices(64, VOCAB as u32, 2 * i);
-        let next = random_indices(64, VOCAB as u32, 2 * i + 1);
-        (
-            Tensor::from_vec_u32(tokens, &[64], &dev).unwrap(),
-            Tensor::from_vec_u32(next, &[64], &dev).unwrap(),
-        )
-    };
+    let batch = |i: u64| token_batch(i, VOCAB, &dev);
     let (stats, at_20, at_end) = run_steps(&dev, &model, 60, batch);
     assert_eq!(stats.captures, 1, "{stats:?}");
     assert_flat(at_20, at_end);
