@@ -69,18 +69,7 @@ fn checks_on_values_that_vary(tape: &Tape) -> Vec<(u64, usize)> {
             Command::Upload(upload) if upload.dynamic.is_none() => {
                 constant.insert(upload.target.id);
             }
-            Command::Upload(upload) => {
-                written.insert(upload.target.id);
-            }
-            Command::Launch(l) => written.extend(
-                (l.bindings.iter())
-                    .filter(|(binding, _)| l.pipeline.writable.contains(binding))
-                    .map(|(_, storage)| storage.id),
-            ),
-            Command::Copy(copy) => {
-                written.insert(copy.dst.0.id);
-            }
-            Command::Hook(_) => {}
+            other => written.extend(other.written().into_iter().map(|storage| storage.id)),
         }
     }
     (tape.index_limits.iter().copied())

@@ -1,16 +1,16 @@
 //! Choosing an adapter: which backends `WGPU_BACKEND` allows, which kernels
-//! `WGRAD_KERNEL_FLAVOR` asks for, how `WGRAD_F16_READS` reads F16 elements, software adapters told apart from GPUs, and the device
-//! opened on the chosen adapter with the features and limits wgrad uses.
+//! `WGRAD_KERNEL_FLAVOR` asks for, how `WGRAD_F16_READS` reads F16 elements, software adapters
+//! told apart from GPUs, and the device opened on the chosen adapter with the features and
+//! limits wgrad uses.
 
 use super::*;
 
 impl Device {
     /// The best adapter on this machine: a discrete GPU, else an integrated one, else a
     /// software adapter (and then says so through the `log` crate, at info level). Honours
-    /// `WGPU_BACKEND`
-    /// (vulkan, metal, dx12, gl), `WGRAD_ADAPTER=software`, `WGRAD_KERNEL_FLAVOR` (gpu or
-    /// cpu: the kernels to run, whatever the adapter) and `WGRAD_F16_READS` (hardware or integer:
-    /// see [`F16Reads`]).
+    /// `WGPU_BACKEND` (vulkan, metal, dx12, gl), `WGRAD_ADAPTER=software`,
+    /// `WGRAD_KERNEL_FLAVOR` (gpu or cpu: the kernels to run, whatever the adapter) and
+    /// `WGRAD_F16_READS` (hardware or integer: see [`F16Reads`]).
     pub fn new() -> Result<Device> {
         let software_only = std::env::var("WGRAD_ADAPTER")
             .map(|v| v.eq_ignore_ascii_case("software"))
@@ -176,15 +176,8 @@ fn kernel_flavor_from_env() -> Result<Option<KernelFlavor>> {
 }
 
 pub(super) fn kernel_flavor_from(setting: Option<String>) -> Result<Option<KernelFlavor>> {
-    match setting {
-        None => Ok(None),
-        Some(v) if v.eq_ignore_ascii_case("gpu") => Ok(Some(KernelFlavor::Gpu)),
-        Some(v) if v.eq_ignore_ascii_case("cpu") => Ok(Some(KernelFlavor::Cpu)),
-        Some(v) => Err(Error::InvalidArgument {
-            op: "Device::new",
-            msg: format!("WGRAD_KERNEL_FLAVOR={v:?}: use gpu or cpu, or unset it"),
-        }),
-    }
+    let choices = [("gpu", KernelFlavor::Gpu), ("cpu", KernelFlavor::Cpu)];
+    choice_from("WGRAD_KERNEL_FLAVOR", setting, &choices)
 }
 
 /// `WGRAD_F16_READS=hardware` or `=integer`: how kernels read F16 elements (see
@@ -194,14 +187,35 @@ fn f16_reads_from_env() -> Result<Option<F16Reads>> {
 }
 
 pub(super) fn f16_reads_from(setting: Option<String>) -> Result<Option<F16Reads>> {
-    match setting {
-        None => Ok(None),
-        Some(v) if v.eq_ignore_ascii_case("hardware") => Ok(Some(F16Reads::Hardware)),
-        Some(v) if v.eq_ignore_ascii_case("integer") => Ok(Some(F16Reads::Integer)),
-        Some(v) => Err(Error::InvalidArgument {
-            op: "Device::new",
-            msg: format!("WGRAD_F16_READS={v:?}: use hardware or integer, or unset it"),
-        }),
+    let choices = [
+        ("hardware", F16Reads::Hardware),
+        ("integer", F16Reads::Integer),
+    ];
+    choice_from("WGRAD_F16_READS", setting, &choices)
+}
+
+/// The choice the environment variable `var`'s value names (in any case), or `None` when it
+/// is unset; a value that names none is an error listing the choices.
+fn choice_from<T: Copy>(
+    var: &str,
+    setting: Option<String>,
+    choices: &[(&str, T)],
+) -> Result<Option<T>> {
+    let Some(v) = setting else {
+        return Ok(None);
+    };
+    match choices
+        .iter()
+        .find(|(name, _)| v.eq_ignore_ascii_case(name))
+    {
+        Some(&(_, choice)) => Ok(Some(choice)),
+        None => {
+            let names: Vec<&str> = choices.iter().map(|(name, _)| *name).collect();
+            Err(Error::InvalidArgument {
+                op: "Device::new",
+                msg: format!("{var}={v:?}: use {}, or unset it", names.join(" or ")),
+            })
+        }
     }
 }
 

@@ -105,4 +105,23 @@ impl<N> Command<N> {
             Command::Hook(_) => Vec::new(),
         }
     }
+
+    /// The buffers it may write.
+    pub fn written(&self) -> Vec<&N> {
+        match self {
+            Command::Launch(l) => l.written().collect(),
+            Command::Upload(u) => vec![&u.target],
+            Command::Copy(c) => vec![&c.dst.0],
+            Command::Hook(_) => Vec::new(),
+        }
+    }
+}
+
+impl<N> Launch<N> {
+    /// The buffers it may write: those bound where its module declares `read_write`.
+    pub fn written(&self) -> impl Iterator<Item = &N> {
+        (self.bindings.iter())
+            .filter(|(binding, _)| self.pipeline.writable.contains(binding))
+            .map(|(_, n)| n)
+    }
 }

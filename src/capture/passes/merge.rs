@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::{launch_writes, writes_apart};
+use super::writes_apart;
 use crate::capture::codegen::{generated_pipeline, merged_source, validate};
 use crate::capture::ir::{Command, Draft, Launch};
 use crate::device::Device;
@@ -17,9 +17,9 @@ fn launches_commute(a: &Launch, b: &Launch) -> bool {
     let values = |l: &Launch| -> Vec<usize> { l.bindings.iter().map(|&(_, v)| v).collect() };
     writes_apart(
         &values(a),
-        |v| launch_writes(a, v),
+        |v| a.written().any(|&w| w == v),
         &values(b),
-        |v| launch_writes(b, v),
+        |v| b.written().any(|&w| w == v),
     )
 }
 

@@ -102,23 +102,6 @@ fn launch_values(command: &Command) -> Vec<usize> {
     command.buffers().into_iter().copied().collect()
 }
 
-/// Whether launch `l` may write `value`: bound where its module declares `read_write`.
-fn launch_writes(l: &Launch, value: usize) -> bool {
-    l.bindings
-        .iter()
-        .any(|&(b, v)| v == value && l.pipeline.writable.contains(&b))
-}
-
-/// Whether `command` may write `value`.
-fn writes(command: &Command, value: usize) -> bool {
-    match command {
-        Command::Launch(l) => launch_writes(l, value),
-        Command::Upload(upload) => upload.target == value,
-        Command::Copy(copy) => copy.dst.0 == value,
-        Command::Hook(_) => false,
-    }
-}
-
 /// Whether `a` and `b` may run in either order: neither writes a value the other touches,
 /// and no host hook passes a launch whose params are computed at replay (a replay runs hooks
 /// and those params' closures in plan order: an optimizer's hook advances the step count its
@@ -132,9 +115,9 @@ fn commute(a: &Command, b: &Command) -> bool {
         && !hook_and_dynamic(b, a)
         && writes_apart(
             &launch_values(a),
-            |v| writes(a, v),
+            |v| a.written().contains(&&v),
             &launch_values(b),
-            |v| writes(b, v),
+            |v| b.written().contains(&&v),
         )
 }
 
