@@ -45,7 +45,8 @@ pub struct StepStats {
     pub replays: u64,
     /// Plans kept, one per input signature, at most [`MAX_PLANS`].
     pub plans: usize,
-    /// Launches the fuser merged away in the latest plan (`passes.epilogues + passes.fused + passes.merged`).
+    /// Launches the fuser merged away in the latest plan (`passes.epilogues + passes.fused +
+    /// passes.merged`).
     pub fused_away: usize,
     /// What each pass did to the latest plan.
     pub passes: PassStats,

@@ -279,7 +279,8 @@ struct KernelChoice {
 /// The kernel for this device, these operand layouts and an `m x n` product. GPUs stage
 /// panels in workgroup memory: 128 x 128 tiles of 8 x 8 per invocation where the product
 /// fills them and the device has the 16 KiB of workgroup storage they take, else 64 x 64.
-/// Software adapters keep the outputs in registers and pay per load: where subgroups are 8 wide (one SIMD group), the A loads are shared across the subgroup and
+/// Software adapters keep the outputs in registers and pay per load: where subgroups are 8
+/// wide (one SIMD group), the A loads are shared across the subgroup and
 /// each invocation keeps 32 x 4 outputs (a quarter of the loads per multiply-add of 8 x 8), or
 /// 16 x 4 where the product has at most 16 rows (a 32-row tile would compute twice the rows it
 /// keeps); otherwise each invocation loads its own A and keeps 8 x 8.
