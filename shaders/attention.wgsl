@@ -244,6 +244,14 @@ fn add_grad_b(at: u32, value: vec4<f32>, n: u32, add: bool) {
     }
 }
 
+// Writes a register row of q/k features to grad_a from element `at`, added to what is there
+// when `add`.
+fn store_grad_a_row(row: ptr<function, array<vec4<f32>, D4>>, at: u32, z: Sizes, add: bool) {
+    for (var c = 0u; c < z.d4; c = c + 1u) {
+        add_grad_a(at + 4u * c, (*row)[c], lanes(c, z.d), add);
+    }
+}
+
 // The dot product of a register row of q/k features with the row of `side` at `at`.
 fn dot_row(row: ptr<function, array<vec4<f32>, D4>>, side: u32, at: u32, z: Sizes) -> f32 {
     var sum = 0.0;
@@ -415,10 +423,7 @@ fn backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             grad[c] = grad[c] + ds * k4(k_row, c, z.d);
         }
     }
-    let base = row_start(h, i, ATTENTION_OUT_LAYOUT);
-    for (var c = 0u; c < z.d4; c = c + 1u) {
-        add_grad_a(base + 4u * c, grad[c], lanes(c, z.d), s > 0u);
-    }
+    store_grad_a_row(&grad, row_start(h, i, ATTENTION_OUT_LAYOUT), z, s > 0u);
 }
 
 // The key and value grads: dk_j = scale * sum_i p_ij (dout_i . v_j - delta_i) q_i and
@@ -473,11 +478,248 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             }
         }
     }
-    for (var c = 0u; c < z.d4; c = c + 1u) {
-        add_grad_a(row_start(h, j, ATTENTION_OUT_LAYOUT) + 4u * c, grad_key[c], lanes(c, z.d), s > 0u);
-    }
+    store_grad_a_row(&grad_key, row_start(h, j, ATTENTION_OUT_LAYOUT), z, s > 0u);
     for (var c = 0u; c < z.dv4; c = c + 1u) {
         add_grad_b(row_start(h, j, ATTENTION_OUT2_LAYOUT) + 4u * c, grad_value[c], lanes(c, z.dv), s > 0u);
+    }
+}
+
+// FLASH TILES: the `*_tiled` entries do what the entries above do, for a workgroup that owns
+// 64 consecutive rows of one head (each head's rows padded to whole 64s; the padding's
+// invocations stage tiles with the rest and store nothing), as flash-attention does: the
+// workgroup walks the other side in tiles of `TILE` rows, which its 64 invocations stage in
+// workgroup memory together. Each row of the other side is then read from storage once per
+// 64 rows instead of once per row, and all 64 read a tile's row at the same index (one
+// broadcast). The loop ends at the workgroup's last row's last key, so causal tiles past the
+// diagonal are skipped; inside a tile each row gives the keys outside its own range weight 0
+// with selects, not a `continue`: a branch that differs between invocations would make the
+// loop's counter differ too as a compiler sees it. The feature loops have constant bounds
+// (`D4`, `DV4`), unlike the entries above, so that a GPU compiler unrolls them and keeps the
+// register rows in registers (rolled, with the rows in memory, they ran 2x slower on
+// lavapipe; unrolled, a head of 128 takes lavapipe seconds to compile). The GPU kernel flavour
+// runs these (`Entries::Tiled` in src/ops/attention.rs).
+
+// Rows per tile, spliced in per head size: as many as fit the two tiles in 16 KiB (the least
+// workgroup memory an adapter has), at most 64.
+const TILE: u32 = TILE_ROWSu;
+
+// The tile of q/k rows (forward and query grad: keys; key grads: queries) and the tile of v
+// rows (forward and query grad: values; key grads: out grad rows), `D4` and `DV4` feature
+// groups to a row.
+var<workgroup> tile_a: array<vec4<f32>, TILE * D4>;
+var<workgroup> tile_b: array<vec4<f32>, TILE * DV4>;
+
+// The rows a workgroup owns: rows first..=last of head `h`, where each head's `t` rows are
+// padded to whole 64s; from the workgroup's id alone, so that every loop around a barrier has
+// the same bounds in all 64 invocations, as WGSL requires.
+struct HeadBlock {
+    h: u32,
+    first: u32,
+    last: u32,
+    split: u32,
+    valid: bool,
+}
+
+fn head_block(wid: vec3<u32>, nwg: vec3<u32>, t: u32) -> HeadBlock {
+    let padded = (t + 63u) / 64u * 64u;
+    let per_split = (pu(ATTENTION_ROWS) / t) * padded;
+    let g = workgroup_index(wid, nwg) * 64u;
+    let p = g % per_split;
+    let first = p % padded;
+    let split = g / per_split + pu(ATTENTION_SPLIT);
+    return HeadBlock(p / padded, first, min(first + 63u, t - 1u), split, g < per_split * pu(ATTENTION_SPLITS));
+}
+
+// Stages `n` rows into the tiles, each invocation a share of the feature groups: into
+// `tile_a` the rows of `a_side` from element `a_at`, `a_rs` apart (`D4` groups to a row), into
+// `tile_b` those of `b_side` from `b_at`, `b_rs` apart (`DV4` groups). Rows past `n` are left
+// as they are (no loop reads them).
+fn stage_tiles(lid: u32, n: u32, a_side: u32, a_at: u32, a_rs: u32, b_side: u32, b_at: u32, b_rs: u32, z: Sizes) {
+    for (var e = lid; e < n * D4; e = e + 64u) {
+        tile_a[e] = row4(a_side, a_at + (e / D4) * a_rs, e % D4, z.d);
+    }
+    for (var e = lid; e < n * DV4; e = e + 64u) {
+        tile_b[e] = row4(b_side, b_at + (e / DV4) * b_rs, e % DV4, z.dv);
+    }
+}
+
+// The dot product of a register row of q/k features with row `r` of `tile_a`.
+fn dot_tile_a(row: ptr<function, array<vec4<f32>, D4>>, r: u32, z: Sizes) -> f32 {
+    var sum = 0.0;
+    for (var c = 0u; c < D4; c = c + 1u) {
+        sum = sum + dot((*row)[c], tile_a[r * D4 + c]);
+    }
+    return sum;
+}
+
+// The q/k row of `side` at `at` times `scale`, and the v (or out grad) row of `side` at `at`,
+// as register rows.
+fn register_row_d(side: u32, at: u32, scale: f32, z: Sizes) -> array<vec4<f32>, D4> {
+    var row: array<vec4<f32>, D4>;
+    for (var c = 0u; c < D4; c = c + 1u) {
+        row[c] = row4(side, at, c, z.d) * scale;
+    }
+    return row;
+}
+
+fn register_row_dv(side: u32, at: u32, z: Sizes) -> array<vec4<f32>, DV4> {
+    var row: array<vec4<f32>, DV4>;
+    for (var c = 0u; c < DV4; c = c + 1u) {
+        row[c] = row4(side, at, c, z.dv);
+    }
+    return row;
+}
+
+// Adds `ds` times row `r` of `tile_a` to a register row of q/k features.
+fn add_tile_a_row(row: ptr<function, array<vec4<f32>, D4>>, ds: f32, r: u32) {
+    for (var c = 0u; c < D4; c = c + 1u) {
+        (*row)[c] = (*row)[c] + ds * tile_a[r * D4 + c];
+    }
+}
+
+@compute @workgroup_size(64)
+fn forward_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let t_q = pu(ATTENTION_T_Q);
+    let block = head_block(wid, nwg, t_q);
+    if (!block.valid) {
+        return;
+    }
+    let i = min(block.first + lid, t_q - 1u);
+    let z = sizes();
+    let kv = key_value_rows(block.h);
+    var query = register_row_d(0u, row_start(block.h, i, ATTENTION_Q_LAYOUT), z.scale, z);
+    var acc: array<vec4<f32>, DV4>;
+    var m = neg_inf();
+    var l = 0.0;
+    let keys = key_range(i, block.split);
+    let block_keys = vec2<u32>(key_range(block.first, block.split).x, key_range(block.last, block.split).y);
+    for (var t0 = block_keys.x; t0 < block_keys.y; t0 = t0 + TILE) {
+        let n = min(TILE, block_keys.y - t0);
+        stage_tiles(lid, n, 1u, kv.k_head + t0 * kv.k_rs, kv.k_rs, 2u, kv.v_head + t0 * kv.v_rs, kv.v_rs, z);
+        workgroupBarrier();
+        for (var r = 0u; r < n; r = r + 1u) {
+            let j = t0 + r;
+            let score = masked_score(dot_tile_a(&query, r, z), block.h, i, j);
+            let live = j >= keys.x && j < keys.y && score != neg_inf();
+            let m_new = select(m, max(m, score), live);
+            let correction = select(1.0, exp(m - m_new), live);
+            let p = select(0.0, exp(score - m_new), live);
+            l = l * correction + p;
+            for (var c = 0u; c < DV4; c = c + 1u) {
+                acc[c] = acc[c] * correction + p * tile_b[r * DV4 + c];
+            }
+            m = m_new;
+        }
+        workgroupBarrier();
+    }
+    if (block.first + lid >= t_q) {
+        return;
+    }
+    let row = block.h * t_q + i;
+    let out_base = forward_out_start(row, block.h, i, block.split);
+    for (var c = 0u; c < DV4; c = c + 1u) {
+        store_out(out_base + 4u * c, acc[c] * forward_out_scale(l), lanes(c, z.dv));
+    }
+    store_forward_stats(row, block.split, m, l);
+}
+
+// The query grad, as backward_query, for a workgroup owning 64 query rows of one head.
+@compute @workgroup_size(64)
+fn backward_query_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_index) lid: u32) {
+    let t_q = pu(ATTENTION_T_Q);
+    let block = head_block(wid, nwg, t_q);
+    if (!block.valid) {
+        return;
+    }
+    let h = block.h;
+    let i = min(block.first + lid, t_q - 1u);
+    let z = sizes();
+    let kv = key_value_rows(h);
+    var query = register_row_d(0u, row_start(h, i, ATTENTION_Q_LAYOUT), z.scale, z);
+    let dout = register_row_dv(3u, row_start(h, i, ATTENTION_O_LAYOUT), z);
+    var grad: array<vec4<f32>, D4>;
+    let lse = stats[2u * (h * t_q + i)];
+    let delta = stats[2u * (h * t_q + i) + 1u];
+    let keys = key_range(i, block.split);
+    let block_keys = vec2<u32>(key_range(block.first, block.split).x, key_range(block.last, block.split).y);
+    for (var t0 = block_keys.x; t0 < block_keys.y; t0 = t0 + TILE) {
+        let n = min(TILE, block_keys.y - t0);
+        stage_tiles(lid, n, 1u, kv.k_head + t0 * kv.k_rs, kv.k_rs, 2u, kv.v_head + t0 * kv.v_rs, kv.v_rs, z);
+        workgroupBarrier();
+        for (var r = 0u; r < n; r = r + 1u) {
+            let j = t0 + r;
+            let score = masked_score(dot_tile_a(&query, r, z), h, i, j);
+            let live = j >= keys.x && j < keys.y && score != neg_inf();
+            var dp = 0.0;
+            for (var c = 0u; c < DV4; c = c + 1u) {
+                dp = dp + dot(dout[c], tile_b[r * DV4 + c]);
+            }
+            add_tile_a_row(&grad, select(0.0, exp(score - lse) * (dp - delta) * z.scale, live), r);
+        }
+        workgroupBarrier();
+    }
+    if (block.first + lid >= t_q) {
+        return;
+    }
+    store_grad_a_row(&grad, row_start(h, i, ATTENTION_OUT_LAYOUT), z, block.split > 0u);
+}
+
+// The key and value grads, as backward_key, for a workgroup owning 64 key rows of one k/v
+// head: the tiles hold query rows and their out grad rows, of each q head in turn.
+@compute @workgroup_size(64)
+fn backward_key_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
+    let t_q = pu(ATTENTION_T_Q);
+    let t_k = pu(ATTENTION_T_K);
+    let block = head_block(wid, nwg, t_k);
+    if (!block.valid) {
+        return;
+    }
+    let h = block.h;
+    let j = min(block.first + lid, t_k - 1u);
+    let z = sizes();
+    let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
+    let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
+    let group = pu(ATTENTION_GROUP);
+    var key = register_row_d(1u, row_start(h, j, ATTENTION_K_LAYOUT), z.scale, z);
+    let value = register_row_dv(2u, row_start(h, j, ATTENTION_V_LAYOUT), z);
+    var grad_key: array<vec4<f32>, D4>;
+    var grad_value: array<vec4<f32>, DV4>;
+    let queries = query_range(j, block.split);
+    // The block's first key row is attended to by the most queries (causal: from itself on).
+    let block_queries = query_range(block.first, block.split);
+    for (var hq = h * group; hq < (h + 1u) * group; hq = hq + 1u) {
+        let q_head = head_start(hq, ATTENTION_Q_LAYOUT);
+        let o_head = head_start(hq, ATTENTION_O_LAYOUT);
+        for (var t0 = block_queries.x; t0 < block_queries.y; t0 = t0 + TILE) {
+            let n = min(TILE, block_queries.y - t0);
+            stage_tiles(lid, n, 0u, q_head + t0 * q_rs, q_rs, 3u, o_head + t0 * o_rs, o_rs, z);
+            workgroupBarrier();
+            for (var r = 0u; r < n; r = r + 1u) {
+                let i = t0 + r;
+                let stat = 2u * (hq * t_q + i);
+                let score = masked_score(dot_tile_a(&key, r, z), hq, i, j);
+                let live = i >= queries.x && i < queries.y && score != neg_inf();
+                let p = select(0.0, exp(score - stats[stat]), live);
+                var dp = 0.0;
+                for (var c = 0u; c < DV4; c = c + 1u) {
+                    let g = tile_b[r * DV4 + c];
+                    dp = dp + dot(g, value[c]);
+                    grad_value[c] = grad_value[c] + p * g;
+                }
+                add_tile_a_row(&grad_key, p * (dp - stats[stat + 1u]) * z.scale, r);
+            }
+            workgroupBarrier();
+        }
+    }
+    if (block.first + lid >= t_k) {
+        return;
+    }
+    store_grad_a_row(&grad_key, row_start(h, j, ATTENTION_OUT_LAYOUT), z, block.split > 0u);
+    for (var c = 0u; c < DV4; c = c + 1u) {
+        add_grad_b(row_start(h, j, ATTENTION_OUT2_LAYOUT) + 4u * c, grad_value[c], lanes(c, z.dv), block.split > 0u);
     }
 }
 

@@ -64,13 +64,24 @@ fn reference(
     (out, dq, dk, dvv)
 }
 
-/// Runs attention on `heads` heads and checks the output and all grads against the reference.
-fn check_against_reference(heads: usize, tq: usize, tk: usize, d: usize, dv: usize, causal: bool) {
+/// Runs attention on `heads` heads on `dev` and checks the output and all grads against the
+/// reference.
+fn check_against_reference(
+    dev: &Device,
+    heads: usize,
+    (tq, tk): (usize, usize),
+    (d, dv): (usize, usize),
+    causal: bool,
+) {
     let what = format!("heads {heads} tq {tq} tk {tk} d {d} dv {dv} causal {causal}");
-    let (q, qv) = random_tensor(&[heads, tq, d], 1);
-    let (k, kv) = random_tensor(&[heads, tk, d], 2);
-    let (v, vv) = random_tensor(&[heads, tk, dv], 3);
-    let (g, gv) = random_tensor(&[heads, tq, dv], 4);
+    let random = |shape: &[usize], seed| {
+        let values = random_vec(shape.iter().product(), seed);
+        (Tensor::from_slice(&values, shape, dev).unwrap(), values)
+    };
+    let (q, qv) = random(&[heads, tq, d], 1);
+    let (k, kv) = random(&[heads, tk, d], 2);
+    let (v, vv) = random(&[heads, tk, dv], 3);
+    let (g, gv) = random(&[heads, tq, dv], 4);
     let (q, k, v) = (
         q.requires_grad_(true),
         k.requires_grad_(true),
@@ -128,12 +139,12 @@ fn check_against_reference(heads: usize, tq: usize, tk: usize, d: usize, dv: usi
 fn sdpa_matches_cpu_reference_causal_and_not() {
     for causal in [false, true] {
         for t in [1, 7, 65] {
-            check_against_reference(3, t, t, 8, 8, causal);
+            check_against_reference(device(), 3, (t, t), (8, 8), causal);
         }
     }
-    check_against_reference(2, 5, 9, 6, 3, false); // Tq != Tk, D and Dv not multiples of 4
-    check_against_reference(2, 9, 5, 5, 7, true); // causal with Tq > Tk, aligned top-left
-    check_against_reference(1, 3, 4, 256, 4, false); // the widest head
+    check_against_reference(device(), 2, (5, 9), (6, 3), false); // Tq != Tk, D and Dv not multiples of 4
+    check_against_reference(device(), 2, (9, 5), (5, 7), true); // causal with Tq > Tk, aligned top-left
+    check_against_reference(device(), 1, (3, 4), (256, 4), false); // the widest head
 }
 
 /// Adapters with 8-wide subgroups run kernels whose 8 invocations own 8 rows of one head and
@@ -145,13 +156,13 @@ fn sdpa_matches_cpu_reference_causal_and_not() {
 #[test]
 fn sdpa_matches_cpu_reference_where_rows_come_in_eights() {
     for causal in [false, true] {
-        check_against_reference(3, 16, 16, 8, 8, causal);
-        check_against_reference(2, 64, 64, 32, 32, causal);
+        check_against_reference(device(), 3, (16, 16), (8, 8), causal);
+        check_against_reference(device(), 2, (64, 64), (32, 32), causal);
     }
-    check_against_reference(2, 8, 24, 36, 12, false);
-    check_against_reference(2, 24, 8, 5, 7, true);
-    check_against_reference(2, 16, 40, 8, 4, true);
-    check_against_reference(1, 8, 40_000, 4, 4, false);
+    check_against_reference(device(), 2, (8, 24), (36, 12), false);
+    check_against_reference(device(), 2, (24, 8), (5, 7), true);
+    check_against_reference(device(), 2, (16, 40), (8, 4), true);
+    check_against_reference(device(), 1, (8, 40_000), (4, 4), false);
 }
 
 /// The kernels without subgroups (GPUs, GL) agree with the shared ones: a software device set
@@ -184,13 +195,29 @@ fn sdpa_kernels_without_subgroups_match_the_shared_ones() {
     }
 }
 
+/// The GPU flavour's flash tiles (a workgroup owns 64 rows of one head; a tile holds 32 keys of
+/// 64 features, or 64 of fewer) against the reference: rows and keys past one block and one
+/// tile, padding rows, causal with more keys than queries and fewer, ragged features, and
+/// lengths past 65,536 on either side (the loops split across invocations).
+#[test]
+fn sdpa_flash_tiles_match_cpu_reference() {
+    let dev = Device::software().unwrap();
+    dev.set_kernel_flavor(KernelFlavor::Gpu);
+    for causal in [false, true] {
+        check_against_reference(&dev, 3, (130, 70), (64, 64), causal);
+        check_against_reference(&dev, 2, (65, 129), (6, 3), causal);
+    }
+    check_against_reference(&dev, 1, (2, 70_000), (4, 4), false);
+    check_against_reference(&dev, 1, (70_000, 2), (4, 4), true);
+}
+
 /// Past about 6,000 keys (or queries) per row (fewer for wider heads) an invocation would run more loop iterations
 /// than llvmpipe allows; the loops are then split across invocations and the partial results
 /// joined. These shapes take the split path in the forward, the query grad and the key grads.
 #[test]
 fn sdpa_splits_long_sequences_across_invocations() {
-    check_against_reference(1, 2, 40_000, 4, 4, false);
-    check_against_reference(1, 40_000, 2, 4, 4, false);
+    check_against_reference(device(), 1, (2, 40_000), (4, 4), false);
+    check_against_reference(device(), 1, (40_000, 2), (4, 4), false);
 }
 
 #[test]

@@ -265,6 +265,24 @@ fn keep_mask_for_padding_matches_reference() {
     });
 }
 
+/// Rows past one workgroup's 64 and keys past one tile (the GPU flavour's flash tiles hold 32
+/// keys of 64 features): grouped-query heads, a padding mask and causal together.
+#[test]
+fn options_hold_across_tiles_and_row_blocks() {
+    on_both_flavours(|dev| {
+        for causal in [false, true] {
+            let s = sizes(2, 4, 2, 70, 100, 64, 64);
+            check_call(
+                dev,
+                (2, s),
+                causal,
+                None,
+                (&padding(2, 100), &[2, 1, 1, 100]),
+            );
+        }
+    });
+}
+
 #[test]
 fn additive_mask_matches_reference_with_dropped_keys() {
     on_both_flavours(|dev| {

@@ -203,6 +203,7 @@ fn source(d: usize, dv: usize, aligned: bool, subgroups: bool, mask_kind: u32) -
             ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
             ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
             ("MASK_CODE", &mask_kind.to_string()),
+            ("TILE_ROWS", &tile_rows(d, dv).to_string()),
         ],
     )
 }
@@ -226,17 +227,68 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     all
 }
 
-/// Whether the device runs the `*_shared` entries (for every shape): a CPU adapter with 8-wide
-/// subgroups, where a subgroup is one SIMD group whose loads are loops over its lanes.
-fn has_shared_entries(device: &Device) -> bool {
-    device.kernel_flavor() == KernelFlavor::Cpu && device.subgroup_size() == Some(8)
+/// Workgroup memory the `*_tiled` entries' two tiles take at most: WebGPU's least
+/// `max_compute_workgroup_storage_size`.
+const TILE_BYTES: usize = 16 << 10;
+
+/// Rows of the other side per tile in the `*_tiled` entries, for rows of `d` q/k and `dv` v
+/// features: as many as fit both tiles in [`TILE_BYTES`], at most one per invocation.
+fn tile_rows(d: usize, dv: usize) -> usize {
+    let vec4s_per_row = (d.div_ceil(4) + dv.div_ceil(4)).max(1);
+    (TILE_BYTES / 16 / vec4s_per_row).clamp(1, ATTENTION_WORKGROUP)
 }
 
-/// Invocations of a `*_shared` entry for `heads` heads of `t` rows each: a head's rows padded
-/// to whole 8s, so that every 8-wide subgroup owns rows of one head (the padding's invocations
-/// load with their subgroup and store nothing).
-fn shared_invocations(heads: usize, t: usize) -> usize {
-    heads * t.next_multiple_of(8)
+/// Which entries run attention on a device. Each owns rows of one side (query rows, or key
+/// rows for the key grads) and loops over the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entries {
+    /// One invocation per row, reading the other side from storage: CPU adapters without
+    /// 8-wide subgroups (llvmpipe through GL ran the tiles 1.3x slower), and any adapter
+    /// whose workgroup memory cannot hold the tiles.
+    PerRow,
+    /// `*_shared`: a subgroup owns 8 rows of one head and broadcasts each row of the other
+    /// side it loads. A CPU adapter with 8-wide subgroups, where a subgroup is one SIMD group
+    /// whose loads are loops over its lanes.
+    Shared,
+    /// `*_tiled` (flash-attention tiles): a workgroup owns 64 rows of one head and stages the
+    /// other side in workgroup memory. The GPU kernel flavour.
+    Tiled,
+}
+
+impl Entries {
+    fn of(device: &Device) -> Entries {
+        let tiles_fit =
+            device.inner.limits.max_compute_workgroup_storage_size as usize >= TILE_BYTES;
+        match device.kernel_flavor() {
+            KernelFlavor::Cpu if device.subgroup_size() == Some(8) => Entries::Shared,
+            KernelFlavor::Gpu if tiles_fit => Entries::Tiled,
+            _ => Entries::PerRow,
+        }
+    }
+
+    /// The entry point of `base` (`forward`, `backward_query` or `backward_key`).
+    fn entry(self, base: &'static str) -> &'static str {
+        match (self, base) {
+            (Entries::PerRow, _) => base,
+            (Entries::Shared, "forward") => "forward_shared",
+            (Entries::Shared, "backward_query") => "backward_query_shared",
+            (Entries::Shared, _) => "backward_key_shared",
+            (Entries::Tiled, "forward") => "forward_tiled",
+            (Entries::Tiled, "backward_query") => "backward_query_tiled",
+            (Entries::Tiled, _) => "backward_key_tiled",
+        }
+    }
+
+    /// Invocations for `heads` heads of `t` owned rows each: a head's rows padded to whole
+    /// 8s (a subgroup's) or 64s (a workgroup's), whose padding invocations load with the
+    /// rest and store nothing.
+    fn invocations(self, heads: usize, t: usize) -> usize {
+        match self {
+            Entries::PerRow => heads * t,
+            Entries::Shared => heads * t.next_multiple_of(8),
+            Entries::Tiled => heads * t.next_multiple_of(ATTENTION_WORKGROUP),
+        }
+    }
 }
 
 /// Runs `entry` with `bound` tensors, four features per load where `operands` allow.
@@ -252,7 +304,7 @@ fn run(
     let aligned = s.d.is_multiple_of(4)
         && s.dv.is_multiple_of(4)
         && operands.iter().all(|layout| layout.aligned());
-    let subgroups = has_shared_entries(dev);
+    let subgroups = Entries::of(dev) == Entries::Shared;
     let mask = s.mask_kind;
     let specialise = || source(s.d, s.dv, aligned, subgroups, mask);
     let variant = format!(
@@ -556,11 +608,11 @@ fn forward(
     let (span, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
     let params = s.params(rows, span, splits, &ops.layouts, [&lo, &lo]);
     let read = [lq, lk, lv, &lo];
-    let (entry, invocations) = if has_shared_entries(dev) {
-        ("forward_shared", shared_invocations(s.heads, s.t_q))
-    } else {
-        ("forward", rows)
-    };
+    let entries = Entries::of(dev);
+    let (entry, invocations) = (
+        entries.entry("forward"),
+        entries.invocations(s.heads, s.t_q),
+    );
     if splits == 1 {
         let bound = [(1, q), (2, k), (3, v), (4, &out), (5, &stats), (8, mask)];
         run(entry, &read, s, &bound, &params, invocations)?;
@@ -614,6 +666,7 @@ fn backward(
     };
     drop(out);
     let (d4, dv4) = (s.d.div_ceil(4), s.dv.div_ceil(4));
+    let entries = Entries::of(dev);
     let mut grads = [None, None, None];
     // One launch per span of the other side, each adding to the grads the earlier wrote. A
     // key row's loop runs over the queries of each of its `group` q heads.
@@ -638,11 +691,8 @@ fn backward(
             (6, &grad_q),
             (8, mask),
         ];
-        let (entry, invocations) = if has_shared_entries(dev) {
-            ("backward_query_shared", shared_invocations(s.heads, s.t_q))
-        } else {
-            ("backward_query", rows_q)
-        };
+        let entry = entries.entry("backward_query");
+        let invocations = entries.invocations(s.heads, s.t_q);
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lq]).collect();
         for params in spans(s.t_k, 1, base) {
             run(entry, &layouts, s, &bound, &params, invocations)?;
@@ -663,14 +713,8 @@ fn backward(
             (7, &grad_v),
             (8, mask),
         ];
-        let (entry, invocations) = if has_shared_entries(dev) {
-            (
-                "backward_key_shared",
-                shared_invocations(s.heads / s.group, s.t_k),
-            )
-        } else {
-            ("backward_key", rows_k)
-        };
+        let entry = entries.entry("backward_key");
+        let invocations = entries.invocations(s.heads / s.group, s.t_k);
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lk, &lv]).collect();
         for params in spans(s.t_q, s.group, base) {
             run(entry, &layouts, s, &bound, &params, invocations)?;
