@@ -10,7 +10,10 @@
 // stays one and merging the heads back is a view. ALIGNED (offsets and strides multiples of
 // 4, D and Dv too) reads four features per load.
 //
-// One invocation owns one query row (forward, query grad) or one key row (key and value
+// Three sets of entries do this (`Entries` in src/ops/attention.rs picks one per device): the
+// plain ones below, the `*_tiled` ones (FLASH TILES, the GPU kernel flavour) and the
+// `*_shared` ones (SUBGROUP SECTION, CPU adapters with 8-wide subgroups). In the plain ones
+// one invocation owns one query row (forward, query grad) or one key row (key and value
 // grads) and loops over the other side in spans of `span` rows, so that no invocation runs
 // more loop iterations than llvmpipe allows (65,535). The forward runs its `splits` spans in
 // parallel invocations and `combine` joins them; the backward runs one span per launch, each
