@@ -176,3 +176,23 @@ fn matmuls_of_128_by_128_tiles_agree_across_flavours() {
         f16_matmul,
     );
 }
+
+#[test]
+fn skinny_matmuls_agree_across_flavours() {
+    // Products with a side under 64 run the GPU flavour's `register_tiled`; their grads are
+    // skinny too (a 9-tap weight's grad, a 10-class head's).
+    assert_flavours_agree("matmul 37x9x300", &[&[37, 9], &[9, 300]], |t| {
+        t[0].matmul(&t[1])
+    });
+    assert_flavours_agree("matmul 300x70x10", &[&[300, 70], &[70, 10]], |t| {
+        t[0].matmul(&t[1])
+    });
+    assert_flavours_agree(
+        "batched matmul 5x32x101x9",
+        &[&[5, 32, 101], &[5, 101, 9]],
+        |t| t[0].matmul(&t[1]),
+    );
+    assert_flavours_agree("matmul of transposed views", &[&[70, 13], &[90, 70]], |t| {
+        t[0].t()?.matmul(&t[1].t()?)
+    });
+}
