@@ -2,12 +2,13 @@
 // transposed view needs no copy) and out contiguous [batch, M, N].
 // Params: `MatmulParams` (src/ops/matmul.rs).
 //
-// Four kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
+// Five kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
 // uses no workgroup memory or barriers (software adapters run barriers as coroutine switches,
 // so this wins there); `register_tiled_tall` keeps 32x4 with the A loads shared by 8-wide
 // subgroups (software adapters with subgroups); `small_tiled` keeps 8x8 for small products
-// on software adapters, in one module for every layout; `shared_tiled` stages 64x16 panels of
-// A and B in workgroup memory (what GPUs want).
+// on software adapters, in one module for every layout; `block_tiled` and `block_tiled_64` stage
+// 128x16 or 64x16 panels of A and B in workgroup memory and keep 8x8 per invocation (what GPUs
+// want).
 //
 // Buffers are bound as arrays of vec4 so that the register kernels can load four elements at a
 // time where the layout allows: software adapters pay per load, not per element. The host
@@ -655,125 +656,69 @@ fn operands_of(batch: u32) -> Operands {
                     pu(MATMUL_B_ROW_STRIDE), pu(MATMUL_B_COL_STRIDE));
 }
 
-const TILE: u32 = 64u;
-const TILE_K: u32 = 16u;
-var<workgroup> a_panel: array<f32, 1024>; // [TILE_K][TILE] of A, k-major
-var<workgroup> b_panel: array<f32, 1024>; // [TILE_K][TILE] of B, k-major
-
-@compute @workgroup_size(256)
-fn shared_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                @builtin(local_invocation_index) lid: u32) {
-    let t = tile_of(wid, nwg, TILE, TILE);
-    // Uniform across the workgroup, so the early return cannot split a barrier.
-    if (t.batch >= pu(MATMUL_BATCHES)) {
-        return;
-    }
-    let o = operands_of(t.batch);
-    let tr = (lid / 16u) * 4u;
-    let tc = (lid % 16u) * 4u;
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
-    var acc2 = vec4<f32>(0.0);
-    var acc3 = vec4<f32>(0.0);
-    for (var k0 = 0u; k0 < o.k_len; k0 = k0 + TILE_K) {
-        // Each of the 256 invocations loads 4 elements of each panel; out-of-range ones are 0.
-        for (var j = 0u; j < 4u; j = j + 1u) {
-            let e = lid * 4u + j;
-            let kk = e / TILE;
-            let rc = e % TILE;
-            let k = k0 + kk;
-            let r = t.row0 + rc;
-            let c = t.col0 + rc;
-            var av = 0.0;
-            if (k < o.k_len && r < o.m) {
-                av = a_at(o.a_base + r * o.a_rs + k * o.a_cs);
-            }
-            var bv = 0.0;
-            if (k < o.k_len && c < o.n) {
-                bv = b_at(o.b_base + k * o.b_rs + c * o.b_cs);
-            }
-            a_panel[e] = av;
-            b_panel[e] = bv;
-        }
-        workgroupBarrier();
-        for (var kk = 0u; kk < TILE_K; kk = kk + 1u) {
-            let bv = vec4<f32>(b_panel[kk * TILE + tc], b_panel[kk * TILE + tc + 1u],
-                               b_panel[kk * TILE + tc + 2u], b_panel[kk * TILE + tc + 3u]);
-            acc0 = fma(vec4<f32>(a_panel[kk * TILE + tr]), bv, acc0);
-            acc1 = fma(vec4<f32>(a_panel[kk * TILE + tr + 1u]), bv, acc1);
-            acc2 = fma(vec4<f32>(a_panel[kk * TILE + tr + 2u]), bv, acc2);
-            acc3 = fma(vec4<f32>(a_panel[kk * TILE + tr + 3u]), bv, acc3);
-        }
-        workgroupBarrier();
-    }
-    let base = t.batch * o.m * o.n;
-    store_row(base, t.row0 + tr, t.col0 + tc, acc0);
-    store_row(base, t.row0 + tr + 1u, t.col0 + tc, acc1);
-    store_row(base, t.row0 + tr + 2u, t.col0 + tc, acc2);
-    store_row(base, t.row0 + tr + 3u, t.col0 + tc, acc3);
-}
-
-const BLOCK: u32 = 128u;
 const BLOCK_K: u32 = 16u;
-// `block_tiled`'s panels of A and B, k-major, four rows (columns) to a vec4:
-// [BLOCK_K][BLOCK / 4]. 16 KiB in all, WebGPU's default workgroup storage.
+// The block kernels' panels of A and B, k-major, four rows (columns) to a vec4:
+// [BLOCK_K][block / 4], sized for the 128 block: 16 KiB in all, WebGPU's default workgroup
+// storage (the 64 block uses a quarter).
 var<workgroup> a_block: array<vec4<f32>, 512>;
 var<workgroup> b_block: array<vec4<f32>, 512>;
 
-// The element of a BLOCK x BLOCK_K panel that invocation `lid` stages in its `j`th load:
-// (k within the panel, row or column within the tile). Consecutive invocations read
-// consecutive elements of the operand in memory: along k where k is its unit stride.
-fn panel_element(lid: u32, j: u32, k_contiguous: bool) -> vec2<u32> {
-    let e = lid + j * 256u;
+// The element of a `block` x BLOCK_K panel that invocation `lid` (of `threads`) stages in its
+// `j`th load: (k within the panel, row or column within the tile). Consecutive invocations
+// read consecutive elements of the operand in memory: along k where k is its unit stride.
+fn panel_element(lid: u32, j: u32, k_contiguous: bool, block: u32, threads: u32) -> vec2<u32> {
+    let e = lid + j * threads;
     if (k_contiguous) {
         return vec2<u32>(e % BLOCK_K, e / BLOCK_K);
     }
-    return vec2<u32>(e / BLOCK, e % BLOCK);
+    return vec2<u32>(e / block, e % block);
 }
 
-// 128 x 128 outputs per workgroup of 256 invocations, 8 x 8 per invocation, for GPUs: each
-// step of BLOCK_K along k stages a panel of A and of B in workgroup memory (8 loads each per
-// invocation), then every invocation reads 4 vec4s per k for 64 multiply-adds. Invocation
-// (ty, tx) keeps rows ty*4.. and 64 + ty*4.., columns tx*4.. and 64 + tx*4.., so that the
-// 16 invocations reading one panel row read 16 consecutive vec4s.
-@compute @workgroup_size(256)
-fn block_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-               @builtin(local_invocation_index) lid: u32) {
-    let t = tile_of(wid, nwg, BLOCK, BLOCK);
+// `block` x `block` outputs per workgroup of (block / 8)^2 invocations, 8 x 8 per invocation,
+// for GPUs: each step of BLOCK_K along k stages a panel of A and of B in workgroup memory,
+// then every invocation reads 4 vec4s per k for 64 multiply-adds. Invocation (ty, tx) keeps
+// rows ty*4.. and block/2 + ty*4.., columns tx*4.. and block/2 + tx*4.., so that the
+// invocations reading one panel row read consecutive vec4s. `block` is 128 or 64, a constant
+// at each call, so every loop bound below folds.
+fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
+    let t = tile_of(wid, nwg, block, block);
     // Uniform across the workgroup, so the early return cannot split a barrier.
     if (t.batch >= pu(MATMUL_BATCHES)) {
         return;
     }
     let o = operands_of(t.batch);
-    let ty = lid / 16u;
-    let tx = lid % 16u;
+    let side = block / 8u; // invocations along each side of the tile
+    let threads = side * side;
+    let quads = block / 4u; // vec4s per panel row
+    let ty = lid / side;
+    let tx = lid % side;
     var acc_ll = mat4x4<f32>();
     var acc_hl = mat4x4<f32>();
     var acc_lh = mat4x4<f32>();
     var acc_hh = mat4x4<f32>();
     for (var k0 = 0u; k0 < o.k_len; k0 = k0 + BLOCK_K) {
-        for (var j = 0u; j < 8u; j = j + 1u) {
-            let ea = panel_element(lid, j, o.a_cs == 1u);
+        for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
+            let ea = panel_element(lid, j, o.a_cs == 1u, block, threads);
             let r = t.row0 + ea.y;
             var av = 0.0;
             if (k0 + ea.x < o.k_len && r < o.m) {
                 av = a_at(o.a_base + r * o.a_rs + (k0 + ea.x) * o.a_cs);
             }
-            a_block[ea.x * 32u + ea.y / 4u][ea.y % 4u] = av;
-            let eb = panel_element(lid, j, o.b_rs == 1u);
+            a_block[ea.x * quads + ea.y / 4u][ea.y % 4u] = av;
+            let eb = panel_element(lid, j, o.b_rs == 1u, block, threads);
             let c = t.col0 + eb.y;
             var bv = 0.0;
             if (k0 + eb.x < o.k_len && c < o.n) {
                 bv = b_at(o.b_base + (k0 + eb.x) * o.b_rs + c * o.b_cs);
             }
-            b_block[eb.x * 32u + eb.y / 4u][eb.y % 4u] = bv;
+            b_block[eb.x * quads + eb.y / 4u][eb.y % 4u] = bv;
         }
         workgroupBarrier();
         for (var kk = 0u; kk < BLOCK_K; kk = kk + 1u) {
-            let a_lo = a_block[kk * 32u + ty];
-            let a_hi = a_block[kk * 32u + 16u + ty];
-            let b_lo = b_block[kk * 32u + tx];
-            let b_hi = b_block[kk * 32u + 16u + tx];
+            let a_lo = a_block[kk * quads + ty];
+            let a_hi = a_block[kk * quads + side + ty];
+            let b_lo = b_block[kk * quads + tx];
+            let b_hi = b_block[kk * quads + side + tx];
             acc_ll = acc_ll + outer(a_lo, b_lo);
             acc_hl = acc_hl + outer(a_hi, b_lo);
             acc_lh = acc_lh + outer(a_lo, b_hi);
@@ -781,6 +726,20 @@ fn block_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
         workgroupBarrier();
     }
-    store_block8(t.batch * o.m * o.n, t.row0 + ty * 4u, t.col0 + tx * 4u, vec2<u32>(64u), acc_ll, acc_hl,
+    store_block8(t.batch * o.m * o.n, t.row0 + ty * 4u, t.col0 + tx * 4u, vec2<u32>(block / 2u), acc_ll, acc_hl,
                  acc_lh, acc_hh);
+}
+
+// 128 x 128 tiles: products of at least 128 rows and columns.
+@compute @workgroup_size(256)
+fn block_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    block_product(wid, nwg, lid, 128u);
+}
+
+// 64 x 64 tiles: products of at least 64 rows and columns, fewer than 128 on a side.
+@compute @workgroup_size(64)
+fn block_tiled_64(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    block_product(wid, nwg, lid, 64u);
 }

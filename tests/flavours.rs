@@ -178,6 +178,25 @@ fn matmuls_of_128_by_128_tiles_agree_across_flavours() {
 }
 
 #[test]
+fn matmuls_of_64_by_64_tiles_agree_across_flavours() {
+    // Products of 64 to 127 rows or columns (at least 64 of both) run the GPU flavour's
+    // `block_tiled_64`; partial tiles, a k tail within a panel, batches and transposed reads.
+    assert_flavours_agree("matmul 70x50x100", &[&[70, 50], &[50, 100]], |t| {
+        t[0].matmul(&t[1])
+    });
+    assert_flavours_agree(
+        "batched matmul 3x64x37x300",
+        &[&[3, 64, 37], &[3, 37, 300]],
+        |t| t[0].matmul(&t[1]),
+    );
+    assert_flavours_agree(
+        "matmul of a transposed view",
+        &[&[90, 127], &[90, 65]],
+        |t| t[0].t()?.matmul(&t[1]),
+    );
+}
+
+#[test]
 fn skinny_matmuls_agree_across_flavours() {
     // Products with a side under 64 run the GPU flavour's `register_tiled`; their grads are
     // skinny too (a 9-tap weight's grad, a 10-class head's).

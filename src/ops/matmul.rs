@@ -277,9 +277,12 @@ struct KernelChoice {
 }
 
 /// The kernel for this device, these operand layouts and an `m x n` product. GPUs stage
-/// panels in workgroup memory: 128 x 128 tiles of 8 x 8 per invocation where the product
-/// fills them and the device has the 16 KiB of workgroup storage they take, else 64 x 64;
-/// a product with a side under [`SKINNY`] keeps 8 x 8 outputs per invocation in registers.
+/// panels in workgroup memory and keep 8 x 8 outputs per invocation: 128 x 128 tiles where
+/// the product fills them, 64 x 64 where it fills those. A product with a side under 64, or a
+/// device without the 16 KiB of workgroup storage the panels take, keeps 8 x 8 per invocation
+/// with no workgroup memory (`register_tiled`): a 64 x 64 tile over a first convolution's 9
+/// taps or a 10-class head would sit mostly idle (that convolution ran 10x faster so, forward
+/// and backward, with the GPU flavour forced on lavapipe).
 /// Software adapters keep the outputs in registers and pay per load: where subgroups are 8
 /// wide (one SIMD group), the A loads are shared across the subgroup and
 /// each invocation keeps 32 x 4 outputs (a quarter of the loads per multiply-add of 8 x 8), or
@@ -298,28 +301,17 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> Ke
         b_dtype: DType::F32,
         out_dtype: DType::F32,
     };
+    let block = |entry, side| KernelChoice {
+        entry,
+        tile_rows: side,
+        tile_cols: side,
+        tiles_per_workgroup: 1,
+        spec: spec(AMode::Any, BMode::Any, false, 32),
+    };
+    let blocks = fits_block_tiles(device);
     match device.kernel_flavor() {
-        KernelFlavor::Gpu if m >= BLOCK && n >= BLOCK && fits_block_tiles(device) => KernelChoice {
-            entry: "block_tiled",
-            tile_rows: BLOCK,
-            tile_cols: BLOCK,
-            tiles_per_workgroup: 1,
-            spec: spec(AMode::Any, BMode::Any, false, 32),
-        },
-        KernelFlavor::Gpu if m.min(n) < SKINNY => KernelChoice {
-            entry: "register_tiled",
-            tile_rows: 8,
-            tile_cols: 256,
-            tiles_per_workgroup: 1,
-            spec: spec(a, b, false, 32),
-        },
-        KernelFlavor::Gpu => KernelChoice {
-            entry: "shared_tiled",
-            tile_rows: 64,
-            tile_cols: 64,
-            tiles_per_workgroup: 1,
-            spec: spec(AMode::Any, BMode::Any, false, 32),
-        },
+        KernelFlavor::Gpu if blocks && m.min(n) >= BLOCK => block("block_tiled", BLOCK),
+        KernelFlavor::Gpu if blocks && m.min(n) >= BLOCK / 2 => block("block_tiled_64", BLOCK / 2),
         KernelFlavor::Cpu if runs_tall(device) => {
             let tall_rows = if m <= 16 { 16 } else { 32 };
             KernelChoice {
@@ -330,7 +322,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> Ke
                 spec: spec(a, b, true, tall_rows),
             }
         }
-        KernelFlavor::Cpu => KernelChoice {
+        _ => KernelChoice {
             entry: "register_tiled",
             tile_rows: 8,
             tile_cols: 256,
@@ -344,13 +336,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> Ke
 /// and columns).
 const BLOCK: usize = 128;
 
-/// GPU products with fewer rows or columns than this run `register_tiled` (8 x 8 outputs per
-/// invocation, no workgroup memory): a 64 x 64 tile of `shared_tiled` would leave most of its
-/// invocations idle (a first convolution's 9 taps, a 10-class head). On lavapipe with the GPU
-/// flavour forced, the CNN's first convolution ran 10x faster so, forward and backward.
-const SKINNY: usize = 64;
-
-/// Whether the device runs `block_tiled`'s workgroups: 256 invocations and 16 KiB of
+/// Whether the device runs the block kernels' workgroups: up to 256 invocations and 16 KiB of
 /// workgroup storage (WebGPU's defaults; an adapter may offer less).
 fn fits_block_tiles(device: &Device) -> bool {
     let limits = &device.inner.limits;
