@@ -255,7 +255,17 @@ enum Entries {
     Tiled,
 }
 
+/// The passes each set of entries has: the forward (owning query rows), the query grad
+/// (query rows) and the key and value grads (key rows).
+#[derive(Debug, Clone, Copy)]
+enum Pass {
+    Forward,
+    QueryGrad,
+    KeyValueGrad,
+}
+
 impl Entries {
+    /// The set this device runs (its kernel flavour, subgroups and workgroup memory).
     fn of(device: &Device) -> Entries {
         let tiles_fit =
             device.inner.limits.max_compute_workgroup_storage_size as usize >= TILE_BYTES;
@@ -266,16 +276,18 @@ impl Entries {
         }
     }
 
-    /// The entry point of `base` (`forward`, `backward_query` or `backward_key`).
-    fn entry(self, base: &'static str) -> &'static str {
-        match (self, base) {
-            (Entries::PerRow, _) => base,
-            (Entries::Shared, "forward") => "forward_shared",
-            (Entries::Shared, "backward_query") => "backward_query_shared",
-            (Entries::Shared, _) => "backward_key_shared",
-            (Entries::Tiled, "forward") => "forward_tiled",
-            (Entries::Tiled, "backward_query") => "backward_query_tiled",
-            (Entries::Tiled, _) => "backward_key_tiled",
+    /// The entry point of `pass` in this set.
+    fn entry(self, pass: Pass) -> &'static str {
+        match (self, pass) {
+            (Entries::PerRow, Pass::Forward) => "forward",
+            (Entries::PerRow, Pass::QueryGrad) => "backward_query",
+            (Entries::PerRow, Pass::KeyValueGrad) => "backward_key",
+            (Entries::Shared, Pass::Forward) => "forward_shared",
+            (Entries::Shared, Pass::QueryGrad) => "backward_query_shared",
+            (Entries::Shared, Pass::KeyValueGrad) => "backward_key_shared",
+            (Entries::Tiled, Pass::Forward) => "forward_tiled",
+            (Entries::Tiled, Pass::QueryGrad) => "backward_query_tiled",
+            (Entries::Tiled, Pass::KeyValueGrad) => "backward_key_tiled",
         }
     }
 
@@ -610,7 +622,7 @@ fn forward(
     let read = [lq, lk, lv, &lo];
     let entries = Entries::of(dev);
     let (entry, invocations) = (
-        entries.entry("forward"),
+        entries.entry(Pass::Forward),
         entries.invocations(s.heads, s.t_q),
     );
     if splits == 1 {
@@ -691,7 +703,7 @@ fn backward(
             (6, &grad_q),
             (8, mask),
         ];
-        let entry = entries.entry("backward_query");
+        let entry = entries.entry(Pass::QueryGrad);
         let invocations = entries.invocations(s.heads, s.t_q);
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lq]).collect();
         for params in spans(s.t_k, 1, base) {
@@ -713,7 +725,7 @@ fn backward(
             (7, &grad_v),
             (8, mask),
         ];
-        let entry = entries.entry("backward_key");
+        let entry = entries.entry(Pass::KeyValueGrad);
         let invocations = entries.invocations(s.heads / s.group, s.t_k);
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lk, &lv]).collect();
         for params in spans(s.t_q, s.group, base) {
