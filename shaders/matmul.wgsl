@@ -4,7 +4,7 @@
 //
 // Five kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
 // uses no workgroup memory or barriers (software adapters run barriers as coroutine switches,
-// so this wins there); `register_tiled_tall` keeps 32x4 with the A loads shared by 8-wide
+// so this wins there; GPUs run it for products with a side under 64); `register_tiled_tall` keeps 32x4 with the A loads shared by 8-wide
 // subgroups (software adapters with subgroups); `small_tiled` keeps 8x8 for small products
 // on software adapters, in one module for every layout; `block_tiled` and `block_tiled_64` stage
 // 128x16 or 64x16 panels of A and B in workgroup memory and keep 8x8 per invocation (what GPUs
