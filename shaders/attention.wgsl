@@ -546,6 +546,17 @@ fn stage_tiles(lid: u32, n: u32, a_side: u32, a_at: u32, a_rs: u32, b_side: u32,
     }
 }
 
+// Keys [first, last) that some row of `block` attends to in its split: its first row starts
+// earliest and its last row ends latest.
+fn block_keys(block: HeadBlock) -> vec2<u32> {
+    return vec2<u32>(key_range(block.first, block.split).x, key_range(block.last, block.split).y);
+}
+
+// Stages key rows t0 .. t0 + n into `tile_a` and their value rows into `tile_b`.
+fn stage_keys_values(lid: u32, n: u32, t0: u32, kv: KeyValueRows, z: Sizes) {
+    stage_tiles(lid, n, 1u, kv.k_head + t0 * kv.k_rs, kv.k_rs, 2u, kv.v_head + t0 * kv.v_rs, kv.v_rs, z);
+}
+
 // The dot product of a register row of q/k features with row `r` of `tile_a`.
 fn dot_tile_a(row: ptr<function, array<vec4<f32>, D4>>, r: u32, z: Sizes) -> f32 {
     var sum = 0.0;
@@ -596,10 +607,10 @@ fn forward_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     var m = neg_inf();
     var l = 0.0;
     let keys = key_range(i, block.split);
-    let block_keys = vec2<u32>(key_range(block.first, block.split).x, key_range(block.last, block.split).y);
-    for (var t0 = block_keys.x; t0 < block_keys.y; t0 = t0 + TILE) {
-        let n = min(TILE, block_keys.y - t0);
-        stage_tiles(lid, n, 1u, kv.k_head + t0 * kv.k_rs, kv.k_rs, 2u, kv.v_head + t0 * kv.v_rs, kv.v_rs, z);
+    let walked = block_keys(block);
+    for (var t0 = walked.x; t0 < walked.y; t0 = t0 + TILE) {
+        let n = min(TILE, walked.y - t0);
+        stage_keys_values(lid, n, t0, kv, z);
         workgroupBarrier();
         for (var r = 0u; r < n; r = r + 1u) {
             let j = t0 + r;
@@ -646,10 +657,10 @@ fn backward_query_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let lse = stats[2u * (h * t_q + i)];
     let delta = stats[2u * (h * t_q + i) + 1u];
     let keys = key_range(i, block.split);
-    let block_keys = vec2<u32>(key_range(block.first, block.split).x, key_range(block.last, block.split).y);
-    for (var t0 = block_keys.x; t0 < block_keys.y; t0 = t0 + TILE) {
-        let n = min(TILE, block_keys.y - t0);
-        stage_tiles(lid, n, 1u, kv.k_head + t0 * kv.k_rs, kv.k_rs, 2u, kv.v_head + t0 * kv.v_rs, kv.v_rs, z);
+    let walked = block_keys(block);
+    for (var t0 = walked.x; t0 < walked.y; t0 = t0 + TILE) {
+        let n = min(TILE, walked.y - t0);
+        stage_keys_values(lid, n, t0, kv, z);
         workgroupBarrier();
         for (var r = 0u; r < n; r = r + 1u) {
             let j = t0 + r;
