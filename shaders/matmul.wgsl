@@ -4,11 +4,11 @@
 //
 // Five kernels: `register_tiled` keeps an 8x8 block of out per invocation in registers and
 // uses no workgroup memory or barriers (software adapters run barriers as coroutine switches,
-// so this wins there; GPUs run it for products with a side under 64); `register_tiled_tall` keeps 32x4 with the A loads shared by 8-wide
-// subgroups (software adapters with subgroups); `small_tiled` keeps 8x8 for small products
-// on software adapters, in one module for every layout; `block_tiled` and `block_tiled_64` stage
-// 128x16 or 64x16 panels of A and B in workgroup memory and keep 8x8 per invocation (what GPUs
-// want).
+// so this wins there; GPUs run it for products with a side under 64); `register_tiled_tall`
+// keeps 32x4 with the A loads shared by 8-wide subgroups (software adapters with subgroups);
+// `small_tiled` keeps 8x8 for small products on software adapters, in one module for every
+// layout; `block_tiled` and `block_tiled_64` stage 128x16 or 64x16 panels of A and B in
+// workgroup memory and keep 8x8 per invocation (what GPUs want).
 //
 // Buffers are bound as arrays of vec4 so that the register kernels can load four elements at a
 // time where the layout allows: software adapters pay per load, not per element. The host
@@ -507,10 +507,10 @@ fn outer(a: vec4<f32>, b: vec4<f32>) -> mat4x4<f32> {
 
 // Stores an 8x8 block of out, kept as four 4x4 accumulators whose column j holds 4 rows of
 // one output column: `ll` rows row0.. and columns col0..; `hl` rows row0 + hi.x..; `lh`
-// columns col0 + hi.y..; `hh` both (`hi` is (4, 4) for a whole 8x8 block, (64, 64) for
-// `block_tiled`'s split one). One rolled loop
-// picks each row's 4 columns with selects: 16 unrolled stores compiled into 16 loops over
-// lanes (software adapters), which tripled small_tiled's compile time.
+// columns col0 + hi.y..; `hh` both (`hi` is (4, 4) for a whole 8x8 block, half the tile
+// side for the split one of `block_product`). One rolled loop picks each row's 4 columns
+// with selects: 16 unrolled stores compiled into 16 loops over lanes (software adapters),
+// which tripled small_tiled's compile time.
 fn store_block8(base: u32, row0: u32, col0: u32, hi: vec2<u32>, ll: mat4x4<f32>, hl: mat4x4<f32>,
                 lh: mat4x4<f32>, hh: mat4x4<f32>) {
     // Transposed, column i of each accumulator is one output row's 4 columns.

@@ -67,8 +67,10 @@ pub enum KernelFlavor {
     /// where subgroups are 8 wide); reductions, softmax and cross-entropy give each row (or
     /// row chunk) one invocation. No workgroup memory, no barriers.
     Cpu,
-    /// matmul stages panels of A and B in workgroup memory: 128x128 output tiles of 8x8 per
-    /// invocation (vec4 reads of workgroup memory) where the product fills them, else 64x64;
+    /// matmul stages panels of A and B in workgroup memory and keeps 8x8 outputs per
+    /// invocation: 128x128 output tiles where the product fills them, else 64x64, and no
+    /// workgroup memory for a product with a side under 64; attention runs flash-attention
+    /// tiles (a workgroup per 64 rows of a head, the other side staged in workgroup memory);
     /// reductions, softmax and cross-entropy give each row a workgroup that reduces in
     /// workgroup memory.
     Gpu,
