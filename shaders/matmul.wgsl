@@ -20,8 +20,9 @@
 //             time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
-// B_SOURCE (matrix or image) says what `register_tiled_tall` multiplies by: B as above, or a
-// 2-d convolution's column matrix read from the input images (see b_columns_image).
+// B_SOURCE (matrix or image) says what `register_tiled_tall` and the block kernels multiply by:
+// B as above, or a 2-d convolution's column matrix read from the input images (see
+// b_columns_image and stage_b_panel_image).
 // It also splices two facts about the shape, so that code the shape never runs is compiled out
 // (software adapters compile every load and store into a loop over lanes, and the per-element
 // paths doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group
@@ -92,14 +93,9 @@ fn tile_of(wid: vec3<u32>, nwg: vec3<u32>, tile_rows: u32, tile_cols: u32) -> Ti
     return Tile(w / per_batch, (in_batch / pu(MATMUL_COL_TILES)) * tile_rows, (in_batch % pu(MATMUL_COL_TILES)) * tile_cols);
 }
 
-// Writes out[row][col..col+4], skipping rows and columns past the edge. `col` is a multiple of
-// 4, so when N is too (N_ALIGNED) each group of 4 is whole and aligned: one vec4 store, and the
-// per-element path is compiled out.
-fn store_row(base: u32, row: u32, col: u32, v: vec4<f32>) {
-    store_row_at(base + row * pu(MATMUL_N) + col, row, col, v);
-}
-
-// As store_row, at element offset `o` of out[row][col].
+// Writes out[row][col..col+4] at element offset `o`, skipping rows and columns past the edge.
+// `col` is a multiple of 4, so when N is too (N_ALIGNED) each group of 4 is whole and aligned:
+// one vec4 store, and the per-element path is compiled out.
 fn store_row_at(o: u32, row: u32, col: u32, v: vec4<f32>) {
     let n = pu(MATMUL_N);
     if (row >= pu(MATMUL_M) || col >= n) {
@@ -194,72 +190,15 @@ fn a_pair(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u3
     return APair(a_block_A_MODE(lo_at, rows_lo, rs, cs), a_block_A_MODE(hi_at, rows_hi, rs, cs));
 }
 
-// SUBGROUP SECTION BEGIN: kept only where the device has 8-wide subgroups.
-
-// Lanes 0-3's and lanes 4-7's vectors as the columns of a matrix (lane ids must be constants).
-fn broadcast_lo(v: vec4<f32>) -> mat4x4<f32> {
-    return mat4x4<f32>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u),
-                       subgroupBroadcast(v, 2u), subgroupBroadcast(v, 3u));
-}
-
-fn broadcast_hi(v: vec4<f32>) -> mat4x4<f32> {
-    return mat4x4<f32>(subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
-                       subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
-}
-
-// The two 4x4 A blocks of 8 rows from one vec4 per lane: in k and any modes lane l loaded row
-// l at k..k+4; in m mode lane l loaded rows 4 (l / 4) .. +4 at k + l % 4.
-fn a_blocks_k(v: vec4<f32>) -> APair {
-    return APair(transpose(broadcast_lo(v)), transpose(broadcast_hi(v)));
-}
-
-fn a_blocks_m(v: vec4<f32>) -> APair {
-    return APair(broadcast_lo(v), broadcast_hi(v));
-}
-
-fn a_blocks_any(v: vec4<f32>) -> APair {
-    return a_blocks_k(v);
-}
-
-// Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8 at step k = 0
-// (see a_blocks_*; step k adds k times A's col stride); `a_base` is the batch's A[0][0]. Rows
-// past the last are clamped to valid ones, whose results are never stored.
-fn a_lane_at_k(a_base: u32, row0: u32, lane: u32) -> u32 {
-    return a_base + min(row0 + lane, pu(MATMUL_M) - 1u) * pu(MATMUL_A_ROW_STRIDE);
-}
-
-fn a_lane_at_m(a_base: u32, row0: u32, lane: u32) -> u32 {
-    return a_base + min(row0 + (lane / 4u) * 4u, pu(MATMUL_M) - 4u) * pu(MATMUL_A_ROW_STRIDE) + (lane % 4u) * pu(MATMUL_A_COL_STRIDE);
-}
-
-fn a_lane_at_any(a_base: u32, row0: u32, lane: u32) -> u32 {
-    return a_lane_at_k(a_base, row0, lane);
-}
-
-// The vec4 a lane loads at step k (`at` from a_lane_at_*, `cs` A's col stride): one aligned
-// load in k and m modes, four element loads in any mode (still once per subgroup, not per
-// invocation).
-fn a_lane_load_k(at: u32, k: u32, cs: u32) -> vec4<f32> {
-    return a_quad((at + k * cs) / 4u);
-}
-
-fn a_lane_load_m(at: u32, k: u32, cs: u32) -> vec4<f32> {
-    return a_lane_load_k(at, k, cs);
-}
-
-fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
-    let o = at + k * cs;
-    return vec4<f32>(a_at(o), a_at(o + cs), a_at(o + 2u * cs), a_at(o + 3u * cs));
-}
-
-// What register_tiled_tall multiplies by, spliced as B_SOURCE: `matrix`, B read through its
-// strides in B_MODE; or `image`, the column matrix of a 2-d convolution read straight from the
-// input images (an implicit GEMM: no im2col pass writes and reads it). There B[k][n] is input
-// element (image, channel c, y, x) for k = (ty, tx, c), the weight's taps laid out channels
-// innermost, and n = (image, oy, ox); y = oy stride_h + ty dilation_h - padding_h, x likewise, and
-// 0 outside the image. The channel and tap of each k are stepped like an odometer (no
-// divisions along k); k is padded to whole 4s with zero weights and zero rows. The product
-// lands in NCHW order.
+// What register_tiled_tall and the block kernels multiply by, spliced as B_SOURCE: `matrix`, B
+// read through its strides in B_MODE; or `image`, the column matrix of a 2-d convolution read
+// straight from the input images (an implicit GEMM: no im2col pass writes and reads it). There
+// B[k][n] is input element (image, channel c, y, x) for k = (ty, tx, c), the weight's taps laid
+// out channels innermost, and n = (image, oy, ox); y = oy stride_h + ty dilation_h - padding_h,
+// x likewise, and 0 outside the image. register_tiled_tall steps the channel and tap of each k
+// like an odometer (no divisions along k); k is padded to whole 4s with zero weights and zero
+// rows. The product lands in NCHW order, each image's pixels a multiple of 4 (a group of 4
+// output columns stays in one image).
 
 // Where an invocation's 4 columns of B are read: `at`, the offset of B[0][cols.x] (matrix);
 // each column's image plane 0 offset and window corner (image).
@@ -353,6 +292,64 @@ fn out_column_image(batch: u32, col: u32) -> OutColumn {
     let pixels = pu(MATMUL_CONV_PIXELS);
     let image = col / pixels;
     return OutColumn(image * pu(MATMUL_M) * pixels + (col - image * pixels), pixels);
+}
+
+// SUBGROUP SECTION BEGIN: kept only where the device has 8-wide subgroups.
+
+// Lanes 0-3's and lanes 4-7's vectors as the columns of a matrix (lane ids must be constants).
+fn broadcast_lo(v: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u),
+                       subgroupBroadcast(v, 2u), subgroupBroadcast(v, 3u));
+}
+
+fn broadcast_hi(v: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
+                       subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
+}
+
+// The two 4x4 A blocks of 8 rows from one vec4 per lane: in k and any modes lane l loaded row
+// l at k..k+4; in m mode lane l loaded rows 4 (l / 4) .. +4 at k + l % 4.
+fn a_blocks_k(v: vec4<f32>) -> APair {
+    return APair(transpose(broadcast_lo(v)), transpose(broadcast_hi(v)));
+}
+
+fn a_blocks_m(v: vec4<f32>) -> APair {
+    return APair(broadcast_lo(v), broadcast_hi(v));
+}
+
+fn a_blocks_any(v: vec4<f32>) -> APair {
+    return a_blocks_k(v);
+}
+
+// Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8 at step k = 0
+// (see a_blocks_*; step k adds k times A's col stride); `a_base` is the batch's A[0][0]. Rows
+// past the last are clamped to valid ones, whose results are never stored.
+fn a_lane_at_k(a_base: u32, row0: u32, lane: u32) -> u32 {
+    return a_base + min(row0 + lane, pu(MATMUL_M) - 1u) * pu(MATMUL_A_ROW_STRIDE);
+}
+
+fn a_lane_at_m(a_base: u32, row0: u32, lane: u32) -> u32 {
+    return a_base + min(row0 + (lane / 4u) * 4u, pu(MATMUL_M) - 4u) * pu(MATMUL_A_ROW_STRIDE) + (lane % 4u) * pu(MATMUL_A_COL_STRIDE);
+}
+
+fn a_lane_at_any(a_base: u32, row0: u32, lane: u32) -> u32 {
+    return a_lane_at_k(a_base, row0, lane);
+}
+
+// The vec4 a lane loads at step k (`at` from a_lane_at_*, `cs` A's col stride): one aligned
+// load in k and m modes, four element loads in any mode (still once per subgroup, not per
+// invocation).
+fn a_lane_load_k(at: u32, k: u32, cs: u32) -> vec4<f32> {
+    return a_quad((at + k * cs) / 4u);
+}
+
+fn a_lane_load_m(at: u32, k: u32, cs: u32) -> vec4<f32> {
+    return a_lane_load_k(at, k, cs);
+}
+
+fn a_lane_load_any(at: u32, k: u32, cs: u32) -> vec4<f32> {
+    let o = at + k * cs;
+    return vec4<f32>(a_at(o), a_at(o + cs), a_at(o + 2u * cs), a_at(o + 3u * cs));
 }
 
 // TALL_ROWS (32, or 16 for products of at most 16 rows) rows x 128 columns per workgroup, on
@@ -505,13 +502,13 @@ fn outer(a: vec4<f32>, b: vec4<f32>) -> mat4x4<f32> {
     return mat4x4<f32>(a * b.x, a * b.y, a * b.z, a * b.w);
 }
 
-// Stores an 8x8 block of out, kept as four 4x4 accumulators whose column j holds 4 rows of
-// one output column: `ll` rows row0.. and columns col0..; `hl` rows row0 + hi.x..; `lh`
+// Stores an 8x8 block of batch `batch`'s out, kept as four 4x4 accumulators whose column j
+// holds 4 rows of one output column: `ll` rows row0.. and columns col0..; `hl` rows row0 + hi.x..; `lh`
 // columns col0 + hi.y..; `hh` both (`hi` is (4, 4) for a whole 8x8 block, half the tile
 // side for the split one of `block_product`). One rolled loop picks each row's 4 columns
 // with selects: 16 unrolled stores compiled into 16 loops over lanes (software adapters),
 // which tripled small_tiled's compile time.
-fn store_block8(base: u32, row0: u32, col0: u32, hi: vec2<u32>, ll: mat4x4<f32>, hl: mat4x4<f32>,
+fn store_block8(batch: u32, row0: u32, col0: u32, hi: vec2<u32>, ll: mat4x4<f32>, hl: mat4x4<f32>,
                 lh: mat4x4<f32>, hh: mat4x4<f32>) {
     // Transposed, column i of each accumulator is one output row's 4 columns.
     let ll_rows = transpose(ll);
@@ -523,7 +520,9 @@ fn store_block8(base: u32, row0: u32, col0: u32, hi: vec2<u32>, ll: mat4x4<f32>,
         let right = i >= 8u;
         let rows = pick(pick(ll_rows, hl_rows, r >= 4u), pick(lh_rows, hh_rows, r >= 4u), right);
         let row = row0 + r % 4u + select(0u, hi.x, r >= 4u);
-        store_row(base, row, col0 + select(0u, hi.y, right), column_of(rows, r % 4u));
+        let col = col0 + select(0u, hi.y, right);
+        let out_col = out_column_B_SOURCE(batch, col);
+        store_row_at(out_col.at + row * out_col.row_stride, row, col, column_of(rows, r % 4u));
     }
 }
 
@@ -583,8 +582,7 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         acc_lh = acc_lh + outer_at(a_base, b_base, k, rows_lo, cols_hi);
         acc_hh = acc_hh + outer_at(a_base, b_base, k, rows_hi, cols_hi);
     }
-    let base = t.batch * pu(MATMUL_M) * pu(MATMUL_N);
-    store_block8(base, t.row0, col_lo, vec2<u32>(4u), acc_ll, acc_hl, acc_lh, acc_hh);
+    store_block8(t.batch, t.row0, col_lo, vec2<u32>(4u), acc_ll, acc_hl, acc_lh, acc_hh);
 }
 
 // Small products (a dim under 16, as a classifier head's 10 classes): each invocation owns one
@@ -633,7 +631,7 @@ fn small_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         acc_lh = acc_lh + outer(a_lo, b_hi);
         acc_hh = acc_hh + outer(a_hi, b_hi);
     }
-    store_block8(batch * pu(MATMUL_M) * pu(MATMUL_N), row0, col0, vec2<u32>(4u), acc_ll, acc_hl,
+    store_block8(batch, row0, col0, vec2<u32>(4u), acc_ll, acc_hl,
                  acc_lh, acc_hh);
 }
 
@@ -674,6 +672,70 @@ fn panel_element(lid: u32, j: u32, k_contiguous: bool, block: u32, threads: u32)
     return vec2<u32>(e / block, e % block);
 }
 
+// The column of B that a block kernel's invocation stages (`lid % block` of the tile: the
+// invocation count is a multiple of the block), and where it is read: for an image source,
+// the image's plane 0 offset and the window corner, computed once per workgroup so that the
+// panel loop has no divisions along n.
+struct PanelColumn {
+    col: u32,
+    image_at: i32,
+    y0: i32,
+    x0: i32,
+}
+
+fn panel_column_matrix(o: Operands, col: u32) -> PanelColumn {
+    return PanelColumn(col, 0, 0, 0);
+}
+
+fn panel_column_image(o: Operands, col: u32) -> PanelColumn {
+    let c = b_columns_image(o.b_base, vec4<u32>(col));
+    return PanelColumn(col, c.image_at.x, c.y0.x, c.x0.x);
+}
+
+// Stages the B panel of rows k0 .. k0 + BLOCK_K of the tile whose column `column.col` is
+// staged by invocation `lid` (of (block / 8)^2), 0 past the edges. A matrix is staged
+// element by element in the order of its unit stride.
+fn stage_b_panel_matrix(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) {
+    let threads = (block / 8u) * (block / 8u);
+    let col0 = column.col - lid % block;
+    for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
+        let eb = panel_element(lid, j, o.b_rs == 1u, block, threads);
+        let c = col0 + eb.y;
+        var bv = 0.0;
+        if (k0 + eb.x < o.k_len && c < o.n) {
+            bv = b_at(o.b_base + (k0 + eb.x) * o.b_rs + c * o.b_cs);
+        }
+        b_block[eb.x * (block / 4u) + eb.y / 4u][eb.y % 4u] = bv;
+    }
+}
+
+// As stage_b_panel_matrix, from the images: each invocation keeps its column and stages the
+// rows `lid / block + j threads / block`; consecutive invocations read consecutive pixels of
+// a row of the image (for unit stride). A row k is split into its tap (ty, tx) and channel
+// by two divisions, which a GPU hides behind the loads.
+fn stage_b_panel_image(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) {
+    let threads = (block / 8u) * (block / 8u);
+    let h = pu(MATMUL_CONV_HEIGHT);
+    let w = pu(MATMUL_CONV_WIDTH);
+    let c_in = pu(MATMUL_CONV_C_IN);
+    let kernel_w = pu(MATMUL_CONV_KERNEL_W);
+    let in_tile = lid % block;
+    for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
+        let kk = lid / block + j * (threads / block);
+        let k = k0 + kk;
+        let tap = k / c_in;
+        let channel = k - tap * c_in;
+        let ty = tap / kernel_w;
+        let y = column.y0 + i32(ty * pu(MATMUL_CONV_DILATION_H));
+        let x = column.x0 + i32((tap - ty * kernel_w) * pu(MATMUL_CONV_DILATION_W));
+        var bv = 0.0;
+        if (k < pu(MATMUL_CONV_K) && column.col < o.n && u32(y) < h && u32(x) < w) {
+            bv = b_at(u32(column.image_at + i32(channel * h * w) + y * i32(w) + x));
+        }
+        b_block[kk * (block / 4u) + in_tile / 4u][in_tile % 4u] = bv;
+    }
+}
+
 // `block` x `block` outputs per workgroup of (block / 8)^2 invocations, 8 x 8 per invocation,
 // for GPUs: each step of BLOCK_K along k stages a panel of A and of B in workgroup memory,
 // then every invocation reads 4 vec4s per k for 64 multiply-adds. Invocation (ty, tx) keeps
@@ -696,6 +758,7 @@ fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
     var acc_hl = mat4x4<f32>();
     var acc_lh = mat4x4<f32>();
     var acc_hh = mat4x4<f32>();
+    let b_column = panel_column_B_SOURCE(o, t.col0 + lid % block);
     for (var k0 = 0u; k0 < o.k_len; k0 = k0 + BLOCK_K) {
         for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
             let ea = panel_element(lid, j, o.a_cs == 1u, block, threads);
@@ -705,14 +768,8 @@ fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
                 av = a_at(o.a_base + r * o.a_rs + (k0 + ea.x) * o.a_cs);
             }
             a_block[ea.x * quads + ea.y / 4u][ea.y % 4u] = av;
-            let eb = panel_element(lid, j, o.b_rs == 1u, block, threads);
-            let c = t.col0 + eb.y;
-            var bv = 0.0;
-            if (k0 + eb.x < o.k_len && c < o.n) {
-                bv = b_at(o.b_base + (k0 + eb.x) * o.b_rs + c * o.b_cs);
-            }
-            b_block[eb.x * quads + eb.y / 4u][eb.y % 4u] = bv;
         }
+        stage_b_panel_B_SOURCE(o, b_column, lid, k0, block);
         workgroupBarrier();
         for (var kk = 0u; kk < BLOCK_K; kk = kk + 1u) {
             let a_lo = a_block[kk * quads + ty];
@@ -726,7 +783,7 @@ fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
         }
         workgroupBarrier();
     }
-    store_block8(t.batch * o.m * o.n, t.row0 + ty * 4u, t.col0 + tx * 4u, vec2<u32>(block / 2u), acc_ll, acc_hl,
+    store_block8(t.batch, t.row0 + ty * 4u, t.col0 + tx * 4u, vec2<u32>(block / 2u), acc_ll, acc_hl,
                  acc_lh, acc_hh);
 }
 

@@ -1,8 +1,9 @@
 //! The ops of the ops issue give the same values and grads on both kernel flavours: the CPU
 //! flavour (the shared lavapipe device; its results are checked against f64 references in
 //! the ops' own tests) and the GPU flavour (a second software device forced to it, which runs
-//! the kernels GPUs and GL get: no subgroups, workgroup-per-row entries, the matmul without
-//! the implicit GEMM).
+//! the kernels GPUs and GL get: no subgroups, workgroup-per-row entries, the matmul's block
+//! tiles, which read a convolution's columns from its images where it has 64 output channels
+//! or more).
 
 mod common;
 use common::*;
@@ -89,6 +90,56 @@ fn convolutions_agree_across_flavours() {
         };
         t[0].conv1d_with(&t[1], None, o)
     });
+}
+
+#[test]
+fn convolutions_on_block_tiles_agree_across_flavours() {
+    // 64 or more output channels (and as many output columns): the GPU flavour's block tiles
+    // read the column matrix from the images (an implicit GEMM), forward and, with unit
+    // stride, for the input grad. Partial tiles over several images, k padded to whole 4s
+    // (3 x 3 x 5 = 45), k past one panel, padding, stride and dilation.
+    fn conv(
+        t: &[Tensor],
+        stride: (usize, usize),
+        padding: (usize, usize),
+        dilation: (usize, usize),
+    ) -> Result<Tensor> {
+        let o = Conv2dOptions {
+            stride,
+            padding,
+            dilation,
+            groups: 1,
+        };
+        t[0].conv2d_with(&t[1], Some(&t[2]), o)
+    }
+    let padded: Op = |t| conv(t, (1, 1), (1, 1), (1, 1));
+    assert_flavours_agree(
+        "conv2d 5->70 10x10",
+        &[&[3, 5, 10, 10], &[70, 5, 3, 3], &[70]],
+        padded,
+    );
+    assert_flavours_agree(
+        "conv2d 64->130 6x6 (input grad on block tiles)",
+        &[&[2, 64, 6, 6], &[130, 64, 3, 3], &[130]],
+        padded,
+    );
+    assert_flavours_agree(
+        "conv2d 4->128 12x12",
+        &[&[2, 4, 12, 12], &[128, 4, 3, 3], &[128]],
+        padded,
+    );
+    let strided: Op = |t| conv(t, (2, 2), (1, 1), (1, 1));
+    assert_flavours_agree(
+        "conv2d stride 2",
+        &[&[3, 3, 16, 16], &[64, 3, 3, 3], &[64]],
+        strided,
+    );
+    let dilated: Op = |t| conv(t, (1, 1), (2, 1), (2, 1));
+    assert_flavours_agree(
+        "conv2d dilation (2, 1)",
+        &[&[2, 6, 9, 8], &[72, 6, 3, 3], &[72]],
+        dilated,
+    );
 }
 
 #[test]

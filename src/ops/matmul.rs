@@ -198,8 +198,8 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
             }
         }
     }
-    for tall_rows in [16, 32] {
-        let spec = image_specialisation(AMode::K, tall_rows);
+    for (tall_rows, subgroups) in [(16, true), (32, true), (32, false)] {
+        let spec = image_specialisation(AMode::K, tall_rows, subgroups);
         all.push((format!("matmul/{spec:?}"), source(spec)));
     }
     for (a_dtype, b_dtype, out_dtype) in [
@@ -726,13 +726,45 @@ impl ImageColumns {
     }
 }
 
-/// The module of `register_tiled_tall` over image columns.
-fn image_specialisation(a: AMode, tall_rows: usize) -> Specialisation {
+/// The kernel that reads a convolution's column matrix from its images, for a weight of `rows`
+/// rows over `n` output columns, and the weight's read mode `a` (for `register_tiled_tall`):
+/// `register_tiled_tall` on 8-wide subgroups; on GPUs the block kernels, for products of at
+/// least 64 rows and columns (as [`kernel_for`] picks them for a matrix); none elsewhere.
+fn image_kernel(device: &Device, a: AMode, rows: usize, n: usize) -> Option<KernelChoice> {
+    let choice = |entry, tile_rows, tile_cols, spec| KernelChoice {
+        entry,
+        tile_rows,
+        tile_cols,
+        tiles_per_workgroup: 1,
+        spec,
+    };
+    let blocks = fits_block_tiles(device);
+    match device.kernel_flavor() {
+        KernelFlavor::Cpu if runs_tall(device) => {
+            let tall_rows = if rows <= 16 { 16 } else { 32 };
+            let spec = image_specialisation(a, tall_rows, true);
+            Some(choice("register_tiled_tall", tall_rows, 128, spec))
+        }
+        KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK => {
+            let spec = image_specialisation(AMode::Any, 32, false);
+            Some(choice("block_tiled", BLOCK, BLOCK, spec))
+        }
+        KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK / 2 => {
+            let spec = image_specialisation(AMode::Any, 32, false);
+            Some(choice("block_tiled_64", BLOCK / 2, BLOCK / 2, spec))
+        }
+        _ => None,
+    }
+}
+
+/// The module of a kernel over image columns: `register_tiled_tall` (with `subgroups`) or the
+/// block kernels.
+fn image_specialisation(a: AMode, tall_rows: usize, subgroups: bool) -> Specialisation {
     Specialisation {
         a,
         b: BMode::Any,
         b_source: BSource::Image,
-        subgroups: true,
+        subgroups,
         tall_rows,
         n_aligned: true,
         k_tail: false,
@@ -742,10 +774,10 @@ fn image_specialisation(a: AMode, tall_rows: usize) -> Specialisation {
     }
 }
 
-/// True when [`conv_product`] can run a weight of `c_out` rows over `images` images: on
-/// 8-wide subgroups (the kernel that reads images is `register_tiled_tall`), with output
-/// pixels per image in whole 4s (a group of 4 output columns stays in one image), the images
-/// and the output within one binding, and k within one kernel's loop.
+/// True when [`conv_product`] can run a weight of `c_out` rows over `images` images: where
+/// the device has a kernel that reads images ([`image_kernel`]), with output pixels per image
+/// in whole 4s (a group of 4 output columns stays in one image), the images and the output
+/// within one binding, and k within one kernel's loop.
 pub(crate) fn conv_product_applies(
     device: &Device,
     c_out: usize,
@@ -755,8 +787,7 @@ pub(crate) fn conv_product_applies(
     let in_bytes = images * cols.c_in * cols.height * cols.width * 4;
     let out_bytes = c_out * images * cols.pixels() * 4;
     let limit = device.inner.max_binding_bytes();
-    device.kernel_flavor() == KernelFlavor::Cpu
-        && device.subgroup_size() == Some(8)
+    image_kernel(device, AMode::Any, c_out, images * cols.pixels()).is_some()
         && cols.pixels().is_multiple_of(4)
         && cols.k().next_multiple_of(4) <= K_CHUNK
         && in_bytes as u64 <= limit
@@ -783,8 +814,14 @@ pub(crate) fn conv_product(
     if out.numel() == 0 {
         return Ok(out);
     }
-    let tall_rows = if m <= 16 { 16 } else { 32 };
-    let (tiles_m, tiles_n) = (m.div_ceil(tall_rows), n.div_ceil(128));
+    // The weight's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
+    let a_mode = match weight.layout().offset.is_multiple_of(4) {
+        true => AMode::K,
+        false => AMode::Any,
+    };
+    let choice =
+        image_kernel(images.device(), a_mode, m, n).expect("callers check conv_product_applies");
+    let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
     let params = MatmulParams {
         m: m as u32,
         n: n as u32,
@@ -811,17 +848,11 @@ pub(crate) fn conv_product(
         conv_k: cols.k() as u32,
         ..MatmulParams::default()
     };
-    // The weight's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
-    let a_mode = match weight.layout().offset.is_multiple_of(4) {
-        true => AMode::K,
-        false => AMode::Any,
-    };
-    let spec = image_specialisation(a_mode, tall_rows);
     let operands = [weight, images, &out];
     launch_product(
         OP,
-        "register_tiled_tall",
-        spec,
+        choice.entry,
+        choice.spec,
         &params,
         operands,
         tiles_m * tiles_n,
