@@ -20,9 +20,9 @@
 //             time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
-// B_SOURCE (matrix or image) says what `register_tiled_tall` and the block kernels multiply by:
-// B as above, or a 2-d convolution's column matrix read from the input images (see
-// b_columns_image and stage_b_panel_image).
+// B_SOURCE (matrix or image) says what every kernel but `small_tiled` multiplies by: B as
+// above, or a 2-d convolution's column matrix read from the input images (see b_columns_image
+// and stage_b_panel_image).
 // It also splices two facts about the shape, so that code the shape never runs is compiled out
 // (software adapters compile every load and store into a loop over lanes, and the per-element
 // paths doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group
@@ -190,12 +190,12 @@ fn a_pair(lo_at: u32, hi_at: u32, rows_lo: vec4<u32>, rows_hi: vec4<u32>, rs: u3
     return APair(a_block_A_MODE(lo_at, rows_lo, rs, cs), a_block_A_MODE(hi_at, rows_hi, rs, cs));
 }
 
-// What register_tiled_tall and the block kernels multiply by, spliced as B_SOURCE: `matrix`, B
-// read through its strides in B_MODE; or `image`, the column matrix of a 2-d convolution read
+// What every kernel but small_tiled multiplies by, spliced as B_SOURCE: `matrix`, B read
+// through its strides in B_MODE; or `image`, the column matrix of a 2-d convolution read
 // straight from the input images (an implicit GEMM: no im2col pass writes and reads it). There
 // B[k][n] is input element (image, channel c, y, x) for k = (ty, tx, c), the weight's taps laid
 // out channels innermost, and n = (image, oy, ox); y = oy stride_h + ty dilation_h - padding_h,
-// x likewise, and 0 outside the image. register_tiled_tall steps the channel and tap of each k
+// x likewise, and 0 outside the image. The register kernels step the channel and tap of each k
 // like an odometer (no divisions along k); k is padded to whole 4s with zero weights and zero
 // rows. The product lands in NCHW order, each image's pixels a multiple of 4 (a group of 4
 // output columns stays in one image).
@@ -527,7 +527,8 @@ fn store_block8(batch: u32, row0: u32, col0: u32, hi: vec2<u32>, ll: mat4x4<f32>
 }
 
 // 8 rows x 256 columns per workgroup: all 32 invocations share the 8 rows (A in two 4-row
-// halves), invocation `lid` owns 8 columns from col0 + 8 lid (B in two 4-column halves).
+// halves), invocation `lid` owns 8 columns from col0 + 8 lid (B in two 4-column halves, each
+// read from a matrix or from images as B_SOURCE says).
 // Each step of 4 along k loads two 4x4 blocks of A and two of B and does 256 multiply-adds;
 // the four accumulators are 4x4 blocks whose column j holds 4 rows of one output column.
 // No workgroup memory, no barriers.
@@ -543,8 +544,6 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let a_rs = pu(MATMUL_A_ROW_STRIDE);
     let a_cs = pu(MATMUL_A_COL_STRIDE);
     let b_base = pu(MATMUL_B_OFFSET) + t.batch * pu(MATMUL_B_BATCH_STRIDE);
-    let b_rs = pu(MATMUL_B_ROW_STRIDE);
-    let b_cs = pu(MATMUL_B_COL_STRIDE);
     let rows_lo = rows_from(t.row0);
     let rows_hi = rows_from(t.row0 + 4u);
     let col_lo = t.col0 + lid * 8u;
@@ -558,8 +557,10 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let cols_hi = cols_from(col_hi);
     let a_lo = a_base + rows_lo.x * a_rs;
     let a_hi = a_base + rows_hi.x * a_rs;
-    let b_lo = b_base + cols_lo.x * b_cs;
-    let b_hi = b_base + cols_hi.x * b_cs;
+    let b_lo = b_columns_B_SOURCE(b_base, cols_lo);
+    let b_hi = b_columns_B_SOURCE(b_base, cols_hi);
+    var step_lo = BStep();
+    var step_hi = BStep();
     var acc_ll = mat4x4<f32>(); // rows_lo x cols_lo
     var acc_hl = mat4x4<f32>(); // rows_hi x cols_lo
     var acc_lh = mat4x4<f32>(); // rows_lo x cols_hi
@@ -569,8 +570,8 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         let a_pair = a_pair(a_lo + k * a_cs, a_hi + k * a_cs, rows_lo, rows_hi, a_rs, a_cs);
         let a_blk_lo = a_pair.lo;
         let a_blk_hi = a_pair.hi;
-        let b_blk_lo = b_block_B_MODE(b_lo + k * b_rs, cols_lo, b_rs, b_cs);
-        let b_blk_hi = b_block_B_MODE(b_hi + k * b_rs, cols_hi, b_rs, b_cs);
+        let b_blk_lo = b_block_B_SOURCE(b_lo, &step_lo, k);
+        let b_blk_hi = b_block_B_SOURCE(b_hi, &step_hi, k);
         acc_ll = acc_ll + a_blk_lo * b_blk_lo;
         acc_hl = acc_hl + a_blk_hi * b_blk_lo;
         acc_lh = acc_lh + a_blk_lo * b_blk_hi;

@@ -2,8 +2,7 @@
 //! flavour (the shared lavapipe device; its results are checked against f64 references in
 //! the ops' own tests) and the GPU flavour (a second software device forced to it, which runs
 //! the kernels GPUs and GL get: no subgroups, workgroup-per-row entries, the matmul's block
-//! tiles, which read a convolution's columns from its images where it has 64 output channels
-//! or more).
+//! tiles and register tiles, which read a convolution's columns from its images).
 
 mod common;
 use common::*;
@@ -93,11 +92,13 @@ fn convolutions_agree_across_flavours() {
 }
 
 #[test]
-fn convolutions_on_block_tiles_agree_across_flavours() {
-    // 64 or more output channels (and as many output columns): the GPU flavour's block tiles
-    // read the column matrix from the images (an implicit GEMM), forward and, with unit
-    // stride, for the input grad. Partial tiles over several images, k padded to whole 4s
-    // (3 x 3 x 5 = 45), k past one panel, padding, stride and dilation.
+fn implicit_gemm_convolutions_agree_across_flavours() {
+    // The GPU flavour reads a convolution's column matrix from the images (an implicit GEMM),
+    // forward and, with unit stride, for the input grad: on the block tiles with 64 or more
+    // output channels (and as many output columns), on register tiles with fewer (the input
+    // grads of 5 and 6 channels here, and the 10-channel layer). Partial tiles over several
+    // images, k padded to whole 4s (3 x 3 x 5 = 45), k past one panel, padding, stride and
+    // dilation.
     fn conv(
         t: &[Tensor],
         stride: (usize, usize),
@@ -126,6 +127,11 @@ fn convolutions_on_block_tiles_agree_across_flavours() {
     assert_flavours_agree(
         "conv2d 4->128 12x12",
         &[&[2, 4, 12, 12], &[128, 4, 3, 3], &[128]],
+        padded,
+    );
+    assert_flavours_agree(
+        "conv2d 3->10 9x12",
+        &[&[3, 3, 9, 12], &[10, 3, 3, 3], &[10]],
         padded,
     );
     let strided: Op = |t| conv(t, (2, 2), (1, 1), (1, 1));

@@ -1,7 +1,8 @@
 //! 2-d convolution (NCHW) forward and backward as matmuls over column matrices
 //! `[images, c_in kh kw, out pixels]`. Where the matmul kernel can read the column matrix from
-//! the images itself (8-wide subgroups, output pixels in whole 4s), the forward is
-//! one implicit GEMM (`conv_product` in `ops/matmul.rs`): no column matrix is written.
+//! the images itself (8-wide subgroups on the CPU flavour, every GPU-flavour device; output
+//! pixels in whole 4s), the forward is one implicit GEMM (`conv_product` in `ops/matmul.rs`):
+//! no column matrix is written.
 //! Otherwise `im2col` (`shaders/conv.wgsl`) writes a chunk of images' columns and the forward
 //! is `weight x cols`. The weight grad is `out_grad x cols^T` over im2col's columns. The input
 //! grad of a unit-stride convolution is itself a convolution (of the out grad with the flipped,

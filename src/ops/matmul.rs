@@ -727,9 +727,10 @@ impl ImageColumns {
 }
 
 /// The kernel that reads a convolution's column matrix from its images, for a weight of `rows`
-/// rows over `n` output columns, and the weight's read mode `a` (for `register_tiled_tall`):
-/// `register_tiled_tall` on 8-wide subgroups; on GPUs the block kernels, for products of at
-/// least 64 rows and columns (as [`kernel_for`] picks them for a matrix); none elsewhere.
+/// rows over `n` output columns, and the weight's read mode `a`: `register_tiled_tall` on
+/// 8-wide subgroups; on GPUs what [`kernel_for`] picks for a matrix of that shape (the block
+/// kernels, or `register_tiled` for a side under 64); none on software adapters without
+/// subgroups.
 fn image_kernel(device: &Device, a: AMode, rows: usize, n: usize) -> Option<KernelChoice> {
     let choice = |entry, tile_rows, tile_cols, spec| KernelChoice {
         entry,
@@ -753,7 +754,11 @@ fn image_kernel(device: &Device, a: AMode, rows: usize, n: usize) -> Option<Kern
             let spec = image_specialisation(AMode::Any, 32, false);
             Some(choice("block_tiled_64", BLOCK / 2, BLOCK / 2, spec))
         }
-        _ => None,
+        KernelFlavor::Gpu => {
+            let spec = image_specialisation(a, 32, false);
+            Some(choice("register_tiled", 8, 256, spec))
+        }
+        KernelFlavor::Cpu => None,
     }
 }
 
