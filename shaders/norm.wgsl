@@ -1,4 +1,5 @@
-// LayerNorm and RMSNorm over the last dim, fused: one invocation per row. RMSNorm
+// LayerNorm and RMSNorm over the last dim, fused: one invocation per row (`forward`,
+// `backward`), or on the GPU flavour a workgroup per row (`*_rows`, WORKGROUP ROWS). RMSNorm
 // (NORM_CENTER 0) is LayerNorm without the mean and without a bias (the host binds the
 // weight in the bias's place and the kernel reads none). Params: `NormParams`
 // (src/ops/norm.rs). x, the out grad and every output are contiguous [rows, len]. Rows are
@@ -254,4 +255,132 @@ fn weight_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     weight_partials[chunk * groups + c] = sum_g_xhat;
     bias_partials[chunk * groups + c] = sum_g;
+}
+
+// WORKGROUP ROWS: the GPU flavour's forward and backward (`forward_rows`, `backward_rows`). A
+// workgroup of 64 owns one row: invocation `lid` reads the groups of 4 features lid, lid + 64,
+// ..., so that neighbour invocations read neighbour vec4s (coalesced), and the row's sums are
+// combined in workgroup memory. The sums are the same as the per-row kernels', in another
+// order.
+
+var<workgroup> row_parts: array<vec2<f32>, 64>;
+var<workgroup> row_total: vec2<f32>;
+
+// The sum (or the max) of `v` over the workgroup, uniform: every invocation gets it.
+fn row_reduce(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
+    row_parts[lid] = v;
+    workgroupBarrier();
+    for (var width = 32u; width > 0u; width = width / 2u) {
+        if (lid < width) {
+            let other = row_parts[lid + width];
+            row_parts[lid] = select(row_parts[lid] + other, max(row_parts[lid], other), is_max);
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        row_total = row_parts[0];
+    }
+    return workgroupUniformLoad(&row_total);
+}
+
+// row_rstd of the workgroup's row, whose squared deviations sum to `squares` (uniform).
+fn row_rstd_rows(lid: u32, base: u32, end: u32, mean: f32, squares: f32) -> f32 {
+    let len = f32(end - base);
+    let eps = pf(NORM_EPS);
+    if (!(squares > 3.0e38)) {
+        return inverseSqrt(squares / len + eps);
+    }
+    let groups = (end - base + 3u) / 4u;
+    var largest = vec4<f32>(0.0);
+    for (var c = lid; c < groups; c = c + 64u) {
+        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
+        largest = max(largest, abs(d));
+    }
+    let scale = row_reduce(lid, vec2<f32>(max(max(largest.x, largest.y), max(largest.z, largest.w)), 0.0), true).x;
+    var scaled = vec4<f32>(0.0);
+    for (var c = lid; c < groups; c = c + 64u) {
+        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
+        scaled = scaled + (d / scale) * (d / scale);
+    }
+    let total = row_reduce(lid, vec2<f32>(sum4(scaled), 0.0), false).x;
+    return inverseSqrt(total / len + eps / (scale * scale)) / scale;
+}
+
+// forward, a workgroup per row.
+@compute @workgroup_size(64)
+fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg);
+    // Uniform across the workgroup, so the early return cannot split a barrier.
+    if (row >= pu(NORM_ROWS)) {
+        return;
+    }
+    let len = pu(NORM_LEN);
+    let groups = (len + 3u) / 4u;
+    let base = pu(NORM_X_OFFSET) + row * len;
+    let end = base + len;
+    let center = pu(NORM_CENTER) == 1u;
+    var sum = vec4<f32>(0.0);
+    for (var c = lid; c < select(0u, groups, center); c = c + 64u) {
+        sum = sum + x4(base + 4u * c, end);
+    }
+    let mean = row_reduce(lid, vec2<f32>(sum4(sum), 0.0), false).x / f32(len);
+    var squares = vec4<f32>(0.0);
+    for (var c = lid; c < groups; c = c + 64u) {
+        var d = x4(base + 4u * c, end) - mean;
+        if (!ALIGNED) {
+            d = select(vec4<f32>(0.0), d, inside(base + 4u * c, end));
+        }
+        squares = squares + d * d;
+    }
+    let rstd = row_rstd_rows(lid, base, end, mean, row_reduce(lid, vec2<f32>(sum4(squares), 0.0), false).x);
+    let w_at = pu(NORM_WEIGHT_OFFSET);
+    let b_at = pu(NORM_BIAS_OFFSET);
+    for (var c = lid; c < groups; c = c + 64u) {
+        let w = weight4(w_at + 4u * c, w_at + len);
+        var b = vec4<f32>(0.0);
+        if (center) {
+            b = bias4(b_at + 4u * c, b_at + len);
+        }
+        let y = (x4(base + 4u * c, end) - mean) * rstd * w + b;
+        store_group(row * len + 4u * c, y, c, len);
+    }
+    if (lid == 0u) {
+        stats[2u * row] = mean;
+        stats[2u * row + 1u] = rstd;
+    }
+}
+
+// backward, a workgroup per row.
+@compute @workgroup_size(64)
+fn backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let row = workgroup_index(wid, nwg);
+    if (row >= pu(NORM_ROWS)) {
+        return;
+    }
+    let len = pu(NORM_LEN);
+    let groups = (len + 3u) / 4u;
+    let base = pu(NORM_X_OFFSET) + row * len;
+    let g_base = pu(NORM_GRAD_OFFSET) + row * len;
+    let w_at = pu(NORM_WEIGHT_OFFSET);
+    let mean = stats[2u * row];
+    let rstd = stats[2u * row + 1u];
+    var sum_gw = vec4<f32>(0.0);
+    var sum_gw_xhat = vec4<f32>(0.0);
+    for (var c = lid; c < groups; c = c + 64u) {
+        let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
+        let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
+        sum_gw = sum_gw + gw;
+        sum_gw_xhat = sum_gw_xhat + gw * xhat;
+    }
+    let sums = row_reduce(lid, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), false);
+    let mean_gw = select(0.0, sums.x / f32(len), pu(NORM_CENTER) == 1u);
+    let mean_gw_xhat = sums.y / f32(len);
+    for (var c = lid; c < groups; c = c + 64u) {
+        let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
+        let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
+        let dx = rstd * (gw - mean_gw - xhat * mean_gw_xhat);
+        store_group(row * len + 4u * c, dx, c, len);
+    }
 }

@@ -3,6 +3,7 @@
 //! saving each row's mean and inverse deviation. Rows longer than [`FUSED_MAX_LEN`] (whose
 //! loops would pass llvmpipe's iteration limit) are normalised by the composed ops instead.
 
+use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
     groups, EpilogueSite, Fusion, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN,
@@ -352,7 +353,7 @@ fn fused_norm(
             (4, &out),
             (5, &stats),
         ];
-        launch_rows(op, "forward", aligned, &bound, &params, rows, len)?;
+        launch_rows(op, Pass::Forward, aligned, &bound, &params, rows, len)?;
     }
     let inputs: Vec<&Tensor> = [input, weight].into_iter().chain(bias).collect();
     Ok(record(op, out, &inputs, |_| {
@@ -370,7 +371,7 @@ fn fused_norm(
             let grad_x = Tensor::empty(op, x.shape(), DType::F32, g.device())?;
             if rows > 0 && len > 0 {
                 let bound = [(1, &x), (2, &weight_c), (4, &grad_x), (5, &stats), (6, &g)];
-                launch_rows(op, "backward", aligned, &bound, &params, rows, len)?;
+                launch_rows(op, Pass::Backward, aligned, &bound, &params, rows, len)?;
             }
             let mut grads = vec![Some(grad_x), Some(grad_weight)];
             grads.extend(grad_bias.map(Some));
@@ -379,19 +380,35 @@ fn fused_norm(
     }))
 }
 
-/// Launches `entry` of the row kernels (forward or backward: an invocation per row, writing
-/// binding 4 through the EPILOGUE SECTION's stores), which a captured step may give the
-/// elementwise ops that consume its output: an activation after the forward, the residual
-/// stream's other grad added to the backward's.
+/// The row kernels' passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    Backward,
+}
+
+/// Launches a pass of the row kernels (writing binding 4 through the EPILOGUE SECTION's
+/// stores), which a captured step may give the elementwise ops that consume its output: an
+/// activation after the forward, the residual stream's other grad added to the backward's.
+/// The CPU flavour runs an invocation per row; the GPU flavour a workgroup per row, whose
+/// neighbour invocations read neighbour features.
 fn launch_rows(
     op: &'static str,
-    entry: &'static str,
+    pass: Pass,
     aligned: bool,
     bound: &[(u32, &Tensor)],
     params: &NormParams,
     rows: usize,
     len: usize,
 ) -> Result<()> {
+    let dev = bound[0].1.device();
+    let per_workgroup = dev.kernel_flavor() == KernelFlavor::Gpu;
+    let (entry, workgroups) = match (pass, per_workgroup) {
+        (Pass::Forward, false) => ("forward", groups(rows, NORM_WORKGROUP)),
+        (Pass::Backward, false) => ("backward", groups(rows, NORM_WORKGROUP)),
+        (Pass::Forward, true) => ("forward_rows", rows as u32),
+        (Pass::Backward, true) => ("backward_rows", rows as u32),
+    };
     let source = move || norm_source(aligned);
     let kernel = Kernel::specialised(&NORM, entry, norm_variant(aligned), &source);
     let site = || {
@@ -404,7 +421,7 @@ fn launch_rows(
     };
     Launch::new(op, &kernel, bound, params)
         .fusible(site)
-        .record(groups(rows, NORM_WORKGROUP))
+        .record(workgroups)
 }
 
 /// The weight's and (LayerNorm's) the bias's grads: column sums of `g * xhat` and of `g` over the rows.
