@@ -266,8 +266,15 @@ fn weight_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 var<workgroup> row_parts: array<vec2<f32>, 64>;
 var<workgroup> row_total: vec2<f32>;
 
-// The sum (or the max) of `v` over the workgroup, uniform: every invocation gets it.
+// The sum (or the max) of `v` over the workgroup, uniform: every invocation gets it. ROW_REDUCE
+// is spliced: row_reduce_subgroups where the device has subgroups of a fixed width (two
+// barriers), else row_reduce_tree (seven: software adapters run each as a coroutine switch of
+// every SIMD group).
 fn row_reduce(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
+    return ROW_REDUCE(lid, v, is_max);
+}
+
+fn row_reduce_tree(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
     row_parts[lid] = v;
     workgroupBarrier();
     for (var width = 32u; width > 0u; width = width / 2u) {
@@ -282,6 +289,29 @@ fn row_reduce(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
     }
     return workgroupUniformLoad(&row_total);
 }
+
+// SUBGROUP SECTION BEGIN: kept only where the device has subgroups of a fixed width.
+// Each subgroup sums its lanes, its first lane writes the sum at the subgroup's index (the
+// subgroups of a one-dimensional workgroup hold consecutive invocations, as on every adapter
+// wgrad knows), and invocation 0 combines the 64 / width sums.
+fn row_reduce_subgroups(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
+    let s = select(subgroupAdd(v), subgroupMax(v), is_max);
+    let width = subgroupAdd(1u);
+    if (subgroupExclusiveAdd(1u) == 0u) {
+        row_parts[lid / width] = s;
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        var total = row_parts[0];
+        for (var j = 1u; j < 64u / width; j = j + 1u) {
+            let other = row_parts[j];
+            total = select(total + other, max(total, other), is_max);
+        }
+        row_total = total;
+    }
+    return workgroupUniformLoad(&row_total);
+}
+// SUBGROUP SECTION END
 
 // row_rstd of the workgroup's row, whose squared deviations sum to `squares` (uniform).
 fn row_rstd_rows(lid: u32, base: u32, end: u32, mean: f32, squares: f32) -> f32 {

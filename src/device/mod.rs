@@ -69,11 +69,11 @@ pub enum KernelFlavor {
     Cpu,
     /// matmul stages panels of A and B in workgroup memory and keeps 8x8 outputs per
     /// invocation: 128x128 output tiles where the product fills them, else 64x64, and no
-    /// workgroup memory for a product with a side under 64 (the block tiles also read a
-    /// convolution's columns from its images); attention runs flash-attention
-    /// tiles (a workgroup per 64 rows of a head, the other side staged in workgroup memory);
-    /// reductions, softmax and cross-entropy give each row a workgroup that reduces in
-    /// workgroup memory.
+    /// workgroup memory for a product with a side under 64 (either reads a convolution's
+    /// columns from its images); attention runs flash-attention tiles (a workgroup per 64
+    /// rows of a head, the other side staged in workgroup memory);
+    /// reductions, softmax, cross-entropy, LayerNorm and RMSNorm give each row a workgroup
+    /// that reduces in workgroup memory.
     Gpu,
 }
 

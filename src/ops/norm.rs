@@ -3,10 +3,11 @@
 //! saving each row's mean and inverse deviation. Rows longer than [`FUSED_MAX_LEN`] (whose
 //! loops would pass llvmpipe's iteration limit) are normalised by the composed ops instead.
 
-use crate::device::KernelFlavor;
+use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, EpilogueSite, Fusion, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN,
+    groups, without_subgroup_section, EpilogueSite, Fusion, Kernel, KernelParams, Launch,
+    ShaderFamily, MAX_LOOP_LEN,
 };
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -37,25 +38,51 @@ static NORM: ShaderFamily = ShaderFamily {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![
-        ("norm".into(), norm_source(false)),
-        ("norm aligned".into(), norm_source(true)),
-    ]
+    let mut all = Vec::new();
+    for aligned in [false, true] {
+        for subgroups in [false, true] {
+            let name = format!("norm {}", norm_variant(aligned, subgroups));
+            all.push((name, norm_source(aligned, subgroups)));
+        }
+    }
+    all
 }
 
 /// The module whose kernels read rows as one vec4 per four features (`aligned`: the row
-/// length and every offset are multiples of 4) or element by element.
-fn norm_source(aligned: bool) -> String {
-    NORM.source(&[("NORM_ALIGNED", if aligned { "true" } else { "false" })])
+/// length and every offset are multiples of 4) or element by element, and whose workgroup
+/// rows reduce through subgroup operations (`subgroups`) or a tree in workgroup memory.
+fn norm_source(aligned: bool, subgroups: bool) -> String {
+    let wgsl = match subgroups {
+        true => NORM.wgsl.to_string(),
+        false => without_subgroup_section(NORM.wgsl),
+    };
+    let reduce = match subgroups {
+        true => "row_reduce_subgroups",
+        false => "row_reduce_tree",
+    };
+    NORM.source_of(
+        &wgsl,
+        &[
+            ("NORM_ALIGNED", if aligned { "true" } else { "false" }),
+            ("ROW_REDUCE", reduce),
+        ],
+    )
 }
 
 /// The pipeline-key name of [`norm_source`]'s specialisation.
-fn norm_variant(aligned: bool) -> &'static str {
-    if aligned {
-        "aligned"
-    } else {
-        "elements"
+fn norm_variant(aligned: bool, subgroups: bool) -> &'static str {
+    match (aligned, subgroups) {
+        (true, false) => "aligned",
+        (false, false) => "elements",
+        (true, true) => "aligned subgroups",
+        (false, true) => "elements subgroups",
     }
+}
+
+/// Whether `device`'s norm kernels reduce a row through subgroup operations: where it has
+/// subgroups of a fixed width.
+fn reduces_in_subgroups(device: &Device) -> bool {
+    device.subgroup_size().is_some()
 }
 
 /// Longest row the fused kernels take (each walks a row in three passes at most).
@@ -380,6 +407,11 @@ fn fused_norm(
     }))
 }
 
+/// The shortest row the GPU flavour gives a workgroup: 2 groups of 4 features per invocation.
+/// A shorter row leaves most of the workgroup idle through its reductions' barriers (on
+/// lavapipe a row of 128 took 4x the time of an invocation per row, a row of 512 2-3x).
+const WORKGROUP_ROW_LEN: usize = 512;
+
 /// The row kernels' passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pass {
@@ -390,8 +422,8 @@ enum Pass {
 /// Launches a pass of the row kernels (writing binding 4 through the EPILOGUE SECTION's
 /// stores), which a captured step may give the elementwise ops that consume its output: an
 /// activation after the forward, the residual stream's other grad added to the backward's.
-/// The CPU flavour runs an invocation per row; the GPU flavour a workgroup per row, whose
-/// neighbour invocations read neighbour features.
+/// The CPU flavour runs an invocation per row; the GPU flavour a workgroup per row of at least
+/// [`WORKGROUP_ROW_LEN`] features, whose neighbour invocations read neighbour features.
 fn launch_rows(
     op: &'static str,
     pass: Pass,
@@ -402,15 +434,16 @@ fn launch_rows(
     len: usize,
 ) -> Result<()> {
     let dev = bound[0].1.device();
-    let per_workgroup = dev.kernel_flavor() == KernelFlavor::Gpu;
+    let per_workgroup = dev.kernel_flavor() == KernelFlavor::Gpu && len >= WORKGROUP_ROW_LEN;
     let (entry, workgroups) = match (pass, per_workgroup) {
         (Pass::Forward, false) => ("forward", groups(rows, NORM_WORKGROUP)),
         (Pass::Backward, false) => ("backward", groups(rows, NORM_WORKGROUP)),
         (Pass::Forward, true) => ("forward_rows", rows as u32),
         (Pass::Backward, true) => ("backward_rows", rows as u32),
     };
-    let source = move || norm_source(aligned);
-    let kernel = Kernel::specialised(&NORM, entry, norm_variant(aligned), &source);
+    let subgroups = reduces_in_subgroups(dev);
+    let source = move || norm_source(aligned, subgroups);
+    let kernel = Kernel::specialised(&NORM, entry, norm_variant(aligned, subgroups), &source);
     let site = || {
         Fusion::Epilogue(EpilogueSite {
             entry,
@@ -448,8 +481,10 @@ fn param_grads(
             (7, &weight_partials),
             (8, &bias_partials),
         ];
-        let source = move || norm_source(aligned);
-        let kernel = Kernel::specialised(&NORM, "weight_grads", norm_variant(aligned), &source);
+        let subgroups = reduces_in_subgroups(g.device());
+        let source = move || norm_source(aligned, subgroups);
+        let variant = norm_variant(aligned, subgroups);
+        let kernel = Kernel::specialised(&NORM, "weight_grads", variant, &source);
         let workgroups = groups(chunks * width / 4, NORM_WORKGROUP);
         Launch::new(op, &kernel, &bound, params).record(workgroups)?;
     }
