@@ -10,7 +10,9 @@
 //!
 //! `--json` prints the same as JSON; `--compare A.json B.json` prints two reports side by side
 //! with their ratios (how to compare two adapters); `--full` adds the largest sizes on
-//! software adapters, where the defaults stop early so that the report takes a few minutes.
+//! software adapters, where the defaults stop early so that the report takes a few minutes;
+//! `--sections matmul,training` measures only those sections (matmul, attention, bandwidth,
+//! training).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -35,6 +37,34 @@ struct Args {
     /// Two reports written with --json: print them side by side with the ratio B / A.
     #[arg(long, num_args = 2, value_names = ["A", "B"])]
     compare: Option<Vec<PathBuf>>,
+    /// The sections to measure, comma-separated (all by default).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Section::ALL)]
+    sections: Vec<Section>,
+}
+
+/// A part of the report, run on its own with `--sections`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Section {
+    Matmul,
+    Attention,
+    Bandwidth,
+    Training,
+}
+
+impl Section {
+    const ALL: [Section; 4] = [
+        Section::Matmul,
+        Section::Attention,
+        Section::Bandwidth,
+        Section::Training,
+    ];
+}
+
+impl std::fmt::Display for Section {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = format!("{self:?}").to_lowercase();
+        f.write_str(&name)
+    }
 }
 
 /// One measured figure.
@@ -121,15 +151,24 @@ fn report(args: &Args) -> Result<()> {
     } else {
         &[512, 1024, 2048]
     };
-    rows.extend(matmul(&dev, sizes)?);
     let lengths: &[usize] = if large {
         &[1024, 2048, 4096, 8192]
     } else {
         &[1024, 2048]
     };
-    rows.extend(attention(&dev, lengths)?);
-    rows.extend(bandwidth(&dev)?);
-    rows.extend(training_steps(&dev)?);
+    let wanted = |section| args.sections.contains(&section);
+    if wanted(Section::Matmul) {
+        rows.extend(matmul(&dev, sizes)?);
+    }
+    if wanted(Section::Attention) {
+        rows.extend(attention(&dev, lengths)?);
+    }
+    if wanted(Section::Bandwidth) {
+        rows.extend(bandwidth(&dev)?);
+    }
+    if wanted(Section::Training) {
+        rows.extend(training_steps(&dev)?);
+    }
 
     let peak = peak_of(&info.name);
     if let Some((tflops, gbs)) = peak {
