@@ -118,6 +118,67 @@ fn sum4(v: vec4<f32>) -> f32 {
     return (v.x + v.y) + (v.z + v.w);
 }
 
+// The row of x that `row` names: where it starts and ends.
+fn x_row(row: u32) -> vec2<u32> {
+    let base = pu(NORM_X_OFFSET) + row * pu(NORM_LEN);
+    return vec2<u32>(base, base + pu(NORM_LEN));
+}
+
+// x - mean at elements 4c..4c+4 of the row from `base` to `end`, zero past its end.
+fn deviation4(base: u32, end: u32, c: u32, mean: f32) -> vec4<f32> {
+    let d = x4(base + 4u * c, end) - mean;
+    if (ALIGNED) {
+        return d;
+    }
+    return select(vec4<f32>(0.0), d, inside(base + 4u * c, end));
+}
+
+// The forward's output at elements 4c..4c+4 of row `row`, stored:
+// (x - mean) rstd weight + bias (LayerNorm), or x rstd weight (RMSNorm, mean 0).
+fn store_normalised(row: u32, c: u32, mean: f32, rstd: f32) {
+    let len = pu(NORM_LEN);
+    let x = x_row(row);
+    let w_at = pu(NORM_WEIGHT_OFFSET);
+    let b_at = pu(NORM_BIAS_OFFSET);
+    var b = vec4<f32>(0.0);
+    if (pu(NORM_CENTER) == 1u) {
+        b = bias4(b_at + 4u * c, b_at + len);
+    }
+    let y = (x4(x.x + 4u * c, x.y) - mean) * rstd * weight4(w_at + 4u * c, w_at + len) + b;
+    store_group(row * len + 4u * c, y, c, len);
+}
+
+// The backward's terms at elements 4c..4c+4 of row `row`, whose statistics `stat` are
+// (mean, rstd): gw = grad * weight and xhat = (x - mean) rstd, zero past the row's end (grad
+// and weight read as 0 there).
+struct GradTerms {
+    gw: vec4<f32>,
+    xhat: vec4<f32>,
+}
+
+fn grad_terms(row: u32, c: u32, stat: vec2<f32>) -> GradTerms {
+    let len = pu(NORM_LEN);
+    let x = x_row(row);
+    let g_base = pu(NORM_GRAD_OFFSET) + row * len;
+    let w_at = pu(NORM_WEIGHT_OFFSET);
+    let xhat = (x4(x.x + 4u * c, x.y) - stat.x) * stat.y;
+    let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
+    return GradTerms(gw, xhat);
+}
+
+// The input grad at elements 4c..4c+4 of row `row`, stored, given the row's means of gw and
+// of gw xhat: rstd (gw - mean(gw) - xhat mean(gw xhat)).
+fn store_input_grad(row: u32, c: u32, stat: vec2<f32>, means: vec2<f32>) {
+    let t = grad_terms(row, c, stat);
+    let dx = stat.y * (t.gw - means.x - t.xhat * means.y);
+    store_group(row * pu(NORM_LEN) + 4u * c, dx, c, pu(NORM_LEN));
+}
+
+// The means of gw (0 for RMSNorm) and of gw xhat over a row of `len`, from their sums.
+fn grad_means(sums: vec2<f32>, len: u32) -> vec2<f32> {
+    return vec2<f32>(select(0.0, sums.x / f32(len), pu(NORM_CENTER) == 1u), sums.y / f32(len));
+}
+
 // 1 / sqrt(var + eps) of the row from `base` to `end` whose squared deviations from `mean`
 // sum to `squares`. Past about 1e19 the squares overflow to inf: they are summed again, of
 // the deviations divided by the largest (two more passes, only for such rows), so that rows
@@ -131,14 +192,13 @@ fn row_rstd(base: u32, end: u32, mean: f32, squares: f32) -> f32 {
     let groups = (end - base + 3u) / 4u;
     var largest = vec4<f32>(0.0);
     for (var c = 0u; c < groups; c = c + 1u) {
-        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
-        largest = max(largest, abs(d));
+        largest = max(largest, abs(deviation4(base, end, c, mean)));
     }
     let scale = max(max(largest.x, largest.y), max(largest.z, largest.w));
     var scaled = vec4<f32>(0.0);
     for (var c = 0u; c < groups; c = c + 1u) {
-        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
-        scaled = scaled + (d / scale) * (d / scale);
+        let d = deviation4(base, end, c, mean) / scale;
+        scaled = scaled + d * d;
     }
     // var + eps = scale^2 (scaled / len + eps / scale^2); eps / scale^2 is 0 past 1e19.
     return inverseSqrt(sum4(scaled) / len + eps / (scale * scale)) / scale;
@@ -154,33 +214,20 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
     let len = pu(NORM_LEN);
     let groups = (len + 3u) / 4u;
-    let base = pu(NORM_X_OFFSET) + row * len;
-    let end = base + len;
-    let center = pu(NORM_CENTER) == 1u;
+    let x = x_row(row);
     var sum = vec4<f32>(0.0);
-    for (var c = 0u; c < select(0u, groups, center); c = c + 1u) {
-        sum = sum + x4(base + 4u * c, end);
+    for (var c = 0u; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + 1u) {
+        sum = sum + x4(x.x + 4u * c, x.y);
     }
     let mean = sum4(sum) / f32(len);
     var squares = vec4<f32>(0.0);
     for (var c = 0u; c < groups; c = c + 1u) {
-        var d = x4(base + 4u * c, end) - mean;
-        if (!ALIGNED) {
-            d = select(vec4<f32>(0.0), d, inside(base + 4u * c, end));
-        }
+        let d = deviation4(x.x, x.y, c, mean);
         squares = squares + d * d;
     }
-    let rstd = row_rstd(base, end, mean, sum4(squares));
-    let w_at = pu(NORM_WEIGHT_OFFSET);
-    let b_at = pu(NORM_BIAS_OFFSET);
+    let rstd = row_rstd(x.x, x.y, mean, sum4(squares));
     for (var c = 0u; c < groups; c = c + 1u) {
-        let w = weight4(w_at + 4u * c, w_at + len);
-        var b = vec4<f32>(0.0);
-        if (center) {
-            b = bias4(b_at + 4u * c, b_at + len);
-        }
-        let y = (x4(base + 4u * c, end) - mean) * rstd * w + b;
-        store_group(row * len + 4u * c, y, c, len);
+        store_normalised(row, c, mean, rstd);
     }
     stats[2u * row] = mean;
     stats[2u * row + 1u] = rstd;
@@ -197,27 +244,17 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
     let len = pu(NORM_LEN);
     let groups = (len + 3u) / 4u;
-    let base = pu(NORM_X_OFFSET) + row * len;
-    let g_base = pu(NORM_GRAD_OFFSET) + row * len;
-    let w_at = pu(NORM_WEIGHT_OFFSET);
-    let mean = stats[2u * row];
-    let rstd = stats[2u * row + 1u];
+    let stat = vec2<f32>(stats[2u * row], stats[2u * row + 1u]);
     var sum_gw = vec4<f32>(0.0);
     var sum_gw_xhat = vec4<f32>(0.0);
     for (var c = 0u; c < groups; c = c + 1u) {
-        // Zero past the row's end: grad and weight read as 0 there.
-        let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
-        let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
-        sum_gw = sum_gw + gw;
-        sum_gw_xhat = sum_gw_xhat + gw * xhat;
+        let t = grad_terms(row, c, stat);
+        sum_gw = sum_gw + t.gw;
+        sum_gw_xhat = sum_gw_xhat + t.gw * t.xhat;
     }
-    let mean_gw = select(0.0, sum4(sum_gw) / f32(len), pu(NORM_CENTER) == 1u);
-    let mean_gw_xhat = sum4(sum_gw_xhat) / f32(len);
+    let means = grad_means(vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), len);
     for (var c = 0u; c < groups; c = c + 1u) {
-        let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
-        let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
-        let dx = rstd * (gw - mean_gw - xhat * mean_gw_xhat);
-        store_group(row * len + 4u * c, dx, c, len);
+        store_input_grad(row, c, stat, means);
     }
 }
 
@@ -323,14 +360,13 @@ fn row_rstd_rows(lid: u32, base: u32, end: u32, mean: f32, squares: f32) -> f32 
     let groups = (end - base + 3u) / 4u;
     var largest = vec4<f32>(0.0);
     for (var c = lid; c < groups; c = c + 64u) {
-        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
-        largest = max(largest, abs(d));
+        largest = max(largest, abs(deviation4(base, end, c, mean)));
     }
     let scale = row_reduce(lid, vec2<f32>(max(max(largest.x, largest.y), max(largest.z, largest.w)), 0.0), true).x;
     var scaled = vec4<f32>(0.0);
     for (var c = lid; c < groups; c = c + 64u) {
-        let d = select(vec4<f32>(0.0), x4(base + 4u * c, end) - mean, inside(base + 4u * c, end));
-        scaled = scaled + (d / scale) * (d / scale);
+        let d = deviation4(base, end, c, mean) / scale;
+        scaled = scaled + d * d;
     }
     let total = row_reduce(lid, vec2<f32>(sum4(scaled), 0.0), false).x;
     return inverseSqrt(total / len + eps / (scale * scale)) / scale;
@@ -347,33 +383,20 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     let len = pu(NORM_LEN);
     let groups = (len + 3u) / 4u;
-    let base = pu(NORM_X_OFFSET) + row * len;
-    let end = base + len;
-    let center = pu(NORM_CENTER) == 1u;
+    let x = x_row(row);
     var sum = vec4<f32>(0.0);
-    for (var c = lid; c < select(0u, groups, center); c = c + 64u) {
-        sum = sum + x4(base + 4u * c, end);
+    for (var c = lid; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + 64u) {
+        sum = sum + x4(x.x + 4u * c, x.y);
     }
     let mean = row_reduce(lid, vec2<f32>(sum4(sum), 0.0), false).x / f32(len);
     var squares = vec4<f32>(0.0);
     for (var c = lid; c < groups; c = c + 64u) {
-        var d = x4(base + 4u * c, end) - mean;
-        if (!ALIGNED) {
-            d = select(vec4<f32>(0.0), d, inside(base + 4u * c, end));
-        }
+        let d = deviation4(x.x, x.y, c, mean);
         squares = squares + d * d;
     }
-    let rstd = row_rstd_rows(lid, base, end, mean, row_reduce(lid, vec2<f32>(sum4(squares), 0.0), false).x);
-    let w_at = pu(NORM_WEIGHT_OFFSET);
-    let b_at = pu(NORM_BIAS_OFFSET);
+    let rstd = row_rstd_rows(lid, x.x, x.y, mean, row_reduce(lid, vec2<f32>(sum4(squares), 0.0), false).x);
     for (var c = lid; c < groups; c = c + 64u) {
-        let w = weight4(w_at + 4u * c, w_at + len);
-        var b = vec4<f32>(0.0);
-        if (center) {
-            b = bias4(b_at + 4u * c, b_at + len);
-        }
-        let y = (x4(base + 4u * c, end) - mean) * rstd * w + b;
-        store_group(row * len + 4u * c, y, c, len);
+        store_normalised(row, c, mean, rstd);
     }
     if (lid == 0u) {
         stats[2u * row] = mean;
@@ -391,26 +414,16 @@ fn backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     }
     let len = pu(NORM_LEN);
     let groups = (len + 3u) / 4u;
-    let base = pu(NORM_X_OFFSET) + row * len;
-    let g_base = pu(NORM_GRAD_OFFSET) + row * len;
-    let w_at = pu(NORM_WEIGHT_OFFSET);
-    let mean = stats[2u * row];
-    let rstd = stats[2u * row + 1u];
+    let stat = vec2<f32>(stats[2u * row], stats[2u * row + 1u]);
     var sum_gw = vec4<f32>(0.0);
     var sum_gw_xhat = vec4<f32>(0.0);
     for (var c = lid; c < groups; c = c + 64u) {
-        let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
-        let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
-        sum_gw = sum_gw + gw;
-        sum_gw_xhat = sum_gw_xhat + gw * xhat;
+        let t = grad_terms(row, c, stat);
+        sum_gw = sum_gw + t.gw;
+        sum_gw_xhat = sum_gw_xhat + t.gw * t.xhat;
     }
-    let sums = row_reduce(lid, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), false);
-    let mean_gw = select(0.0, sums.x / f32(len), pu(NORM_CENTER) == 1u);
-    let mean_gw_xhat = sums.y / f32(len);
+    let means = grad_means(row_reduce(lid, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), false), len);
     for (var c = lid; c < groups; c = c + 64u) {
-        let xhat = (x4(base + 4u * c, base + len) - mean) * rstd;
-        let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
-        let dx = rstd * (gw - mean_gw - xhat * mean_gw_xhat);
-        store_group(row * len + 4u * c, dx, c, len);
+        store_input_grad(row, c, stat, means);
     }
 }
