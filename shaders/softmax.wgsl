@@ -20,6 +20,7 @@
 const WG: u32 = 64u;
 const NEG_INF: f32 = -3.40282347e38;
 var<workgroup> scratch: array<f32, 64>;
+var<workgroup> scratch_total: f32;
 
 fn src_at(i: u32) -> f32 {
     return src[i / 4u][i % 4u];
@@ -43,7 +44,15 @@ fn softmax_value(x: f32, stats: vec2<f32>) -> f32 {
     return exp(shifted);
 }
 
+// The sum (or the max) of `v` over the workgroup. WORKGROUP_REDUCE is spliced:
+// workgroup_reduce_subgroups where the device has subgroups of a fixed width (two barriers),
+// else workgroup_reduce_tree (seven: software adapters run each as a coroutine switch of
+// every SIMD group).
 fn workgroup_reduce(lid: u32, v: f32, is_max: bool) -> f32 {
+    return WORKGROUP_REDUCE(lid, v, is_max);
+}
+
+fn workgroup_reduce_tree(lid: u32, v: f32, is_max: bool) -> f32 {
     scratch[lid] = v;
     workgroupBarrier();
     for (var width = WG / 2u; width > 0u; width = width / 2u) {
@@ -57,6 +66,29 @@ fn workgroup_reduce(lid: u32, v: f32, is_max: bool) -> f32 {
     workgroupBarrier();
     return result;
 }
+
+// SUBGROUP SECTION BEGIN: kept only where the device has subgroups of a fixed width.
+// Each subgroup reduces its lanes and its first lane writes the result at the subgroup's
+// index (the subgroups of a one-dimensional workgroup hold consecutive invocations, as on every
+// adapter wgrad knows); invocation 0 combines the WG / width results for all.
+fn workgroup_reduce_subgroups(lid: u32, v: f32, is_max: bool) -> f32 {
+    let s = select(subgroupAdd(v), subgroupMax(v), is_max);
+    let width = subgroupAdd(1u);
+    if (subgroupExclusiveAdd(1u) == 0u) {
+        scratch[lid / width] = s;
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        var total = scratch[0];
+        for (var j = 1u; j < WG / width; j = j + 1u) {
+            let other = scratch[j];
+            total = select(total + other, max(total, other), is_max);
+        }
+        scratch_total = total;
+    }
+    return workgroupUniformLoad(&scratch_total);
+}
+// SUBGROUP SECTION END
 
 // The row's max and log(sum(exp(x - max))), computed by the whole workgroup.
 fn row_stats_workgroup(base: u32, k_len: u32, lid: u32) -> vec2<f32> {

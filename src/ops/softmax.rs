@@ -3,7 +3,9 @@
 
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN};
+use crate::kernel::{
+    groups, without_subgroup_section, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN,
+};
 use crate::ops::index::expect_indices_below;
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -39,7 +41,23 @@ static SOFTMAX: ShaderFamily = ShaderFamily {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("softmax".into(), SOFTMAX.source(&[]))]
+    vec![
+        ("softmax".into(), softmax_source(false)),
+        ("softmax subgroups".into(), softmax_source(true)),
+    ]
+}
+
+/// The module whose workgroup rows reduce through subgroup operations (`subgroups`: where the
+/// device has subgroups of a fixed width) or a tree in workgroup memory.
+fn softmax_source(subgroups: bool) -> String {
+    let (wgsl, reduce) = match subgroups {
+        true => (SOFTMAX.wgsl.to_string(), "workgroup_reduce_subgroups"),
+        false => (
+            without_subgroup_section(SOFTMAX.wgsl),
+            "workgroup_reduce_tree",
+        ),
+    };
+    SOFTMAX.source_of(&wgsl, &[("WORKGROUP_REDUCE", reduce)])
 }
 
 /// Rows of the `[M, K]` input one `*_serial` workgroup handles (its `WG`).
@@ -138,7 +156,10 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     } else {
         m as u32
     };
-    let kernel = Kernel::plain(&SOFTMAX, pass.family.entry(serial));
+    let subgroups = pass.src.device().subgroup_size().is_some();
+    let source = move || softmax_source(subgroups);
+    let variant = if subgroups { "subgroups" } else { "tree" };
+    let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), variant, &source);
     let mut bindings = vec![(1, pass.src), (2, pass.dst)];
     bindings.extend(pass.labels.map(|l| (3, l)));
     bindings.extend(pass.grad.map(|g| (4, g)));
