@@ -762,8 +762,8 @@ fn image_kernel(device: &Device, a: AMode, rows: usize, n: usize) -> Option<Kern
     }
 }
 
-/// The module of a kernel over image columns: `register_tiled_tall` (with `subgroups`) or the
-/// block kernels.
+/// The module of a kernel over image columns: `register_tiled_tall` (with `subgroups`),
+/// `register_tiled` or the block kernels.
 fn image_specialisation(a: AMode, tall_rows: usize, subgroups: bool) -> Specialisation {
     Specialisation {
         a,
