@@ -100,18 +100,26 @@ impl ShaderFamily {
     }
 }
 
-/// `wgsl` without its SUBGROUP SECTION (the text between `// SUBGROUP SECTION BEGIN` and
-/// `// SUBGROUP SECTION END`): kernels that need the device's subgroup operations live there,
-/// and a module that names them does not compile where the device has none. wgpu enables the
-/// subgroup built-ins with the device feature (its WGSL front end does not take `enable
-/// subgroups;` yet).
-pub(crate) fn without_subgroup_section(wgsl: &str) -> String {
+/// `wgsl` with its SUBGROUP SECTION (the text between `// SUBGROUP SECTION BEGIN` and
+/// `// SUBGROUP SECTION END`) where `subgroups`, else without it: kernels that need the
+/// device's subgroup operations live there, and a module that names them does not compile
+/// where the device has none. wgpu enables the subgroup built-ins with the device feature (its
+/// WGSL front end does not take `enable subgroups;` yet).
+pub(crate) fn with_subgroup_section(wgsl: &str, subgroups: bool) -> String {
     const BEGIN: &str = "// SUBGROUP SECTION BEGIN";
     const END: &str = "// SUBGROUP SECTION END";
-    match (wgsl.find(BEGIN), wgsl.find(END)) {
-        (Some(begin), Some(end)) => format!("{}{}", &wgsl[..begin], &wgsl[end + END.len()..]),
+    match (subgroups, wgsl.find(BEGIN), wgsl.find(END)) {
+        (false, Some(begin), Some(end)) => {
+            format!("{}{}", &wgsl[..begin], &wgsl[end + END.len()..])
+        }
         _ => wgsl.to_string(),
     }
+}
+
+/// Whether the row kernels of `device` (softmax, cross-entropy and the norms' workgroup rows)
+/// sum through subgroup operations: where it has subgroups of a fixed width.
+pub(crate) fn reduces_in_subgroups(device: &Device) -> bool {
+    device.subgroup_size().is_some()
 }
 
 /// One kernel: an entry point of a family, in one specialisation.

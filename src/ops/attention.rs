@@ -10,7 +10,7 @@
 
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
-use crate::kernel::{groups, without_subgroup_section, Kernel, KernelParams, Launch, ShaderFamily};
+use crate::kernel::{groups, with_subgroup_section, Kernel, KernelParams, Launch, ShaderFamily};
 use crate::ops::autocast::for_16_bit_op;
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -191,11 +191,7 @@ static ATTENTION: ShaderFamily = ShaderFamily {
 /// load when `aligned`, with the `*_shared` entries where the device has `subgroups` 8 wide,
 /// for a mask of `mask_kind` (see [`MaskKind`]).
 fn source(d: usize, dv: usize, aligned: bool, subgroups: bool, mask_kind: u32) -> String {
-    let wgsl = if subgroups {
-        ATTENTION.wgsl.to_string()
-    } else {
-        without_subgroup_section(ATTENTION.wgsl)
-    };
+    let wgsl = with_subgroup_section(ATTENTION.wgsl, subgroups);
     ATTENTION.source_of(
         &wgsl,
         &[

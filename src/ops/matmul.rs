@@ -4,7 +4,7 @@
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    rows_per_window, without_subgroup_section, EpilogueSite, Fusion, Kernel, KernelParams, Launch,
+    rows_per_window, with_subgroup_section, EpilogueSite, Fusion, Kernel, KernelParams, Launch,
     ShaderFamily, MAX_LOOP_LEN, SIXTEEN_BIT_WGSL,
 };
 use crate::ops::binary::sum_to_shape;
@@ -116,12 +116,10 @@ fn source(spec: Specialisation) -> String {
         BMode::K => ("k", "false"),
         BMode::Any => ("any", "false"),
     };
-    let wgsl = if spec.subgroups {
-        MATMUL.wgsl.to_string()
-    } else {
-        without_subgroup_section(MATMUL.wgsl)
-    };
-    let wgsl = with_stores(&wgsl, spec.out_dtype);
+    let wgsl = with_stores(
+        &with_subgroup_section(MATMUL.wgsl, spec.subgroups),
+        spec.out_dtype,
+    );
     let out_words = match spec.out_dtype {
         DType::F32 => "vec4<f32>",
         _ => "vec4<u32>",

@@ -3,11 +3,11 @@
 //! saving each row's mean and inverse deviation. Rows longer than [`FUSED_MAX_LEN`] (whose
 //! loops would pass llvmpipe's iteration limit) are normalised by the composed ops instead.
 
-use crate::device::{Device, KernelFlavor};
+use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, without_subgroup_section, EpilogueSite, Fusion, Kernel, KernelParams, Launch,
-    ShaderFamily, MAX_LOOP_LEN,
+    groups, reduces_in_subgroups, with_subgroup_section, EpilogueSite, Fusion, Kernel,
+    KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN,
 };
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -52,10 +52,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 /// length and every offset are multiples of 4) or element by element, and whose workgroup
 /// rows reduce through subgroup operations (`subgroups`) or a tree in workgroup memory.
 fn norm_source(aligned: bool, subgroups: bool) -> String {
-    let wgsl = match subgroups {
-        true => NORM.wgsl.to_string(),
-        false => without_subgroup_section(NORM.wgsl),
-    };
+    let wgsl = with_subgroup_section(NORM.wgsl, subgroups);
     let reduce = match subgroups {
         true => "row_reduce_subgroups",
         false => "row_reduce_tree",
@@ -77,12 +74,6 @@ fn norm_variant(aligned: bool, subgroups: bool) -> &'static str {
         (true, true) => "aligned subgroups",
         (false, true) => "elements subgroups",
     }
-}
-
-/// Whether `device`'s norm kernels reduce a row through subgroup operations: where it has
-/// subgroups of a fixed width.
-fn reduces_in_subgroups(device: &Device) -> bool {
-    device.subgroup_size().is_some()
 }
 
 /// Longest row the fused kernels take (each walks a row in three passes at most).

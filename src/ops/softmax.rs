@@ -4,7 +4,8 @@
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, without_subgroup_section, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN,
+    groups, reduces_in_subgroups, with_subgroup_section, Kernel, KernelParams, Launch,
+    ShaderFamily, MAX_LOOP_LEN,
 };
 use crate::ops::index::expect_indices_below;
 use crate::tensor::dim::Dim;
@@ -50,13 +51,11 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 /// The module whose workgroup rows reduce through subgroup operations (`subgroups`: where the
 /// device has subgroups of a fixed width) or a tree in workgroup memory.
 fn softmax_source(subgroups: bool) -> String {
-    let (wgsl, reduce) = match subgroups {
-        true => (SOFTMAX.wgsl.to_string(), "workgroup_reduce_subgroups"),
-        false => (
-            without_subgroup_section(SOFTMAX.wgsl),
-            "workgroup_reduce_tree",
-        ),
+    let reduce = match subgroups {
+        true => "workgroup_reduce_subgroups",
+        false => "workgroup_reduce_tree",
     };
+    let wgsl = with_subgroup_section(SOFTMAX.wgsl, subgroups);
     SOFTMAX.source_of(&wgsl, &[("WORKGROUP_REDUCE", reduce)])
 }
 
@@ -156,7 +155,7 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     } else {
         m as u32
     };
-    let subgroups = pass.src.device().subgroup_size().is_some();
+    let subgroups = reduces_in_subgroups(pass.src.device());
     let source = move || softmax_source(subgroups);
     let variant = if subgroups { "subgroups" } else { "tree" };
     let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), variant, &source);
