@@ -673,35 +673,36 @@ fn panel_element(lid: u32, j: u32, k_contiguous: bool, block: u32, threads: u32)
     return vec2<u32>(e / block, e % block);
 }
 
-// The column of B that a block kernel's invocation stages (`lid % block` of the tile: the
-// invocation count is a multiple of the block), and where it is read: for an image source,
-// the image's plane 0 offset and the window corner, computed once per workgroup so that the
-// panel loop has no divisions along n.
+// The tile's first column `col0` and the column of B that a block kernel's invocation stages,
+// `in_tile` columns into the tile (`lid % block`: the invocation count is a multiple of the
+// block), and where that column is read: for an image source, the image's plane 0 offset and
+// the window corner, computed once per workgroup so that the panel loop has no divisions
+// along n.
 struct PanelColumn {
-    col: u32,
+    col0: u32,
+    in_tile: u32,
     image_at: i32,
     y0: i32,
     x0: i32,
 }
 
-fn panel_column_matrix(o: Operands, col: u32) -> PanelColumn {
-    return PanelColumn(col, 0, 0, 0);
+fn panel_column_matrix(o: Operands, col0: u32, in_tile: u32) -> PanelColumn {
+    return PanelColumn(col0, in_tile, 0, 0, 0);
 }
 
-fn panel_column_image(o: Operands, col: u32) -> PanelColumn {
-    let c = b_columns_image(o.b_base, vec4<u32>(col));
-    return PanelColumn(col, c.image_at.x, c.y0.x, c.x0.x);
+fn panel_column_image(o: Operands, col0: u32, in_tile: u32) -> PanelColumn {
+    let c = b_columns_image(o.b_base, vec4<u32>(col0 + in_tile));
+    return PanelColumn(col0, in_tile, c.image_at.x, c.y0.x, c.x0.x);
 }
 
-// Stages the B panel of rows k0 .. k0 + BLOCK_K of the tile whose column `column.col` is
-// staged by invocation `lid` (of (block / 8)^2), 0 past the edges. A matrix is staged
-// element by element in the order of its unit stride.
+// Stages the B panel of rows k0 .. k0 + BLOCK_K of the tile starting at column `column.col0`,
+// by invocation `lid` (of (block / 8)^2), 0 past the edges. A matrix is staged element by
+// element in the order of its unit stride.
 fn stage_b_panel_matrix(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) {
     let threads = (block / 8u) * (block / 8u);
-    let col0 = column.col - lid % block;
     for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
         let eb = panel_element(lid, j, o.b_rs == 1u, block, threads);
-        let c = col0 + eb.y;
+        let c = column.col0 + eb.y;
         var bv = 0.0;
         if (k0 + eb.x < o.k_len && c < o.n) {
             bv = b_at(o.b_base + (k0 + eb.x) * o.b_rs + c * o.b_cs);
@@ -720,7 +721,7 @@ fn stage_b_panel_image(o: Operands, column: PanelColumn, lid: u32, k0: u32, bloc
     let w = pu(MATMUL_CONV_WIDTH);
     let c_in = pu(MATMUL_CONV_C_IN);
     let kernel_w = pu(MATMUL_CONV_KERNEL_W);
-    let in_tile = lid % block;
+    let in_tile = column.in_tile;
     for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
         let kk = lid / block + j * (threads / block);
         let k = k0 + kk;
@@ -730,7 +731,7 @@ fn stage_b_panel_image(o: Operands, column: PanelColumn, lid: u32, k0: u32, bloc
         let y = column.y0 + i32(ty * pu(MATMUL_CONV_DILATION_H));
         let x = column.x0 + i32((tap - ty * kernel_w) * pu(MATMUL_CONV_DILATION_W));
         var bv = 0.0;
-        if (k < pu(MATMUL_CONV_K) && column.col < o.n && u32(y) < h && u32(x) < w) {
+        if (k < pu(MATMUL_CONV_K) && column.col0 + in_tile < o.n && u32(y) < h && u32(x) < w) {
             bv = b_at(u32(column.image_at + i32(channel * h * w) + y * i32(w) + x));
         }
         b_block[kk * (block / 4u) + in_tile / 4u][in_tile % 4u] = bv;
@@ -759,7 +760,7 @@ fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
     var acc_hl = mat4x4<f32>();
     var acc_lh = mat4x4<f32>();
     var acc_hh = mat4x4<f32>();
-    let b_column = panel_column_B_SOURCE(o, t.col0 + lid % block);
+    let b_column = panel_column_B_SOURCE(o, t.col0, lid % block);
     for (var k0 = 0u; k0 < o.k_len; k0 = k0 + BLOCK_K) {
         for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
             let ea = panel_element(lid, j, o.a_cs == 1u, block, threads);
