@@ -152,8 +152,9 @@ fn rope(c: &mut Criterion, dev: &Device) {
     group.finish();
 }
 
-/// F16 reads through the adapter's conversions against integer arithmetic, in one run: a
-/// 512 matmul of F16 operands and an F16 `exp` over 4M elements (its result F16 too).
+/// The F16 read paths in one run (WGSL `f16` bindings where the adapter has `SHADER_F16`,
+/// packed words through the adapter's conversions, integer arithmetic): a 512 matmul of F16
+/// operands and an F16 `exp` over 4M elements (its result F16 too).
 fn f16_reads(c: &mut Criterion, dev: &Device) {
     const N: usize = 4 << 20;
     let mut group = c.benchmark_group("f16_reads");
@@ -169,8 +170,11 @@ fn f16_reads(c: &mut Criterion, dev: &Device) {
         .unwrap()
         .to_dtype(DType::F16)
         .unwrap();
-    for reads in [F16Reads::Hardware, F16Reads::Integer] {
-        dev.set_f16_reads(reads);
+    let default_reads = dev.f16_reads();
+    for reads in [F16Reads::Native, F16Reads::Hardware, F16Reads::Integer] {
+        if dev.set_f16_reads(reads).is_err() {
+            continue; // Native, on an adapter without SHADER_F16
+        }
         group.throughput(Throughput::Elements(2 * 512 * 512 * 512));
         group.bench_function(format!("matmul_512/{reads:?}"), |bench| {
             bench.iter(|| {
@@ -186,7 +190,7 @@ fn f16_reads(c: &mut Criterion, dev: &Device) {
             })
         });
     }
-    dev.set_f16_reads(F16Reads::Hardware);
+    dev.set_f16_reads(default_reads).unwrap();
     group.finish();
 }
 

@@ -187,10 +187,11 @@ fn report(args: &Args) -> Result<()> {
         }
     }
     let limits = format!(
-        "kernel flavour {:?}, subgroup size {}, max binding {} MiB, max tensor {} MiB",
+        "kernel flavour {:?}, subgroup size {}, F16 reads {:?}, max binding {} MiB, max tensor {} MiB",
         dev.kernel_flavor(),
         dev.subgroup_size()
             .map_or("n/a".to_string(), |s| s.to_string()),
+        dev.f16_reads(),
         dev.max_binding_bytes() >> 20,
         dev.max_tensor_bytes() >> 20
     );

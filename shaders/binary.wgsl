@@ -28,7 +28,8 @@ fn op4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(op(a.x, b.x), op(a.y, b.y), op(a.z, b.z), op(a.w, b.w));
 }
 
-// Element i of lhs (of rhs).
+// F16 OPERAND lhs BEGIN
+// Element i of lhs.
 fn lhs_at(i: u32) -> f32 {
     if (LHS_DTYPE < 2u) {
         return bitcast<f32>(lhs[i / 4u][i % 4u]);
@@ -36,6 +37,17 @@ fn lhs_at(i: u32) -> f32 {
     return half_to_f32(half_of(lhs[i / 8u][(i / 2u) % 4u], i), LHS_DTYPE);
 }
 
+// Elements 4q .. 4q + 4 of lhs.
+fn lhs_quad(q: u32) -> vec4<f32> {
+    if (LHS_DTYPE < 2u) {
+        return bitcast<vec4<f32>>(lhs[q]);
+    }
+    return halves_to_f32x4(lhs[q / 2u], q, LHS_DTYPE);
+}
+// F16 OPERAND lhs END
+
+// F16 OPERAND rhs BEGIN
+// Element i of rhs.
 fn rhs_at(i: u32) -> f32 {
     if (RHS_DTYPE < 2u) {
         return bitcast<f32>(rhs[i / 4u][i % 4u]);
@@ -43,20 +55,14 @@ fn rhs_at(i: u32) -> f32 {
     return half_to_f32(half_of(rhs[i / 8u][(i / 2u) % 4u], i), RHS_DTYPE);
 }
 
-// Elements 4q .. 4q + 4 of lhs (of rhs).
-fn lhs_quad(q: u32) -> vec4<f32> {
-    if (LHS_DTYPE < 2u) {
-        return bitcast<vec4<f32>>(lhs[q]);
-    }
-    return halves_to_f32x4(lhs[q / 2u], q, LHS_DTYPE);
-}
-
+// Elements 4q .. 4q + 4 of rhs.
 fn rhs_quad(q: u32) -> vec4<f32> {
     if (RHS_DTYPE < 2u) {
         return bitcast<vec4<f32>>(rhs[q]);
     }
     return halves_to_f32x4(rhs[q / 2u], q, RHS_DTYPE);
 }
+// F16 OPERAND rhs END
 
 // Output element i of each entry, element by element.
 fn contiguous_at(i: u32) -> f32 {

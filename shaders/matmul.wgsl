@@ -47,6 +47,7 @@
 const A_DTYPE: u32 = A_DTYPE_CODEu;
 const B_DTYPE: u32 = B_DTYPE_CODEu;
 
+// F16 OPERAND a BEGIN
 // Element i of A.
 fn a_at(i: u32) -> f32 {
     if (A_DTYPE == 0u) {
@@ -62,7 +63,9 @@ fn a_quad(q: u32) -> vec4<f32> {
     }
     return halves_to_f32x4(a[q / 2u], q, A_DTYPE);
 }
+// F16 OPERAND a END
 
+// F16 OPERAND b BEGIN
 // Element i of B.
 fn b_at(i: u32) -> f32 {
     if (B_DTYPE == 0u) {
@@ -78,6 +81,7 @@ fn b_quad(q: u32) -> vec4<f32> {
     }
     return halves_to_f32x4(b[q / 2u], q, B_DTYPE);
 }
+// F16 OPERAND b END
 
 struct Tile {
     batch: u32,

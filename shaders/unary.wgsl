@@ -24,6 +24,7 @@ fn op4(x: vec4<f32>, s: f32) -> vec4<f32> {
     return vec4<f32>(op(x.x, s), op(x.y, s), op(x.z, s), op(x.w, s));
 }
 
+// F16 OPERAND src BEGIN
 // Element i of src.
 fn src_at(i: u32) -> f32 {
     if (SRC_DTYPE < 2u) {
@@ -39,6 +40,7 @@ fn src_quad(q: u32) -> vec4<f32> {
     }
     return halves_to_f32x4(src[q / 2u], q, SRC_DTYPE);
 }
+// F16 OPERAND src END
 
 // Output element i of `contiguous` and of `strided`.
 fn contiguous_at(i: u32) -> f32 {

@@ -96,3 +96,33 @@ fn every_kernel_source_validates_with_naga() {
         .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&source)));
     }
 }
+
+/// With `F16Reads::Native` and every binding F16, each module still parses and validates:
+/// every operand section the device may swap for WGSL `f16` reads fits its module.
+#[test]
+fn every_kernel_source_validates_with_native_f16_operands() {
+    use crate::device::pipelines::compiled_source;
+    use crate::device::F16Reads;
+    let mut rewritten = 0;
+    for (key, source) in all_kernel_sources() {
+        let native = compiled_source(&source, F16Reads::Native, u64::MAX);
+        if !native.contains("array<vec4<f16>>") {
+            continue;
+        }
+        rewritten += 1;
+        let module = naga::front::wgsl::parse_str(&native)
+            .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&native)));
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::SUBGROUP
+                | naga::valid::Capabilities::SHADER_FLOAT16
+                | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+        )
+        .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+        .subgroup_operations(naga::valid::SubgroupOperationSet::all())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{key}: {}", e.emit_to_string(&native)));
+    }
+    // The elementwise families (unary, binary) and matmul, in their specialisations.
+    assert!(rewritten >= 3, "{rewritten} modules had F16 operands");
+}

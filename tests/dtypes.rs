@@ -777,9 +777,12 @@ fn a_captured_step_installs_the_grads_of_16_bit_leaves_in_their_dtype() {
 fn f16_reads_take_the_path_the_device_was_given() {
     let integer = env!("CARGO_CRATE_NAME") == "dtypes_integer_f16_reads"
         || std::env::var("WGRAD_F16_READS").is_ok_and(|v| v.eq_ignore_ascii_case("integer"));
-    let want = match integer {
-        true => wgrad::F16Reads::Integer,
-        false => wgrad::F16Reads::Hardware,
+    let named = std::env::var("WGRAD_F16_READS").ok();
+    let want = match (integer, named.as_deref()) {
+        (true, _) => wgrad::F16Reads::Integer,
+        (false, Some(v)) if v.eq_ignore_ascii_case("hardware") => wgrad::F16Reads::Hardware,
+        _ if device().shader_f16() => wgrad::F16Reads::Native,
+        _ => wgrad::F16Reads::Hardware,
     };
     assert_eq!(device().f16_reads(), want);
 }

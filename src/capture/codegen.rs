@@ -490,6 +490,8 @@ pub(crate) fn generated_pipeline(
         module_key: &module_key,
         entry,
         source: &|| source.to_string(),
+        // Generated kernels read 16-bit operands, where they have any, as packed words.
+        f16_bindings: 0,
     })
 }
 

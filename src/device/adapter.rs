@@ -93,9 +93,17 @@ impl Device {
         let adapter_info = adapter.get_info();
         let limits = adapter.limits();
         // Subgroup operations, where the adapter has them, let kernels share loads across a
-        // subgroup (matmul on llvmpipe).
-        let features = adapter.features() & wgpu::Features::SUBGROUP;
-        let hardware_f16_reads = f16_reads_from_env()? != Some(F16Reads::Integer);
+        // subgroup (matmul on llvmpipe); WGSL's f16 lets them bind F16 tensors as such.
+        let features = adapter.features() & (wgpu::Features::SUBGROUP | wgpu::Features::SHADER_F16);
+        let shader_f16 = features.contains(wgpu::Features::SHADER_F16);
+        let f16_reads = match f16_reads_from_env()? {
+            Some(reads) => {
+                check_f16_reads(reads, shader_f16, "Device::new (WGRAD_F16_READS)")?;
+                reads
+            }
+            None if shader_f16 => F16Reads::Native,
+            None => F16Reads::Hardware,
+        };
         let subgroup_size = (features.contains(wgpu::Features::SUBGROUP)
             && adapter_info.subgroup_min_size == adapter_info.subgroup_max_size)
             .then_some(adapter_info.subgroup_min_size);
@@ -143,7 +151,8 @@ impl Device {
                         .map_or(!info.is_software(), |f| f == KernelFlavor::Gpu),
                 ),
                 subgroup_size,
-                hardware_f16_reads: AtomicBool::new(hardware_f16_reads),
+                shader_f16,
+                f16_reads: AtomicU8::new(f16_reads.code()),
                 info,
                 device,
                 queue,
@@ -180,14 +189,15 @@ pub(super) fn kernel_flavor_from(setting: Option<String>) -> Result<Option<Kerne
     choice_from("WGRAD_KERNEL_FLAVOR", setting, &choices)
 }
 
-/// `WGRAD_F16_READS=hardware` or `=integer`: how kernels read F16 elements (see
-/// [`F16Reads`]); unset, hardware.
+/// `WGRAD_F16_READS=native`, `=hardware` or `=integer`: how kernels read F16 elements (see
+/// [`F16Reads`]); unset, native where the adapter has `SHADER_F16`, else hardware.
 fn f16_reads_from_env() -> Result<Option<F16Reads>> {
     f16_reads_from(std::env::var("WGRAD_F16_READS").ok())
 }
 
 pub(super) fn f16_reads_from(setting: Option<String>) -> Result<Option<F16Reads>> {
     let choices = [
+        ("native", F16Reads::Native),
         ("hardware", F16Reads::Hardware),
         ("integer", F16Reads::Integer),
     ];

@@ -8,11 +8,11 @@
 //! paying a queue submission each.
 
 mod adapter;
-mod pipelines;
+pub(crate) mod pipelines;
 mod pool;
 mod recorder;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -55,6 +55,10 @@ pub(crate) struct PipelineSource<'a> {
     pub module_key: &'a str,
     pub entry: &'static str,
     pub source: &'a dyn Fn() -> String,
+    /// The bindings the module reads as F16 elements, bit `b` for binding `b`: those a device
+    /// with `F16Reads::Native` binds as WGSL `f16` where the module allows (see
+    /// `pipelines::compiled_source`).
+    pub f16_bindings: u64,
 }
 
 /// Which family of kernels a device runs where ops have two. Chosen per adapter at start-up,
@@ -80,15 +84,36 @@ pub enum KernelFlavor {
 }
 
 /// How kernels read F16 elements (they write them in integer arithmetic on every path, to
-/// round as torch does). Storage is the same either way, IEEE half bits two to a 32-bit word,
-/// and so are the values read: the paths differ in speed only.
+/// round as torch does). Storage is the same on every path, IEEE half bits at 2 bytes an
+/// element (two to a 32-bit word, the even element in the low half), and so are the values
+/// read: the paths differ in how the kernel sees the bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum F16Reads {
-    /// The adapter's conversion instructions (WGSL `unpack2x16float`); zeros, subnormals,
-    /// infinities and NaNs in integer arithmetic, which keeps their bits. The default.
+    /// WGSL's own `f16`: the elementwise ops and matmul bind their F16 operands as
+    /// `array<vec4<f16>>` and convert with the adapter's instructions. Only where the adapter
+    /// has `SHADER_F16` (lavapipe and most GPUs; not GL), and there the default. Kernels that
+    /// move F16 bits exactly (casts, copies) and a captured step's generated kernels keep
+    /// the packed words, read as with `Hardware`.
+    Native,
+    /// Packed words converted by the adapter's instructions (WGSL `unpack2x16float`); zeros,
+    /// subnormals, infinities and NaNs in integer arithmetic, which keeps their bits. The
+    /// default where the adapter has no `SHADER_F16`.
     Hardware,
-    /// Integer arithmetic throughout.
+    /// Packed words converted in integer arithmetic throughout.
     Integer,
+}
+
+impl F16Reads {
+    const ALL: [F16Reads; 3] = [F16Reads::Native, F16Reads::Hardware, F16Reads::Integer];
+
+    /// This path's index in [`F16Reads::ALL`], as the device stores it.
+    fn code(self) -> u8 {
+        self as u8
+    }
+
+    fn from_code(code: u8) -> F16Reads {
+        F16Reads::ALL[code as usize]
+    }
 }
 
 /// The adapter a [`Device`] runs on.
@@ -178,11 +203,27 @@ pub(crate) struct DeviceInner {
     subgroup_size: Option<u32>,
     /// True when the device runs `KernelFlavor::Gpu`.
     gpu_flavor: AtomicBool,
-    /// True when modules are compiled with `F16Reads::Hardware`.
-    hardware_f16_reads: AtomicBool,
+    /// True when the adapter has `SHADER_F16` (WGSL's `f16`), which `F16Reads::Native` needs.
+    shader_f16: bool,
+    /// How modules read F16 elements: an [`F16Reads`] code.
+    f16_reads: AtomicU8,
     submits: AtomicU64,
     dispatches: AtomicU64,
     next_storage_id: AtomicU64,
+}
+
+/// `Ok` when a device with `SHADER_F16` or without (`shader_f16`) can read F16 elements
+/// through `reads`; `F16Reads::Native` needs the feature.
+pub(super) fn check_f16_reads(reads: F16Reads, shader_f16: bool, op: &'static str) -> Result<()> {
+    if reads == F16Reads::Native && !shader_f16 {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: "F16Reads::Native needs an adapter with SHADER_F16 (WGSL f16), which this one \
+                  lacks; F16Reads::Hardware reads the same values from packed words"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 /// The `(x, y)` grid of a dispatch of `workgroups` workgroups: kernels that need more than
@@ -242,6 +283,12 @@ impl Device {
         self.inner.subgroup_size
     }
 
+    /// True where the adapter has `SHADER_F16` (WGSL's `f16` type), and kernels may bind F16
+    /// tensors as such (`F16Reads::Native`).
+    pub fn shader_f16(&self) -> bool {
+        self.inner.shader_f16
+    }
+
     /// The family of kernels this device runs.
     pub fn kernel_flavor(&self) -> KernelFlavor {
         if self.inner.gpu_flavor.load(Ordering::Relaxed) {
@@ -260,24 +307,19 @@ impl Device {
 
     /// How this device's kernels read F16 elements.
     pub fn f16_reads(&self) -> F16Reads {
-        match self.inner.hardware_f16_reads.load(Ordering::Relaxed) {
-            true => F16Reads::Hardware,
-            false => F16Reads::Integer,
-        }
+        F16Reads::from_code(self.inner.f16_reads.load(Ordering::Relaxed))
     }
 
-    /// Overrides how kernels read F16 elements (to test one path against the other, as CI
-    /// does); kernels compiled from now on take it.
-    pub fn set_f16_reads(&self, reads: F16Reads) {
-        let hardware = reads == F16Reads::Hardware;
-        if self
-            .inner
-            .hardware_f16_reads
-            .swap(hardware, Ordering::Relaxed)
-            != hardware
-        {
+    /// Overrides how kernels read F16 elements (to test one path against another, as CI
+    /// does); kernels compiled from now on take it. `F16Reads::Native` on an adapter without
+    /// `SHADER_F16` is an error, and the device keeps the path it had.
+    pub fn set_f16_reads(&self, reads: F16Reads) -> Result<()> {
+        check_f16_reads(reads, self.inner.shader_f16, "Device::set_f16_reads")?;
+        let code = reads.code();
+        if self.inner.f16_reads.swap(code, Ordering::Relaxed) != code {
             lock(&self.inner.pipelines).clear();
         }
+        Ok(())
     }
 
     /// The largest tensor, in bytes, this adapter holds (its largest buffer, at most 4 GiB).
@@ -365,15 +407,8 @@ impl DeviceInner {
 
     /// The compiled pipeline of `kernel`, compiling it at its first use.
     pub(crate) fn pipeline(&self, kernel: &PipelineSource) -> Arc<CachedPipeline> {
-        let hardware_f16_reads = self.hardware_f16_reads.load(Ordering::Relaxed);
-        lock(&self.pipelines).get_or_compile(
-            &self.device,
-            hardware_f16_reads,
-            kernel.key,
-            kernel.module_key,
-            kernel.entry,
-            kernel.source,
-        )
+        let f16_reads = F16Reads::from_code(self.f16_reads.load(Ordering::Relaxed));
+        lock(&self.pipelines).get_or_compile(&self.device, f16_reads, kernel)
     }
 
     /// Returns the first error wgpu has reported since the last check, attributed to `op`.
@@ -401,10 +436,11 @@ mod tests {
         let reads = |v: &str| f16_reads_from(Some(v.into()));
         assert_eq!(reads("hardware").unwrap(), Some(F16Reads::Hardware));
         assert_eq!(reads("Integer").unwrap(), Some(F16Reads::Integer));
+        assert_eq!(reads("NATIVE").unwrap(), Some(F16Reads::Native));
         assert_eq!(f16_reads_from(None).unwrap(), None);
-        let err = reads("native").unwrap_err().to_string();
+        let err = reads("fast").unwrap_err().to_string();
         assert!(
-            err.contains("WGRAD_F16_READS") && err.contains("native"),
+            err.contains("WGRAD_F16_READS") && err.contains("fast") && err.contains("native"),
             "{err}"
         );
     }

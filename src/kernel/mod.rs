@@ -140,6 +140,9 @@ pub(crate) struct Kernel<'a> {
     /// conversions of `shaders/sixteen_bit.wgsl`), bit `b` for binding `b`; see
     /// [`Kernel::with_dtypes`].
     pub sixteen_bit: u64,
+    /// The bindings of `sixteen_bit` that hold F16 (not BF16) elements: those a device with
+    /// `F16Reads::Native` may bind as WGSL `f16`.
+    pub f16: u64,
 }
 
 impl<'a> Kernel<'a> {
@@ -152,6 +155,7 @@ impl<'a> Kernel<'a> {
             specialise: None,
             part: None,
             sixteen_bit: 0,
+            f16: 0,
         }
     }
 
@@ -169,6 +173,7 @@ impl<'a> Kernel<'a> {
             specialise: Some(source),
             part: None,
             sixteen_bit: 0,
+            f16: 0,
         }
     }
 
@@ -177,9 +182,13 @@ impl<'a> Kernel<'a> {
     /// exactly these: any other kernel would read their words as f32 or u32 and answer
     /// wrong, and these would misread an F32 tensor.
     pub fn with_dtypes(mut self, bindings: &[(u32, DType)]) -> Self {
-        self.sixteen_bit = (bindings.iter())
-            .filter(|(_, dtype)| dtype.is_16_bit())
-            .fold(0, |mask, (binding, _)| mask | 1 << binding);
+        let mask = |keep: fn(DType) -> bool| {
+            (bindings.iter())
+                .filter(|(_, dtype)| keep(*dtype))
+                .fold(0, |mask, (binding, _)| mask | 1 << binding)
+        };
+        self.sixteen_bit = mask(DType::is_16_bit);
+        self.f16 = mask(|dtype| dtype == DType::F16);
         self
     }
 
@@ -213,6 +222,7 @@ impl<'a> Kernel<'a> {
             module_key: &key[..module_len],
             entry: self.entry,
             source,
+            f16_bindings: self.f16,
         })
     }
 }

@@ -13,7 +13,8 @@ pub fn device() -> &'static Device {
     DEVICE.get_or_init(|| {
         let device = Device::new().expect("a wgpu adapter (install mesa-vulkan-drivers)");
         if env!("CARGO_CRATE_NAME") == "dtypes_integer_f16_reads" {
-            device.set_f16_reads(wgrad::F16Reads::Integer);
+            (device.set_f16_reads(wgrad::F16Reads::Integer))
+                .expect("every adapter reads F16 in integers");
         }
         device
     })
