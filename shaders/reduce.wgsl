@@ -73,8 +73,54 @@ fn serial_part(wg: u32, lid: u32) {
 
 var<workgroup> partial: array<f32, 256>;
 
-// One workgroup per (row, chunk): 256 invocations stride through the chunk, then combine in a
-// tree. Writes dst[row * chunks + chunk]. Best when the reduced run is contiguous.
+// The combination of every invocation's `v` over the workgroup, for invocation 0 (the others
+// get a value of no use). WORKGROUP_COMBINE is spliced: workgroup_combine_subgroups where the
+// device has subgroups of a fixed width (one barrier), else workgroup_combine_tree (nine:
+// software adapters run each as a coroutine switch of every SIMD group).
+fn workgroup_combine(lid: u32, v: f32) -> f32 {
+    return WORKGROUP_COMBINE(lid, v);
+}
+
+fn workgroup_combine_tree(lid: u32, v: f32) -> f32 {
+    partial[lid] = v;
+    workgroupBarrier();
+    for (var width = 128u; width > 0u; width = width / 2u) {
+        if (lid < width) {
+            partial[lid] = combine(partial[lid], partial[lid + width]);
+        }
+        workgroupBarrier();
+    }
+    return partial[0];
+}
+
+// SUBGROUP SECTION BEGIN: kept only where the device has subgroups of a fixed width.
+// Each subgroup combines its lanes by butterfly shuffles through `combine` (so max keeps
+// propagating NaN, which subgroupMax need not), its first lane writes the result at the
+// subgroup's index (the subgroups of a one-dimensional workgroup hold consecutive
+// invocations, as on every adapter wgrad knows), and invocation 0 combines those.
+fn workgroup_combine_subgroups(lid: u32, v: f32) -> f32 {
+    let width = subgroupAdd(1u);
+    var s = v;
+    for (var lane_mask = 1u; lane_mask < width; lane_mask = lane_mask * 2u) {
+        s = combine(s, subgroupShuffleXor(s, lane_mask));
+    }
+    if (subgroupExclusiveAdd(1u) == 0u) {
+        partial[lid / width] = s;
+    }
+    workgroupBarrier();
+    var total = s;
+    if (lid == 0u) {
+        for (var j = 1u; j < 256u / width; j = j + 1u) {
+            total = combine(total, partial[j]);
+        }
+    }
+    return total;
+}
+// SUBGROUP SECTION END
+
+// One workgroup per (row, chunk): 256 invocations stride through the chunk, then combine
+// (see workgroup_combine). Writes dst[row * chunks + chunk]. Best when the reduced run is
+// contiguous.
 @compute @workgroup_size(256)
 fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -94,16 +140,9 @@ fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     for (var k = start + lid; k < end; k = k + 256u) {
         acc = combine(acc, src_at(base + k * ks));
     }
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var width = 128u; width > 0u; width = width / 2u) {
-        if (lid < width) {
-            partial[lid] = combine(partial[lid], partial[lid + width]);
-        }
-        workgroupBarrier();
-    }
+    let total = workgroup_combine(lid, acc);
     if (lid == 0u) {
-        dst[w] = partial[0] * pf(REDUCE_SCALE);
+        dst[w] = total * pf(REDUCE_SCALE);
     }
 }
 

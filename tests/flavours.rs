@@ -197,6 +197,34 @@ fn norms_rotary_and_resampling_agree_across_flavours() {
 }
 
 #[test]
+fn reductions_agree_across_flavours() {
+    // Rows past 65,536 elements reduce in two passes of workgroup rows on the GPU flavour.
+    assert_flavours_agree("sum and mean of rows", &[&[3, 70_001]], |t| {
+        t[0].sum_dims(&[1], false)?
+            .add(&t[0].mean_dims(&[1], false)?)
+    });
+    assert_flavours_agree("max of rows, odd lengths", &[&[5, 300], &[1, 1]], |t| {
+        t[0].max_dims(&[1], true)?.add(&t[1].max_dims(&[1], true)?)
+    });
+    assert_flavours_agree("sum of a leading dim and of everything", &[&[37, 9]], |t| {
+        t[0].sum_dims(&[0], false)?.sum()?.add(&t[0].max()?)
+    });
+}
+
+#[test]
+fn a_max_of_rows_propagates_nan_on_the_gpu_flavour() {
+    let dev = Device::software().unwrap();
+    dev.set_kernel_flavor(KernelFlavor::Gpu);
+    let mut values = random_vec(2 * 1000, 7);
+    values[1000 + 517] = f32::NAN;
+    let x = Tensor::from_slice(&values, &[2, 1000], &dev).unwrap();
+    let max = x.max_dims(&[1], false).unwrap().to_vec().unwrap();
+    let want = values[..1000].iter().cloned().fold(f32::MIN, f32::max);
+    assert_eq!(max[0], want);
+    assert!(max[1].is_nan(), "{max:?}");
+}
+
+#[test]
 fn losses_sorting_and_scatter_agree_across_flavours() {
     assert_flavours_agree("cross_entropy_with", &[&[70, 6]], |t| {
         let labels: Vec<u32> = (0..70).map(|i| (i % 6) as u32).collect();

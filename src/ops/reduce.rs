@@ -5,7 +5,8 @@
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP,
+    groups, reduces_in_subgroups, rows_per_window, with_subgroup_section, Kernel, KernelParams,
+    Launch, ShaderFamily, WORKGROUP,
 };
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::cast;
@@ -54,14 +55,10 @@ pub(crate) enum ReduceOp {
 }
 
 impl ReduceOp {
-    fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Max => "max",
-        }
-    }
-
-    fn source(self) -> String {
+    /// The module of this op, whose workgroup rows combine through subgroup operations
+    /// (`subgroups`: where the device has subgroups of a fixed width) or a tree in workgroup
+    /// memory.
+    fn source(self, subgroups: bool) -> String {
         // Max propagates NaN, as PyTorch's does.
         let (identity, combine, combine4) = match self {
             ReduceOp::Sum => ("0.0", "a + b", "a + b"),
@@ -71,11 +68,29 @@ impl ReduceOp {
                 "nan_max4(a, b)",
             ),
         };
-        REDUCE.source(&[
-            ("REDUCE_IDENTITY", identity),
-            ("REDUCE_VEC4_COMBINE", combine4),
-            ("REDUCE_COMBINE", combine),
-        ])
+        let workgroup_combine = match subgroups {
+            true => "workgroup_combine_subgroups",
+            false => "workgroup_combine_tree",
+        };
+        REDUCE.source_of(
+            &with_subgroup_section(REDUCE.wgsl, subgroups),
+            &[
+                ("REDUCE_IDENTITY", identity),
+                ("REDUCE_VEC4_COMBINE", combine4),
+                ("REDUCE_COMBINE", combine),
+                ("WORKGROUP_COMBINE", workgroup_combine),
+            ],
+        )
+    }
+
+    /// The name of this op's specialisation for `subgroups` (see [`ReduceOp::source`]).
+    fn variant(self, subgroups: bool) -> &'static str {
+        match (self, subgroups) {
+            (ReduceOp::Sum, true) => "sum_subgroups",
+            (ReduceOp::Sum, false) => "sum_tree",
+            (ReduceOp::Max, true) => "max_subgroups",
+            (ReduceOp::Max, false) => "max_tree",
+        }
     }
 }
 
@@ -83,7 +98,11 @@ impl ReduceOp {
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     [ReduceOp::Sum, ReduceOp::Max]
         .iter()
-        .map(|op| (format!("reduce/{}", op.name()), op.source()))
+        .flat_map(|op| [true, false].map(|subgroups| (*op, subgroups)))
+        .map(|(op, subgroups)| {
+            let key = format!("reduce/{}", op.variant(subgroups));
+            (key, op.source(subgroups))
+        })
         .collect()
 }
 
@@ -267,8 +286,9 @@ fn reduce_pass(
         fours: fours as u32,
         ..mat.params(chunks, chunk_len, scale, vec4)
     };
-    let source = || op.source();
-    let mut kernel = Kernel::specialised(&REDUCE, entry, op.name(), &source);
+    let subgroups = reduces_in_subgroups(mat.tensor.device());
+    let source = move || op.source(subgroups);
+    let mut kernel = Kernel::specialised(&REDUCE, entry, op.variant(subgroups), &source);
     if entry == "serial" {
         // A captured step merges consecutive serial reductions (a backward pass's bias and
         // norm-weight grads) into one launch.
