@@ -3,10 +3,10 @@
 //! Prints, for the adapter `Device::new()` picks, a markdown table of matmul GFLOP/s, sdpa
 //! TFLOP/s (forward, and forward + backward), memory bandwidth (a buffer copy, a strided copy
 //! kernel, an elementwise chain eager and fused by a captured step), and the training steps of
-//! the MLP, CNN, GPT and Llama the examples and criterion benches use, eager and captured (ms
-//! per step, samples or tokens per second, the first step's time with its kernels compiling,
-//! peak device memory). Where the adapter is a GPU it knows, each figure also gets its share of
-//! the adapter's fp32 peak or memory bandwidth.
+//! the MLP, CNN, GPT (also under F16 autocast) and Llama the examples and criterion benches
+//! use, eager and captured (ms per step, samples or tokens per second, the first step's time
+//! with its kernels compiling, peak device memory). Where the adapter is a GPU it knows, each
+//! figure also gets its share of the adapter's fp32 peak or memory bandwidth.
 //!
 //! `--json` prints the same as JSON; `--compare A.json B.json` prints two reports side by side
 //! with their ratios (how to compare two adapters); `--full` adds the largest sizes on
@@ -396,6 +396,11 @@ struct Workload {
     inputs: [Tensor; 2],
     /// The loss of the model's output against the targets.
     loss: fn(&Tensor, &Tensor) -> Result<Tensor>,
+    /// The dtype the forward runs under `wgrad::autocast` in, if any (parameters and AdamW
+    /// state stay F32; no loss scaling, whose flag would be read back each step). Such a
+    /// workload follows its F32 twin in the list, and its times are also given as a share of
+    /// the twin's (issue 26's GPU line: at most 0.7x for the GPT).
+    autocast: Option<DType>,
 }
 
 fn class_loss(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
@@ -483,6 +488,7 @@ fn workloads(dev: &Device) -> Result<Vec<Workload>> {
             model: Box::new(mlp()?),
             inputs: [Tensor::rand(&[128, 784], 1, dev)?, labels(128, 10)?],
             loss: class_loss,
+            autocast: None,
         },
         Workload {
             name: "MLP 784-512-512-10, batch 1024, AdamW",
@@ -490,6 +496,7 @@ fn workloads(dev: &Device) -> Result<Vec<Workload>> {
             model: Box::new(mlp()?),
             inputs: [Tensor::rand(&[1024, 784], 2, dev)?, labels(1024, 10)?],
             loss: class_loss,
+            autocast: None,
         },
         Workload {
             name: "CNN (2 conv + 2 linear), batch 64, AdamW",
@@ -497,6 +504,7 @@ fn workloads(dev: &Device) -> Result<Vec<Workload>> {
             model: Box::new(cnn),
             inputs: [Tensor::rand(&[64, 1, 28, 28], 3, dev)?, labels(64, 10)?],
             loss: class_loss,
+            autocast: None,
         },
         Workload {
             name: "GPT 4x128, block 64, batch 12, AdamW",
@@ -504,6 +512,15 @@ fn workloads(dev: &Device) -> Result<Vec<Workload>> {
             model: Box::new(Gpt::new(65, 128, block, dev)?),
             inputs: tokens(65)?,
             loss: token_loss,
+            autocast: None,
+        },
+        Workload {
+            name: "GPT 4x128, block 64, batch 12, AdamW, F16 autocast",
+            per_step: (batch * block, "tokens/s"),
+            model: Box::new(Gpt::new(65, 128, block, dev)?),
+            inputs: tokens(65)?,
+            loss: token_loss,
+            autocast: Some(DType::F16),
         },
         Workload {
             name: "Llama 4x128 (GQA 4/2, SwiGLU), vocab 512, block 64, batch 12, AdamW",
@@ -511,6 +528,7 @@ fn workloads(dev: &Device) -> Result<Vec<Workload>> {
             model: Box::new(Llama::new(LlamaConfig::small(512), dev)?),
             inputs: tokens(512)?,
             loss: token_loss,
+            autocast: None,
         },
     ])
 }
@@ -519,11 +537,17 @@ fn workloads(dev: &Device) -> Result<Vec<Workload>> {
 /// them), its eager and captured steps, and its peak device memory.
 fn training_steps(dev: &Device) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
+    // The eager and captured step times of the last workload without autocast.
+    let mut f32_twin = (f64::NAN, f64::NAN);
     for w in workloads(dev)? {
         let mut opt = optim::AdamW::new(w.model.parameters(), optim::AdamConfig::default());
         let mut train = |x: &[Tensor]| -> Result<Tensor> {
             opt.zero_grad();
-            let loss = (w.loss)(&w.model.forward(&x[0])?, &x[1])?;
+            let forward = || (w.loss)(&w.model.forward(&x[0])?, &x[1]);
+            let loss = match w.autocast {
+                Some(dtype) => wgrad::autocast(dtype, forward)?,
+                None => forward()?,
+            };
             loss.backward()?;
             opt.step()?;
             Ok(loss)
@@ -548,23 +572,34 @@ fn training_steps(dev: &Device) -> Result<Vec<Row>> {
             captured * 1e3
         );
         let name = |what: &str| format!("{} {what}", w.name);
+        let share = |secs: f64, twin: f64| match w.autocast {
+            Some(_) => format!(", {:.2}x the F32 step's time", secs / twin),
+            None => String::new(),
+        };
         rows.push(
             Row::new("training", name("first step"), first * 1e3, "ms")
                 .note("compiles its kernels".into()),
         );
         rows.push(
-            Row::new("training", name("eager"), eager * 1e3, "ms")
-                .note(format!("{:.0} {unit}", count as f64 / eager)),
+            Row::new("training", name("eager"), eager * 1e3, "ms").note(format!(
+                "{:.0} {unit}{}",
+                count as f64 / eager,
+                share(eager, f32_twin.0)
+            )),
         );
         rows.push(
             Row::new("training", name("captured"), captured * 1e3, "ms").note(format!(
-                "{:.0} {unit}, {} dispatches per replay, {} of {} calls replayed",
+                "{:.0} {unit}, {} dispatches per replay, {} of {} calls replayed{}",
                 count as f64 / captured,
                 stats.replay_dispatches,
                 stats.replays,
-                stats.eager + stats.captures + stats.replays
+                stats.eager + stats.captures + stats.replays,
+                share(captured, f32_twin.1)
             )),
         );
+        if w.autocast.is_none() {
+            f32_twin = (eager, captured);
+        }
         rows.push(Row::new("training", name("peak memory"), peak, "MiB"));
     }
     Ok(rows)
