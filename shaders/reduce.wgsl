@@ -73,16 +73,39 @@ fn serial_part(wg: u32, lid: u32) {
 
 var<workgroup> partial: array<f32, 256>;
 
-// The combination of every invocation's `v` over the workgroup, for invocation 0 (the others
-// get a value of no use). WORKGROUP_COMBINE is spliced: workgroup_combine_subgroups where the
-// device has subgroups of a fixed width (one barrier), else workgroup_combine_tree (nine:
-// software adapters run each as a coroutine switch of every SIMD group).
-fn workgroup_combine(lid: u32, v: f32) -> f32 {
-    return WORKGROUP_COMBINE(lid, v);
+// What (row, chunk) `item` of a `rows` or `subgroup_rows` pass reads: the elements
+// base + k * k_stride for k from start to end.
+struct Chunk {
+    base: u32,
+    k_stride: u32,
+    start: u32,
+    end: u32,
 }
 
-fn workgroup_combine_tree(lid: u32, v: f32) -> f32 {
-    partial[lid] = v;
+fn chunk_of(item: u32) -> Chunk {
+    let chunks = pu(REDUCE_CHUNKS);
+    let start = (item % chunks) * pu(REDUCE_CHUNK_LEN);
+    let base = pu(REDUCE_OFFSET) + (item / chunks) * pu(REDUCE_ROW_STRIDE);
+    return Chunk(base, pu(REDUCE_K_STRIDE), start, min(start + pu(REDUCE_CHUNK_LEN), pu(REDUCE_LEN)));
+}
+
+// One workgroup per (row, chunk): 256 invocations stride through the chunk, then combine in a
+// tree. Writes dst[row * chunks + chunk]. The GPU flavour's reduction where the device has no
+// subgroups (else subgroup_rows).
+@compute @workgroup_size(256)
+fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let w = workgroup_index(wid, nwg);
+    // Uniform across the workgroup, so the early return cannot split a barrier.
+    if (w >= pu(REDUCE_ROWS) * pu(REDUCE_CHUNKS)) {
+        return;
+    }
+    let c = chunk_of(w);
+    var acc = REDUCE_IDENTITY;
+    for (var k = c.start + lid; k < c.end; k = k + 256u) {
+        acc = combine(acc, src_at(c.base + k * c.k_stride));
+    }
+    partial[lid] = acc;
     workgroupBarrier();
     for (var width = 128u; width > 0u; width = width / 2u) {
         if (lid < width) {
@@ -90,61 +113,48 @@ fn workgroup_combine_tree(lid: u32, v: f32) -> f32 {
         }
         workgroupBarrier();
     }
-    return partial[0];
+    if (lid == 0u) {
+        dst[w] = partial[0] * pf(REDUCE_SCALE);
+    }
 }
 
 // SUBGROUP SECTION BEGIN: kept only where the device has subgroups of a fixed width.
-// Each subgroup combines its lanes by butterfly shuffles through `combine` (so max keeps
-// propagating NaN, which subgroupMax need not), its first lane writes the result at the
-// subgroup's index (the subgroups of a one-dimensional workgroup hold consecutive
-// invocations, as on every adapter wgrad knows), and invocation 0 combines those.
-fn workgroup_combine_subgroups(lid: u32, v: f32) -> f32 {
-    let width = subgroupAdd(1u);
+// `v` combined over the lanes of a subgroup `width` wide, by butterfly shuffles through
+// `combine` (so max keeps propagating NaN, which subgroupMax need not): every lane gets it.
+fn subgroup_combine(v: f32, width: u32) -> f32 {
     var s = v;
     for (var lane_mask = 1u; lane_mask < width; lane_mask = lane_mask * 2u) {
         s = combine(s, subgroupShuffleXor(s, lane_mask));
     }
-    if (subgroupExclusiveAdd(1u) == 0u) {
-        partial[lid / width] = s;
-    }
-    workgroupBarrier();
-    var total = s;
-    if (lid == 0u) {
-        for (var j = 1u; j < 256u / width; j = j + 1u) {
-            total = combine(total, partial[j]);
-        }
-    }
-    return total;
+    return s;
 }
-// SUBGROUP SECTION END
 
-// One workgroup per (row, chunk): 256 invocations stride through the chunk, then combine
-// (see workgroup_combine). Writes dst[row * chunks + chunk]. Best when the reduced run is
-// contiguous.
+// One subgroup per (row, chunk), 256 / width of them per workgroup: the lanes stride through
+// the chunk (neighbouring lanes read neighbouring elements of a contiguous row), combine by
+// shuffles, and the first lane writes dst[row * chunks + chunk]. No workgroup memory and no
+// barrier: the GPU flavour's reduction where the device has subgroups (the subgroups of a
+// one-dimensional workgroup hold consecutive invocations, as on every adapter wgrad knows).
 @compute @workgroup_size(256)
-fn rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let w = workgroup_index(wid, nwg);
-    let chunks = pu(REDUCE_CHUNKS);
-    // Uniform across the workgroup, so the early return cannot split a barrier.
-    if (w >= pu(REDUCE_ROWS) * chunks) {
+fn subgroup_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32,
+                 @builtin(subgroup_invocation_id) lane: u32,
+                 @builtin(subgroup_size) width: u32) {
+    let item = workgroup_index(wid, nwg) * (256u / width) + lid / width;
+    // The same for every lane of a subgroup, so the return cannot split a shuffle.
+    if (item >= pu(REDUCE_ROWS) * pu(REDUCE_CHUNKS)) {
         return;
     }
-    let row = w / chunks;
-    let chunk = w % chunks;
-    let start = chunk * pu(REDUCE_CHUNK_LEN);
-    let end = min(start + pu(REDUCE_CHUNK_LEN), pu(REDUCE_LEN));
-    let base = pu(REDUCE_OFFSET) + row * pu(REDUCE_ROW_STRIDE);
-    let ks = pu(REDUCE_K_STRIDE);
+    let c = chunk_of(item);
     var acc = REDUCE_IDENTITY;
-    for (var k = start + lid; k < end; k = k + 256u) {
-        acc = combine(acc, src_at(base + k * ks));
+    for (var k = c.start + lane; k < c.end; k = k + width) {
+        acc = combine(acc, src_at(c.base + k * c.k_stride));
     }
-    let total = workgroup_combine(lid, acc);
-    if (lid == 0u) {
-        dst[w] = total * pf(REDUCE_SCALE);
+    let total = subgroup_combine(acc, width);
+    if (lane == 0u) {
+        dst[item] = total * pf(REDUCE_SCALE);
     }
 }
+// SUBGROUP SECTION END
 
 @compute @workgroup_size(256)
 fn serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

@@ -76,10 +76,10 @@ pub enum KernelFlavor {
     /// workgroup memory for a product with a side under 64 (either reads a convolution's
     /// columns from its images); attention runs flash-attention tiles (a workgroup per 64
     /// rows of a head, the other side staged in workgroup memory);
-    /// reductions, softmax, cross-entropy, and LayerNorm and RMSNorm over rows of 512 or more
-    /// give each row a workgroup that reduces in workgroup memory (through subgroup
-    /// operations first, for softmax, cross-entropy and the norms, where the device has
-    /// fixed-width subgroups).
+    /// reductions give each row (or row chunk) a subgroup where the device has fixed-width
+    /// subgroups, else a workgroup; softmax, cross-entropy, and LayerNorm and RMSNorm over
+    /// rows of 512 or more give each row a workgroup that reduces in workgroup memory
+    /// (through subgroup operations first where the device has fixed-width subgroups).
     Gpu,
 }
 

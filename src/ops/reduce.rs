@@ -45,6 +45,10 @@ static REDUCE: ShaderFamily = ShaderFamily {
 
 /// Elements one `rows` workgroup reduces at least, so large reductions take two passes.
 const MIN_CHUNK: usize = 4096;
+/// Elements one `subgroup_rows` subgroup reduces at most: a quarter of a workgroup's, since a
+/// subgroup has at most a quarter of a workgroup's lanes (32 or 64 of 256 on GPUs, 8 on
+/// lavapipe).
+const SUBGROUP_CHUNK: usize = 1024;
 /// Most partial results per row after the first pass.
 const MAX_CHUNKS: usize = 1024;
 
@@ -55,9 +59,8 @@ pub(crate) enum ReduceOp {
 }
 
 impl ReduceOp {
-    /// The module of this op, whose workgroup rows combine through subgroup operations
-    /// (`subgroups`: where the device has subgroups of a fixed width) or a tree in workgroup
-    /// memory.
+    /// The module of this op, with the `subgroup_rows` entry where the device has
+    /// `subgroups` of a fixed width.
     fn source(self, subgroups: bool) -> String {
         // Max propagates NaN, as PyTorch's does.
         let (identity, combine, combine4) = match self {
@@ -68,17 +71,12 @@ impl ReduceOp {
                 "nan_max4(a, b)",
             ),
         };
-        let workgroup_combine = match subgroups {
-            true => "workgroup_combine_subgroups",
-            false => "workgroup_combine_tree",
-        };
         REDUCE.source_of(
             &with_subgroup_section(REDUCE.wgsl, subgroups),
             &[
                 ("REDUCE_IDENTITY", identity),
                 ("REDUCE_VEC4_COMBINE", combine4),
                 ("REDUCE_COMBINE", combine),
-                ("WORKGROUP_COMBINE", workgroup_combine),
             ],
         )
     }
@@ -234,8 +232,9 @@ fn invocations_per_chunk(mat: &Matrix, fours: bool) -> usize {
 /// Neighbouring rows in memory (reducing a leading dim) with enough rows to fill the device
 /// take one invocation per row (or per four rows). Otherwise CPU adapters, where barriers are
 /// coroutine switches, split rows into enough serial chunks to fill their threads, and GPUs
-/// reduce each row chunk with a whole workgroup.
-fn plan(mat: &Matrix, cpu_flavor: bool) -> Plan {
+/// reduce each row chunk with a subgroup where the device has `subgroups` of a fixed width,
+/// else with a whole workgroup.
+fn plan(mat: &Matrix, cpu_flavor: bool, subgroups: bool) -> Plan {
     let fours = cpu_flavor && in_fours(mat);
     let lanes = invocations_per_chunk(mat, fours);
     if mat.k_stride != 1 && lanes >= 1024 {
@@ -255,10 +254,17 @@ fn plan(mat: &Matrix, cpu_flavor: bool) -> Plan {
             fours,
         };
     }
-    Plan {
-        entry: "rows",
-        chunks: mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS),
-        fours: false,
+    match subgroups {
+        true => Plan {
+            entry: "subgroup_rows",
+            chunks: mat.k.div_ceil(SUBGROUP_CHUNK).clamp(1, MAX_CHUNKS),
+            fours: false,
+        },
+        false => Plan {
+            entry: "rows",
+            chunks: mat.k.div_ceil(MIN_CHUNK).clamp(1, MAX_CHUNKS),
+            fours: false,
+        },
     }
 }
 
@@ -286,7 +292,8 @@ fn reduce_pass(
         fours: fours as u32,
         ..mat.params(chunks, chunk_len, scale, vec4)
     };
-    let subgroups = reduces_in_subgroups(mat.tensor.device());
+    let device = mat.tensor.device();
+    let subgroups = reduces_in_subgroups(device);
     let source = move || op.source(subgroups);
     let mut kernel = Kernel::specialised(&REDUCE, entry, op.variant(subgroups), &source);
     if entry == "serial" {
@@ -294,8 +301,9 @@ fn reduce_pass(
         // norm-weight grads) into one launch.
         kernel = kernel.merging("serial_part");
     }
-    let workgroups = match entry {
-        "rows" => (mat.m * chunks) as u32,
+    let workgroups = match (entry, device.subgroup_size()) {
+        ("rows", _) => (mat.m * chunks) as u32,
+        ("subgroup_rows", Some(width)) => groups(mat.m * chunks, WORKGROUP / width as usize),
         _ => groups(invocations_per_chunk(mat, fours) * chunks, WORKGROUP),
     };
     Launch::new(op_name, &kernel, &[(1, &mat.tensor), (2, &out)], &params).record(workgroups)?;
@@ -305,9 +313,11 @@ fn reduce_pass(
 /// Reduces each row of `mat` into a contiguous tensor of `M` values (times `scale`): one pass,
 /// or two when rows are split into chunks.
 fn reduce_matrix(op_name: &'static str, op: ReduceOp, mat: &Matrix, scale: f32) -> Result<Tensor> {
+    let device = mat.tensor.device();
     let plan = plan(
         mat,
-        mat.tensor.device().kernel_flavor() == KernelFlavor::Cpu,
+        device.kernel_flavor() == KernelFlavor::Cpu,
+        reduces_in_subgroups(device),
     );
     if plan.chunks == 1 {
         return reduce_pass(op_name, op, mat, &plan, scale);
