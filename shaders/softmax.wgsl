@@ -1,9 +1,10 @@
 // Row-wise softmax, log-softmax and the fused cross-entropy (log-softmax + NLL) of a
 // contiguous [M, K] tensor. The row max is subtracted first, so large logits stay finite.
-// Two ways to run a row: `*_rows` entries give each row a workgroup of 64 that reduces in
-// workgroup memory (GPUs); `*_serial` entries give each row one invocation and no barriers
-// (software adapters, where barriers are coroutine switches), reading four elements at a time
-// when K and the offset are multiples of 4.
+// Two ways to run a row: `*_rows` entries give each row a group of lanes (GPUs): a workgroup
+// of 64 that reduces in workgroup memory, or, in the module specialised for short rows on a
+// device with subgroups, a subgroup (see row_group); `*_serial` entries give each row one
+// invocation and no barriers (software adapters, where barriers are coroutine switches),
+// reading four elements at a time when K and the offset are multiples of 4.
 // The backward entries are fused the same way: softmax_backward takes the forward's output y
 // and the incoming grad g; cross_entropy_backward recomputes the row's softmax from the logits.
 // The cross-entropy entries take torch's options (class weights, ignore_index,
@@ -44,12 +45,28 @@ fn softmax_value(x: f32, stats: vec2<f32>) -> f32 {
     return exp(shifted);
 }
 
-// The sum (or the max) of `v` over the workgroup. WORKGROUP_REDUCE is spliced:
-// workgroup_reduce_subgroups where the device has subgroups of a fixed width (two barriers),
-// else workgroup_reduce_tree (seven: software adapters run each as a coroutine switch of
-// every SIMD group).
-fn workgroup_reduce(lid: u32, v: f32, is_max: bool) -> f32 {
-    return WORKGROUP_REDUCE(lid, v, is_max);
+// The lanes that run one row of a `*_rows` entry: the row, this invocation's place among
+// its lanes, and how many there are. ROW_GROUP is spliced: workgroup_row (a workgroup of WG
+// per row) or subgroup_row (a subgroup per row, WG / width rows per workgroup); ROW_REDUCE with
+// the matching sum or max over the lanes: workgroup_reduce_subgroups where the device has
+// subgroups of a fixed width (two barriers), workgroup_reduce_tree elsewhere (seven: software
+// adapters run each as a coroutine switch of every SIMD group), or subgroup_reduce.
+struct RowGroup {
+    row: u32,
+    lane: u32,
+    lanes: u32,
+}
+
+fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
+    return ROW_GROUP(wid, nwg, lid);
+}
+
+fn row_reduce(g: RowGroup, v: f32, is_max: bool) -> f32 {
+    return ROW_REDUCE(g.lane, v, is_max);
+}
+
+fn workgroup_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
+    return RowGroup(workgroup_index(wid, nwg), lid, WG);
 }
 
 fn workgroup_reduce_tree(lid: u32, v: f32, is_max: bool) -> f32 {
@@ -88,20 +105,30 @@ fn workgroup_reduce_subgroups(lid: u32, v: f32, is_max: bool) -> f32 {
     }
     return workgroupUniformLoad(&scratch_total);
 }
+
+fn subgroup_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
+    let width = subgroupAdd(1u);
+    return RowGroup(workgroup_index(wid, nwg) * (WG / width) + lid / width, lid % width, width);
+}
+
+// The sum (or the max) of `v` over the subgroup: no barrier.
+fn subgroup_reduce(lane: u32, v: f32, is_max: bool) -> f32 {
+    return select(subgroupAdd(v), subgroupMax(v), is_max);
+}
 // SUBGROUP SECTION END
 
-// The row's max and log(sum(exp(x - max))), computed by the whole workgroup.
-fn row_stats_workgroup(base: u32, k_len: u32, lid: u32) -> vec2<f32> {
+// The row's max and log(sum(exp(x - max))), computed by the row's lanes.
+fn row_stats_group(base: u32, k_len: u32, g: RowGroup) -> vec2<f32> {
     var m = NEG_INF;
-    for (var k = lid; k < k_len; k = k + WG) {
+    for (var k = g.lane; k < k_len; k = k + g.lanes) {
         m = max(m, src_at(base + k));
     }
-    m = workgroup_reduce(lid, m, true);
+    m = row_reduce(g, m, true);
     var s = 0.0;
-    for (var k = lid; k < k_len; k = k + WG) {
+    for (var k = g.lane; k < k_len; k = k + g.lanes) {
         s = s + exp(src_at(base + k) - m);
     }
-    return vec2<f32>(m, log(workgroup_reduce(lid, s, false)));
+    return vec2<f32>(m, log(row_reduce(g, s, false)));
 }
 
 // The same, by one invocation.
@@ -133,14 +160,15 @@ fn row_stats_serial(base: u32, k_len: u32) -> vec2<f32> {
 @compute @workgroup_size(64)
 fn softmax_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg);
+    let g = row_group(wid, nwg, lid);
+    let row = g.row;
     if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
-    let stats = row_stats_workgroup(base, k_len, lid);
-    for (var k = lid; k < k_len; k = k + WG) {
+    let stats = row_stats_group(base, k_len, g);
+    for (var k = g.lane; k < k_len; k = k + g.lanes) {
         set_dst(row * k_len + k, softmax_value(src_at(base + k), stats));
     }
 }
@@ -204,24 +232,25 @@ fn row_loss(stats: vec2<f32>, label: u32, x_label: f32, sums: vec2<f32>) -> f32 
 @compute @workgroup_size(64)
 fn cross_entropy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg);
+    let g = row_group(wid, nwg, lid);
+    let row = g.row;
     if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
-    let stats = row_stats_workgroup(base, k_len, lid);
+    let stats = row_stats_group(base, k_len, g);
     var sums = vec2<f32>(0.0);
     if (pf(SOFTMAX_SMOOTHING) > 0.0) {
         var w = 0.0;
         var wx = 0.0;
-        for (var k = lid; k < k_len; k = k + WG) {
+        for (var k = g.lane; k < k_len; k = k + g.lanes) {
             w = w + weight_of(k);
             wx = wx + weight_of(k) * src_at(base + k);
         }
-        sums = vec2<f32>(workgroup_reduce(lid, w, false), workgroup_reduce(lid, wx, false));
+        sums = vec2<f32>(row_reduce(g, w, false), row_reduce(g, wx, false));
     }
-    if (lid == 0u) {
+    if (g.lane == 0u) {
         let label = min(labels[pu(SOFTMAX_LABELS_OFFSET) + row], k_len - 1u);
         set_dst(row, row_loss(stats, label, src_at(base + label), sums));
     }
@@ -264,18 +293,19 @@ fn softmax_grad_term(y: f32, g: f32) -> f32 {
 @compute @workgroup_size(64)
 fn softmax_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg);
+    let g = row_group(wid, nwg, lid);
+    let row = g.row;
     if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     var part = 0.0;
-    for (var k = lid; k < k_len; k = k + WG) {
+    for (var k = g.lane; k < k_len; k = k + g.lanes) {
         part = part + softmax_grad_term(src_at(base + k), grad_at(row * k_len + k));
     }
-    let sum = workgroup_reduce(lid, part, false);
-    for (var k = lid; k < k_len; k = k + WG) {
+    let sum = row_reduce(g, part, false);
+    for (var k = g.lane; k < k_len; k = k + g.lanes) {
         let i = row * k_len + k;
         set_dst(i, softmax_grad_value(src_at(base + k), grad_at(i), sum));
     }
@@ -320,23 +350,24 @@ fn cross_entropy_grad_value(x: f32, c: u32, stats: vec2<f32>, label: u32, row: u
 @compute @workgroup_size(64)
 fn cross_entropy_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                                @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg);
+    let g = row_group(wid, nwg, lid);
+    let row = g.row;
     if (row >= pu(SOFTMAX_ROWS)) {
         return;
     }
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
-    let stats = row_stats_workgroup(base, k_len, lid);
+    let stats = row_stats_group(base, k_len, g);
     var w_sum = f32(k_len);
     if (pu(SOFTMAX_WEIGHTED) == 1u && pf(SOFTMAX_SMOOTHING) > 0.0) {
         var w = 0.0;
-        for (var k = lid; k < k_len; k = k + WG) {
+        for (var k = g.lane; k < k_len; k = k + g.lanes) {
             w = w + weight_of(k);
         }
-        w_sum = workgroup_reduce(lid, w, false);
+        w_sum = row_reduce(g, w, false);
     }
     let label = labels[pu(SOFTMAX_LABELS_OFFSET) + row];
-    for (var k = lid; k < k_len; k = k + WG) {
+    for (var k = g.lane; k < k_len; k = k + g.lanes) {
         set_dst(row * k_len + k, cross_entropy_grad_value(src_at(base + k), k, stats, label, row, w_sum));
     }
 }

@@ -225,6 +225,21 @@ fn a_max_of_rows_propagates_nan_on_the_gpu_flavour() {
 }
 
 #[test]
+fn softmax_rows_agree_across_flavours() {
+    // Short rows (a subgroup each where the device has subgroups), long ones (a workgroup),
+    // and fewer rows than a serial workgroup takes (lanes per row on the CPU flavour too).
+    for shape in [[70, 65], [9, 1500], [3, 1]] {
+        assert_flavours_agree("softmax and log_softmax", &[&shape], |t| {
+            t[0].softmax(1)?.add(&t[0].log_softmax(1)?)
+        });
+    }
+    assert_flavours_agree("cross_entropy, long rows", &[&[5, 1500]], |t| {
+        let y = Tensor::from_labels(vec![0, 1499, 7, 700, 3], t[0].device())?;
+        wgrad::nn::loss::cross_entropy(&t[0], &y)
+    });
+}
+
+#[test]
 fn losses_sorting_and_scatter_agree_across_flavours() {
     assert_flavours_agree("cross_entropy_with", &[&[70, 6]], |t| {
         let labels: Vec<u32> = (0..70).map(|i| (i % 6) as u32).collect();

@@ -1,7 +1,7 @@
 //! Softmax, log-softmax and the fused cross-entropy, forward and backward: row kernels in
 //! `shaders/softmax.wgsl` that subtract the row max first (stable for large logits).
 
-use crate::device::KernelFlavor;
+use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
     groups, reduces_in_subgroups, with_subgroup_section, Kernel, KernelParams, Launch,
@@ -42,27 +42,75 @@ static SOFTMAX: ShaderFamily = ShaderFamily {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![
-        ("softmax".into(), softmax_source(false)),
-        ("softmax subgroups".into(), softmax_source(true)),
+    [
+        RowLanes::WorkgroupTree,
+        RowLanes::WorkgroupSubgroups,
+        RowLanes::Subgroup,
     ]
+    .iter()
+    .map(|lanes| (format!("softmax/{}", lanes.name()), lanes.source()))
+    .collect()
 }
 
-/// The module whose workgroup rows reduce through subgroup operations (`subgroups`: where the
-/// device has subgroups of a fixed width) or a tree in workgroup memory.
-fn softmax_source(subgroups: bool) -> String {
-    let reduce = match subgroups {
-        true => "workgroup_reduce_subgroups",
-        false => "workgroup_reduce_tree",
-    };
-    let wgsl = with_subgroup_section(SOFTMAX.wgsl, subgroups);
-    SOFTMAX.source_of(&wgsl, &[("WORKGROUP_REDUCE", reduce)])
+/// Which lanes run one row of a `*_rows` entry, and how they sum: the specialisations of
+/// `shaders/softmax.wgsl` (its ROW_GROUP and ROW_REDUCE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowLanes {
+    /// A workgroup of 64 summing in a tree in workgroup memory: devices without subgroups of
+    /// a fixed width.
+    WorkgroupTree,
+    /// A workgroup of 64 summing through subgroup operations first: long rows where the device
+    /// has subgroups of a fixed width.
+    WorkgroupSubgroups,
+    /// A subgroup, with no workgroup memory and no barrier: rows of at most
+    /// [`SUBGROUP_ROW_MAX_LEN`] where the device has subgroups of a fixed width.
+    Subgroup,
+}
+
+/// Longest row a subgroup runs alone (32 elements a lane on a GPU's 32-wide subgroups); longer
+/// rows take a workgroup, so that a few long rows still fill the device.
+const SUBGROUP_ROW_MAX_LEN: usize = 1024;
+
+impl RowLanes {
+    /// The lanes a row of `k` elements gets on `device`.
+    fn of(device: &Device, k: usize) -> RowLanes {
+        match (reduces_in_subgroups(device), k <= SUBGROUP_ROW_MAX_LEN) {
+            (false, _) => RowLanes::WorkgroupTree,
+            (true, false) => RowLanes::WorkgroupSubgroups,
+            (true, true) => RowLanes::Subgroup,
+        }
+    }
+
+    /// The name of the module's specialisation.
+    fn name(self) -> &'static str {
+        match self {
+            RowLanes::WorkgroupTree => "tree",
+            RowLanes::WorkgroupSubgroups => "subgroups",
+            RowLanes::Subgroup => "subgroup_rows",
+        }
+    }
+
+    fn source(self) -> String {
+        let (group, reduce) = match self {
+            RowLanes::WorkgroupTree => ("workgroup_row", "workgroup_reduce_tree"),
+            RowLanes::WorkgroupSubgroups => ("workgroup_row", "workgroup_reduce_subgroups"),
+            RowLanes::Subgroup => ("subgroup_row", "subgroup_reduce"),
+        };
+        let subgroups = self != RowLanes::WorkgroupTree;
+        SOFTMAX.source_of(
+            &with_subgroup_section(SOFTMAX.wgsl, subgroups),
+            &[("ROW_GROUP", group), ("ROW_REDUCE", reduce)],
+        )
+    }
 }
 
 /// Rows of the `[M, K]` input one `*_serial` workgroup handles (its `WG`).
 const SERIAL_ROWS_PER_GROUP: usize = 64;
 
-/// The row kernel families of `shaders/softmax.wgsl`; each has a `_rows` (workgroup per row)
+/// Invocations of a `*_rows` workgroup (its `WG`): one row, or 64 / width rows of a subgroup.
+const ROWS_WG: usize = 64;
+
+/// The row kernel families of `shaders/softmax.wgsl`; each has a `_rows` (a group of lanes per row)
 /// and a `_serial` (invocation per row) entry.
 #[derive(Clone, Copy)]
 enum Family {
@@ -119,7 +167,8 @@ const ROWS_MAX_LEN: usize = 64 * SERIAL_MAX_LEN;
 
 /// Runs `pass`. Software adapters give each row one invocation (no barriers; four-wide reads
 /// when aligned) once there are enough rows to fill a workgroup and the rows are not too
-/// long for one invocation; otherwise, and on GPUs, each row gets a workgroup.
+/// long for one invocation; otherwise, and on GPUs, each row gets a group of lanes
+/// ([`RowLanes`]).
 fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     if k > ROWS_MAX_LEN {
         return Err(Error::Shape {
@@ -150,15 +199,15 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
         weighted: pass.loss.weight.is_some() as u32,
         smoothing: pass.loss.label_smoothing,
     };
-    let workgroups = if serial {
-        groups(m, SERIAL_ROWS_PER_GROUP)
-    } else {
-        m as u32
+    let device = pass.src.device();
+    let lanes = RowLanes::of(device, k);
+    let workgroups = match (serial, lanes, device.subgroup_size()) {
+        (true, _, _) => groups(m, SERIAL_ROWS_PER_GROUP),
+        (false, RowLanes::Subgroup, Some(width)) => groups(m, ROWS_WG / width as usize),
+        (false, _, _) => m as u32,
     };
-    let subgroups = reduces_in_subgroups(pass.src.device());
-    let source = move || softmax_source(subgroups);
-    let variant = if subgroups { "subgroups" } else { "tree" };
-    let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), variant, &source);
+    let source = move || lanes.source();
+    let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), lanes.name(), &source);
     let mut bindings = vec![(1, pass.src), (2, pass.dst)];
     bindings.extend(pass.labels.map(|l| (3, l)));
     bindings.extend(pass.grad.map(|g| (4, g)));
