@@ -294,21 +294,27 @@ fn weight_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     bias_partials[chunk * groups + c] = sum_g;
 }
 
-// WORKGROUP ROWS: the GPU flavour's forward and backward (`forward_rows`, `backward_rows`). A
-// workgroup of 64 owns one row: invocation `lid` reads the groups of 4 features lid, lid + 64,
-// ..., so that neighbour invocations read neighbour vec4s (coalesced), and the row's sums are
-// combined in workgroup memory. The sums are the same as the per-row kernels', in another
-// order.
+// ROWS OF LANES: the GPU flavour's forward and backward (`forward_rows`, `backward_rows`). A
+// group of lanes owns one row (row_group.wgsl: a workgroup of 64, or a subgroup for rows
+// under WORKGROUP_ROW_LEN where the device has subgroups of a fixed width): lane `l` reads the
+// groups of 4 features l, l + lanes, ..., so that neighbour invocations read neighbour vec4s
+// (coalesced), and the row's sums are combined over the lanes. The sums are the same as the
+// per-row kernels', in another order.
 
 var<workgroup> row_parts: array<vec2<f32>, 64>;
 var<workgroup> row_total: vec2<f32>;
 
-// The sum (or the max) of `v` over the workgroup, uniform: every invocation gets it. ROW_REDUCE
-// is spliced: row_reduce_subgroups where the device has subgroups of a fixed width (two
-// barriers), else row_reduce_tree (seven: software adapters run each as a coroutine switch of
-// every SIMD group).
-fn row_reduce(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
-    return ROW_REDUCE(lid, v, is_max);
+// ROW_GROUP is spliced: workgroup_row or subgroup_row (row_group.wgsl).
+fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
+    return ROW_GROUP(wid, nwg, lid, 64u);
+}
+
+// The sum (or the max) of `v` over the row's lanes, uniform: every lane gets it. ROW_REDUCE is
+// spliced: row_reduce_subgroups for a workgroup where the device has subgroups of a fixed
+// width (two barriers), row_reduce_tree for one where it has not (seven: software adapters
+// run each as a coroutine switch of every SIMD group), row_reduce_in_subgroup for a subgroup.
+fn row_reduce(g: RowGroup, v: vec2<f32>, is_max: bool) -> vec2<f32> {
+    return ROW_REDUCE(g.lane, v, is_max);
 }
 
 fn row_reduce_tree(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
@@ -348,10 +354,15 @@ fn row_reduce_subgroups(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
     }
     return workgroupUniformLoad(&row_total);
 }
+
+// The sum (or the max) of `v` over the subgroup: no barrier.
+fn row_reduce_in_subgroup(lane: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
+    return select(subgroupAdd(v), subgroupMax(v), is_max);
+}
 // SUBGROUP SECTION END
 
-// row_rstd of the workgroup's row, whose squared deviations sum to `squares` (uniform).
-fn row_rstd_rows(lid: u32, base: u32, end: u32, mean: f32, squares: f32) -> f32 {
+// row_rstd of the lanes' row, whose squared deviations sum to `squares` (uniform).
+fn row_rstd_rows(g: RowGroup, base: u32, end: u32, mean: f32, squares: f32) -> f32 {
     let len = f32(end - base);
     let eps = pf(NORM_EPS);
     if (!(squares > 3.0e38)) {
@@ -359,25 +370,26 @@ fn row_rstd_rows(lid: u32, base: u32, end: u32, mean: f32, squares: f32) -> f32 
     }
     let groups = (end - base + 3u) / 4u;
     var largest = vec4<f32>(0.0);
-    for (var c = lid; c < groups; c = c + 64u) {
+    for (var c = g.lane; c < groups; c = c + g.lanes) {
         largest = max(largest, abs(deviation4(base, end, c, mean)));
     }
-    let scale = row_reduce(lid, vec2<f32>(max(max(largest.x, largest.y), max(largest.z, largest.w)), 0.0), true).x;
+    let scale = row_reduce(g, vec2<f32>(max(max(largest.x, largest.y), max(largest.z, largest.w)), 0.0), true).x;
     var scaled = vec4<f32>(0.0);
-    for (var c = lid; c < groups; c = c + 64u) {
+    for (var c = g.lane; c < groups; c = c + g.lanes) {
         let d = deviation4(base, end, c, mean) / scale;
         scaled = scaled + d * d;
     }
-    let total = row_reduce(lid, vec2<f32>(sum4(scaled), 0.0), false).x;
+    let total = row_reduce(g, vec2<f32>(sum4(scaled), 0.0), false).x;
     return inverseSqrt(total / len + eps / (scale * scale)) / scale;
 }
 
-// forward, a workgroup per row.
+// forward, a group of lanes per row.
 @compute @workgroup_size(64)
 fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg);
-    // Uniform across the workgroup, so the early return cannot split a barrier.
+    let g = row_group(wid, nwg, lid);
+    let row = g.row;
+    // Uniform across the row's lanes, so the early return cannot split a barrier.
     if (row >= pu(NORM_ROWS)) {
         return;
     }
@@ -385,30 +397,31 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let groups = (len + 3u) / 4u;
     let x = x_row(row);
     var sum = vec4<f32>(0.0);
-    for (var c = lid; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + 64u) {
+    for (var c = g.lane; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + g.lanes) {
         sum = sum + x4(x.x + 4u * c, x.y);
     }
-    let mean = row_reduce(lid, vec2<f32>(sum4(sum), 0.0), false).x / f32(len);
+    let mean = row_reduce(g, vec2<f32>(sum4(sum), 0.0), false).x / f32(len);
     var squares = vec4<f32>(0.0);
-    for (var c = lid; c < groups; c = c + 64u) {
+    for (var c = g.lane; c < groups; c = c + g.lanes) {
         let d = deviation4(x.x, x.y, c, mean);
         squares = squares + d * d;
     }
-    let rstd = row_rstd_rows(lid, x.x, x.y, mean, row_reduce(lid, vec2<f32>(sum4(squares), 0.0), false).x);
-    for (var c = lid; c < groups; c = c + 64u) {
+    let rstd = row_rstd_rows(g, x.x, x.y, mean, row_reduce(g, vec2<f32>(sum4(squares), 0.0), false).x);
+    for (var c = g.lane; c < groups; c = c + g.lanes) {
         store_normalised(row, c, mean, rstd);
     }
-    if (lid == 0u) {
+    if (g.lane == 0u) {
         stats[2u * row] = mean;
         stats[2u * row + 1u] = rstd;
     }
 }
 
-// backward, a workgroup per row.
+// backward, a group of lanes per row.
 @compute @workgroup_size(64)
 fn backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg);
+    let g = row_group(wid, nwg, lid);
+    let row = g.row;
     if (row >= pu(NORM_ROWS)) {
         return;
     }
@@ -417,13 +430,13 @@ fn backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let stat = vec2<f32>(stats[2u * row], stats[2u * row + 1u]);
     var sum_gw = vec4<f32>(0.0);
     var sum_gw_xhat = vec4<f32>(0.0);
-    for (var c = lid; c < groups; c = c + 64u) {
+    for (var c = g.lane; c < groups; c = c + g.lanes) {
         let t = grad_terms(row, c, stat);
         sum_gw = sum_gw + t.gw;
         sum_gw_xhat = sum_gw_xhat + t.gw * t.xhat;
     }
-    let means = grad_means(row_reduce(lid, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), false), len);
-    for (var c = lid; c < groups; c = c + 64u) {
+    let means = grad_means(row_reduce(g, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), false), len);
+    for (var c = g.lane; c < groups; c = c + g.lanes) {
         store_input_grad(row, c, stat, means);
     }
 }

@@ -45,31 +45,20 @@ fn softmax_value(x: f32, stats: vec2<f32>) -> f32 {
     return exp(shifted);
 }
 
-// The lanes that run one row of a `*_rows` entry: the row, this invocation's place among
-// its lanes, and how many there are. ROW_GROUP is spliced: workgroup_row (a workgroup of WG
-// per row) or subgroup_row (a subgroup per row, WG / width rows per workgroup); ROW_REDUCE with
-// the matching sum or max over the lanes: workgroup_reduce_subgroups where the device has
-// subgroups of a fixed width (two barriers), workgroup_reduce_tree elsewhere (seven: software
-// adapters run each as a coroutine switch of every SIMD group), or subgroup_reduce.
-struct RowGroup {
-    row: u32,
-    lane: u32,
-    lanes: u32,
-}
-
+// The lanes that run one row of a `*_rows` entry (row_group.wgsl): ROW_GROUP is spliced with
+// workgroup_row (a workgroup of WG per row) or subgroup_row (a subgroup per row), and
+// ROW_REDUCE with the matching sum or max over the lanes: row_reduce_subgroups where the device
+// has subgroups of a fixed width (two barriers), row_reduce_tree elsewhere (seven: software
+// adapters run each as a coroutine switch of every SIMD group), or row_reduce_in_subgroup.
 fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
-    return ROW_GROUP(wid, nwg, lid);
+    return ROW_GROUP(wid, nwg, lid, WG);
 }
 
 fn row_reduce(g: RowGroup, v: f32, is_max: bool) -> f32 {
     return ROW_REDUCE(g.lane, v, is_max);
 }
 
-fn workgroup_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
-    return RowGroup(workgroup_index(wid, nwg), lid, WG);
-}
-
-fn workgroup_reduce_tree(lid: u32, v: f32, is_max: bool) -> f32 {
+fn row_reduce_tree(lid: u32, v: f32, is_max: bool) -> f32 {
     scratch[lid] = v;
     workgroupBarrier();
     for (var width = WG / 2u; width > 0u; width = width / 2u) {
@@ -88,7 +77,7 @@ fn workgroup_reduce_tree(lid: u32, v: f32, is_max: bool) -> f32 {
 // Each subgroup reduces its lanes and its first lane writes the result at the subgroup's
 // index (the subgroups of a one-dimensional workgroup hold consecutive invocations, as on every
 // adapter wgrad knows); invocation 0 combines the WG / width results for all.
-fn workgroup_reduce_subgroups(lid: u32, v: f32, is_max: bool) -> f32 {
+fn row_reduce_subgroups(lid: u32, v: f32, is_max: bool) -> f32 {
     let s = select(subgroupAdd(v), subgroupMax(v), is_max);
     let width = subgroupAdd(1u);
     if (subgroupExclusiveAdd(1u) == 0u) {
@@ -106,13 +95,8 @@ fn workgroup_reduce_subgroups(lid: u32, v: f32, is_max: bool) -> f32 {
     return workgroupUniformLoad(&scratch_total);
 }
 
-fn subgroup_row(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
-    let width = subgroupAdd(1u);
-    return RowGroup(workgroup_index(wid, nwg) * (WG / width) + lid / width, lid % width, width);
-}
-
 // The sum (or the max) of `v` over the subgroup: no barrier.
-fn subgroup_reduce(lane: u32, v: f32, is_max: bool) -> f32 {
+fn row_reduce_in_subgroup(lane: u32, v: f32, is_max: bool) -> f32 {
     return select(subgroupAdd(v), subgroupMax(v), is_max);
 }
 // SUBGROUP SECTION END

@@ -151,9 +151,10 @@ fn implicit_gemm_convolutions_agree_across_flavours() {
 #[test]
 fn layer_and_rms_norms_agree_across_flavours() {
     // The GPU flavour gives each row of 512 or more a workgroup (its invocations stride
-    // through the row's groups of 4); the CPU flavour, and the GPU flavour for shorter rows,
-    // an invocation. Rows of several strides, unaligned rows, and rows whose squares overflow
-    // f32 (the rescaled second pass).
+    // through the row's groups of 4), and a shorter row a subgroup where the device has
+    // subgroups (else an invocation, as the CPU flavour does). Rows of several strides,
+    // unaligned rows, one feature, and rows whose squares overflow f32 (the rescaled second
+    // pass).
     assert_flavours_agree("layer_norm 70x24", &[&[70, 24], &[24], &[24]], |t| {
         t[0].layer_norm(&t[1], &t[2], 1e-5)
     });
@@ -163,6 +164,17 @@ fn layer_and_rms_norms_agree_across_flavours() {
     assert_flavours_agree("rms_norm 3x517", &[&[3, 517], &[517]], |t| {
         t[0].rms_norm(&t[1], 1e-6)
     });
+    assert_flavours_agree("rms_norm 65x130", &[&[65, 130], &[130]], |t| {
+        t[0].rms_norm(&t[1], 1e-6)
+    });
+    assert_flavours_agree("layer_norm 3x1", &[&[3, 1], &[1], &[1]], |t| {
+        t[0].layer_norm(&t[1], &t[2], 1e-5)
+    });
+    assert_flavours_agree(
+        "layer_norm of short 1e30s",
+        &[&[9, 40], &[40], &[40]],
+        |t| t[0].mul_scalar(1e30)?.layer_norm(&t[1], &t[2], 1e-5),
+    );
     assert_flavours_agree("layer_norm of 1e30s", &[&[4, 600], &[600], &[600]], |t| {
         t[0].mul_scalar(1e30)?.layer_norm(&t[1], &t[2], 1e-5)
     });

@@ -76,11 +76,12 @@ pub enum KernelFlavor {
     /// workgroup memory for a product with a side under 64 (either reads a convolution's
     /// columns from its images); attention runs flash-attention tiles (a workgroup per 64
     /// rows of a head, the other side staged in workgroup memory);
-    /// reductions, and softmax and cross-entropy over rows of up to 1,024, give each row (or
-    /// row chunk) a subgroup where the device has fixed-width subgroups; longer softmax and
-    /// cross-entropy rows, those on devices without such subgroups, and LayerNorm and RMSNorm
-    /// over rows of 512 or more give each row a workgroup that reduces in workgroup memory
-    /// (through subgroup operations first where the device has fixed-width subgroups).
+    /// reductions, softmax and cross-entropy over rows of up to 1,024, and LayerNorm and
+    /// RMSNorm over rows under 512 give each row (or row chunk) a subgroup where the device has
+    /// fixed-width subgroups; longer rows give each a workgroup that reduces in workgroup
+    /// memory (through subgroup operations first where the device has them), as do the
+    /// reductions, softmax and cross-entropy on devices without; short norm rows there get an
+    /// invocation.
     Gpu,
 }
 

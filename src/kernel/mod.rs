@@ -100,19 +100,96 @@ impl ShaderFamily {
     }
 }
 
-/// `wgsl` with its SUBGROUP SECTION (the text between `// SUBGROUP SECTION BEGIN` and
-/// `// SUBGROUP SECTION END`) where `subgroups`, else without it: kernels that need the
-/// device's subgroup operations live there, and a module that names them does not compile
-/// where the device has none. wgpu enables the subgroup built-ins with the device feature (its
-/// WGSL front end does not take `enable subgroups;` yet).
+/// `wgsl` with its SUBGROUP SECTIONs (the text between each `// SUBGROUP SECTION BEGIN` and
+/// the `// SUBGROUP SECTION END` after it) where `subgroups`, else without them: kernels that
+/// need the device's subgroup operations live there, and a module that names them does not
+/// compile where the device has none. wgpu enables the subgroup built-ins with the device
+/// feature (its WGSL front end does not take `enable subgroups;` yet).
 pub(crate) fn with_subgroup_section(wgsl: &str, subgroups: bool) -> String {
     const BEGIN: &str = "// SUBGROUP SECTION BEGIN";
     const END: &str = "// SUBGROUP SECTION END";
-    match (subgroups, wgsl.find(BEGIN), wgsl.find(END)) {
-        (false, Some(begin), Some(end)) => {
-            format!("{}{}", &wgsl[..begin], &wgsl[end + END.len()..])
+    if subgroups {
+        return wgsl.to_string();
+    }
+    let mut kept = String::with_capacity(wgsl.len());
+    let mut rest = wgsl;
+    while let Some(begin) = rest.find(BEGIN) {
+        let Some(end) = rest[begin..].find(END) else {
+            break;
+        };
+        kept.push_str(&rest[..begin]);
+        rest = &rest[begin + end + END.len()..];
+    }
+    kept.push_str(rest);
+    kept
+}
+
+/// The WGSL of the lanes that run one row of a row kernel (`RowGroup`), prepended by the
+/// families with `*_rows` entries (softmax, norm).
+pub(crate) const ROW_GROUP_WGSL: &str = include_str!("../../shaders/row_group.wgsl");
+
+/// Which lanes run one row of a row kernel's `*_rows` entries, and how they sum: what a
+/// family splices for `ROW_GROUP` and `ROW_REDUCE` (see `shaders/row_group.wgsl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowLanes {
+    /// A workgroup summing in a tree in workgroup memory: devices without subgroups of a
+    /// fixed width.
+    WorkgroupTree,
+    /// A workgroup summing through subgroup operations first: long rows where the device has
+    /// subgroups of a fixed width.
+    WorkgroupSubgroups,
+    /// A subgroup, with no workgroup memory and no barrier: short rows where the device has
+    /// subgroups of a fixed width.
+    Subgroup,
+}
+
+impl RowLanes {
+    /// Every kind, for the shader checks.
+    #[cfg(test)]
+    pub const ALL: [RowLanes; 3] = [
+        RowLanes::WorkgroupTree,
+        RowLanes::WorkgroupSubgroups,
+        RowLanes::Subgroup,
+    ];
+
+    /// The lanes a row gets on `device`: a subgroup where it is `short` (each family says
+    /// what short is) and the device has subgroups of a fixed width, else a workgroup.
+    pub fn of(device: &Device, short: bool) -> RowLanes {
+        match (reduces_in_subgroups(device), short) {
+            (false, _) => RowLanes::WorkgroupTree,
+            (true, false) => RowLanes::WorkgroupSubgroups,
+            (true, true) => RowLanes::Subgroup,
         }
-        _ => wgsl.to_string(),
+    }
+
+    /// Names the specialisation in pipeline keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            RowLanes::WorkgroupTree => "tree",
+            RowLanes::WorkgroupSubgroups => "subgroups",
+            RowLanes::Subgroup => "subgroup_rows",
+        }
+    }
+
+    /// Whether the module keeps its SUBGROUP SECTIONs.
+    pub fn subgroups(self) -> bool {
+        self != RowLanes::WorkgroupTree
+    }
+
+    /// The family's `source` (with [`ROW_GROUP_WGSL`] among its preludes) specialised for
+    /// these lanes: `ROW_GROUP` spliced with `workgroup_row` or `subgroup_row`, and
+    /// `ROW_REDUCE` with the family's `row_reduce_tree`, `row_reduce_subgroups` or
+    /// `row_reduce_in_subgroup`.
+    pub fn source(self, source: &str) -> String {
+        let (group, reduce) = match self {
+            RowLanes::WorkgroupTree => ("workgroup_row", "row_reduce_tree"),
+            RowLanes::WorkgroupSubgroups => ("workgroup_row", "row_reduce_subgroups"),
+            RowLanes::Subgroup => ("subgroup_row", "row_reduce_in_subgroup"),
+        };
+        let source = source
+            .replace("ROW_GROUP", group)
+            .replace("ROW_REDUCE", reduce);
+        with_subgroup_section(&source, self.subgroups())
     }
 }
 

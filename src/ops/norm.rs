@@ -3,11 +3,11 @@
 //! saving each row's mean and inverse deviation. Rows longer than [`FUSED_MAX_LEN`] (whose
 //! loops would pass llvmpipe's iteration limit) are normalised by the composed ops instead.
 
-use crate::device::KernelFlavor;
+use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, reduces_in_subgroups, with_subgroup_section, EpilogueSite, Fusion, Kernel,
-    KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN,
+    groups, EpilogueSite, Fusion, Kernel, KernelParams, Launch, RowLanes, ShaderFamily,
+    MAX_LOOP_LEN, ROW_GROUP_WGSL,
 };
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -33,47 +33,33 @@ static NORM: ShaderFamily = ShaderFamily {
     name: "norm",
     wgsl: include_str!("../../shaders/norm.wgsl"),
     params: &[&NormParams::LAYOUT],
-    preludes: &[],
+    preludes: &[ROW_GROUP_WGSL],
 };
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     let mut all = Vec::new();
     for aligned in [false, true] {
-        for subgroups in [false, true] {
-            let name = format!("norm {}", norm_variant(aligned, subgroups));
-            all.push((name, norm_source(aligned, subgroups)));
+        for lanes in RowLanes::ALL {
+            let name = format!("norm/{}", norm_variant(aligned, lanes));
+            all.push((name, norm_source(aligned, lanes)));
         }
     }
     all
 }
 
 /// The module whose kernels read rows as one vec4 per four features (`aligned`: the row
-/// length and every offset are multiples of 4) or element by element, and whose workgroup
-/// rows reduce through subgroup operations (`subgroups`) or a tree in workgroup memory.
-fn norm_source(aligned: bool, subgroups: bool) -> String {
-    let wgsl = with_subgroup_section(NORM.wgsl, subgroups);
-    let reduce = match subgroups {
-        true => "row_reduce_subgroups",
-        false => "row_reduce_tree",
-    };
-    NORM.source_of(
-        &wgsl,
-        &[
-            ("NORM_ALIGNED", if aligned { "true" } else { "false" }),
-            ("ROW_REDUCE", reduce),
-        ],
-    )
+/// length and every offset are multiples of 4) or element by element, and whose `*_rows`
+/// entries run on `lanes`.
+fn norm_source(aligned: bool, lanes: RowLanes) -> String {
+    let aligned = if aligned { "true" } else { "false" };
+    lanes.source(&NORM.source(&[("NORM_ALIGNED", aligned)]))
 }
 
 /// The pipeline-key name of [`norm_source`]'s specialisation.
-fn norm_variant(aligned: bool, subgroups: bool) -> &'static str {
-    match (aligned, subgroups) {
-        (true, false) => "aligned",
-        (false, false) => "elements",
-        (true, true) => "aligned subgroups",
-        (false, true) => "elements subgroups",
-    }
+fn norm_variant(aligned: bool, lanes: RowLanes) -> String {
+    let reads = if aligned { "aligned" } else { "elements" };
+    format!("{reads} {}", lanes.name())
 }
 
 /// Longest row the fused kernels take (each walks a row in three passes at most).
@@ -400,8 +386,15 @@ fn fused_norm(
 
 /// The shortest row the GPU flavour gives a workgroup: 2 groups of 4 features per invocation.
 /// A shorter row leaves most of the workgroup idle through its reductions' barriers (on
-/// lavapipe a row of 128 took 4x the time of an invocation per row, a row of 512 2-3x).
+/// lavapipe a row of 128 took 4x the time of an invocation per row, a row of 512 2-3x): it
+/// gets a subgroup where the device has subgroups of a fixed width, else an invocation.
 const WORKGROUP_ROW_LEN: usize = 512;
+
+/// The lanes the GPU flavour gives a row of `len` features on `device`: a subgroup below
+/// [`WORKGROUP_ROW_LEN`], else a workgroup (the module's specialisation on either flavour).
+fn row_lanes(device: &Device, len: usize) -> RowLanes {
+    RowLanes::of(device, len < WORKGROUP_ROW_LEN)
+}
 
 /// The row kernels' passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -414,7 +407,8 @@ enum Pass {
 /// stores), which a captured step may give the elementwise ops that consume its output: an
 /// activation after the forward, the residual stream's other grad added to the backward's.
 /// The CPU flavour runs an invocation per row; the GPU flavour a workgroup per row of at least
-/// [`WORKGROUP_ROW_LEN`] features, whose neighbour invocations read neighbour features.
+/// [`WORKGROUP_ROW_LEN`] features and a subgroup per shorter row (an invocation where the
+/// device has no subgroups of a fixed width), whose neighbour lanes read neighbour features.
 fn launch_rows(
     op: &'static str,
     pass: Pass,
@@ -425,16 +419,22 @@ fn launch_rows(
     len: usize,
 ) -> Result<()> {
     let dev = bound[0].1.device();
-    let per_workgroup = dev.kernel_flavor() == KernelFlavor::Gpu && len >= WORKGROUP_ROW_LEN;
-    let (entry, workgroups) = match (pass, per_workgroup) {
+    let lanes = row_lanes(dev, len);
+    let in_lanes = dev.kernel_flavor() == KernelFlavor::Gpu
+        && (len >= WORKGROUP_ROW_LEN || lanes == RowLanes::Subgroup);
+    let row_groups = match (lanes, dev.subgroup_size()) {
+        (RowLanes::Subgroup, Some(width)) => groups(rows, NORM_WORKGROUP / width as usize),
+        _ => rows as u32,
+    };
+    let (entry, workgroups) = match (pass, in_lanes) {
         (Pass::Forward, false) => ("forward", groups(rows, NORM_WORKGROUP)),
         (Pass::Backward, false) => ("backward", groups(rows, NORM_WORKGROUP)),
-        (Pass::Forward, true) => ("forward_rows", rows as u32),
-        (Pass::Backward, true) => ("backward_rows", rows as u32),
+        (Pass::Forward, true) => ("forward_rows", row_groups),
+        (Pass::Backward, true) => ("backward_rows", row_groups),
     };
-    let subgroups = reduces_in_subgroups(dev);
-    let source = move || norm_source(aligned, subgroups);
-    let kernel = Kernel::specialised(&NORM, entry, norm_variant(aligned, subgroups), &source);
+    let source = move || norm_source(aligned, lanes);
+    let variant = norm_variant(aligned, lanes);
+    let kernel = Kernel::specialised(&NORM, entry, &variant, &source);
     let site = || {
         Fusion::Epilogue(EpilogueSite {
             entry,
@@ -472,10 +472,11 @@ fn param_grads(
             (7, &weight_partials),
             (8, &bias_partials),
         ];
-        let subgroups = reduces_in_subgroups(g.device());
-        let source = move || norm_source(aligned, subgroups);
-        let variant = norm_variant(aligned, subgroups);
-        let kernel = Kernel::specialised(&NORM, "weight_grads", variant, &source);
+        // The module of the rows' passes (one compile for the three entries).
+        let lanes = row_lanes(g.device(), len);
+        let source = move || norm_source(aligned, lanes);
+        let variant = norm_variant(aligned, lanes);
+        let kernel = Kernel::specialised(&NORM, "weight_grads", &variant, &source);
         let workgroups = groups(chunks * width / 4, NORM_WORKGROUP);
         Launch::new(op, &kernel, &bound, params).record(workgroups)?;
     }

@@ -1,11 +1,10 @@
 //! Softmax, log-softmax and the fused cross-entropy, forward and backward: row kernels in
 //! `shaders/softmax.wgsl` that subtract the row max first (stable for large logits).
 
-use crate::device::{Device, KernelFlavor};
+use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, reduces_in_subgroups, with_subgroup_section, Kernel, KernelParams, Launch,
-    ShaderFamily, MAX_LOOP_LEN,
+    groups, Kernel, KernelParams, Launch, RowLanes, ShaderFamily, MAX_LOOP_LEN, ROW_GROUP_WGSL,
 };
 use crate::ops::index::expect_indices_below;
 use crate::tensor::dim::Dim;
@@ -37,71 +36,23 @@ static SOFTMAX: ShaderFamily = ShaderFamily {
     name: "softmax",
     wgsl: include_str!("../../shaders/softmax.wgsl"),
     params: &[&SoftmaxParams::LAYOUT],
-    preludes: &[],
+    preludes: &[ROW_GROUP_WGSL],
 };
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    [
-        RowLanes::WorkgroupTree,
-        RowLanes::WorkgroupSubgroups,
-        RowLanes::Subgroup,
-    ]
-    .iter()
-    .map(|lanes| (format!("softmax/{}", lanes.name()), lanes.source()))
-    .collect()
-}
-
-/// Which lanes run one row of a `*_rows` entry, and how they sum: the specialisations of
-/// `shaders/softmax.wgsl` (its ROW_GROUP and ROW_REDUCE).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum RowLanes {
-    /// A workgroup of 64 summing in a tree in workgroup memory: devices without subgroups of
-    /// a fixed width.
-    WorkgroupTree,
-    /// A workgroup of 64 summing through subgroup operations first: long rows where the device
-    /// has subgroups of a fixed width.
-    WorkgroupSubgroups,
-    /// A subgroup, with no workgroup memory and no barrier: rows of at most
-    /// [`SUBGROUP_ROW_MAX_LEN`] where the device has subgroups of a fixed width.
-    Subgroup,
+    (RowLanes::ALL.iter())
+        .map(|lanes| (format!("softmax/{}", lanes.name()), softmax_source(*lanes)))
+        .collect()
 }
 
 /// Longest row a subgroup runs alone (32 elements a lane on a GPU's 32-wide subgroups); longer
 /// rows take a workgroup, so that a few long rows still fill the device.
 const SUBGROUP_ROW_MAX_LEN: usize = 1024;
 
-impl RowLanes {
-    /// The lanes a row of `k` elements gets on `device`.
-    fn of(device: &Device, k: usize) -> RowLanes {
-        match (reduces_in_subgroups(device), k <= SUBGROUP_ROW_MAX_LEN) {
-            (false, _) => RowLanes::WorkgroupTree,
-            (true, false) => RowLanes::WorkgroupSubgroups,
-            (true, true) => RowLanes::Subgroup,
-        }
-    }
-
-    /// The name of the module's specialisation.
-    fn name(self) -> &'static str {
-        match self {
-            RowLanes::WorkgroupTree => "tree",
-            RowLanes::WorkgroupSubgroups => "subgroups",
-            RowLanes::Subgroup => "subgroup_rows",
-        }
-    }
-
-    fn source(self) -> String {
-        let (group, reduce) = match self {
-            RowLanes::WorkgroupTree => ("workgroup_row", "workgroup_reduce_tree"),
-            RowLanes::WorkgroupSubgroups => ("workgroup_row", "workgroup_reduce_subgroups"),
-            RowLanes::Subgroup => ("subgroup_row", "subgroup_reduce"),
-        };
-        let subgroups = self != RowLanes::WorkgroupTree;
-        SOFTMAX.source_of(
-            &with_subgroup_section(SOFTMAX.wgsl, subgroups),
-            &[("ROW_GROUP", group), ("ROW_REDUCE", reduce)],
-        )
-    }
+/// The module whose `*_rows` entries run on `lanes`.
+fn softmax_source(lanes: RowLanes) -> String {
+    lanes.source(&SOFTMAX.source(&[]))
 }
 
 /// Rows of the `[M, K]` input one `*_serial` workgroup handles (its `WG`).
@@ -200,13 +151,13 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
         smoothing: pass.loss.label_smoothing,
     };
     let device = pass.src.device();
-    let lanes = RowLanes::of(device, k);
+    let lanes = RowLanes::of(device, k <= SUBGROUP_ROW_MAX_LEN);
     let workgroups = match (serial, lanes, device.subgroup_size()) {
         (true, _, _) => groups(m, SERIAL_ROWS_PER_GROUP),
         (false, RowLanes::Subgroup, Some(width)) => groups(m, ROWS_WG / width as usize),
         (false, _, _) => m as u32,
     };
-    let source = move || lanes.source();
+    let source = move || softmax_source(lanes);
     let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), lanes.name(), &source);
     let mut bindings = vec![(1, pass.src), (2, pass.dst)];
     bindings.extend(pass.labels.map(|l| (3, l)));
