@@ -6,7 +6,10 @@
 //! inputs larger than one binding.
 
 use crate::error::Result;
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, CONTIGUOUS_PER_GROUP};
+use crate::kernel::{
+    groups, reduces_in_subgroups, with_subgroup_section, Kernel, KernelParams, Launch,
+    ShaderFamily, CONTIGUOUS_PER_GROUP,
+};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -39,7 +42,34 @@ static BATCH_NORM: ShaderFamily = ShaderFamily {
 
 #[cfg(test)]
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
-    vec![("batch_norm".into(), BATCH_NORM.source(&[]))]
+    [false, true]
+        .map(|subgroups| {
+            (
+                format!("batch_norm/{}", variant(subgroups)),
+                source(subgroups),
+            )
+        })
+        .to_vec()
+}
+
+/// The module whose workgroups reduce through subgroup operations (`subgroups`: where the
+/// device has subgroups of a fixed width) or a tree in workgroup memory.
+fn source(subgroups: bool) -> String {
+    let reduce = match subgroups {
+        true => "workgroup_reduce_subgroups",
+        false => "workgroup_reduce_tree",
+    };
+    let source = BATCH_NORM.source(&[("WORKGROUP_REDUCE", reduce)]);
+    with_subgroup_section(&source, subgroups)
+}
+
+/// The pipeline-key name of [`source`]'s specialisation.
+fn variant(subgroups: bool) -> &'static str {
+    if subgroups {
+        "subgroups"
+    } else {
+        "tree"
+    }
 }
 
 /// Values of one channel one workgroup reduces (`PER_PART` in the shader).
@@ -98,14 +128,26 @@ pub(crate) fn batch_norm_training(
     let partials = Tensor::empty(op, &[channels, parts, 4], DType::F32, dev)?;
     let stats = Tensor::empty(op, &[channels, 3], DType::F32, dev)?;
     let out = Tensor::empty(op, x.shape(), DType::F32, dev)?;
+    let subgroups = reduces_in_subgroups(dev);
+    let specialise = move || source(subgroups);
     if x.numel() > 0 {
-        let kernel = Kernel::plain(&BATCH_NORM, "partial_stats");
+        let kernel = Kernel::specialised(
+            &BATCH_NORM,
+            "partial_stats",
+            variant(subgroups),
+            &specialise,
+        );
         let bound = [(1, &x_c), (5, &partials)];
         Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
-        let kernel = Kernel::plain(&BATCH_NORM, "channel_stats");
+        let kernel = Kernel::specialised(
+            &BATCH_NORM,
+            "channel_stats",
+            variant(subgroups),
+            &specialise,
+        );
         let bound = [(5, &partials), (6, &stats)];
         Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
-        let kernel = Kernel::plain(&BATCH_NORM, "normalise");
+        let kernel = Kernel::specialised(&BATCH_NORM, "normalise", variant(subgroups), &specialise);
         let bound = [
             (1, &x_c),
             (2, &weight_bound),
@@ -139,13 +181,24 @@ pub(crate) fn batch_norm_training(
             let sums = Tensor::empty(op, &[channels, 2], DType::F32, dev)?;
             let grad_x = Tensor::empty(op, x_c.shape(), DType::F32, dev)?;
             if x_c.numel() > 0 {
-                let kernel = Kernel::plain(&BATCH_NORM, "partial_grad_sums");
+                let kernel = Kernel::specialised(
+                    &BATCH_NORM,
+                    "partial_grad_sums",
+                    variant(subgroups),
+                    &specialise,
+                );
                 let bound = [(1, &x_c), (5, &partials), (6, &stats), (7, &g)];
                 Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
-                let kernel = Kernel::plain(&BATCH_NORM, "channel_grad_sums");
+                let kernel = Kernel::specialised(
+                    &BATCH_NORM,
+                    "channel_grad_sums",
+                    variant(subgroups),
+                    &specialise,
+                );
                 let bound = [(5, &partials), (8, &sums)];
                 Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
-                let kernel = Kernel::plain(&BATCH_NORM, "input_grad");
+                let kernel =
+                    Kernel::specialised(&BATCH_NORM, "input_grad", variant(subgroups), &specialise);
                 let bound = [
                     (1, &x_c),
                     (2, &weight_bound),
