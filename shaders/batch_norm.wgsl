@@ -28,54 +28,12 @@
 const PER_PART: u32 = 16384u;
 const PER_INVOCATION: u32 = 64u; // PER_PART / 256
 
-var<workgroup> shared_sum: array<f32, 256>;
-var<workgroup> shared_total: f32;
-
-// The sum (or, with `largest`, the maximum) of every invocation's `v`, for all of them.
-// WORKGROUP_REDUCE is spliced: workgroup_reduce_subgroups where the device has subgroups of a
-// fixed width (two barriers), else workgroup_reduce_tree (ten: software adapters run each as
-// a coroutine switch of every SIMD group).
+// The sum (or, with `largest`, the maximum) of every invocation's `v`, for all of them
+// (workgroup_reduce.wgsl). WORKGROUP_REDUCE is spliced: workgroup_reduce_subgroups where the
+// device has subgroups of a fixed width, else workgroup_reduce_tree.
 fn workgroup_reduce(lid: u32, v: f32, largest: bool) -> f32 {
-    return WORKGROUP_REDUCE(lid, v, largest);
+    return WORKGROUP_REDUCE(lid, v, largest, 256u);
 }
-
-fn workgroup_reduce_tree(lid: u32, v: f32, largest: bool) -> f32 {
-    shared_sum[lid] = v;
-    workgroupBarrier();
-    for (var half = 128u; half > 0u; half = half / 2u) {
-        if (lid < half) {
-            let a = shared_sum[lid];
-            let b = shared_sum[lid + half];
-            shared_sum[lid] = select(a + b, max(a, b), largest);
-        }
-        workgroupBarrier();
-    }
-    let total = shared_sum[0];
-    workgroupBarrier();
-    return total;
-}
-
-// SUBGROUP SECTION BEGIN: kept only where the device has subgroups of a fixed width.
-// Each subgroup reduces its lanes and its first lane writes the result at the subgroup's
-// index (the subgroups of a one-dimensional workgroup hold consecutive invocations, as on every
-// adapter wgrad knows); invocation 0 combines the 256 / width results for all.
-fn workgroup_reduce_subgroups(lid: u32, v: f32, largest: bool) -> f32 {
-    let s = select(subgroupAdd(v), subgroupMax(v), largest);
-    let width = subgroupAdd(1u);
-    if (subgroupExclusiveAdd(1u) == 0u) {
-        shared_sum[lid / width] = s;
-    }
-    workgroupBarrier();
-    if (lid == 0u) {
-        var total = shared_sum[0];
-        for (var j = 1u; j < 256u / width; j = j + 1u) {
-            total = select(total + shared_sum[j], max(total, shared_sum[j]), largest);
-        }
-        shared_total = total;
-    }
-    return workgroupUniformLoad(&shared_total);
-}
-// SUBGROUP SECTION END
 
 fn values_per_channel() -> u32 {
     return pu(BATCH_NORM_BATCH) * pu(BATCH_NORM_PIXELS);

@@ -20,8 +20,6 @@
 
 const WG: u32 = 64u;
 const NEG_INF: f32 = -3.40282347e38;
-var<workgroup> scratch: array<f32, 64>;
-var<workgroup> scratch_total: f32;
 
 fn src_at(i: u32) -> f32 {
     return src[i / 4u][i % 4u];
@@ -47,9 +45,9 @@ fn softmax_value(x: f32, stats: vec2<f32>) -> f32 {
 
 // The lanes that run one row of a `*_rows` entry (row_group.wgsl): ROW_GROUP is spliced with
 // workgroup_row (a workgroup of WG per row) or subgroup_row (a subgroup per row), and
-// ROW_REDUCE with the matching sum or max over the lanes: row_reduce_subgroups where the device
-// has subgroups of a fixed width (two barriers), row_reduce_tree elsewhere (seven: software
-// adapters run each as a coroutine switch of every SIMD group), or row_reduce_in_subgroup.
+// ROW_REDUCE with the matching sum or max over the lanes: row_reduce_subgroups or
+// row_reduce_tree for a workgroup (workgroup_reduce.wgsl), row_reduce_in_subgroup for a
+// subgroup.
 fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
     return ROW_GROUP(wid, nwg, lid, WG);
 }
@@ -59,40 +57,12 @@ fn row_reduce(g: RowGroup, v: f32, is_max: bool) -> f32 {
 }
 
 fn row_reduce_tree(lid: u32, v: f32, is_max: bool) -> f32 {
-    scratch[lid] = v;
-    workgroupBarrier();
-    for (var width = WG / 2u; width > 0u; width = width / 2u) {
-        if (lid < width) {
-            let other = scratch[lid + width];
-            scratch[lid] = select(scratch[lid] + other, max(scratch[lid], other), is_max);
-        }
-        workgroupBarrier();
-    }
-    let result = scratch[0];
-    workgroupBarrier();
-    return result;
+    return workgroup_reduce_tree(lid, v, is_max, WG);
 }
 
 // SUBGROUP SECTION BEGIN: kept only where the device has subgroups of a fixed width.
-// Each subgroup reduces its lanes and its first lane writes the result at the subgroup's
-// index (the subgroups of a one-dimensional workgroup hold consecutive invocations, as on every
-// adapter wgrad knows); invocation 0 combines the WG / width results for all.
 fn row_reduce_subgroups(lid: u32, v: f32, is_max: bool) -> f32 {
-    let s = select(subgroupAdd(v), subgroupMax(v), is_max);
-    let width = subgroupAdd(1u);
-    if (subgroupExclusiveAdd(1u) == 0u) {
-        scratch[lid / width] = s;
-    }
-    workgroupBarrier();
-    if (lid == 0u) {
-        var total = scratch[0];
-        for (var j = 1u; j < WG / width; j = j + 1u) {
-            let other = scratch[j];
-            total = select(total + other, max(total, other), is_max);
-        }
-        scratch_total = total;
-    }
-    return workgroupUniformLoad(&scratch_total);
+    return workgroup_reduce_subgroups(lid, v, is_max, WG);
 }
 
 // The sum (or the max) of `v` over the subgroup: no barrier.

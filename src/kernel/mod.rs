@@ -128,6 +128,10 @@ pub(crate) fn with_subgroup_section(wgsl: &str, subgroups: bool) -> String {
 /// families with `*_rows` entries (softmax, norm).
 pub(crate) const ROW_GROUP_WGSL: &str = include_str!("../../shaders/row_group.wgsl");
 
+/// The WGSL of an f32 sum or maximum over a workgroup, through subgroups or a tree, prepended
+/// by the families that reduce in workgroups (softmax, batch_norm).
+pub(crate) const WORKGROUP_REDUCE_WGSL: &str = include_str!("../../shaders/workgroup_reduce.wgsl");
+
 /// Which lanes run one row of a row kernel's `*_rows` entries, and how they sum: what a
 /// family splices for `ROW_GROUP` and `ROW_REDUCE` (see `shaders/row_group.wgsl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 use crate::error::Result;
 use crate::kernel::{
     groups, reduces_in_subgroups, with_subgroup_section, Kernel, KernelParams, Launch,
-    ShaderFamily, CONTIGUOUS_PER_GROUP,
+    ShaderFamily, CONTIGUOUS_PER_GROUP, WORKGROUP_REDUCE_WGSL,
 };
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -37,7 +37,7 @@ static BATCH_NORM: ShaderFamily = ShaderFamily {
     name: "batch_norm",
     wgsl: include_str!("../../shaders/batch_norm.wgsl"),
     params: &[&BatchNormParams::LAYOUT],
-    preludes: &[],
+    preludes: &[WORKGROUP_REDUCE_WGSL],
 };
 
 #[cfg(test)]

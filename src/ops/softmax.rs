@@ -5,6 +5,7 @@ use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
     groups, Kernel, KernelParams, Launch, RowLanes, ShaderFamily, MAX_LOOP_LEN, ROW_GROUP_WGSL,
+    WORKGROUP_REDUCE_WGSL,
 };
 use crate::ops::index::expect_indices_below;
 use crate::tensor::dim::Dim;
@@ -36,7 +37,7 @@ static SOFTMAX: ShaderFamily = ShaderFamily {
     name: "softmax",
     wgsl: include_str!("../../shaders/softmax.wgsl"),
     params: &[&SoftmaxParams::LAYOUT],
-    preludes: &[ROW_GROUP_WGSL],
+    preludes: &[ROW_GROUP_WGSL, WORKGROUP_REDUCE_WGSL],
 };
 
 #[cfg(test)]
