@@ -197,8 +197,9 @@ impl RowLanes {
     }
 }
 
-/// Whether the row kernels of `device` (softmax, cross-entropy and the norms' workgroup rows)
-/// sum through subgroup operations: where it has subgroups of a fixed width.
+/// Whether kernels that sum over a workgroup or a row (reductions, softmax, cross-entropy,
+/// the norms, BatchNorm) may use subgroup operations on `device`: where it has subgroups of a
+/// fixed width, the width those kernels' host code plans with.
 pub(crate) fn reduces_in_subgroups(device: &Device) -> bool {
     device.subgroup_size().is_some()
 }
@@ -223,7 +224,7 @@ pub(crate) struct Kernel<'a> {
     pub sixteen_bit: u64,
     /// The bindings of `sixteen_bit` that hold F16 (not BF16) elements: those a device with
     /// `F16Reads::Native` may bind as WGSL `f16`.
-    pub f16: u64,
+    pub f16_bindings: u64,
 }
 
 impl<'a> Kernel<'a> {
@@ -236,7 +237,7 @@ impl<'a> Kernel<'a> {
             specialise: None,
             part: None,
             sixteen_bit: 0,
-            f16: 0,
+            f16_bindings: 0,
         }
     }
 
@@ -254,7 +255,7 @@ impl<'a> Kernel<'a> {
             specialise: Some(source),
             part: None,
             sixteen_bit: 0,
-            f16: 0,
+            f16_bindings: 0,
         }
     }
 
@@ -269,7 +270,7 @@ impl<'a> Kernel<'a> {
                 .fold(0, |mask, (binding, _)| mask | 1 << binding)
         };
         self.sixteen_bit = mask(DType::is_16_bit);
-        self.f16 = mask(|dtype| dtype == DType::F16);
+        self.f16_bindings = mask(|dtype| dtype == DType::F16);
         self
     }
 
@@ -303,7 +304,7 @@ impl<'a> Kernel<'a> {
             module_key: &key[..module_len],
             entry: self.entry,
             source,
-            f16_bindings: self.f16,
+            f16_bindings: self.f16_bindings,
         })
     }
 }

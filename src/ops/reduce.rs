@@ -45,9 +45,8 @@ static REDUCE: ShaderFamily = ShaderFamily {
 
 /// Elements one `rows` workgroup reduces at least, so large reductions take two passes.
 const MIN_CHUNK: usize = 4096;
-/// Elements one `subgroup_rows` subgroup reduces at most: a quarter of a workgroup's, since a
-/// subgroup has at most a quarter of a workgroup's lanes (32 or 64 of 256 on GPUs, 8 on
-/// lavapipe).
+/// Elements one `subgroup_rows` subgroup reduces at most (32 a lane on a GPU's 32-wide
+/// subgroups), so that a few long rows still split into enough chunks to fill the device.
 const SUBGROUP_CHUNK: usize = 1024;
 /// Most partial results per row after the first pass.
 const MAX_CHUNKS: usize = 1024;
@@ -85,9 +84,9 @@ impl ReduceOp {
     fn variant(self, subgroups: bool) -> &'static str {
         match (self, subgroups) {
             (ReduceOp::Sum, true) => "sum_subgroups",
-            (ReduceOp::Sum, false) => "sum_tree",
+            (ReduceOp::Sum, false) => "sum",
             (ReduceOp::Max, true) => "max_subgroups",
-            (ReduceOp::Max, false) => "max_tree",
+            (ReduceOp::Max, false) => "max",
         }
     }
 }
