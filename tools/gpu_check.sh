@@ -20,9 +20,10 @@ started=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - started )) s"; }
 
 # The test binaries of ops with a GPU kernel: matmul, attention, reductions, softmax,
-# cross-entropy, norms, convolutions, casts, and the CPU-against-GPU flavour checks.
+# cross-entropy, norms, convolutions, casts, the CPU-against-GPU flavour checks, and the F16
+# read paths (WGSL f16 bindings must read subnormals as the packed words do on this adapter).
 tests=(matmul attention attention_options attention_memory reduce softmax_index cross_entropy
-       nn conv_pool rotary flavours large_tensors dtypes gradcheck)
+       nn conv_pool rotary flavours large_tensors dtypes f16_reads gradcheck)
 test_args=()
 for t in "${tests[@]}"; do test_args+=(--test "$t"); done
 
