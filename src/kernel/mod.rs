@@ -87,8 +87,8 @@ impl ShaderFamily {
         self.source_of(self.wgsl, specialisation)
     }
 
-    /// As [`ShaderFamily::source`] for an edited copy of the family's text (matmul drops its
-    /// subgroup section where the device has none).
+    /// As [`ShaderFamily::source`] for an edited copy of the family's text (matmul's, with
+    /// its stores chosen for the output dtype).
     pub fn source_of(&self, wgsl: &str, specialisation: &[(&str, &str)]) -> String {
         let slots: String = self.params.iter().map(|p| p.wgsl_slots()).collect();
         let preludes: String = self.preludes.concat();

@@ -191,17 +191,14 @@ static ATTENTION: ShaderFamily = ShaderFamily {
 /// load when `aligned`, with the `*_shared` entries where the device has `subgroups` 8 wide,
 /// for a mask of `mask_kind` (see [`MaskKind`]).
 fn source(d: usize, dv: usize, aligned: bool, subgroups: bool, mask_kind: u32) -> String {
-    let wgsl = with_subgroup_section(ATTENTION.wgsl, subgroups);
-    ATTENTION.source_of(
-        &wgsl,
-        &[
-            ("ALIGNED", if aligned { "true" } else { "false" }),
-            ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
-            ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
-            ("MASK_CODE", &mask_kind.to_string()),
-            ("TILE_ROWS", &tile_rows(d, dv).to_string()),
-        ],
-    )
+    let source = ATTENTION.source(&[
+        ("ALIGNED", if aligned { "true" } else { "false" }),
+        ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
+        ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
+        ("MASK_CODE", &mask_kind.to_string()),
+        ("TILE_ROWS", &tile_rows(d, dv).to_string()),
+    ]);
+    with_subgroup_section(&source, subgroups)
 }
 
 #[cfg(test)]

@@ -116,10 +116,7 @@ fn source(spec: Specialisation) -> String {
         BMode::K => ("k", "false"),
         BMode::Any => ("any", "false"),
     };
-    let wgsl = with_stores(
-        &with_subgroup_section(MATMUL.wgsl, spec.subgroups),
-        spec.out_dtype,
-    );
+    let wgsl = with_stores(MATMUL.wgsl, spec.out_dtype);
     let out_words = match spec.out_dtype {
         DType::F32 => "vec4<f32>",
         _ => "vec4<u32>",
@@ -129,7 +126,7 @@ fn source(spec: Specialisation) -> String {
         BSource::Image => "image",
     };
     let flag = |on: bool| if on { "true" } else { "false" };
-    MATMUL.source_of(
+    let source = MATMUL.source_of(
         &wgsl,
         &[
             ("A_MODE", a_mode),
@@ -144,7 +141,8 @@ fn source(spec: Specialisation) -> String {
             ("OUT_DTYPE_CODE", spec.out_dtype.wgsl_code()),
             ("OUT_WORDS", out_words),
         ],
-    )
+    );
+    with_subgroup_section(&source, spec.subgroups)
 }
 
 /// `wgsl` with the stores of an `out` of `dtype`: the EPILOGUE SECTION's F32 stores (which a

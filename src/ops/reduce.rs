@@ -70,14 +70,12 @@ impl ReduceOp {
                 "nan_max4(a, b)",
             ),
         };
-        REDUCE.source_of(
-            &with_subgroup_section(REDUCE.wgsl, subgroups),
-            &[
-                ("REDUCE_IDENTITY", identity),
-                ("REDUCE_VEC4_COMBINE", combine4),
-                ("REDUCE_COMBINE", combine),
-            ],
-        )
+        let source = REDUCE.source(&[
+            ("REDUCE_IDENTITY", identity),
+            ("REDUCE_VEC4_COMBINE", combine4),
+            ("REDUCE_COMBINE", combine),
+        ]);
+        with_subgroup_section(&source, subgroups)
     }
 
     /// The name of this op's specialisation for `subgroups` (see [`ReduceOp::source`]).
