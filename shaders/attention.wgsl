@@ -10,9 +10,11 @@
 // stays one and merging the heads back is a view. ALIGNED (offsets and strides multiples of
 // 4, D and Dv too) reads four features per load.
 //
-// Three sets of entries do this (`Entries` in src/ops/attention.rs picks one per device): the
-// plain ones below, the `*_tiled` ones (FLASH TILES, the GPU kernel flavour) and the
-// `*_shared` ones (SUBGROUP SECTION, CPU adapters with 8-wide subgroups). In the plain ones
+// Four sets of entries do this (`Entries` in src/ops/attention.rs picks one per device): the
+// plain ones below, the `*_tiled` ones (FLASH TILES, the GPU kernel flavour without
+// subgroups), the `*_shared` ones (SUBGROUP SECTION, CPU adapters with 8-wide subgroups) and
+// the `*_tiled_lanes` ones (LANE TILES, the GPU kernel flavour with subgroups of 8 or more
+// lanes). In the plain ones
 // one invocation owns one query row (forward, query grad) or one key row (key and value
 // grads) and loops over the other side in spans of `span` rows, so that no invocation runs
 // more loop iterations than llvmpipe allows (65,535). The forward runs its `splits` spans in
@@ -47,6 +49,12 @@ const MASK_KIND: u32 = MASK_CODEu;
 // took 2 s to compile instead of 0.8 s, and ran no faster.
 const D4: u32 = HEAD_VEC4Su;
 const DV4: u32 = VALUE_VEC4Su;
+
+// The same counts padded to whole 8s: the rows of the tiles, and the register rows of the
+// `*_shared` and `*_tiled_lanes` entries, zero past a row's end, so that 8 lanes sharing a
+// row's groups need no bounds.
+const D8: u32 = (D4 + 7u) / 8u * 8u;
+const DV8: u32 = (DV4 + 7u) / 8u * 8u;
 
 fn neg_inf() -> f32 {
     return bitcast<f32>(0xff800000u);
@@ -507,10 +515,10 @@ fn backward_key(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 const TILE: u32 = TILE_ROWSu;
 
 // The tile of q/k rows (forward and query grad: keys; key grads: queries) and the tile of v
-// rows (forward and query grad: values; key grads: out grad rows), `D4` and `DV4` feature
-// groups to a row.
-var<workgroup> tile_a: array<vec4<f32>, TILE * D4>;
-var<workgroup> tile_b: array<vec4<f32>, TILE * DV4>;
+// rows (forward and query grad: values; key grads: out grad rows), `D8` and `DV8` feature
+// groups to a row, zero past the row's `D4` (`DV4`).
+var<workgroup> tile_a: array<vec4<f32>, TILE * D8>;
+var<workgroup> tile_b: array<vec4<f32>, TILE * DV8>;
 
 // The rows a workgroup owns: rows first..=last of head `h`, where each head's `t` rows are
 // padded to whole 64s; from the workgroup's id alone, so that every loop around a barrier has
@@ -534,15 +542,17 @@ fn head_block(wid: vec3<u32>, nwg: vec3<u32>, t: u32) -> HeadBlock {
 }
 
 // Stages `n` rows into the tiles, each invocation a share of the feature groups: into
-// `tile_a` the rows of `a_side` from element `a_at`, `a_rs` apart (`D4` groups to a row), into
-// `tile_b` those of `b_side` from `b_at`, `b_rs` apart (`DV4` groups). Rows past `n` are left
-// as they are (no loop reads them).
+// `tile_a` the rows of `a_side` from element `a_at`, `a_rs` apart (`D8` groups to a row), into
+// `tile_b` those of `b_side` from `b_at`, `b_rs` apart (`DV8` groups), zero past each row's
+// end. Rows past `n` are left as they are (no loop reads them).
 fn stage_tiles(lid: u32, n: u32, a_side: u32, a_at: u32, a_rs: u32, b_side: u32, b_at: u32, b_rs: u32, z: Sizes) {
-    for (var e = lid; e < n * D4; e = e + 64u) {
-        tile_a[e] = row4(a_side, a_at + (e / D4) * a_rs, e % D4, z.d);
+    for (var e = lid; e < n * D8; e = e + 64u) {
+        let c = e % D8;
+        tile_a[e] = select(vec4<f32>(0.0), row4(a_side, a_at + (e / D8) * a_rs, min(c + 1u, D4) - 1u, z.d), c < D4);
     }
-    for (var e = lid; e < n * DV4; e = e + 64u) {
-        tile_b[e] = row4(b_side, b_at + (e / DV4) * b_rs, e % DV4, z.dv);
+    for (var e = lid; e < n * DV8; e = e + 64u) {
+        let c = e % DV8;
+        tile_b[e] = select(vec4<f32>(0.0), row4(b_side, b_at + (e / DV8) * b_rs, min(c + 1u, DV4) - 1u, z.dv), c < DV4);
     }
 }
 
@@ -561,7 +571,7 @@ fn stage_keys_values(lid: u32, n: u32, t0: u32, kv: KeyValueRows, z: Sizes) {
 fn dot_tile_a(row: ptr<function, array<vec4<f32>, D4>>, r: u32, z: Sizes) -> f32 {
     var sum = 0.0;
     for (var c = 0u; c < D4; c = c + 1u) {
-        sum = sum + dot((*row)[c], tile_a[r * D4 + c]);
+        sum = sum + dot((*row)[c], tile_a[r * D8 + c]);
     }
     return sum;
 }
@@ -587,7 +597,7 @@ fn register_row_dv(side: u32, at: u32, z: Sizes) -> array<vec4<f32>, DV4> {
 // Adds `ds` times row `r` of `tile_a` to a register row of q/k features.
 fn add_tile_a_row(row: ptr<function, array<vec4<f32>, D4>>, ds: f32, r: u32) {
     for (var c = 0u; c < D4; c = c + 1u) {
-        (*row)[c] = (*row)[c] + ds * tile_a[r * D4 + c];
+        (*row)[c] = (*row)[c] + ds * tile_a[r * D8 + c];
     }
 }
 
@@ -621,7 +631,7 @@ fn forward_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
             let p = select(0.0, exp(score - m_new), live);
             l = l * correction + p;
             for (var c = 0u; c < DV4; c = c + 1u) {
-                acc[c] = acc[c] * correction + p * tile_b[r * DV4 + c];
+                acc[c] = acc[c] * correction + p * tile_b[r * DV8 + c];
             }
             m = m_new;
         }
@@ -668,7 +678,7 @@ fn backward_query_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
             let live = j >= keys.x && j < keys.y && score != neg_inf();
             var dp = 0.0;
             for (var c = 0u; c < DV4; c = c + 1u) {
-                dp = dp + dot(dout[c], tile_b[r * DV4 + c]);
+                dp = dp + dot(dout[c], tile_b[r * DV8 + c]);
             }
             add_tile_a_row(&grad, select(0.0, exp(score - lse) * (dp - delta) * z.scale, live), r);
         }
@@ -719,7 +729,7 @@ fn backward_key_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
                 let p = select(0.0, exp(score - stats[stat]), live);
                 var dp = 0.0;
                 for (var c = 0u; c < DV4; c = c + 1u) {
-                    let g = tile_b[r * DV4 + c];
+                    let g = tile_b[r * DV8 + c];
                     dp = dp + dot(g, value[c]);
                     grad_value[c] = grad_value[c] + p * g;
                 }
@@ -737,7 +747,8 @@ fn backward_key_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
 }
 
-// SUBGROUP SECTION BEGIN: kept only where the device has 8-wide subgroups.
+// SUBGROUP SECTION BEGIN: kept where the device has subgroups of 8 or more lanes (the
+// `*_shared` entries run only where they are 8 wide).
 //
 // The `*_shared` entries do what the entries above do, for a subgroup of 8 invocations that
 // own 8 consecutive rows of one head (each head's rows padded to whole 8s, see
@@ -747,9 +758,6 @@ fn backward_key_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
 // loads. The subgroup loops over the union of its rows' ranges (the lanes stay together for
 // the broadcasts), and each row skips what lies outside its own. Row arrays are padded to
 // whole 8s of feature groups (zero past the row), so a group's 8 terms need no bounds.
-
-const D8: u32 = (D4 + 7u) / 8u * 8u;
-const DV8: u32 = (DV4 + 7u) / 8u * 8u;
 
 // Group `c` of a row kept in registers (`D8` or `DV8` groups), picked with selects: indexing
 // the array with `c` would move it to memory, and a loop over the groups with a constant bound
@@ -990,6 +998,355 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     }
     for (var c = 0u; c < z.dv4; c = c + 1u) {
         add_grad_b(row_start(key_row.h, key_row.i, ATTENTION_OUT2_LAYOUT) + 4u * c, group_of_dv(&grad_value, c), lanes(c, z.dv), key_row.split > 0u);
+    }
+}
+
+// SUBGROUP SECTION END
+
+// SUBGROUP SECTION BEGIN: kept where the device has subgroups of 8 or more lanes.
+//
+// LANE TILES: the `*_tiled_lanes` entries stage tiles as the `*_tiled` ones do, for a
+// workgroup owning 64 rows of one head, but split the work between lanes as a register-blocked
+// GEMM does: each 8 consecutive invocations (a lane group, inside one subgroup) own 8 rows,
+// and lane `k` of the group keeps feature groups k, k + 8, k + 16, .. of all 8 rows. For each
+// row of the other side a lane then reads only its groups of the tile row (8 lanes, 8
+// adjacent vec4s: no bank conflicts on a GPU, a vector load on a CPU adapter rather than a
+// broadcast per feature) and uses each for all 8 of its rows. The 8 partial dot products meet
+// in 7 shuffles (`sum_rows8`), after which lane `k` holds row `k`'s score, keeps that row's
+// softmax state and hands the weights back to the group in 7 more (`gather8`). The shuffles
+// use lane masks 1, 2 and 4, so they stay inside a lane group whatever the subgroup's width
+// (a subgroup is a run of consecutive invocations on every driver known).
+
+// Feature groups per lane: of a q/k row and of a v row.
+const LANE_D: u32 = D8 / 8u;
+const LANE_DV: u32 = DV8 / 8u;
+
+// The sums over the group's 8 lanes of `parts[r]`, each a pair: lane `k` gets row `k`'s.
+// Each step halves the rows a lane holds: it keeps the half its lane bit picks and adds its
+// partner's share of that half.
+fn sum_rows8(parts: array<vec2<f32>, 8>, lane: u32) -> vec2<f32> {
+    let high4 = (lane & 4u) != 0u;
+    var four: array<vec2<f32>, 4>;
+    for (var r = 0u; r < 4u; r = r + 1u) {
+        let keep = select(parts[r], parts[r + 4u], high4);
+        let give = select(parts[r + 4u], parts[r], high4);
+        four[r] = keep + subgroupShuffleXor(give, 4u);
+    }
+    let high2 = (lane & 2u) != 0u;
+    var two: array<vec2<f32>, 2>;
+    for (var r = 0u; r < 2u; r = r + 1u) {
+        let keep = select(four[r], four[r + 2u], high2);
+        let give = select(four[r + 2u], four[r], high2);
+        two[r] = keep + subgroupShuffleXor(give, 2u);
+    }
+    let high1 = (lane & 1u) != 0u;
+    return select(two[0], two[1], high1) + subgroupShuffleXor(select(two[1], two[0], high1), 1u);
+}
+
+// Every lane's `mine` to every lane of the group: entry `r` is lane `r`'s. Each step swaps
+// what a lane has gathered with its partner's, doubling it.
+fn gather8(mine: vec2<f32>, lane: u32) -> array<vec2<f32>, 8> {
+    let other1 = subgroupShuffleXor(mine, 1u);
+    let high1 = (lane & 1u) != 0u;
+    var two = array<vec2<f32>, 2>(select(mine, other1, high1), select(other1, mine, high1));
+    let high2 = (lane & 2u) != 0u;
+    var four: array<vec2<f32>, 4>;
+    for (var r = 0u; r < 2u; r = r + 1u) {
+        let other = subgroupShuffleXor(two[r], 2u);
+        four[r] = select(two[r], other, high2);
+        four[r + 2u] = select(other, two[r], high2);
+    }
+    let high4 = (lane & 4u) != 0u;
+    var eight: array<vec2<f32>, 8>;
+    for (var r = 0u; r < 4u; r = r + 1u) {
+        let other = subgroupShuffleXor(four[r], 4u);
+        eight[r] = select(four[r], other, high4);
+        eight[r + 4u] = select(other, four[r], high4);
+    }
+    return eight;
+}
+
+// The lane's groups of the 8 rows of `side` whose head starts at `head`, rows `first` .. `first
+// + 8`, `rs` apart (clamped to `last`): `LANE_D` groups a row (q/k, times `scale`) or
+// `LANE_DV` (v, out grad), row-major.
+fn lane_rows_d(side: u32, head: u32, rs: u32, first: u32, last: u32, lane: u32, scale: f32, z: Sizes) -> array<vec4<f32>, 8 * LANE_D> {
+    var rows: array<vec4<f32>, 8 * LANE_D>;
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        for (var c = 0u; c < LANE_D; c = c + 1u) {
+            rows[r * LANE_D + c] = padded_group(side, head + min(first + r, last) * rs, c * 8u + lane, z.d4, z.d) * scale;
+        }
+    }
+    return rows;
+}
+
+fn lane_rows_dv(side: u32, head: u32, rs: u32, first: u32, last: u32, lane: u32, z: Sizes) -> array<vec4<f32>, 8 * LANE_DV> {
+    var rows: array<vec4<f32>, 8 * LANE_DV>;
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        for (var c = 0u; c < LANE_DV; c = c + 1u) {
+            rows[r * LANE_DV + c] = padded_group(side, head + min(first + r, last) * rs, c * 8u + lane, z.dv4, z.dv);
+        }
+    }
+    return rows;
+}
+
+// The lane's groups of row `r` of `tile_a` (`tile_b`).
+fn lane_tile_a(r: u32, lane: u32) -> array<vec4<f32>, LANE_D> {
+    var groups: array<vec4<f32>, LANE_D>;
+    for (var c = 0u; c < LANE_D; c = c + 1u) {
+        groups[c] = tile_a[r * D8 + c * 8u + lane];
+    }
+    return groups;
+}
+
+fn lane_tile_b(r: u32, lane: u32) -> array<vec4<f32>, LANE_DV> {
+    var groups: array<vec4<f32>, LANE_DV>;
+    for (var c = 0u; c < LANE_DV; c = c + 1u) {
+        groups[c] = tile_b[r * DV8 + c * 8u + lane];
+    }
+    return groups;
+}
+
+// The lane's share of the dot products of each of its 8 register rows with one row's groups.
+fn lane_dots_d(rows: ptr<function, array<vec4<f32>, 8 * LANE_D>>, other: ptr<function, array<vec4<f32>, LANE_D>>) -> array<f32, 8> {
+    var dots: array<f32, 8>;
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        var sum = 0.0;
+        for (var c = 0u; c < LANE_D; c = c + 1u) {
+            sum = sum + dot((*rows)[r * LANE_D + c], (*other)[c]);
+        }
+        dots[r] = sum;
+    }
+    return dots;
+}
+
+fn lane_dots_dv(rows: ptr<function, array<vec4<f32>, 8 * LANE_DV>>, other: ptr<function, array<vec4<f32>, LANE_DV>>) -> array<f32, 8> {
+    var dots: array<f32, 8>;
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        var sum = 0.0;
+        for (var c = 0u; c < LANE_DV; c = c + 1u) {
+            sum = sum + dot((*rows)[r * LANE_DV + c], (*other)[c]);
+        }
+        dots[r] = sum;
+    }
+    return dots;
+}
+
+// Adds `weights[r]` (a pair's `.x`, or `.y` when `second`) times one row's groups to each
+// register row `r`.
+fn add_weighted_d(rows: ptr<function, array<vec4<f32>, 8 * LANE_D>>, weights: ptr<function, array<vec2<f32>, 8>>, second: bool, other: ptr<function, array<vec4<f32>, LANE_D>>) {
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        let w = select((*weights)[r].x, (*weights)[r].y, second);
+        for (var c = 0u; c < LANE_D; c = c + 1u) {
+            (*rows)[r * LANE_D + c] = (*rows)[r * LANE_D + c] + w * (*other)[c];
+        }
+    }
+}
+
+fn add_weighted_dv(rows: ptr<function, array<vec4<f32>, 8 * LANE_DV>>, weights: ptr<function, array<vec2<f32>, 8>>, second: bool, other: ptr<function, array<vec4<f32>, LANE_DV>>) {
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        let w = select((*weights)[r].x, (*weights)[r].y, second);
+        for (var c = 0u; c < LANE_DV; c = c + 1u) {
+            (*rows)[r * LANE_DV + c] = (*rows)[r * LANE_DV + c] + w * (*other)[c];
+        }
+    }
+}
+
+// The two dot products of each register-row pair, summed over the lane group: lane `k` gets
+// row `k`'s pair.
+fn pair_dots(a: array<f32, 8>, b: array<f32, 8>, lane: u32) -> vec2<f32> {
+    var parts: array<vec2<f32>, 8>;
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        parts[r] = vec2<f32>(a[r], b[r]);
+    }
+    return sum_rows8(parts, lane);
+}
+
+@compute @workgroup_size(64)
+fn forward_tiled_lanes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                       @builtin(local_invocation_index) lid: u32) {
+    let t_q = pu(ATTENTION_T_Q);
+    let block = head_block(wid, nwg, t_q);
+    if (!block.valid) {
+        return;
+    }
+    let lane = lid % 8u;
+    let first = block.first + lid - lane; // the lane group's first row
+    let i = min(block.first + lid, t_q - 1u); // the row whose softmax state this lane keeps
+    let z = sizes();
+    let kv = key_value_rows(block.h);
+    let q_head = head_start(block.h, ATTENTION_Q_LAYOUT);
+    var query = lane_rows_d(0u, q_head, pu(ATTENTION_Q_LAYOUT + 4u), first, t_q - 1u, lane, z.scale, z);
+    var acc: array<vec4<f32>, 8 * LANE_DV>;
+    var m = neg_inf();
+    var l = 0.0;
+    let keys = key_range(i, block.split);
+    let walked = block_keys(block);
+    for (var t0 = walked.x; t0 < walked.y; t0 = t0 + TILE) {
+        let n = min(TILE, walked.y - t0);
+        stage_keys_values(lid, n, t0, kv, z);
+        workgroupBarrier();
+        for (var r = 0u; r < n; r = r + 1u) {
+            let j = t0 + r;
+            var key = lane_tile_a(r, lane);
+            let dots = lane_dots_d(&query, &key);
+            let score = masked_score(sum_rows8(array<vec2<f32>, 8>(
+                vec2<f32>(dots[0]), vec2<f32>(dots[1]), vec2<f32>(dots[2]), vec2<f32>(dots[3]),
+                vec2<f32>(dots[4]), vec2<f32>(dots[5]), vec2<f32>(dots[6]), vec2<f32>(dots[7])), lane).x, block.h, i, j);
+            let live = j >= keys.x && j < keys.y && score != neg_inf();
+            let m_new = select(m, max(m, score), live);
+            let correction = select(1.0, exp(m - m_new), live);
+            let p = select(0.0, exp(score - m_new), live);
+            l = l * correction + p;
+            m = m_new;
+            // Each row's (weight, correction), from the lane that keeps it.
+            var weights = gather8(vec2<f32>(p, correction), lane);
+            var value = lane_tile_b(r, lane);
+            for (var row = 0u; row < 8u; row = row + 1u) {
+                for (var c = 0u; c < LANE_DV; c = c + 1u) {
+                    acc[row * LANE_DV + c] = acc[row * LANE_DV + c] * weights[row].y;
+                }
+            }
+            add_weighted_dv(&acc, &weights, false, &value);
+        }
+        workgroupBarrier();
+    }
+    // Each row's scale, from the lane that keeps it.
+    let scales = gather8(vec2<f32>(forward_out_scale(l)), lane);
+    for (var row = 0u; row < 8u; row = row + 1u) {
+        let ir = first + row;
+        if (ir < t_q) {
+            let out_base = forward_out_start(block.h * t_q + ir, block.h, ir, block.split);
+            for (var c = 0u; c < LANE_DV; c = c + 1u) {
+                let g = c * 8u + lane;
+                if (g < z.dv4) {
+                    store_out(out_base + 4u * g, acc[row * LANE_DV + c] * scales[row].x, lanes(g, z.dv));
+                }
+            }
+        }
+    }
+    if (block.first + lid < t_q) {
+        store_forward_stats(block.h * t_q + i, block.split, m, l);
+    }
+}
+
+// Writes the lane's groups of 8 register rows of q/k features to grad_a, row `r` of head `h`
+// at `first + r` (rows past `last` skipped), added to what is there when `add`.
+fn store_lane_rows_a(rows: ptr<function, array<vec4<f32>, 8 * LANE_D>>, h: u32, first: u32, last: u32, lane: u32, z: Sizes, add: bool) {
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        if (first + r <= last) {
+            let at = row_start(h, first + r, ATTENTION_OUT_LAYOUT);
+            for (var c = 0u; c < LANE_D; c = c + 1u) {
+                let g = c * 8u + lane;
+                if (g < z.d4) {
+                    add_grad_a(at + 4u * g, (*rows)[r * LANE_D + c], lanes(g, z.d), add);
+                }
+            }
+        }
+    }
+}
+
+// The query grad, as backward_query_tiled, with lane groups of 8 query rows.
+@compute @workgroup_size(64)
+fn backward_query_tiled_lanes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                              @builtin(local_invocation_index) lid: u32) {
+    let t_q = pu(ATTENTION_T_Q);
+    let block = head_block(wid, nwg, t_q);
+    if (!block.valid) {
+        return;
+    }
+    let h = block.h;
+    let lane = lid % 8u;
+    let first = block.first + lid - lane;
+    let i = min(block.first + lid, t_q - 1u);
+    let z = sizes();
+    let kv = key_value_rows(h);
+    var query = lane_rows_d(0u, head_start(h, ATTENTION_Q_LAYOUT), pu(ATTENTION_Q_LAYOUT + 4u), first, t_q - 1u, lane, z.scale, z);
+    var dout = lane_rows_dv(3u, head_start(h, ATTENTION_O_LAYOUT), pu(ATTENTION_O_LAYOUT + 4u), first, t_q - 1u, lane, z);
+    var grad: array<vec4<f32>, 8 * LANE_D>;
+    let lse = stats[2u * (h * t_q + i)];
+    let delta = stats[2u * (h * t_q + i) + 1u];
+    let keys = key_range(i, block.split);
+    let walked = block_keys(block);
+    for (var t0 = walked.x; t0 < walked.y; t0 = t0 + TILE) {
+        let n = min(TILE, walked.y - t0);
+        stage_keys_values(lid, n, t0, kv, z);
+        workgroupBarrier();
+        for (var r = 0u; r < n; r = r + 1u) {
+            let j = t0 + r;
+            var key = lane_tile_a(r, lane);
+            var value = lane_tile_b(r, lane);
+            // (score, dp) of the lane's row.
+            let sums = pair_dots(lane_dots_d(&query, &key), lane_dots_dv(&dout, &value), lane);
+            let score = masked_score(sums.x, h, i, j);
+            let live = j >= keys.x && j < keys.y && score != neg_inf();
+            var ds = gather8(vec2<f32>(select(0.0, exp(score - lse) * (sums.y - delta) * z.scale, live)), lane);
+            add_weighted_d(&grad, &ds, false, &key);
+        }
+        workgroupBarrier();
+    }
+    store_lane_rows_a(&grad, h, first, t_q - 1u, lane, z, block.split > 0u);
+}
+
+// The key and value grads, as backward_key_tiled, with lane groups of 8 key rows.
+@compute @workgroup_size(64)
+fn backward_key_tiled_lanes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                            @builtin(local_invocation_index) lid: u32) {
+    let t_q = pu(ATTENTION_T_Q);
+    let t_k = pu(ATTENTION_T_K);
+    let block = head_block(wid, nwg, t_k);
+    if (!block.valid) {
+        return;
+    }
+    let h = block.h;
+    let lane = lid % 8u;
+    let first = block.first + lid - lane;
+    let j = min(block.first + lid, t_k - 1u);
+    let z = sizes();
+    let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
+    let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
+    let group = pu(ATTENTION_GROUP);
+    var key = lane_rows_d(1u, head_start(h, ATTENTION_K_LAYOUT), pu(ATTENTION_K_LAYOUT + 4u), first, t_k - 1u, lane, z.scale, z);
+    var value = lane_rows_dv(2u, head_start(h, ATTENTION_V_LAYOUT), pu(ATTENTION_V_LAYOUT + 4u), first, t_k - 1u, lane, z);
+    var grad_key: array<vec4<f32>, 8 * LANE_D>;
+    var grad_value: array<vec4<f32>, 8 * LANE_DV>;
+    let queries = query_range(j, block.split);
+    let block_queries = query_range(block.first, block.split);
+    for (var hq = h * group; hq < (h + 1u) * group; hq = hq + 1u) {
+        let q_head = head_start(hq, ATTENTION_Q_LAYOUT);
+        let o_head = head_start(hq, ATTENTION_O_LAYOUT);
+        for (var t0 = block_queries.x; t0 < block_queries.y; t0 = t0 + TILE) {
+            let n = min(TILE, block_queries.y - t0);
+            stage_tiles(lid, n, 0u, q_head + t0 * q_rs, q_rs, 3u, o_head + t0 * o_rs, o_rs, z);
+            workgroupBarrier();
+            for (var r = 0u; r < n; r = r + 1u) {
+                let i = t0 + r;
+                let stat = 2u * (hq * t_q + i);
+                var query = lane_tile_a(r, lane);
+                var dout = lane_tile_b(r, lane);
+                // (score, dp) of the lane's key row.
+                let sums = pair_dots(lane_dots_d(&key, &query), lane_dots_dv(&value, &dout), lane);
+                let score = masked_score(sums.x, hq, i, j);
+                let live = i >= queries.x && i < queries.y && score != neg_inf();
+                let p = select(0.0, exp(score - stats[stat]), live);
+                // Each row's (p, ds), from the lane that keeps it.
+                var weights = gather8(vec2<f32>(p, p * (sums.y - stats[stat + 1u]) * z.scale), lane);
+                add_weighted_dv(&grad_value, &weights, false, &dout);
+                add_weighted_d(&grad_key, &weights, true, &query);
+            }
+            workgroupBarrier();
+        }
+    }
+    store_lane_rows_a(&grad_key, h, first, t_k - 1u, lane, z, block.split > 0u);
+    for (var r = 0u; r < 8u; r = r + 1u) {
+        if (first + r < t_k) {
+            let at = row_start(h, first + r, ATTENTION_OUT2_LAYOUT);
+            for (var c = 0u; c < LANE_DV; c = c + 1u) {
+                let g = c * 8u + lane;
+                if (g < z.dv4) {
+                    add_grad_b(at + 4u * g, grad_value[r * LANE_DV + c], lanes(g, z.dv), block.split > 0u);
+                }
+            }
+        }
     }
 }
 

@@ -165,8 +165,9 @@ fn sdpa_matches_cpu_reference_where_rows_come_in_eights() {
     check_against_reference(device(), 1, (8, 40_000), (4, 4), false);
 }
 
-/// The kernels without subgroups (GPUs, GL) agree with the shared ones: a software device set
-/// to the GPU kernel flavor runs them.
+/// The GPU flavour's kernels (flash tiles; in lane groups where the device has subgroups, as
+/// lavapipe has) agree with the CPU flavour's (the shared ones on 8-wide subgroups): a
+/// software device set to the GPU kernel flavour runs them.
 #[test]
 fn sdpa_kernels_without_subgroups_match_the_shared_ones() {
     let dev = Device::software().unwrap();
@@ -195,10 +196,11 @@ fn sdpa_kernels_without_subgroups_match_the_shared_ones() {
     }
 }
 
-/// The GPU flavour's flash tiles (a workgroup owns 64 rows of one head; a tile holds 32 keys of
-/// 64 features, or 64 of fewer) against the reference: rows and keys past one block and one
-/// tile, padding rows, causal with more keys than queries and fewer, ragged features, and
-/// lengths past 65,536 on either side (the loops split across invocations).
+/// The GPU flavour's flash tiles (a workgroup owns 64 rows of one head, in lane groups of 8
+/// rows where the device has subgroups; a tile holds 32 keys of 64 features, or 64 of fewer)
+/// against the reference: rows and keys past one block and one
+/// tile, padding rows, causal with more keys than queries and fewer, ragged and wide features,
+/// and lengths past 65,536 on either side (the loops split across invocations).
 #[test]
 fn sdpa_flash_tiles_match_cpu_reference() {
     let dev = Device::software().unwrap();
@@ -207,6 +209,8 @@ fn sdpa_flash_tiles_match_cpu_reference() {
         check_against_reference(&dev, 3, (130, 70), (64, 64), causal);
         check_against_reference(&dev, 2, (65, 129), (6, 3), causal);
     }
+    // Three feature groups a lane in the lane groups, and value rows ending inside a group.
+    check_against_reference(&dev, 1, (70, 33), (96, 40), true);
     check_against_reference(&dev, 1, (2, 70_000), (4, 4), false);
     check_against_reference(&dev, 1, (70_000, 2), (4, 4), true);
 }

@@ -188,7 +188,8 @@ static ATTENTION: ShaderFamily = ShaderFamily {
 };
 
 /// The module for heads of `d` q/k features and `dv` v features, reading four features per
-/// load when `aligned`, with the `*_shared` entries where the device has `subgroups` 8 wide,
+/// load when `aligned`, with the subgroup sections (`*_shared`, `*_tiled_lanes`) where
+/// `subgroups` (the device runs one of them),
 /// for a mask of `mask_kind` (see [`MaskKind`]).
 fn source(d: usize, dv: usize, aligned: bool, subgroups: bool, mask_kind: u32) -> String {
     let source = ATTENTION.source(&[
@@ -225,9 +226,11 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 const TILE_BYTES: usize = 16 << 10;
 
 /// Rows of the other side per tile in the `*_tiled` entries, for rows of `d` q/k and `dv` v
-/// features: as many as fit both tiles in [`TILE_BYTES`], at most one per invocation.
+/// features (feature groups of 4 padded to whole 8s): as many as fit both tiles in
+/// [`TILE_BYTES`], at most one per invocation.
 fn tile_rows(d: usize, dv: usize) -> usize {
-    let vec4s_per_row = (d.div_ceil(4) + dv.div_ceil(4)).max(1);
+    let padded = |features: usize| features.div_ceil(4).next_multiple_of(8);
+    let vec4s_per_row = (padded(d) + padded(dv)).max(1);
     (TILE_BYTES / 16 / vec4s_per_row).clamp(1, ATTENTION_WORKGROUP)
 }
 
@@ -244,8 +247,13 @@ enum Entries {
     /// whose loads are loops over its lanes.
     Shared,
     /// `*_tiled` (flash-attention tiles): a workgroup owns 64 rows of one head and stages the
-    /// other side in workgroup memory. The GPU kernel flavour.
+    /// other side in workgroup memory. The GPU kernel flavour on adapters without subgroups
+    /// of 8 or more lanes.
     Tiled,
+    /// `*_tiled_lanes`: the same tiles, register-blocked: 8 lanes of a subgroup own 8 rows,
+    /// each lane an eighth of their features, and meet through subgroup shuffles. The GPU
+    /// kernel flavour where subgroups have 8 or more lanes.
+    TiledLanes,
 }
 
 /// The passes each set of entries has: the forward (owning query rows), the query grad
@@ -264,6 +272,9 @@ impl Entries {
             device.inner.limits.max_compute_workgroup_storage_size as usize >= TILE_BYTES;
         match device.kernel_flavor() {
             KernelFlavor::Cpu if device.subgroup_size() == Some(8) => Entries::Shared,
+            KernelFlavor::Gpu if tiles_fit && device.subgroup_size().is_some_and(|w| w >= 8) => {
+                Entries::TiledLanes
+            }
             KernelFlavor::Gpu if tiles_fit => Entries::Tiled,
             _ => Entries::PerRow,
         }
@@ -281,6 +292,9 @@ impl Entries {
             (Entries::Tiled, Pass::Forward) => "forward_tiled",
             (Entries::Tiled, Pass::QueryGrad) => "backward_query_tiled",
             (Entries::Tiled, Pass::KeyValueGrad) => "backward_key_tiled",
+            (Entries::TiledLanes, Pass::Forward) => "forward_tiled_lanes",
+            (Entries::TiledLanes, Pass::QueryGrad) => "backward_query_tiled_lanes",
+            (Entries::TiledLanes, Pass::KeyValueGrad) => "backward_key_tiled_lanes",
         }
     }
 
@@ -291,7 +305,7 @@ impl Entries {
         match self {
             Entries::PerRow => heads * t,
             Entries::Shared => heads * t.next_multiple_of(8),
-            Entries::Tiled => heads * t.next_multiple_of(ATTENTION_WORKGROUP),
+            Entries::Tiled | Entries::TiledLanes => heads * t.next_multiple_of(ATTENTION_WORKGROUP),
         }
     }
 }
@@ -309,7 +323,7 @@ fn run(
     let aligned = s.d.is_multiple_of(4)
         && s.dv.is_multiple_of(4)
         && operands.iter().all(|layout| layout.aligned());
-    let subgroups = Entries::of(dev) == Entries::Shared;
+    let subgroups = matches!(Entries::of(dev), Entries::Shared | Entries::TiledLanes);
     let mask = s.mask_kind;
     let specialise = || source(s.d, s.dv, aligned, subgroups, mask);
     let variant = format!(
