@@ -22,7 +22,7 @@
 //             aligned vec4; any: one element at a time.
 // B_SOURCE (matrix or image) says what every kernel but `small_tiled` multiplies by: B as
 // above, or a 2-d convolution's column matrix read from the input images (see b_columns_image
-// and stage_b_panel_image).
+// and load_b_panel_image).
 // It also splices two facts about the shape, so that code the shape never runs is compiled out
 // (software adapters compile every load and store into a loop over lanes, and the per-element
 // paths doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group
@@ -659,12 +659,18 @@ fn operands_of(batch: u32) -> Operands {
                     pu(MATMUL_B_ROW_STRIDE), pu(MATMUL_B_COL_STRIDE));
 }
 
-const BLOCK_K: u32 = 16u;
-// The block kernels' panels of A and B, k-major, four rows (columns) to a vec4:
-// [BLOCK_K][block / 4], sized for the 128 block: 16 KiB in all, WebGPU's default workgroup
-// storage (the 64 block uses a quarter).
+const BLOCK_K: u32 = 8u;
+// The block kernels' panels of A and B, k-major, four rows (columns) to a vec4, two of each
+// (double-buffered: one is read while the next is written): [2][BLOCK_K][block / 4], sized
+// for the 128 block: 16 KiB in all, WebGPU's default workgroup storage (the 64 block uses
+// half).
 var<workgroup> a_block: array<vec4<f32>, 512>;
 var<workgroup> b_block: array<vec4<f32>, 512>;
+// Vec4s of one panel buffer of A (of B): BLOCK_K x 128 / 4.
+const PANEL: u32 = 256u;
+// Elements of a panel an invocation stages: BLOCK_K x block / (block / 8)^2, 4 for the 128
+// block, 8 for the 64.
+const PANEL_LOADS: u32 = 8u;
 
 // The element of a `block` x BLOCK_K panel that invocation `lid` (of `threads`) stages in its
 // `j`th load: (k within the panel, row or column within the tile). Consecutive invocations
@@ -699,55 +705,94 @@ fn panel_column_image(o: Operands, col0: u32, in_tile: u32) -> PanelColumn {
     return PanelColumn(col0, in_tile, c.image_at.x, c.y0.x, c.x0.x);
 }
 
-// Stages the B panel of rows k0 .. k0 + BLOCK_K of the tile starting at column `column.col0`,
-// by invocation `lid` (of (block / 8)^2), 0 past the edges. A matrix is staged element by
-// element in the order of its unit stride.
-fn stage_b_panel_matrix(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) {
+// The elements of the A panel of rows `row0` .. `row0 + block`, k0 .. k0 + BLOCK_K that
+// invocation `lid` (of (block / 8)^2) stages (see panel_element), 0 past the edges.
+fn load_a_panel(o: Operands, row0: u32, lid: u32, k0: u32, block: u32) -> array<f32, PANEL_LOADS> {
     let threads = (block / 8u) * (block / 8u);
+    var values: array<f32, PANEL_LOADS>;
     for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
-        let eb = panel_element(lid, j, o.b_rs == 1u, block, threads);
-        let c = column.col0 + eb.y;
-        var bv = 0.0;
-        if (k0 + eb.x < o.k_len && c < o.n) {
-            bv = b_at(o.b_base + (k0 + eb.x) * o.b_rs + c * o.b_cs);
+        let ea = panel_element(lid, j, o.a_cs == 1u, block, threads);
+        let r = row0 + ea.y;
+        if (k0 + ea.x < o.k_len && r < o.m) {
+            values[j] = a_at(o.a_base + r * o.a_rs + (k0 + ea.x) * o.a_cs);
         }
-        b_block[eb.x * (block / 4u) + eb.y / 4u][eb.y % 4u] = bv;
     }
+    return values;
 }
 
-// As stage_b_panel_matrix, from the images: each invocation keeps its column and stages the
-// rows `lid / block + j threads / block`; consecutive invocations read consecutive pixels of
-// a row of the image (for unit stride). A row k is split into its tap (ty, tx) and channel
+// Where invocation `lid`'s `j`th element of a B panel goes: (k within the panel, column
+// within the tile). A matrix is staged element by element in the order of its unit stride;
+// from the images each invocation keeps its column and stages the rows `lid / block + j
+// threads / block`, so that consecutive invocations read consecutive pixels of an image row.
+fn b_panel_slot_matrix(o: Operands, column: PanelColumn, lid: u32, j: u32, block: u32) -> vec2<u32> {
+    return panel_element(lid, j, o.b_rs == 1u, block, (block / 8u) * (block / 8u));
+}
+
+fn b_panel_slot_image(o: Operands, column: PanelColumn, lid: u32, j: u32, block: u32) -> vec2<u32> {
+    let threads = (block / 8u) * (block / 8u);
+    return vec2<u32>(lid / block + j * (threads / block), column.in_tile);
+}
+
+// The elements of the B panel of rows k0 .. k0 + BLOCK_K of the tile starting at column
+// `column.col0` that invocation `lid` stages, 0 past the edges.
+fn load_b_panel_matrix(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) -> array<f32, PANEL_LOADS> {
+    let threads = (block / 8u) * (block / 8u);
+    var values: array<f32, PANEL_LOADS>;
+    for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
+        let eb = b_panel_slot_matrix(o, column, lid, j, block);
+        let c = column.col0 + eb.y;
+        if (k0 + eb.x < o.k_len && c < o.n) {
+            values[j] = b_at(o.b_base + (k0 + eb.x) * o.b_rs + c * o.b_cs);
+        }
+    }
+    return values;
+}
+
+// As load_b_panel_matrix, from the images: a row k is split into its tap (ty, tx) and channel
 // by two divisions, which a GPU hides behind the loads.
-fn stage_b_panel_image(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) {
+fn load_b_panel_image(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) -> array<f32, PANEL_LOADS> {
     let threads = (block / 8u) * (block / 8u);
     let h = pu(MATMUL_CONV_HEIGHT);
     let w = pu(MATMUL_CONV_WIDTH);
     let c_in = pu(MATMUL_CONV_C_IN);
     let kernel_w = pu(MATMUL_CONV_KERNEL_W);
-    let in_tile = column.in_tile;
+    var values: array<f32, PANEL_LOADS>;
     for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
-        let kk = lid / block + j * (threads / block);
-        let k = k0 + kk;
+        let k = k0 + b_panel_slot_image(o, column, lid, j, block).x;
         let tap = k / c_in;
         let channel = k - tap * c_in;
         let ty = tap / kernel_w;
         let y = column.y0 + i32(ty * pu(MATMUL_CONV_DILATION_H));
         let x = column.x0 + i32((tap - ty * kernel_w) * pu(MATMUL_CONV_DILATION_W));
-        var bv = 0.0;
-        if (k < pu(MATMUL_CONV_K) && column.col0 + in_tile < o.n && u32(y) < h && u32(x) < w) {
-            bv = b_at(u32(column.image_at + i32(channel * h * w) + y * i32(w) + x));
+        if (k < pu(MATMUL_CONV_K) && column.col0 + column.in_tile < o.n && u32(y) < h && u32(x) < w) {
+            values[j] = b_at(u32(column.image_at + i32(channel * h * w) + y * i32(w) + x));
         }
-        b_block[kk * (block / 4u) + in_tile / 4u][in_tile % 4u] = bv;
+    }
+    return values;
+}
+
+// Writes the elements invocation `lid` loaded (load_a_panel, load_b_panel_*) into panel
+// buffer `buffer`.
+fn store_panels(a: ptr<function, array<f32, PANEL_LOADS>>, b: ptr<function, array<f32, PANEL_LOADS>>, o: Operands,
+                column: PanelColumn, lid: u32, buffer: u32, block: u32) {
+    let threads = (block / 8u) * (block / 8u);
+    let quads = block / 4u;
+    for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
+        let ea = panel_element(lid, j, o.a_cs == 1u, block, threads);
+        a_block[buffer * PANEL + ea.x * quads + ea.y / 4u][ea.y % 4u] = (*a)[j];
+        let eb = b_panel_slot_B_SOURCE(o, column, lid, j, block);
+        b_block[buffer * PANEL + eb.x * quads + eb.y / 4u][eb.y % 4u] = (*b)[j];
     }
 }
 
 // `block` x `block` outputs per workgroup of (block / 8)^2 invocations, 8 x 8 per invocation,
-// for GPUs: each step of BLOCK_K along k stages a panel of A and of B in workgroup memory,
-// then every invocation reads 4 vec4s per k for 64 multiply-adds. Invocation (ty, tx) keeps
-// rows ty*4.. and block/2 + ty*4.., columns tx*4.. and block/2 + tx*4.., so that the
-// invocations reading one panel row read consecutive vec4s. `block` is 128 or 64, a constant
-// at each call, so every loop bound below folds.
+// for GPUs: each step of BLOCK_K along k reads a panel of A and of B from workgroup memory,
+// every invocation 4 vec4s per k for 64 multiply-adds. Invocation (ty, tx) keeps rows ty*4..
+// and block/2 + ty*4.., columns tx*4.. and block/2 + tx*4.., so that the invocations reading
+// one panel row read consecutive vec4s. The panels are double-buffered: an invocation loads
+// its elements of the next panels into registers before this step's products (a GPU overlaps
+// the loads with them) and writes them into the other buffer after, so each step has one
+// barrier. `block` is 128 or 64, a constant at each call, so every loop bound below folds.
 fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
     let t = tile_of(wid, nwg, block, block);
     // Uniform across the workgroup, so the early return cannot split a barrier.
@@ -756,7 +801,6 @@ fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
     }
     let o = operands_of(t.batch);
     let side = block / 8u; // invocations along each side of the tile
-    let threads = side * side;
     let quads = block / 4u; // vec4s per panel row
     let ty = lid / side;
     let tx = lid % side;
@@ -765,27 +809,32 @@ fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
     var acc_lh = mat4x4<f32>();
     var acc_hh = mat4x4<f32>();
     let b_column = panel_column_B_SOURCE(o, t.col0, lid % block);
+    var a_next = load_a_panel(o, t.row0, lid, 0u, block);
+    var b_next = load_b_panel_B_SOURCE(o, b_column, lid, 0u, block);
+    store_panels(&a_next, &b_next, o, b_column, lid, 0u, block);
+    workgroupBarrier();
+    var buffer = 0u;
     for (var k0 = 0u; k0 < o.k_len; k0 = k0 + BLOCK_K) {
-        for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
-            let ea = panel_element(lid, j, o.a_cs == 1u, block, threads);
-            let r = t.row0 + ea.y;
-            var av = 0.0;
-            if (k0 + ea.x < o.k_len && r < o.m) {
-                av = a_at(o.a_base + r * o.a_rs + (k0 + ea.x) * o.a_cs);
-            }
-            a_block[ea.x * quads + ea.y / 4u][ea.y % 4u] = av;
+        // Uniform across the workgroup, as the barrier below needs.
+        let more = k0 + BLOCK_K < o.k_len;
+        if (more) {
+            a_next = load_a_panel(o, t.row0, lid, k0 + BLOCK_K, block);
+            b_next = load_b_panel_B_SOURCE(o, b_column, lid, k0 + BLOCK_K, block);
         }
-        stage_b_panel_B_SOURCE(o, b_column, lid, k0, block);
-        workgroupBarrier();
+        let at = buffer * PANEL;
         for (var kk = 0u; kk < BLOCK_K; kk = kk + 1u) {
-            let a_lo = a_block[kk * quads + ty];
-            let a_hi = a_block[kk * quads + side + ty];
-            let b_lo = b_block[kk * quads + tx];
-            let b_hi = b_block[kk * quads + side + tx];
+            let a_lo = a_block[at + kk * quads + ty];
+            let a_hi = a_block[at + kk * quads + side + ty];
+            let b_lo = b_block[at + kk * quads + tx];
+            let b_hi = b_block[at + kk * quads + side + tx];
             acc_ll = acc_ll + outer(a_lo, b_lo);
             acc_hl = acc_hl + outer(a_hi, b_lo);
             acc_lh = acc_lh + outer(a_lo, b_hi);
             acc_hh = acc_hh + outer(a_hi, b_hi);
+        }
+        buffer = 1u - buffer;
+        if (more) {
+            store_panels(&a_next, &b_next, o, b_column, lid, buffer, block);
         }
         workgroupBarrier();
     }
