@@ -104,9 +104,10 @@ impl Device {
             None if shader_f16 => F16Reads::Native,
             None => F16Reads::Hardware,
         };
-        let subgroup_size = (features.contains(wgpu::Features::SUBGROUP)
-            && adapter_info.subgroup_min_size == adapter_info.subgroup_max_size)
+        let min_subgroup_size = features
+            .contains(wgpu::Features::SUBGROUP)
             .then_some(adapter_info.subgroup_min_size);
+        let subgroup_size = min_subgroup_size.filter(|&min| min == adapter_info.subgroup_max_size);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("wgrad"),
             required_features: features,
@@ -151,6 +152,7 @@ impl Device {
                         .map_or(!info.is_software(), |f| f == KernelFlavor::Gpu),
                 ),
                 subgroup_size,
+                min_subgroup_size,
                 shader_f16,
                 f16_reads: AtomicU8::new(f16_reads.code()),
                 info,

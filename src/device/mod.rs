@@ -203,6 +203,8 @@ pub(crate) struct DeviceInner {
     errors: Arc<Mutex<Vec<String>>>,
     /// The subgroup width, when the device has subgroup operations and a fixed width.
     subgroup_size: Option<u32>,
+    /// The least subgroup width, when the device has subgroup operations (fixed or not).
+    min_subgroup_size: Option<u32>,
     /// True when the device runs `KernelFlavor::Gpu`.
     gpu_flavor: AtomicBool,
     /// True when the adapter has `SHADER_F16` (WGSL's `f16`), which `F16Reads::Native` needs.
@@ -283,6 +285,13 @@ impl Device {
     /// and a fixed subgroup width (8 on lavapipe).
     pub fn subgroup_size(&self) -> Option<u32> {
         self.inner.subgroup_size
+    }
+
+    /// The least width a subgroup may have, where the device has subgroup operations: kernels
+    /// that only need subgroups at least so wide run on devices whose width varies (32 or 64
+    /// on AMD).
+    pub(crate) fn min_subgroup_size(&self) -> Option<u32> {
+        self.inner.min_subgroup_size
     }
 
     /// True where the adapter has `SHADER_F16` (WGSL's `f16` type), and kernels may bind F16

@@ -272,7 +272,9 @@ impl Entries {
             device.inner.limits.max_compute_workgroup_storage_size as usize >= TILE_BYTES;
         match device.kernel_flavor() {
             KernelFlavor::Cpu if device.subgroup_size() == Some(8) => Entries::Shared,
-            KernelFlavor::Gpu if tiles_fit && device.subgroup_size().is_some_and(|w| w >= 8) => {
+            KernelFlavor::Gpu
+                if tiles_fit && device.min_subgroup_size().is_some_and(|w| w >= 8) =>
+            {
                 Entries::TiledLanes
             }
             KernelFlavor::Gpu if tiles_fit => Entries::Tiled,
