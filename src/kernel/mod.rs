@@ -175,6 +175,15 @@ impl RowLanes {
         }
     }
 
+    /// Workgroups of `workgroup` invocations that run `rows` rows on `device`: a row each, or
+    /// as many rows as a workgroup has subgroups.
+    pub fn workgroups(self, device: &Device, rows: usize, workgroup: usize) -> u32 {
+        match (self, device.subgroup_size()) {
+            (RowLanes::Subgroup, Some(width)) => groups(rows, workgroup / width as usize),
+            _ => rows as u32,
+        }
+    }
+
     /// Whether the module keeps its SUBGROUP SECTIONs.
     pub fn subgroups(self) -> bool {
         self != RowLanes::WorkgroupTree

@@ -153,10 +153,10 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     };
     let device = pass.src.device();
     let lanes = RowLanes::of(device, k <= SUBGROUP_ROW_MAX_LEN);
-    let workgroups = match (serial, lanes, device.subgroup_size()) {
-        (true, _, _) => groups(m, SERIAL_ROWS_PER_GROUP),
-        (false, RowLanes::Subgroup, Some(width)) => groups(m, ROWS_WG / width as usize),
-        (false, _, _) => m as u32,
+    let workgroups = if serial {
+        groups(m, SERIAL_ROWS_PER_GROUP)
+    } else {
+        lanes.workgroups(device, m, ROWS_WG)
     };
     let source = move || softmax_source(lanes);
     let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), lanes.name(), &source);
