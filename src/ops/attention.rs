@@ -189,8 +189,7 @@ static ATTENTION: ShaderFamily = ShaderFamily {
 
 /// The module for heads of `d` q/k features and `dv` v features, reading four features per
 /// load when `aligned`, with the subgroup sections (`*_shared`, `*_tiled_lanes`) where
-/// `subgroups` (the device runs one of them),
-/// for a mask of `mask_kind` (see [`MaskKind`]).
+/// `subgroups` (the device runs one of them), for a mask of `mask_kind` (see [`MaskKind`]).
 fn source(d: usize, dv: usize, aligned: bool, subgroups: bool, mask_kind: u32) -> String {
     let source = ATTENTION.source(&[
         ("ALIGNED", if aligned { "true" } else { "false" }),
