@@ -12,6 +12,16 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// CI runs the GPU kernels' tests a second time with `WGRAD_SUBGROUPS=off`, so that their
+/// subgroup-free forms run on lavapipe too: the device must then have no subgroups.
+#[test]
+fn wgrad_subgroups_off_leaves_the_device_without_subgroups() {
+    let _s = serial();
+    if std::env::var("WGRAD_SUBGROUPS").is_ok_and(|v| v.eq_ignore_ascii_case("off")) {
+        assert_eq!(device().subgroup_size(), None);
+    }
+}
+
 #[test]
 fn info_names_the_adapter_backend_and_type() {
     let _s = serial();

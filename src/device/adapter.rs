@@ -94,7 +94,11 @@ impl Device {
         let limits = adapter.limits();
         // Subgroup operations, where the adapter has them, let kernels share loads across a
         // subgroup (matmul on llvmpipe); WGSL's f16 lets them bind F16 tensors as such.
-        let features = adapter.features() & (wgpu::Features::SUBGROUP | wgpu::Features::SHADER_F16);
+        let wanted = match subgroups_from_env()? {
+            Some(false) => wgpu::Features::SHADER_F16,
+            _ => wgpu::Features::SUBGROUP | wgpu::Features::SHADER_F16,
+        };
+        let features = adapter.features() & wanted;
         let shader_f16 = features.contains(wgpu::Features::SHADER_F16);
         let f16_reads = match f16_reads_from_env()? {
             Some(reads) => {
@@ -189,6 +193,17 @@ fn kernel_flavor_from_env() -> Result<Option<KernelFlavor>> {
 pub(super) fn kernel_flavor_from(setting: Option<String>) -> Result<Option<KernelFlavor>> {
     let choices = [("gpu", KernelFlavor::Gpu), ("cpu", KernelFlavor::Cpu)];
     choice_from("WGRAD_KERNEL_FLAVOR", setting, &choices)
+}
+
+/// `WGRAD_SUBGROUPS=off` or `=on`: whether the device may use the adapter's subgroup
+/// operations (unset: where it has them). Off, every kernel runs its subgroup-free form (how
+/// CI runs those on lavapipe, and a way around a driver whose subgroups misbehave).
+fn subgroups_from_env() -> Result<Option<bool>> {
+    subgroups_from(std::env::var("WGRAD_SUBGROUPS").ok())
+}
+
+pub(super) fn subgroups_from(setting: Option<String>) -> Result<Option<bool>> {
+    choice_from("WGRAD_SUBGROUPS", setting, &[("on", true), ("off", false)])
 }
 
 /// `WGRAD_F16_READS=native`, `=hardware` or `=integer`: how kernels read F16 elements (see

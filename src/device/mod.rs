@@ -282,7 +282,7 @@ impl Device {
     }
 
     /// The subgroup width kernels may rely on: `Some` when the device has subgroup operations
-    /// and a fixed subgroup width (8 on lavapipe).
+    /// and a fixed subgroup width (8 on lavapipe), `None` under `WGRAD_SUBGROUPS=off`.
     pub fn subgroup_size(&self) -> Option<u32> {
         self.inner.subgroup_size
     }
@@ -439,7 +439,7 @@ impl DeviceInner {
 
 #[cfg(test)]
 mod tests {
-    use super::adapter::{backends_from, f16_reads_from, kernel_flavor_from};
+    use super::adapter::{backends_from, f16_reads_from, kernel_flavor_from, subgroups_from};
     use super::{Device, F16Reads, KernelFlavor};
 
     #[test]
@@ -465,6 +465,19 @@ mod tests {
         let err = flavor("fast").unwrap_err().to_string();
         assert!(
             err.contains("WGRAD_KERNEL_FLAVOR") && err.contains("fast"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn wgrad_subgroups_turns_them_off_or_is_an_error() {
+        let subgroups = |v: &str| subgroups_from(Some(v.into()));
+        assert_eq!(subgroups("off").unwrap(), Some(false));
+        assert_eq!(subgroups("ON").unwrap(), Some(true));
+        assert_eq!(subgroups_from(None).unwrap(), None);
+        let err = subgroups("0").unwrap_err().to_string();
+        assert!(
+            err.contains("WGRAD_SUBGROUPS") && err.contains("\"0\"") && err.contains("off"),
             "{err}"
         );
     }
