@@ -1189,9 +1189,7 @@ fn forward_tiled_lanes(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let j = t0 + r;
             var key = lane_tile_a(r, lane);
             let dots = lane_dots_d(&query, &key);
-            let score = masked_score(sum_rows8(array<vec2<f32>, 8>(
-                vec2<f32>(dots[0]), vec2<f32>(dots[1]), vec2<f32>(dots[2]), vec2<f32>(dots[3]),
-                vec2<f32>(dots[4]), vec2<f32>(dots[5]), vec2<f32>(dots[6]), vec2<f32>(dots[7])), lane).x, block.h, i, j);
+            let score = masked_score(pair_dots(dots, dots, lane).x, block.h, i, j);
             let live = j >= keys.x && j < keys.y && score != neg_inf();
             let m_new = select(m, max(m, score), live);
             let correction = select(1.0, exp(m - m_new), live);

@@ -72,6 +72,16 @@ fn variant(subgroups: bool) -> &'static str {
     }
 }
 
+/// The kernel of `entry` in the module whose workgroups reduce through subgroups where
+/// `subgroups` (see [`source`]).
+fn kernel_of(entry: &'static str, subgroups: bool) -> Kernel<'static> {
+    let specialise: &'static dyn Fn() -> String = match subgroups {
+        true => &|| source(true),
+        false => &|| source(false),
+    };
+    Kernel::specialised(&BATCH_NORM, entry, variant(subgroups), specialise)
+}
+
 /// Values of one channel one workgroup reduces (`PER_PART` in the shader).
 const PER_PART: usize = 16384;
 
@@ -129,25 +139,14 @@ pub(crate) fn batch_norm_training(
     let stats = Tensor::empty(op, &[channels, 3], DType::F32, dev)?;
     let out = Tensor::empty(op, x.shape(), DType::F32, dev)?;
     let subgroups = reduces_in_subgroups(dev);
-    let specialise = move || source(subgroups);
     if x.numel() > 0 {
-        let kernel = Kernel::specialised(
-            &BATCH_NORM,
-            "partial_stats",
-            variant(subgroups),
-            &specialise,
-        );
+        let kernel = kernel_of("partial_stats", subgroups);
         let bound = [(1, &x_c), (5, &partials)];
         Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
-        let kernel = Kernel::specialised(
-            &BATCH_NORM,
-            "channel_stats",
-            variant(subgroups),
-            &specialise,
-        );
+        let kernel = kernel_of("channel_stats", subgroups);
         let bound = [(5, &partials), (6, &stats)];
         Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
-        let kernel = Kernel::specialised(&BATCH_NORM, "normalise", variant(subgroups), &specialise);
+        let kernel = kernel_of("normalise", subgroups);
         let bound = [
             (1, &x_c),
             (2, &weight_bound),
@@ -181,24 +180,13 @@ pub(crate) fn batch_norm_training(
             let sums = Tensor::empty(op, &[channels, 2], DType::F32, dev)?;
             let grad_x = Tensor::empty(op, x_c.shape(), DType::F32, dev)?;
             if x_c.numel() > 0 {
-                let kernel = Kernel::specialised(
-                    &BATCH_NORM,
-                    "partial_grad_sums",
-                    variant(subgroups),
-                    &specialise,
-                );
+                let kernel = kernel_of("partial_grad_sums", subgroups);
                 let bound = [(1, &x_c), (5, &partials), (6, &stats), (7, &g)];
                 Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
-                let kernel = Kernel::specialised(
-                    &BATCH_NORM,
-                    "channel_grad_sums",
-                    variant(subgroups),
-                    &specialise,
-                );
+                let kernel = kernel_of("channel_grad_sums", subgroups);
                 let bound = [(5, &partials), (8, &sums)];
                 Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
-                let kernel =
-                    Kernel::specialised(&BATCH_NORM, "input_grad", variant(subgroups), &specialise);
+                let kernel = kernel_of("input_grad", subgroups);
                 let bound = [
                     (1, &x_c),
                     (2, &weight_bound),
