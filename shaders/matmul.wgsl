@@ -325,6 +325,17 @@ fn a_blocks_any(v: vec4<f32>) -> APair {
     return a_blocks_k(v);
 }
 
+// Lanes 0-3's and lanes 4-7's values as two columns of 4 rows.
+struct LaneRows {
+    lo: vec4<f32>,
+    hi: vec4<f32>,
+}
+
+fn lane_rows(v: f32) -> LaneRows {
+    return LaneRows(vec4<f32>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u), subgroupBroadcast(v, 2u), subgroupBroadcast(v, 3u)),
+                    vec4<f32>(subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u), subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u)));
+}
+
 // Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8 at step k = 0
 // (see a_blocks_*; step k adds k times A's col stride); `a_base` is the batch's A[0][0]. Rows
 // past the last are clamped to valid ones, whose results are never stored.
@@ -413,16 +424,23 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             acc7 = acc7 + p3.hi * b_blk;
         }
     }
+    // The last k_len % 4 steps: lane l reads A[row0 + 8 j + l][k] of each 8 rows j, shared as
+    // in the main loop (4 load sites, where one per row block compiled into twice the code).
     for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
-        acc0 = acc0 + outer_at(a_base, b_base, k, rows_from(t.row0), cols);
-        acc1 = acc1 + outer_at(a_base, b_base, k, rows_from(t.row0 + 4u), cols);
-        acc2 = acc2 + outer_at(a_base, b_base, k, rows_from(t.row0 + 8u), cols);
-        acc3 = acc3 + outer_at(a_base, b_base, k, rows_from(t.row0 + 12u), cols);
+        let b = b_row_at(b_base, k, cols);
+        let p0 = lane_rows(a_at(a_lane_at_k(a_base, t.row0, lane) + k * a_cs));
+        acc0 = acc0 + outer(p0.lo, b);
+        acc1 = acc1 + outer(p0.hi, b);
+        let p1 = lane_rows(a_at(a_lane_at_k(a_base, t.row0 + 8u, lane) + k * a_cs));
+        acc2 = acc2 + outer(p1.lo, b);
+        acc3 = acc3 + outer(p1.hi, b);
         if (TALL_ROWSu == 32u) {
-            acc4 = acc4 + outer_at(a_base, b_base, k, rows_from(t.row0 + 16u), cols);
-            acc5 = acc5 + outer_at(a_base, b_base, k, rows_from(t.row0 + 20u), cols);
-            acc6 = acc6 + outer_at(a_base, b_base, k, rows_from(t.row0 + 24u), cols);
-            acc7 = acc7 + outer_at(a_base, b_base, k, rows_from(t.row0 + 28u), cols);
+            let p2 = lane_rows(a_at(a_lane_at_k(a_base, t.row0 + 16u, lane) + k * a_cs));
+            acc4 = acc4 + outer(p2.lo, b);
+            acc5 = acc5 + outer(p2.hi, b);
+            let p3 = lane_rows(a_at(a_lane_at_k(a_base, t.row0 + 24u, lane) + k * a_cs));
+            acc6 = acc6 + outer(p3.lo, b);
+            acc7 = acc7 + outer(p3.hi, b);
         }
     }
     // Transposed, column i of each accumulator is one output row's 4 columns. The rows are
@@ -483,12 +501,16 @@ fn cols_from(c0: u32) -> vec4<u32> {
     return min(vec4<u32>(c0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
 }
 
-// One step along k, for the last k_len % 4 steps: the outer product of A[rows][k] and
-// B[k][cols], read element by element. `a_base`, `b_base` are the batch's offsets.
-fn outer_at(a_base: u32, b_base: u32, k: u32, rows: vec4<u32>, cols: vec4<u32>) -> mat4x4<f32> {
-    let ao = a_base + k * pu(MATMUL_A_COL_STRIDE);
-    let bo = b_base + k * pu(MATMUL_B_ROW_STRIDE);
-    return outer(a_at4(ao + rows * pu(MATMUL_A_ROW_STRIDE)), b_at4(bo + cols * pu(MATMUL_B_COL_STRIDE)));
+// For the last k_len % 4 steps along k, read element by element: A[rows][k] and B[k][cols]
+// (`a_base`, `b_base`: the batch's offsets). A step reads its row of B once for all its row
+// blocks: each load site costs a software adapter compile time (one per lane), and reading B
+// per row block doubled the compile time of a kernel with a tail.
+fn a_column_at(a_base: u32, k: u32, rows: vec4<u32>) -> vec4<f32> {
+    return a_at4(a_base + k * pu(MATMUL_A_COL_STRIDE) + rows * pu(MATMUL_A_ROW_STRIDE));
+}
+
+fn b_row_at(b_base: u32, k: u32, cols: vec4<u32>) -> vec4<f32> {
+    return b_at4(b_base + k * pu(MATMUL_B_ROW_STRIDE) + cols * pu(MATMUL_B_COL_STRIDE));
 }
 
 // The elements of A (of B) at four element offsets.
@@ -582,10 +604,14 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         acc_hh = acc_hh + a_blk_hi * b_blk_hi;
     }
     for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
-        acc_ll = acc_ll + outer_at(a_base, b_base, k, rows_lo, cols_lo);
-        acc_hl = acc_hl + outer_at(a_base, b_base, k, rows_hi, cols_lo);
-        acc_lh = acc_lh + outer_at(a_base, b_base, k, rows_lo, cols_hi);
-        acc_hh = acc_hh + outer_at(a_base, b_base, k, rows_hi, cols_hi);
+        let a_k_lo = a_column_at(a_base, k, rows_lo);
+        let a_k_hi = a_column_at(a_base, k, rows_hi);
+        let b_k_lo = b_row_at(b_base, k, cols_lo);
+        let b_k_hi = b_row_at(b_base, k, cols_hi);
+        acc_ll = acc_ll + outer(a_k_lo, b_k_lo);
+        acc_hl = acc_hl + outer(a_k_hi, b_k_lo);
+        acc_lh = acc_lh + outer(a_k_lo, b_k_hi);
+        acc_hh = acc_hh + outer(a_k_hi, b_k_hi);
     }
     store_block8(t.batch, t.row0, col_lo, vec2<u32>(4u), acc_ll, acc_hl, acc_lh, acc_hh);
 }
