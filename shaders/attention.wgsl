@@ -798,6 +798,33 @@ fn padded_group(side: u32, at: u32, c: u32, n4: u32, len: u32) -> vec4<f32> {
     return select(vec4<f32>(0.0), row4(side, at, min(c, n4 - 1u), len), c < n4);
 }
 
+// A register row: the row of `side` at `at` as `D8` (`DV8`) groups times `scale`, zero from
+// group `n4` on. The groups are read in a rolled loop, one storage access site where a loop
+// of constant bound compiles one per group (each site costs lavapipe 25 compile time: 16 of
+// them took the `*_shared` backward kernels to 0.7-0.9 s), and each lands with selects at
+// constant indices: indexing the array with the loop's counter would move it to memory.
+fn padded_row_d(side: u32, at: u32, n4: u32, len: u32, scale: f32) -> array<vec4<f32>, D8> {
+    var row: array<vec4<f32>, D8>;
+    for (var c = 0u; c < rolled(D8); c = c + 1u) {
+        let group = padded_group(side, at, c, n4, len) * scale;
+        for (var e = 0u; e < D8; e = e + 1u) {
+            row[e] = select(row[e], group, c == e);
+        }
+    }
+    return row;
+}
+
+fn padded_row_dv(side: u32, at: u32, n4: u32, len: u32) -> array<vec4<f32>, DV8> {
+    var row: array<vec4<f32>, DV8>;
+    for (var c = 0u; c < rolled(DV8); c = c + 1u) {
+        let group = padded_group(side, at, c, n4, len);
+        for (var e = 0u; e < DV8; e = e + 1u) {
+            row[e] = select(row[e], group, c == e);
+        }
+    }
+    return row;
+}
+
 // The dot product of a register row (`D8` groups of q/k features) with the row of `side` at
 // `at`, which the subgroup's lanes load a group each and broadcast.
 fn dot_shared(row: ptr<function, array<vec4<f32>, D8>>, side: u32, at: u32, lane: u32, z: Sizes) -> f32 {
@@ -859,10 +886,7 @@ fn forward_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
     let kv = key_value_rows(row.h);
     let z = sizes();
-    var query: array<vec4<f32>, D8>;
-    for (var c = 0u; c < D8; c = c + 1u) {
-        query[c] = padded_group(0u, row_start(row.h, row.i, ATTENTION_Q_LAYOUT), c, z.d4, z.d) * z.scale;
-    }
+    var query = padded_row_d(0u, row_start(row.h, row.i, ATTENTION_Q_LAYOUT), z.d4, z.d, z.scale);
     var acc: array<vec4<f32>, DV8>;
     var m = neg_inf();
     var l = 0.0;
@@ -906,15 +930,9 @@ fn backward_query_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
         return;
     }
     let kv = key_value_rows(query_row.h);
-    var query: array<vec4<f32>, D8>;
+    var query = padded_row_d(0u, row_start(query_row.h, query_row.i, ATTENTION_Q_LAYOUT), z.d4, z.d, z.scale);
     var grad: array<vec4<f32>, D8>;
-    for (var c = 0u; c < D8; c = c + 1u) {
-        query[c] = padded_group(0u, row_start(query_row.h, query_row.i, ATTENTION_Q_LAYOUT), c, z.d4, z.d) * z.scale;
-    }
-    var dout: array<vec4<f32>, DV8>;
-    for (var c = 0u; c < DV8; c = c + 1u) {
-        dout[c] = padded_group(3u, row_start(query_row.h, query_row.i, ATTENTION_O_LAYOUT), c, z.dv4, z.dv);
-    }
+    var dout = padded_row_dv(3u, row_start(query_row.h, query_row.i, ATTENTION_O_LAYOUT), z.dv4, z.dv);
     let lse = stats[2u * (query_row.h * t_q + query_row.i)];
     let delta = stats[2u * (query_row.h * t_q + query_row.i) + 1u];
     let keys = key_range(query_row.i, query_row.split);
@@ -956,16 +974,10 @@ fn backward_key_shared(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let q_rs = pu(ATTENTION_Q_LAYOUT + 4u);
     let o_rs = pu(ATTENTION_O_LAYOUT + 4u);
     let group = pu(ATTENTION_GROUP);
-    var key: array<vec4<f32>, D8>;
+    var key = padded_row_d(1u, row_start(key_row.h, key_row.i, ATTENTION_K_LAYOUT), z.d4, z.d, z.scale);
     var grad_key: array<vec4<f32>, D8>;
-    for (var c = 0u; c < D8; c = c + 1u) {
-        key[c] = padded_group(1u, row_start(key_row.h, key_row.i, ATTENTION_K_LAYOUT), c, z.d4, z.d) * z.scale;
-    }
-    var value: array<vec4<f32>, DV8>;
+    var value = padded_row_dv(2u, row_start(key_row.h, key_row.i, ATTENTION_V_LAYOUT), z.dv4, z.dv);
     var grad_value: array<vec4<f32>, DV8>;
-    for (var c = 0u; c < DV8; c = c + 1u) {
-        value[c] = padded_group(2u, row_start(key_row.h, key_row.i, ATTENTION_V_LAYOUT), c, z.dv4, z.dv);
-    }
     let queries = query_range(key_row.i, key_row.split);
     // The subgroup's first key row is attended to by the most queries (causal: from itself on).
     let shared_queries = query_range(key_row.first, key_row.split);
