@@ -306,6 +306,80 @@ fn two_threads_share_one_device_without_interfering() {
     }
 }
 
+/// One thread compiles a fresh device's kernels while another reads values back from it: the
+/// device serialises the wgpu calls that take GL's context lock (compiling, submitting,
+/// polling, creating buffers) on a lock of its own, and a thread waiting there must neither
+/// deadlock nor disturb the other's results.
+#[test]
+fn a_thread_compiling_kernels_and_one_reading_share_a_fresh_device() {
+    let _s = serial();
+    let dev = Device::new().unwrap();
+    let x = Tensor::from_vec((0..64).map(|i| i as f32 / 64.0).collect(), &[8, 8], &dev).unwrap();
+    let compiling = {
+        let x = x.clone();
+        std::thread::spawn(move || {
+            let y = x.exp().unwrap().tanh().unwrap().sigmoid().unwrap();
+            let y = y.softmax(1).unwrap().cumsum(0).unwrap().gelu().unwrap();
+            y.to_vec().unwrap()
+        })
+    };
+    let reading = {
+        let x = x.clone();
+        std::thread::spawn(move || {
+            (0..20)
+                .map(|_| x.sum().unwrap().item().unwrap())
+                .collect::<Vec<f32>>()
+        })
+    };
+    let got = compiling.join().unwrap();
+    let sums = reading.join().unwrap();
+    let want: Vec<f64> = {
+        let v: Vec<f64> = (0..64).map(|i| i as f64 / 64.0).collect();
+        let sig = |t: f64| 1.0 / (1.0 + (-t).exp());
+        let y: Vec<f64> = v.iter().map(|&t| sig(t.exp().tanh())).collect();
+        let mut soft = vec![0.0; 64];
+        for r in 0..8 {
+            let row = &y[r * 8..r * 8 + 8];
+            let total: f64 = row.iter().map(|t| t.exp()).sum();
+            for c in 0..8 {
+                soft[r * 8 + c] = row[c].exp() / total;
+            }
+        }
+        let mut cum = soft.clone();
+        for r in 1..8 {
+            for c in 0..8 {
+                cum[r * 8 + c] += cum[(r - 1) * 8 + c];
+            }
+        }
+        let gelu = |t: f64| 0.5 * t * (1.0 + erf_reference(t / 2f64.sqrt()));
+        cum.iter().map(|&t| gelu(t)).collect()
+    };
+    assert_close(
+        &got,
+        &want,
+        1e-4,
+        "exp, tanh, sigmoid, softmax, cumsum, gelu",
+    );
+    let total: f32 = (0..64).map(|i| i as f32 / 64.0).sum();
+    for s in sums {
+        assert!((s - total).abs() <= 1e-4 * total, "sum {s}, want {total}");
+    }
+}
+
+/// erf by Abramowitz and Stegun 7.1.26 (|error| < 1.5e-7), for the gelu reference.
+fn erf_reference(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.3275911 * x.abs());
+    let poly = t
+        * (0.254829592
+            + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+    let y = 1.0 - poly * (-x * x).exp();
+    if x < 0.0 {
+        -y
+    } else {
+        y
+    }
+}
+
 #[test]
 fn matmul_reads_transposed_operands_without_copying_them() {
     let _s = serial();

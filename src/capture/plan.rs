@@ -116,7 +116,7 @@ fn encode_commands(
         .filter(|c| matches!(c, Command::Launch(_)))
         .count() as u64;
     let params_buffer = (launches > 0).then(|| {
-        inner.device.create_buffer(&wgpu::BufferDescriptor {
+        inner.create_buffer(&wgpu::BufferDescriptor {
             label: Some("wgrad plan params"),
             size: PARAMS_BYTES * launches,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
@@ -136,7 +136,7 @@ fn encode_commands(
                 l.encoded = Some(encoded_launch(l, kinds, device, params, params_offset));
             }
             Command::Upload(upload) => {
-                let staging = inner.device.create_buffer(&wgpu::BufferDescriptor {
+                let staging = inner.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("wgrad plan upload"),
                     size: (upload.data.len() as u64).max(4),
                     usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,

@@ -166,7 +166,7 @@ impl Device {
                 batch_limit,
                 params_buffer,
                 recorder: Mutex::default(),
-                queue_lock: Mutex::default(),
+                context_lock: Mutex::default(),
                 pool: Mutex::default(),
                 pipelines: Mutex::default(),
                 errors,

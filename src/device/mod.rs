@@ -194,9 +194,9 @@ pub(crate) struct DeviceInner {
     /// Uniform parameters of the open batch, written once when the batch is submitted.
     params_buffer: wgpu::Buffer,
     recorder: Mutex<Recorder>,
-    /// Held around each queue submission and each poll: wgpu-core asserts on a poll that
-    /// races another thread's submission.
-    queue_lock: Mutex<()>,
+    /// Held around every wgpu call that takes GL's context lock for long or often (see
+    /// [`DeviceInner::in_context`]); always the innermost lock wgrad takes.
+    context_lock: Mutex<()>,
     pool: Mutex<BufferPool>,
     pipelines: Mutex<PipelineCache>,
     /// Errors wgpu reported outside any scope, waiting to be returned as `Error::Device`.
@@ -328,7 +328,8 @@ impl Device {
         check_f16_reads(reads, self.inner.shader_f16, "Device::set_f16_reads")?;
         let code = reads.code();
         if self.inner.f16_reads.swap(code, Ordering::Relaxed) != code {
-            lock(&self.inner.pipelines).clear();
+            let mut pipelines = lock(&self.inner.pipelines);
+            self.inner.in_context(|| pipelines.clear());
         }
         Ok(())
     }
@@ -349,7 +350,8 @@ impl Device {
 
     /// Releases every pooled buffer back to the driver. Buffers in use are unaffected.
     pub fn empty_pool(&self) {
-        lock(&self.inner.pool).clear();
+        let mut pool = lock(&self.inner.pool);
+        self.inner.in_context(|| pool.clear());
     }
 
     /// True when both handles are the same device.
@@ -380,6 +382,22 @@ impl DeviceInner {
             .min(self.limits.max_buffer_size)
     }
 
+    /// Runs `f`, a wgpu call that takes the GL backend's context lock (a submission, a poll, a
+    /// queue write, creating a pipeline or a buffer, unmapping or releasing one), under
+    /// `context_lock`. wgpu's GL backend panics when a thread waits more than 6 s for its
+    /// context lock ("Could not lock adapter context"), as one does behind another thread's
+    /// cold pipeline link on a slow machine; threads wait on `context_lock` instead, with no
+    /// timeout. It also keeps a poll from racing a submission, which wgpu-core asserts on.
+    pub(crate) fn in_context<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _context = lock(&self.context_lock);
+        f()
+    }
+
+    /// Creates a buffer (under `context_lock`: see [`DeviceInner::in_context`]).
+    pub(crate) fn create_buffer(&self, desc: &wgpu::BufferDescriptor) -> wgpu::Buffer {
+        self.in_context(|| self.device.create_buffer(desc))
+    }
+
     /// A storage buffer of at least `bytes` bytes, from the pool when it has one of that size
     /// class. Its contents are undefined.
     pub(crate) fn alloc(&self, op: &'static str, bytes: u64) -> Result<wgpu::Buffer> {
@@ -391,7 +409,7 @@ impl DeviceInner {
         if let Some(buffer) = lock(&self.pool).take(class) {
             return Ok(buffer);
         }
-        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let buffer = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some(op),
             size: class,
             usage: wgpu::BufferUsages::STORAGE
@@ -413,13 +431,15 @@ impl DeviceInner {
     /// Drops the generated kernels no captured plan holds any more (see
     /// [`pipelines::GENERATED`]).
     pub(crate) fn release_unheld_generated_pipelines(&self) {
-        lock(&self.pipelines).release_unheld_generated();
+        let mut pipelines = lock(&self.pipelines);
+        self.in_context(|| pipelines.release_unheld_generated());
     }
 
     /// The compiled pipeline of `kernel`, compiling it at its first use.
     pub(crate) fn pipeline(&self, kernel: &PipelineSource) -> Arc<CachedPipeline> {
         let f16_reads = F16Reads::from_code(self.f16_reads.load(Ordering::Relaxed));
-        lock(&self.pipelines).get_or_compile(&self.device, f16_reads, kernel)
+        let mut pipelines = lock(&self.pipelines);
+        pipelines.get_or_compile(&self.device, &self.context_lock, f16_reads, kernel)
     }
 
     /// Returns the first error wgpu has reported since the last check, attributed to `op`.

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::{F16Reads, PipelineSource};
 
@@ -135,10 +135,12 @@ pub(crate) struct PipelineCache {
 impl PipelineCache {
     /// The cached pipeline for `kernel.key`, compiling its entry point on first use (and the
     /// module, the first time any entry of `kernel.module_key` is used), its F16 operands
-    /// read through `f16_reads`.
+    /// read through `f16_reads`. Compiles under `context` (the device's context lock: see
+    /// `DeviceInner::in_context`).
     pub fn get_or_compile(
         &mut self,
         device: &wgpu::Device,
+        context: &Mutex<()>,
         f16_reads: F16Reads,
         kernel: &PipelineSource,
     ) -> Arc<CachedPipeline> {
@@ -152,6 +154,7 @@ impl PipelineCache {
         if let Some(cached) = self.pipelines.get(key) {
             return cached.clone();
         }
+        let _context = context.lock().unwrap_or_else(|e| e.into_inner());
         let (module, writable, module_source) = self
             .modules
             .entry(module_key.to_string())

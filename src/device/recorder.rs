@@ -117,7 +117,7 @@ impl DeviceInner {
         if data.is_empty() {
             return Ok(());
         }
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let staging = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some("wgrad upload"),
             size: data.len() as u64,
             usage: wgpu::BufferUsages::COPY_SRC,
@@ -130,7 +130,7 @@ impl DeviceInner {
                 msg: e.to_string(),
             })?
             .copy_from_slice(data);
-        staging.unmap();
+        self.in_context(|| staging.unmap());
         let mut rec = lock(&self.recorder);
         self.open_encoder(&mut rec).copy_buffer_to_buffer(
             &staging,
@@ -174,7 +174,7 @@ impl DeviceInner {
             self.flush()?;
             return Ok(Vec::new());
         }
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let staging = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some("wgrad readback"),
             size: bytes,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
@@ -190,7 +190,9 @@ impl DeviceInner {
         let mapped: Arc<Mutex<Option<std::result::Result<(), wgpu::BufferAsyncError>>>> =
             Arc::default();
         let slot = mapped.clone();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| *lock(&slot) = Some(r));
+        self.in_context(|| {
+            staging.map_async(wgpu::MapMode::Read, .., move |r| *lock(&slot) = Some(r))
+        });
         self.wait(submission)?;
         while lock(&mapped).is_none() {
             self.poll_slice(None)?;
@@ -208,7 +210,10 @@ impl DeviceInner {
                 msg: e.to_string(),
             })?
             .to_vec();
-        staging.unmap();
+        self.in_context(|| {
+            staging.unmap();
+            drop(staging);
+        });
         Ok(data)
     }
 
@@ -250,13 +255,12 @@ impl DeviceInner {
         dispatches: u64,
     ) -> Result<()> {
         self.flush()?;
-        for (buffer, offset, data) in queue_writes {
-            self.queue.write_buffer(buffer, *offset, data);
-        }
-        {
-            let _queue = lock(&self.queue_lock);
+        self.in_context(|| {
+            for (buffer, offset, data) in queue_writes {
+                self.queue.write_buffer(buffer, *offset, data);
+            }
             self.queue.submit([commands]);
-        }
+        });
         self.submits.fetch_add(1, Ordering::Relaxed);
         self.dispatches.fetch_add(dispatches, Ordering::Relaxed);
         self.take_error(op)
@@ -265,7 +269,7 @@ impl DeviceInner {
     /// Writes `data` into `buffer` at `offset` before the next submission runs (for buffers
     /// no recorded work reads: a captured plan's own params and staging buffers).
     pub(crate) fn write_buffer(&self, buffer: &wgpu::Buffer, offset: u64, data: &[u8]) {
-        self.queue.write_buffer(buffer, offset, data);
+        self.in_context(|| self.queue.write_buffer(buffer, offset, data));
     }
 
     /// Submits the open batch, if any. Returns the submission to wait on.
@@ -277,13 +281,12 @@ impl DeviceInner {
         let Some(encoder) = rec.encoder.take() else {
             return Ok(None);
         };
-        if !rec.params.is_empty() {
-            self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
-        }
-        let submission = {
-            let _queue = lock(&self.queue_lock);
+        let submission = self.in_context(|| {
+            if !rec.params.is_empty() {
+                self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
+            }
             self.queue.submit([encoder.finish()])
-        };
+        });
         self.submits.fetch_add(1, Ordering::Relaxed);
         let ops = std::mem::take(&mut rec.ops);
         rec.params.clear();
@@ -319,8 +322,7 @@ impl DeviceInner {
             submission_index: submission,
             timeout: Some(POLL_SLICE),
         };
-        let _queue = lock(&self.queue_lock);
-        match self.device.poll(wait) {
+        match self.in_context(|| self.device.poll(wait)) {
             Ok(_) => Ok(true),
             Err(wgpu::PollError::Timeout) => Ok(false),
             Err(e) => Err(Error::Device {
