@@ -14,28 +14,6 @@ type UnaryCase = (
     f64,
 );
 
-fn gelu_ref(x: f64) -> f64 {
-    0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
-}
-
-/// erf by its Maclaurin series (converges to f64 precision for the |x| < 5 used here).
-fn erf(x: f64) -> f64 {
-    if x.abs() >= 5.0 {
-        return x.signum();
-    }
-    let (mut sum, mut power, mut n) = (0.0f64, x, 0.0f64);
-    while n < 200.0 {
-        let term = power / (2.0 * n + 1.0);
-        sum += term;
-        if term.abs() < 1e-18 {
-            break;
-        }
-        n += 1.0;
-        power *= -x * x / n;
-    }
-    sum * 2.0 / std::f64::consts::PI.sqrt()
-}
-
 fn unary_cases() -> Vec<UnaryCase> {
     vec![
         ("neg", Tensor::neg, |x| -x, 0.0),

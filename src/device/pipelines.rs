@@ -154,7 +154,7 @@ impl PipelineCache {
         if let Some(cached) = self.pipelines.get(key) {
             return cached.clone();
         }
-        let _context = context.lock().unwrap_or_else(|e| e.into_inner());
+        let _context = super::lock(context);
         let (module, writable, module_source) = self
             .modules
             .entry(module_key.to_string())

@@ -52,6 +52,29 @@ pub fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
     }
 }
 
+/// GELU, exact (erf) form, in f64.
+pub fn gelu_ref(x: f64) -> f64 {
+    0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
+}
+
+/// erf by its Maclaurin series (converges to f64 precision for the |x| < 5 used here).
+pub fn erf(x: f64) -> f64 {
+    if x.abs() >= 5.0 {
+        return x.signum();
+    }
+    let (mut sum, mut power, mut n) = (0.0f64, x, 0.0f64);
+    while n < 200.0 {
+        let term = power / (2.0 * n + 1.0);
+        sum += term;
+        if term.abs() < 1e-18 {
+            break;
+        }
+        n += 1.0;
+        power *= -x * x / n;
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
 /// Row-major strides of `shape`.
 pub fn strides(shape: &[usize]) -> Vec<usize> {
     let mut s = vec![1; shape.len()];
