@@ -135,6 +135,11 @@ fn gather(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 // [outer, dim size, inner]. One invocation per run of 16 elements of a dst row (`n` counts the
 // runs), so repeated indices need no atomics and each index is read once per 16 sums (read
 // once per element, the token embedding's grad of a small GPT took 28 ms on lavapipe).
+// A matching lookup adds its run 4 elements at a time in a rolled loop: one group's 4 load
+// sites instead of the run's 16, which a software adapter compiles into a loop over lanes each
+// (0.46 s of a GPT's first step on lavapipe 25 with all 16). The loop costs up to 4 iterations
+// per lookup against llvmpipe's limit, so the host passes at most `INDEX_SELECT_GRAD_CHUNK`
+// lookups per launch (src/ops/index.rs).
 @compute @workgroup_size(256)
 fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_index) lid: u32) {
@@ -152,17 +157,22 @@ fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     let selected = pu(INDEX_SELECT_SELECTED);
     let src_offset = pu(INDEX_SELECT_SRC_OFFSET);
     let indices_offset = pu(INDEX_SELECT_INDICES_OFFSET);
+    // Each a group of 4 of the run: acc[q] holds elements 4q .. 4q + 4.
     var acc0 = vec4<f32>(0.0);
     var acc1 = vec4<f32>(0.0);
     var acc2 = vec4<f32>(0.0);
     var acc3 = vec4<f32>(0.0);
+    let groups = rolled((count + 3u) / 4u);
     for (var j = 0u; j < selected; j = j + 1u) {
         if (indices[indices_offset + j] == p) {
             let at = src_offset + (o * selected + j) * inner + first;
-            acc0 = acc0 + grad_run4(at, 0u, count);
-            acc1 = acc1 + grad_run4(at, 4u, count);
-            acc2 = acc2 + grad_run4(at, 8u, count);
-            acc3 = acc3 + grad_run4(at, 12u, count);
+            for (var q = 0u; q < groups; q = q + 1u) {
+                let v = grad_run4(at, 4u * q, count);
+                acc0 = acc0 + select(vec4<f32>(0.0), v, q == 0u);
+                acc1 = acc1 + select(vec4<f32>(0.0), v, q == 1u);
+                acc2 = acc2 + select(vec4<f32>(0.0), v, q == 2u);
+                acc3 = acc3 + select(vec4<f32>(0.0), v, q == 3u);
+            }
         }
     }
     let out = (o * dim_size + p) * inner + first;
@@ -187,8 +197,7 @@ fn grad_at(at: u32, e: u32, count: u32) -> f32 {
     return 0.0;
 }
 
-// Elements k..k+4 of the run. No loop: llvmpipe counts every loop iteration of an invocation
-// against its limit of 65,535, and the loop around this runs up to 16,384 times.
+// Elements k..k+4 of the run.
 fn grad_run4(at: u32, k: u32, count: u32) -> vec4<f32> {
     return vec4<f32>(grad_at(at, k, count), grad_at(at, k + 1u, count),
                      grad_at(at, k + 2u, count), grad_at(at, k + 3u, count));

@@ -164,6 +164,35 @@ fn index_select_grad_sums_the_grads_of_repeated_picks_along_long_rows() {
 }
 
 #[test]
+fn index_select_grad_sums_more_lookups_of_one_row_than_one_launch_takes() {
+    // 16,000 lookups into 8 rows of 20 (runs of 16 and 4), row 5 picked by all but every
+    // seventh: the sum runs over several launches of the kernel (in one, row 5's invocations
+    // would loop past the 65,535 iterations Mesa 22.3 allows).
+    let (rows, features, lookups) = (8usize, 20usize, 16_000usize);
+    let picks: Vec<u32> = (0..lookups)
+        .map(|j| if j % 7 == 0 { (j % rows) as u32 } else { 5 })
+        .collect();
+    let (x, _) = random_tensor(&[rows, features], 32);
+    let x = x.requires_grad_(true);
+    let idx = Tensor::from_vec_u32(picks.clone(), &[lookups], device()).unwrap();
+    let (g, gs) = random_tensor(&[lookups, features], 33);
+    let y = x.index_select(0, &idx).unwrap();
+    y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+    let mut want = vec![0.0f64; rows * features];
+    for (j, &p) in picks.iter().enumerate() {
+        for k in 0..features {
+            want[p as usize * features + k] += gs[j * features + k] as f64;
+        }
+    }
+    assert_close(
+        &x.grad().unwrap().to_vec().unwrap(),
+        &want,
+        2e-3,
+        "index_select grad over 16,000 lookups",
+    );
+}
+
+#[test]
 fn gather_follows_pytorch() {
     let (t, data) = random_tensor(&[3, 5], 7);
     let idx = Tensor::from_vec_u32(vec![4, 0, 1, 1, 2, 3], &[3, 2], device()).unwrap();

@@ -80,6 +80,11 @@ const ARGMAX_CHUNK: usize = MAX_LOOP_LEN;
 /// Lookups one backward invocation sums over at most: each dst element loops over them.
 const SCATTER_CHUNK: usize = MAX_LOOP_LEN;
 
+/// Lookups one `index_select_backward` invocation sums over at most: each costs one iteration
+/// of its loop over the lookups and, where it matches, up to 4 of the loop that adds its run
+/// (see `index_select_backward` in shaders/index.wgsl).
+const INDEX_SELECT_GRAD_CHUNK: usize = MAX_LOOP_LEN / 5;
+
 /// Past this many (table rows x lookups), index_select's grad is scattered with atomic adds
 /// (work in the lookups) rather than gathered per table element (work in rows x lookups:
 /// 44 s for an Embedding(10000, 64) over 8,192 tokens on lavapipe).
@@ -503,7 +508,7 @@ fn index_select_backward(
     if shape[dim] * selected > GATHER_MAX_WORK || past_binding {
         return index_select_scatter(grad, dim, indices, shape);
     }
-    if selected > SCATTER_CHUNK {
+    if selected > INDEX_SELECT_GRAD_CHUNK {
         let part = |start, len| {
             let (g, i) = (
                 grad.narrow(dim, start, len)?,
@@ -511,7 +516,7 @@ fn index_select_backward(
             );
             index_select_backward(&g, dim, &i, shape)
         };
-        let sum = sum_over_chunks(selected, SCATTER_CHUNK, part)?;
+        let sum = sum_over_chunks(selected, INDEX_SELECT_GRAD_CHUNK, part)?;
         return Ok(sum.expect("more than one chunk of lookups"));
     }
     const OP: &str = "index_select";
