@@ -244,3 +244,51 @@ impl<F> Drop for Step<F> {
         release_plans(&mut self.plans, |_| false);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::Step;
+    use crate::{Device, Tensor};
+
+    /// A plan releases its buffers and kernels under the device's context lock (see `Drop for
+    /// Plan`), so a thread dropping one waits while another thread holds that lock: on GL it
+    /// would otherwise meet wgpu's own lock, which panics after 6 s of waiting. (Dropping the
+    /// whole step waits anyway, to release the generated kernels no plan holds.)
+    #[test]
+    fn dropping_a_captured_plan_waits_for_the_context_lock() {
+        let dev = Device::new().unwrap();
+        let w = Tensor::randn(&[4, 4], 1, &dev)
+            .unwrap()
+            .requires_grad_(true);
+        let x = Tensor::randn(&[2, 4], 2, &dev).unwrap();
+        let mut step = Step::new(move |inputs: &[Tensor]| {
+            let loss = inputs[0].matmul(&w)?.sum()?;
+            loss.backward()?;
+            Ok(loss)
+        });
+        for _ in 0..3 {
+            step.run(std::slice::from_ref(&x)).unwrap();
+        }
+        assert_eq!((step.stats().plans, step.stats().replays), (1, 1));
+        let plan = step.plans.pop().expect("the captured plan");
+        let dropped = Arc::new(AtomicBool::new(false));
+        let context = dev.inner.hold_context();
+        let done = dropped.clone();
+        let dropper = std::thread::spawn(move || {
+            drop(plan);
+            done.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !dropped.load(Ordering::SeqCst),
+            "the plan was released while another thread held the context lock"
+        );
+        drop(context);
+        dropper.join().unwrap();
+        assert!(dropped.load(Ordering::SeqCst));
+    }
+}

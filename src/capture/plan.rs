@@ -80,9 +80,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
 
     let kinds = place_intermediates(&commands, values, &device)?;
     let (params_buffer, launches) = encode_commands(&mut commands, &kinds, &device);
-    let inner = &device.inner;
-    inner.take_error(OP)?;
-    Ok(Plan {
+    let plan = Plan {
         device,
         signature: shell.signature,
         index_guard: shell.index_guard,
@@ -98,7 +96,34 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
         last_to_submit: Duration::ZERO,
         prepared: None,
         last_encoded_ahead: false,
-    })
+    };
+    // A failed encoding drops the plan, which releases what it made (see `Drop for Plan`).
+    plan.device.inner.take_error(OP)?;
+    Ok(plan)
+}
+
+impl Drop for Plan {
+    /// Releases the wgpu objects the plan made or may hold last (its params and staging
+    /// buffers, its kernels) under the device's context lock (`DeviceInner::in_context`): on
+    /// GL, destroying a buffer or a pipeline takes the adapter's context, and wgpu panics when
+    /// a thread waits for it more than 6 s, as one dropping a plan does behind another
+    /// thread's cold pipeline link. Clones keep those objects alive while the rest of the plan
+    /// drops outside the lock (its storages go back to the pool, whose lock is taken before
+    /// the context's, never after); dropping the clones releases them.
+    fn drop(&mut self) {
+        let mut buffers: Vec<wgpu::Buffer> = self.params_buffer.take().into_iter().collect();
+        let mut pipelines = Vec::new();
+        for command in &self.commands {
+            match command {
+                Command::Launch(l) => pipelines.push(l.pipeline.clone()),
+                Command::Upload(u) => buffers.extend(u.staging.clone()),
+                Command::Copy(_) | Command::Hook(_) => {}
+            }
+        }
+        drop(self.prepared.take());
+        drop(std::mem::take(&mut self.commands));
+        self.device.inner.in_context(|| drop((buffers, pipelines)));
+    }
 }
 
 /// Encodes `commands` for replay (their values placed as `kinds` says): each launch gets its

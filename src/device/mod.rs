@@ -393,6 +393,13 @@ impl DeviceInner {
         f()
     }
 
+    /// Holds `context_lock` until the guard drops: tests use it to see that a path waits for
+    /// the lock.
+    #[cfg(test)]
+    pub(crate) fn hold_context(&self) -> MutexGuard<'_, ()> {
+        lock(&self.context_lock)
+    }
+
     /// Creates a buffer (under `context_lock`: see [`DeviceInner::in_context`]).
     pub(crate) fn create_buffer(&self, desc: &wgpu::BufferDescriptor) -> wgpu::Buffer {
         self.in_context(|| self.device.create_buffer(desc))
