@@ -42,14 +42,9 @@ fn src_quad(q: u32) -> vec4<f32> {
 }
 // F16 OPERAND src END
 
-// Output element i of `contiguous` and of `strided`.
+// Output element i.
 fn contiguous_at(i: u32) -> f32 {
     return op(src_at(pu(UNARY_OFFSET) + i), pf(UNARY_SCALAR));
-}
-
-fn strided_at(i: u32) -> f32 {
-    let x = pu(UNARY_OFFSET) + strided_offset(i, pu(UNARY_RANK), UNARY_SHAPE, UNARY_STRIDES);
-    return op(src_at(x), pf(UNARY_SCALAR));
 }
 
 // Params: `UnaryParams` (src/ops/unary.rs).
@@ -84,19 +79,5 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             }
             store_pair(i, contiguous_at(2u * i), contiguous_at(min(2u * i + 1u, n - 1u)));
         }
-    }
-}
-
-@compute @workgroup_size(256)
-fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-           @builtin(local_invocation_index) lid: u32) {
-    let i = workgroup_index(wid, nwg) * 256u + lid;
-    let n = pu(UNARY_N);
-    if (DST_DTYPE < 2u) {
-        if (i < n) {
-            store1(i, strided_at(i));
-        }
-    } else if (2u * i < n) {
-        store_pair(i, strided_at(2u * i), strided_at(min(2u * i + 1u, n - 1u)));
     }
 }

@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use wgrad::{Error, Tensor};
+use wgrad::{DType, Error, Tensor};
 
 // The acceptance sizes of the foundation issue, plus 70004: four-wide reads over several workgroups with a partial last one.
 const SIZES: [usize; 10] = [0, 1, 7, 255, 256, 257, 1023, 4097, 70001, 70004];
@@ -155,6 +155,40 @@ fn unary_op_reads_a_transposed_view() {
         }
     }
     assert_close(&got.to_vec().unwrap(), &want, 2e-6, "tanh of transpose");
+}
+
+#[test]
+fn unary_op_reads_an_expanded_view_and_its_grad_sums_over_the_expansion() {
+    // A [3, 1] column expanded to [3, 5] (stride 0 along the 5), then exp: each row repeats
+    // its element, and the grad of the column sums its row's grads.
+    let (col, data) = random_tensor(&[3, 1], 4);
+    let col = col.requires_grad_(true);
+    let y = col.expand(&[3, 5]).unwrap().exp().unwrap();
+    let want: Vec<f64> = (0..15).map(|i| (data[i / 5] as f64).exp()).collect();
+    assert_close(&y.to_vec().unwrap(), &want, 2e-6, "exp of an expanded column");
+    y.sum().unwrap().backward().unwrap();
+    let grad: Vec<f64> = data.iter().map(|&x| 5.0 * (x as f64).exp()).collect();
+    assert_close(
+        &col.grad().unwrap().to_vec().unwrap(),
+        &grad,
+        2e-6,
+        "grad through the expansion",
+    );
+}
+
+#[test]
+fn unary_op_reads_a_transposed_16_bit_view_in_its_dtype() {
+    let (t, data) = random_tensor(&[5, 9], 5);
+    let half = t.to_dtype(DType::F16).unwrap();
+    let got = half.t().unwrap().neg().unwrap();
+    assert_eq!((got.shape(), got.dtype()), (&[9usize, 5][..], DType::F16));
+    let mut want = vec![0.0; 45];
+    for i in 0..5 {
+        for j in 0..9 {
+            want[j * 5 + i] = -(half::f16::from_f32(data[i * 9 + j]).to_f32() as f64);
+        }
+    }
+    assert_close(&got.to_vec().unwrap(), &want, 0.0, "neg of a transposed F16 view");
 }
 
 #[test]
