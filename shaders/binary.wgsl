@@ -1,5 +1,7 @@
-// Elementwise binary ops with NumPy broadcasting (broadcast dims have stride 0). One
-// template: the host splices the op's expression in `a` and `b` for BINARY_EXPR.
+// Elementwise binary ops with NumPy broadcasting. One template: the host splices the op's
+// expression in `a` and `b` for BINARY_EXPR. Each operand is dense or a dense run held and
+// repeated (`repeated`); the host copies any other layout (a transposed view, an outer
+// broadcast) dense first (src/ops/binary.rs, readable_operand).
 //
 // Tensors are bound as words so that `contiguous` can move four elements per load where
 // lengths and offsets allow (software adapters pay per load, not per element), and so that
@@ -72,13 +74,6 @@ fn contiguous_at(i: u32) -> f32 {
 fn repeated_at(i: u32) -> f32 {
     let a = lhs_at(pu(BINARY_LHS_OFFSET) + run_index(i, pu(BINARY_LHS_STRETCH), pu(BINARY_LHS_PERIOD)));
     let b = rhs_at(pu(BINARY_RHS_OFFSET) + run_index(i, pu(BINARY_RHS_STRETCH), pu(BINARY_RHS_PERIOD)));
-    return op(a, b);
-}
-
-fn strided_at(i: u32) -> f32 {
-    let rank = pu(BINARY_RANK);
-    let a = lhs_at(pu(BINARY_LHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_LHS_STRIDES));
-    let b = rhs_at(pu(BINARY_RHS_OFFSET) + strided_offset(i, rank, BINARY_SHAPE, BINARY_RHS_STRIDES));
     return op(a, b);
 }
 
@@ -179,18 +174,4 @@ fn rhs_run4(offset: u32, i: u32, stretch: u32, period: u32) -> vec4<f32> {
         return rhs_quad(offset / 4u + i % (period / 4u));
     }
     return vec4<f32>(rhs_at(offset + (i * 4u / stretch) % period));
-}
-
-@compute @workgroup_size(256)
-fn strided(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-           @builtin(local_invocation_index) lid: u32) {
-    let i = workgroup_index(wid, nwg) * 256u + lid;
-    let n = pu(BINARY_N);
-    if (DST_DTYPE < 2u) {
-        if (i < n) {
-            store1(i, strided_at(i));
-        }
-    } else if (2u * i < n) {
-        store_pair(i, strided_at(2u * i), strided_at(min(2u * i + 1u, n - 1u)));
-    }
 }

@@ -50,7 +50,7 @@ fn kernels_read_params_only_through_pu() {
     );
 }
 
-/// Kernels name their parameter slots (`pu(BINARY_RANK)`), never a bare number, so the
+/// Kernels name their parameter slots (`pu(CAST_RANK)`), never a bare number, so the
 /// layout lives only in the Rust params struct.
 #[test]
 fn kernels_name_their_param_slots() {

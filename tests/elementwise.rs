@@ -165,7 +165,12 @@ fn unary_op_reads_an_expanded_view_and_its_grad_sums_over_the_expansion() {
     let col = col.requires_grad_(true);
     let y = col.expand(&[3, 5]).unwrap().exp().unwrap();
     let want: Vec<f64> = (0..15).map(|i| (data[i / 5] as f64).exp()).collect();
-    assert_close(&y.to_vec().unwrap(), &want, 2e-6, "exp of an expanded column");
+    assert_close(
+        &y.to_vec().unwrap(),
+        &want,
+        2e-6,
+        "exp of an expanded column",
+    );
     y.sum().unwrap().backward().unwrap();
     let grad: Vec<f64> = data.iter().map(|&x| 5.0 * (x as f64).exp()).collect();
     assert_close(
@@ -188,7 +193,12 @@ fn unary_op_reads_a_transposed_16_bit_view_in_its_dtype() {
             want[j * 5 + i] = -(half::f16::from_f32(data[i * 9 + j]).to_f32() as f64);
         }
     }
-    assert_close(&got.to_vec().unwrap(), &want, 0.0, "neg of a transposed F16 view");
+    assert_close(
+        &got.to_vec().unwrap(),
+        &want,
+        0.0,
+        "neg of a transposed F16 view",
+    );
 }
 
 #[test]

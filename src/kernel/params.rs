@@ -1,9 +1,9 @@
 //! Typed kernel parameters. Each kernel's parameters are one `#[repr(C)]` struct declared with
 //! [`kernel_params!`](crate::kernel_params); the same declaration gives the WGSL side a named
-//! slot constant per field (`BINARY_RANK`, `BINARY_SHAPE`, ...), so the layout is written once.
+//! slot constant per field (`CAST_RANK`, `CAST_SHAPE`, ...), so the layout is written once.
 //!
-//! Kernels read a field with `pu(BINARY_RANK)` (or `pf` for an f32) and an array element with
-//! `pu(BINARY_SHAPE + d)`: every read goes through `pu` in `shaders/common.wgsl`, whose opaque
+//! Kernels read a field with `pu(CAST_RANK)` (or `pf` for an f32) and an array element with
+//! `pu(CAST_SHAPE + d)`: every read goes through `pu` in `shaders/common.wgsl`, whose opaque
 //! index keeps software drivers from inlining parameter values and recompiling per dispatch.
 
 /// Slots (u32s) a kernel may use: 63, the 64th is `pu`'s opaque zero.
@@ -18,8 +18,8 @@ pub(crate) struct ParamsLayout {
 }
 
 impl ParamsLayout {
-    /// WGSL constants naming each field's first slot: `const BINARY_RANK: u32 = 3u;` for field
-    /// `rank` of `BinaryParams`.
+    /// WGSL constants naming each field's first slot: `const CAST_RANK: u32 = 2u;` for field
+    /// `rank` of `CastParams`.
     pub fn wgsl_slots(&self) -> String {
         let prefix = upper_snake(self.name.strip_suffix("Params").unwrap_or(self.name));
         let mut out = format!("// {}: slot of each field.\n", self.name);

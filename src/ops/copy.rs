@@ -4,7 +4,8 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, strided_dims, windows, Kernel, KernelParams, Launch, ShaderFamily, CONTIGUOUS_PER_GROUP,
+    groups, strided_dims, windows, Elementwise, Fusion, Kernel, KernelParams, Launch, ShaderFamily,
+    CONTIGUOUS_PER_GROUP,
 };
 use crate::ops::cast;
 use crate::tensor::dim::Dim;
@@ -64,12 +65,47 @@ fn copy_source(word: &str) -> String {
     COPY.source(&[("WORD", word)])
 }
 
+/// Copies the view `src` into `out`, a fresh dense tensor of its shape. An F32 copy is
+/// described to a captured step's fuser as the elementwise identity, so that the elementwise
+/// ops reading its output (which read views through such copies: `ops/unary.rs`,
+/// `ops/binary.rs`) fuse with it into one kernel that reads the view itself.
+fn copy_fresh(src: &Tensor, out: &Tensor) -> Result<()> {
+    let identity = (src.dtype() == DType::F32).then(|| Elementwise {
+        params: "x: f32",
+        expr: "x".to_string(),
+        scalars: Vec::new(),
+        operands: vec![(1, src.layout().clone())],
+        output: 2,
+        shape: src.shape().to_vec(),
+    });
+    copy_described("contiguous", src, out, &out.layout().clone(), identity)
+}
+
+/// `launch`, described to the fuser as `fusion` if given.
+fn described(launch: Launch<'_>, fusion: Option<Elementwise<u32>>) -> Launch<'_> {
+    match fusion {
+        Some(f) => launch.fusible(|| Fusion::Elementwise(f)),
+        None => launch,
+    }
+}
+
 /// Copies the elements of `src` (any layout) into `dst`'s storage at layout `dst_layout`.
 pub(crate) fn copy_into(
     op: &'static str,
     src: &Tensor,
     dst: &Tensor,
     dst_layout: &Layout,
+) -> Result<()> {
+    copy_described(op, src, dst, dst_layout, None)
+}
+
+/// [`copy_into`], its launch described to the fuser as `fusion` where one launch copies all.
+fn copy_described(
+    op: &'static str,
+    src: &Tensor,
+    dst: &Tensor,
+    dst_layout: &Layout,
+    fusion: Option<Elementwise<u32>>,
 ) -> Result<()> {
     let n = src.numel();
     if n == 0 {
@@ -101,14 +137,15 @@ pub(crate) fn copy_into(
         dst_strides: dims.strides[1],
     };
     if !dst.exceeds_binding() {
+        let bound = [(1, src), (2, dst)];
         let params = params(0, n, dst_layout.offset);
         if let Some(params) = in_groups_of_four(params) {
             let kernel =
                 Kernel::specialised(&COPY, "strided_copy", GROUPS_OF_FOUR, &groups_of_four);
             let groups = groups(params.n as usize, CONTIGUOUS_PER_GROUP);
-            return Launch::new(op, &kernel, &[(1, src), (2, dst)], &params).record(groups);
+            return described(Launch::new(op, &kernel, &bound, &params), fusion).record(groups);
         }
-        return Launch::new(op, &kernel, &[(1, src), (2, dst)], &params)
+        return described(Launch::new(op, &kernel, &bound, &params), fusion)
             .record(groups(n, CONTIGUOUS_PER_GROUP));
     }
     // Past one binding: a dense destination region, a window of it per launch; the source
@@ -332,7 +369,7 @@ impl Tensor {
         }
         let out = Tensor::empty("contiguous", self.shape(), self.dtype(), self.device())?
             .with_index_bound(self.index_bound());
-        copy_into("contiguous", self, &out, &out.layout().clone())?;
+        copy_fresh(self, &out)?;
         Ok(record_identity("contiguous", out, self))
     }
 
