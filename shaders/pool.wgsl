@@ -2,7 +2,9 @@
 // Params: `PoolParams` (src/ops/pool.rs). All tensors are contiguous.
 //
 // Backward passes give each run of input elements of a row one invocation, which sums each
-// element's grad over the few windows containing it, so overlapping windows need no atomics.
+// element's grad over the few windows containing it, so overlapping windows need no atomics;
+// where the windows tile the input (stride = kernel, sides in whole windows), each run of
+// outputs writes its windows whole instead (`*_backward_tiles`).
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
@@ -191,5 +193,53 @@ fn avg_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             }
         }
         dst[in_row + x] = sum / f32(k * k);
+    }
+}
+
+// Backward passes where the windows tile the input (stride = kernel, height and width whole
+// windows): each input element lies in exactly one window, so each run of outputs (as the
+// forward's) writes its windows whole, one read of the out grad per window instead of one
+// per input element and no search for the windows over it (`max_backward` ran at 5.8 ns per
+// input element on lavapipe, the forward at 2).
+@compute @workgroup_size(256)
+fn max_backward_tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(POOL_N)) {
+        return;
+    }
+    let r = out_run_of(i);
+    let w = pu(POOL_WIDTH);
+    let k = pu(POOL_KERNEL);
+    for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
+        let g = src[r.out_at + ox];
+        let best = argmax[r.out_at + ox];
+        let at = r.in_at + ox * k;
+        for (var ty = 0u; ty < k; ty = ty + 1u) {
+            for (var tx = 0u; tx < k; tx = tx + 1u) {
+                dst[at + ty * w + tx] = select(0.0, g, ty * k + tx == best);
+            }
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn avg_backward_tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(POOL_N)) {
+        return;
+    }
+    let r = out_run_of(i);
+    let w = pu(POOL_WIDTH);
+    let k = pu(POOL_KERNEL);
+    for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
+        let g = src[r.out_at + ox] / f32(k * k);
+        let at = r.in_at + ox * k;
+        for (var ty = 0u; ty < k; ty = ty + 1u) {
+            for (var tx = 0u; tx < k; tx = tx + 1u) {
+                dst[at + ty * w + tx] = g;
+            }
+        }
     }
 }

@@ -391,6 +391,41 @@ fn pools_over_long_rows_match_cpu_reference() {
     }
 }
 
+/// Windows that tile the input (stride = kernel, sides in whole windows) take a backward that
+/// writes each window whole from its output; this checks it on rows longer than one run, on
+/// one window per plane, and beside inputs whose last rows and columns no window covers.
+#[test]
+fn pool_grads_over_windows_that_tile_the_input_match_cpu_reference() {
+    for (xs, k) in [
+        ([2, 3, 4, 130], 2),
+        ([1, 2, 6, 9], 3),
+        ([3, 1, 2, 2], 2),
+        ([1, 1, 7, 9], 2),
+        ([1, 1, 5, 4], 1),
+    ] {
+        let (x, xv) = random_tensor(&xs, 11);
+        for max in [true, false] {
+            let x = x.detach().requires_grad_(true);
+            let out = if max {
+                x.max_pool2d(k, k)
+            } else {
+                x.avg_pool2d(k, k)
+            }
+            .unwrap();
+            let (g, gv) = random_tensor(out.shape(), 12);
+            out.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+            let want = pool_backward_reference(&xv, &gv, xs, k, k, max);
+            let got = x.grad().unwrap().to_vec().unwrap();
+            assert_close(
+                &got,
+                &want,
+                1e-6,
+                &format!("grad of pool {xs:?} {k} max {max}"),
+            );
+        }
+    }
+}
+
 #[test]
 fn pools_gradcheck() {
     // Distinct values, so that no window has a tie at its maximum.

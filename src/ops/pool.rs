@@ -12,7 +12,8 @@ use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
     /// `n` counts the entry's invocations: runs of `segment` elements of a row (`segments`
-    /// runs per row) of the output forward, of the input backward. Planes are
+    /// runs per row) of the output forward and where windows tile the input backward, else of
+    /// the input backward. Planes are
     /// `height x width` in, `out_h x out_w` out.
     pub(crate) struct PoolParams {
         n: u32,
@@ -167,13 +168,25 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
         let in_shape = x.shape().to_vec();
         move |g: &Tensor| {
             let grad = Tensor::empty(op, &in_shape, DType::F32, g.device())?;
-            let entry = match kind {
-                Pool::Max => "max_backward",
-                Pool::Avg => "avg_backward",
+            // Windows that tile the input: each run of outputs writes its windows whole, as
+            // the forward reads them.
+            let tiles = stride == kernel
+                && in_shape[2].is_multiple_of(kernel)
+                && in_shape[3].is_multiple_of(kernel);
+            let (entry, backward, runs) = match (kind, tiles) {
+                (Pool::Max, true) => ("max_backward_tiles", forward, runs),
+                (Pool::Avg, true) => ("avg_backward_tiles", forward, runs),
+                (_, false) => {
+                    let rows = in_shape[0] * in_shape[1] * in_shape[2];
+                    let (backward, runs) =
+                        in_runs(params, rows, in_shape[3], kernel.div_ceil(stride).pow(2));
+                    let entry = match kind {
+                        Pool::Max => "max_backward",
+                        Pool::Avg => "avg_backward",
+                    };
+                    (entry, backward, runs)
+                }
             };
-            let rows = in_shape[0] * in_shape[1] * in_shape[2];
-            let (backward, runs) =
-                in_runs(params, rows, in_shape[3], kernel.div_ceil(stride).pow(2));
             run(kind, entry, g, &grad, argmax.as_ref(), backward, runs)?;
             Ok(vec![Some(grad)])
         }
