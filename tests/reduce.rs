@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use wgrad::{Error, Tensor};
+use wgrad::{Device, Error, Tensor};
 
 // The acceptance sizes of the foundation issue, plus 70004: four-wide reads over several workgroups with a partial last one.
 const SIZES: [usize; 10] = [0, 1, 7, 255, 256, 257, 1023, 4097, 70001, 70004];
@@ -144,6 +144,33 @@ fn reductions_over_dims_with_and_without_keepdim() {
             0.0,
             &format!("max {shape:?} {dims:?}"),
         );
+    }
+}
+
+/// A reduction over dims that no single matrix view covers (a conv bias's grad: `[N, C, H, W]`
+/// over N, H and W) reads its input where it lies, a run of adjacent dims at a time, instead of
+/// making a dense copy of it first.
+#[test]
+fn reductions_over_separated_dims_make_no_dense_copy_of_their_input() {
+    // Its own device, so that the peak below counts this test's buffers only.
+    let dev = Device::new().unwrap();
+    let shape = [16, 8, 12, 12];
+    let data = random_vec(shape.iter().product(), 21);
+    let t = Tensor::from_vec(data.clone(), &shape, &dev).unwrap();
+    for dims in [&[0, 2, 3][..], &[0, 3], &[1, 3]] {
+        dev.synchronize().unwrap();
+        dev.reset_peak_memory();
+        let before = dev.stats().live_bytes;
+        let s = t.sum_dims(dims, false).unwrap();
+        dev.synchronize().unwrap();
+        let extra = dev.stats().peak_live_bytes - before;
+        let input_bytes = (data.len() * 4) as u64;
+        assert!(
+            extra < input_bytes / 4,
+            "sum over {dims:?} of {shape:?} held {extra} bytes beside its input of {input_bytes}"
+        );
+        let want = reduce_ref(&data, &shape, dims, 0.0, |a, b| a + b);
+        assert_close(&s.to_vec().unwrap(), &want, 1e-5, &format!("sum {dims:?}"));
     }
 }
 

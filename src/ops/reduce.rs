@@ -146,25 +146,37 @@ fn collapse(shape: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
     }
 }
 
-/// Views `x` as `[kept dims, reduced dims]`, copying only when the dims will not collapse.
-pub(crate) fn as_matrix(x: &Tensor, dims: &[usize]) -> Result<Matrix> {
+/// `x` viewed as `[kept dims, reduced dims]`, where its strides collapse each side into one.
+fn matrix_view(x: &Tensor, dims: &[usize]) -> Result<Option<Matrix>> {
     let kept: Vec<usize> = (0..x.rank()).filter(|d| !dims.contains(d)).collect();
     let order = [kept.as_slice(), dims].concat();
     let p = x.permute(&order)?;
     let nk = kept.len();
     let (shape, strides) = (&p.layout().shape, &p.layout().strides);
-    if let (Some((m, rs)), Some((k, ks))) = (
+    let (Some((m, rs)), Some((k, ks))) = (
         collapse(&shape[..nk], &strides[..nk]),
         collapse(&shape[nk..], &strides[nk..]),
-    ) {
-        return Ok(Matrix {
-            tensor: p,
-            m,
-            k,
-            row_stride: rs,
-            k_stride: ks,
-        });
+    ) else {
+        return Ok(None);
+    };
+    Ok(Some(Matrix {
+        tensor: p,
+        m,
+        k,
+        row_stride: rs,
+        k_stride: ks,
+    }))
+}
+
+/// Views `x` as `[kept dims, reduced dims]`, copying only when the dims will not collapse.
+pub(crate) fn as_matrix(x: &Tensor, dims: &[usize]) -> Result<Matrix> {
+    if let Some(mat) = matrix_view(x, dims)? {
+        return Ok(mat);
     }
+    let kept: Vec<usize> = (0..x.rank()).filter(|d| !dims.contains(d)).collect();
+    let order = [kept.as_slice(), dims].concat();
+    let p = x.permute(&order)?;
+    let nk = kept.len();
     let dense = p.contiguous()?;
     let m = dense.shape()[..nk].iter().product();
     let k = dense.shape()[nk..].iter().product();
@@ -384,9 +396,32 @@ fn reduce(
     if x.exceeds_binding() {
         return reduce_windows(op_name, op, x, dims, mean)?.reshape(&out_shape);
     }
+    if let Some((outer, innermost)) = separated_runs(x, dims)? {
+        // The innermost run first, along its unit strides, then the rest of the smaller
+        // partial result: where one pass would first copy the whole input dense.
+        let partial = reduce(op_name, op, x, innermost, true, mean)?;
+        return reduce(op_name, op, &partial, outer, true, mean)?.reshape(&out_shape);
+    }
     let mat = as_matrix(x, dims)?;
     let scale = if mean { 1.0 / k as f32 } else { 1.0 };
     reduce_matrix(op_name, op, &mat, scale)?.reshape(&out_shape)
+}
+
+/// Reduced `dims` (sorted) that make no one matrix view of `x` and fall into runs of adjacent
+/// dims, the last of them innermost (a conv bias's grad: `[N, C, H, W]` over N, H and W):
+/// `(the other dims, the innermost run)`, which reduce one after the other in place.
+fn separated_runs<'a>(x: &Tensor, dims: &'a [usize]) -> Result<Option<(&'a [usize], &'a [usize])>> {
+    let Some(&last) = dims.last() else {
+        return Ok(None);
+    };
+    let start = (1..dims.len())
+        .rev()
+        .find(|&i| dims[i - 1] + 1 != dims[i])
+        .unwrap_or(0);
+    if start == 0 || last + 1 != x.rank() || matrix_view(x, dims)?.is_some() {
+        return Ok(None);
+    }
+    Ok(Some(dims.split_at(start)))
 }
 
 /// [`reduce`] of a dense tensor larger than one binding: windows of whole slices along its
