@@ -1,15 +1,17 @@
 // 2-d convolution (NCHW, weight [c_out, c_in, kernel_h, kernel_w]) runs as matmuls over column
-// matrices: `im2col` lays a chunk of images out as cols[image][k][pixel] with
+// matrices: `im2col` lays a chunk of images out as cols[group][k][image in group][pixel] with
 // k = (c_in, ky, kx) and pixel = (oy, ox), zeros in the padding, so that the forward is
-// weight[c_out, k] x cols and the weight grad out_grad x cols^T; `col2im` sums the grad of
-// cols back onto the input pixels. Chunks bound the column matrix, whatever the batch.
+// weight[c_out, k] x cols and the weight grad out_grad x cols^T, a group of images at a time
+// (`group` images side by side along the pixels: small images make one product of many
+// pixels, not many of a few); `col2im` sums the grad of cols back onto the input pixels.
+// Chunks bound the column matrix, whatever the batch.
 // Params: `ConvParams` (src/ops/conv.rs). All tensors are contiguous.
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 
-// One invocation per row of out_w elements of cols [images, c_in * kh * kw, out_h, out_w]
-// (`n` counts the rows): the divisions are paid once per row, not per element.
+// One invocation per row of out_w elements of cols [images / group, c_in * kh * kw, group,
+// out_h, out_w] (`n` counts the rows): the divisions are paid once per row, not per element.
 @compute @workgroup_size(256)
 fn im2col(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
@@ -31,7 +33,10 @@ fn im2col(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let x0 = i32((k % kw) * pu(CONV_DILATION_W)) - i32(pu(CONV_PADDING_W));
     let stride_w = pu(CONV_STRIDE_W);
     let plane_at = pu(CONV_SRC_OFFSET) + (image * c_in + k / taps) * h * w;
-    let out_at = row * ow;
+    let group = pu(CONV_GROUP);
+    let group_pixels = group * oh * ow;
+    let out_at = (image / group) * c_in * taps * group_pixels + k * group_pixels
+        + (image % group) * oh * ow + oy * ow;
     let row_inside = y >= 0 && u32(y) < h;
     for (var ox = 0u; ox < ow; ox = ox + 1u) {
         let x = x0 + i32(ox * stride_w);
@@ -55,21 +60,29 @@ fn source_of(p: u32, t: u32, out_len: u32, axis: vec3<u32>) -> vec2<u32> {
     return vec2<u32>(u32(shifted / s), 1u);
 }
 
-// Input element i of [images, c_in, height, width]: its column and row, and where its plane's
-// taps start in the cols grad [images, c_in * kh * kw, out_h * out_w] (plane p, an image's
-// channel, owns rows p kh kw .. (p + 1) kh kw).
+// Input element i of [images, c_in, height, width]: its column and row, where its plane's
+// first tap starts in the cols grad [images / group, c_in * kh * kw, group, out_h * out_w]
+// (image b's channel c owns rows c kh kw .. (c + 1) kh kw of its group), and the step from
+// one tap's row to the next (`row_stride`: a group's pixels).
 struct Col2imAt {
     x: u32,
     y: u32,
     base: u32,
+    row_stride: u32,
 }
 
 fn col2im_at(i: u32) -> Col2imAt {
     let h = pu(CONV_HEIGHT);
     let w = pu(CONV_WIDTH);
+    let c_in = pu(CONV_C_IN);
     let taps = pu(CONV_KERNEL_H) * pu(CONV_KERNEL_W);
-    let base = pu(CONV_SRC_OFFSET) + (i / (h * w)) * taps * pu(CONV_OUT_H) * pu(CONV_OUT_W);
-    return Col2imAt(i % w, (i / w) % h, base);
+    let group = pu(CONV_GROUP);
+    let pixels = pu(CONV_OUT_H) * pu(CONV_OUT_W);
+    let plane = i / (h * w);
+    let image = plane / c_in;
+    let base = pu(CONV_SRC_OFFSET) + (image / group) * c_in * taps * group * pixels
+        + (plane - image * c_in) * taps * group * pixels + (image % group) * pixels;
+    return Col2imAt(i % w, (i / w) % h, base, group * pixels);
 }
 
 // One invocation per input element [images, c_in, height, width]: the sum of the cols grad
@@ -97,7 +110,7 @@ fn col2im(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         for (var tx = 0u; tx < kw; tx = tx + 1u) {
             let ox = source_of(at.x, tx, ow, along_w);
             if (ox.y == 1u) {
-                sum = sum + src[at.base + (ty * kw + tx) * oh * ow + oy.x * ow + ox.x];
+                sum = sum + src[at.base + (ty * kw + tx) * at.row_stride + oy.x * ow + ox.x];
             }
         }
     }
@@ -125,11 +138,11 @@ fn col2im_unit_stride(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
         if (oy < 0 || oy >= i32(oh)) {
             continue;
         }
-        let row_at = at.base + ty * kw * oh * ow + u32(oy) * ow;
+        let row_at = at.base + ty * kw * at.row_stride + u32(oy) * ow;
         for (var tx = 0u; tx < kw; tx = tx + 1u) {
             let ox = i32(at.x) + i32(pu(CONV_PADDING_W)) - i32(tx * pu(CONV_DILATION_W));
             if (ox >= 0 && ox < i32(ow)) {
-                sum = sum + src[row_at + tx * oh * ow + u32(ox)];
+                sum = sum + src[row_at + tx * at.row_stride + u32(ox)];
             }
         }
     }

@@ -800,6 +800,95 @@ fn conv2d_input_grad_with_unit_stride_matches_cpu_reference() {
     }
 }
 
+/// The weight grad of conv2d on the CPU: for each weight, the sum over images and output
+/// pixels of the out grad times the input element that weight met (groups of 1).
+fn conv_weight_grad_reference(
+    x: &[f32],
+    xs: [usize; 4],
+    g: &[f32],
+    gs: [usize; 4],
+    ws: [usize; 4],
+    o: Conv2dOptions,
+) -> Vec<f64> {
+    let [n, c_in, h, wd] = xs;
+    let [_, c_out, oh, ow] = gs;
+    let [_, _, kh, kw] = ws;
+    let mut grad = vec![0.0f64; ws.iter().product()];
+    for b in 0..n {
+        for co in 0..c_out {
+            for y in 0..oh {
+                for xo in 0..ow {
+                    let gv = g[((b * c_out + co) * oh + y) * ow + xo] as f64;
+                    for ci in 0..c_in {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let iy = (y * o.stride.0 + ky * o.dilation.0) as isize
+                                    - o.padding.0 as isize;
+                                let ix = (xo * o.stride.1 + kx * o.dilation.1) as isize
+                                    - o.padding.1 as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
+                                    continue;
+                                }
+                                let xv = x[((b * c_in + ci) * h + iy as usize) * wd + ix as usize];
+                                grad[((co * c_in + ci) * kh + ky) * kw + kx] += gv * xv as f64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    grad
+}
+
+/// Small images (a ResNet's last stages: 1x1 to 7x7 output pixels) run their column
+/// matrices a group of images at a time, each product over the group's pixels side by side
+/// rather than an image's few: forward, input grad and weight grad against the CPU, with
+/// batches that split into groups and a prime one, strides 1 and 2, pixel counts in and not
+/// in whole 4s, one image, and one pixel per image.
+#[test]
+fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
+    let cases = [
+        ([12, 5, 2, 2], [7, 5, 3, 3], 1, 1),
+        ([10, 4, 4, 4], [6, 4, 3, 3], 2, 1),
+        ([7, 3, 3, 3], [4, 3, 3, 3], 1, 1),
+        ([9, 2, 5, 5], [3, 2, 3, 3], 2, 0),
+        ([1, 6, 2, 2], [5, 6, 1, 1], 1, 0),
+        ([96, 8, 1, 1], [6, 8, 1, 1], 1, 0),
+        ([40, 3, 7, 7], [4, 3, 3, 3], 2, 1),
+    ];
+    for (i, (xs, ws, stride, padding)) in cases.into_iter().enumerate() {
+        let seed = 300 + 3 * i as u64;
+        let (x, xv) = random_tensor(&xs, seed);
+        let (w, wv) = random_tensor(&ws, seed + 1);
+        let (x, w) = (x.requires_grad_(true), w.requires_grad_(true));
+        let o = options(stride, padding, 1, 1);
+        let y = x.conv2d_with(&w, None, o).unwrap();
+        let (want, gs) = conv_reference(&xv, xs, &wv, ws, None, o);
+        assert_eq!(y.shape(), &gs, "case {i} shape");
+        let what = format!("case {i}: x {xs:?} w {ws:?} stride {stride} padding {padding}");
+        assert_close(
+            &y.to_vec().unwrap(),
+            &want,
+            1e-4,
+            &format!("forward, {what}"),
+        );
+        let (g, gv) = random_tensor(y.shape(), seed + 2);
+        y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+        // The adjoint of a strided convolution gives back the input's sides with the output
+        // padding that the stride rounded away (the images here are square).
+        let output_padding = (xs[2] + 2 * padding - ws[2]) % stride;
+        let adjoint = transpose_options(stride, padding, output_padding, 1, 1);
+        let (want_x, shape) = conv_transpose_reference(&gv, gs, &wv, ws, adjoint);
+        assert_eq!(shape, xs, "case {i} input grad shape");
+        let got_x = x.grad().unwrap().to_vec().unwrap();
+        assert_close(&got_x, &want_x, 1e-4, &format!("input grad, {what}"));
+        let want_w = conv_weight_grad_reference(&xv, xs, &gv, gs, ws, o);
+        let got_w = w.grad().unwrap().to_vec().unwrap();
+        assert_close(&got_w, &want_w, 1e-3, &format!("weight grad, {what}"));
+    }
+}
+
 #[test]
 fn conv_transpose2d_gradcheck() {
     for (n, o) in [
