@@ -148,3 +148,58 @@ fn col2im_unit_stride(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
     dst[i] = sum;
 }
+
+// `col2im` for adjacent taps (dilation 1), any stride: one invocation per run of input elements
+// of one row (`n` counts the runs, `segments` runs per row, `segment` elements per run).
+// Along an axis, input position p meets taps t = (p + padding) % stride, + stride, .. at
+// outputs (p + padding) / stride, - 1, ..: the row's taps are found once per run and a
+// column's by stepping (p + padding) along the run, so nothing divides per element or tap
+// (`col2im` divides twice per tap, and `col2im_at` six times per element).
+@compute @workgroup_size(256)
+fn col2im_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let run = workgroup_index(wid, nwg) * 256u + lid;
+    if (run >= pu(CONV_N)) {
+        return;
+    }
+    let h = pu(CONV_HEIGHT);
+    let w = pu(CONV_WIDTH);
+    let row = run / pu(CONV_SEGMENTS);
+    let x0 = (run - row * pu(CONV_SEGMENTS)) * pu(CONV_SEGMENT);
+    let x1 = min(x0 + pu(CONV_SEGMENT), w);
+    let at = col2im_at(row * w + x0);
+    let kh = pu(CONV_KERNEL_H);
+    let kw = pu(CONV_KERNEL_W);
+    let oh = i32(pu(CONV_OUT_H));
+    let ow = i32(pu(CONV_OUT_W));
+    let stride_h = pu(CONV_STRIDE_H);
+    let stride_w = pu(CONV_STRIDE_W);
+    let y_shifted = at.y + pu(CONV_PADDING_H);
+    let ty0 = y_shifted % stride_h;
+    let oy0 = i32(y_shifted / stride_h);
+    let x_shifted = x0 + pu(CONV_PADDING_W);
+    var tx0 = x_shifted % stride_w;
+    var ox0 = i32(x_shifted / stride_w);
+    for (var x = x0; x < x1; x = x + 1u) {
+        var sum = 0.0;
+        var oy = oy0;
+        for (var ty = ty0; ty < kh && oy >= 0; ty = ty + stride_h) {
+            if (oy < oh) {
+                var ox = ox0;
+                for (var tx = tx0; tx < kw && ox >= 0; tx = tx + stride_w) {
+                    if (ox < ow) {
+                        sum = sum + src[at.base + (ty * kw + tx) * at.row_stride + u32(oy * ow + ox)];
+                    }
+                    ox = ox - 1;
+                }
+            }
+            oy = oy - 1;
+        }
+        dst[row * w + x] = sum;
+        tx0 = tx0 + 1u;
+        if (tx0 == stride_w) {
+            tx0 = 0u;
+            ox0 = ox0 + 1;
+        }
+    }
+}

@@ -841,24 +841,11 @@ fn conv_weight_grad_reference(
     grad
 }
 
-/// Small images (a ResNet's last stages: 1x1 to 7x7 output pixels) run their column
-/// matrices a group of images at a time, each product over the group's pixels side by side
-/// rather than an image's few: forward, input grad and weight grad against the CPU, with
-/// batches that split into groups and a prime one, strides 1 and 2, pixel counts in and not
-/// in whole 4s, one image, and one pixel per image.
-#[test]
-fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
-    let cases = [
-        ([12, 5, 2, 2], [7, 5, 3, 3], 1, 1),
-        ([10, 4, 4, 4], [6, 4, 3, 3], 2, 1),
-        ([7, 3, 3, 3], [4, 3, 3, 3], 1, 1),
-        ([9, 2, 5, 5], [3, 2, 3, 3], 2, 0),
-        ([1, 6, 2, 2], [5, 6, 1, 1], 1, 0),
-        ([96, 8, 1, 1], [6, 8, 1, 1], 1, 0),
-        ([40, 3, 7, 7], [4, 3, 3, 3], 2, 1),
-    ];
-    for (i, (xs, ws, stride, padding)) in cases.into_iter().enumerate() {
-        let seed = 300 + 3 * i as u64;
+/// Each case's conv2d forward, input grad and weight grad against the CPU, on values drawn
+/// from seeds `seed ..`; a case is `(x shape, w shape, stride, padding)`, square images.
+fn check_grads_against_reference(cases: &[([usize; 4], [usize; 4], usize, usize)], seed: u64) {
+    for (i, &(xs, ws, stride, padding)) in cases.iter().enumerate() {
+        let seed = seed + 3 * i as u64;
         let (x, xv) = random_tensor(&xs, seed);
         let (w, wv) = random_tensor(&ws, seed + 1);
         let (x, w) = (x.requires_grad_(true), w.requires_grad_(true));
@@ -876,7 +863,7 @@ fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
         let (g, gv) = random_tensor(y.shape(), seed + 2);
         y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
         // The adjoint of a strided convolution gives back the input's sides with the output
-        // padding that the stride rounded away (the images here are square).
+        // padding that the stride rounded away.
         let output_padding = (xs[2] + 2 * padding - ws[2]) % stride;
         let adjoint = transpose_options(stride, padding, output_padding, 1, 1);
         let (want_x, shape) = conv_transpose_reference(&gv, gs, &wv, ws, adjoint);
@@ -887,6 +874,39 @@ fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
         let got_w = w.grad().unwrap().to_vec().unwrap();
         assert_close(&got_w, &want_w, 1e-3, &format!("weight grad, {what}"));
     }
+}
+
+/// Small images (a ResNet's last stages: 1x1 to 7x7 output pixels) run their column
+/// matrices a group of images at a time, each product over the group's pixels side by side
+/// rather than an image's few: batches that split into groups and a prime one, strides 1 and
+/// 2, pixel counts in and not in whole 4s, one image, and one pixel per image.
+#[test]
+fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
+    let cases = [
+        ([12, 5, 2, 2], [7, 5, 3, 3], 1, 1),
+        ([10, 4, 4, 4], [6, 4, 3, 3], 2, 1),
+        ([7, 3, 3, 3], [4, 3, 3, 3], 1, 1),
+        ([9, 2, 5, 5], [3, 2, 3, 3], 2, 0),
+        ([1, 6, 2, 2], [5, 6, 1, 1], 1, 0),
+        ([96, 8, 1, 1], [6, 8, 1, 1], 1, 0),
+        ([40, 3, 7, 7], [4, 3, 3, 3], 2, 1),
+    ];
+    check_grads_against_reference(&cases, 300);
+}
+
+/// A strided convolution's input grad sums the column grads back onto each input row a run
+/// of elements at a time, stepping through the taps that meet each element: rows longer than
+/// one run, strides 2 and 3, a 1x1 kernel that skips elements, a kernel wider than its stride
+/// twice over, and padding.
+#[test]
+fn conv2d_input_grad_with_stride_matches_cpu_reference() {
+    let cases = [
+        ([2, 3, 150, 150], [2, 3, 3, 3], 2, 1),
+        ([2, 4, 70, 70], [3, 4, 1, 1], 2, 0),
+        ([1, 2, 67, 67], [3, 2, 5, 5], 3, 2),
+        ([3, 2, 9, 9], [2, 2, 7, 7], 2, 3),
+    ];
+    check_grads_against_reference(&cases, 400);
 }
 
 #[test]

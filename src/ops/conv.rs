@@ -12,7 +12,7 @@
 //! broadcast add; groups are one convolution per channel group.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
 use crate::ops::autocast::in_f32;
 use crate::ops::matmul::{conv_product, conv_product_applies, ImageColumns};
 use crate::ops::sum_over_chunks;
@@ -24,7 +24,8 @@ crate::kernel_params! {
     /// `im2col` and `col2im` over a chunk of images of `c_in x height x width`, read with
     /// `kernel_h x kernel_w` taps into `out_h x out_w` positions, the column matrix holding
     /// `group` images side by side. `n` counts what the entry writes: rows of `out_w`
-    /// elements (`im2col`) or elements (`col2im`).
+    /// elements (`im2col`), elements (`col2im`), or runs of `segment` elements of an input
+    /// row, `segments` to a row (`col2im_rows`).
     pub(crate) struct ConvParams {
         n: u32,
         c_in: u32,
@@ -42,6 +43,8 @@ crate::kernel_params! {
         dilation_w: u32,
         src_offset: u32,
         group: u32,
+        segment: u32,
+        segments: u32,
     }
 }
 
@@ -56,6 +59,10 @@ static CONV: ShaderFamily = ShaderFamily {
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     vec![("conv".into(), CONV.source(&[]))]
 }
+
+/// Input elements of a row one `col2im_rows` invocation sums: what divides is paid once per
+/// run.
+const COL2IM_RUN: usize = 64;
 
 /// Most elements of one chunk's column matrix (16 MiB).
 const COLS_LIMIT: usize = 1 << 22;
@@ -210,6 +217,8 @@ impl Geometry {
             dilation_w: c.dilation.1 as u32,
             src_offset: src.layout().offset as u32,
             group: group as u32,
+            segment: 0,
+            segments: 0,
         }
     }
 }
@@ -313,16 +322,31 @@ fn col2im(cols_grad: &Tensor, geo: &Geometry, group: usize) -> Result<Tensor> {
     let shape = [count, geo.cols.c_in, geo.cols.height, geo.cols.width];
     let grad = Tensor::empty(OP, &shape, DType::F32, cols_grad.device())?;
     let n = grad.numel();
-    if n > 0 {
-        let entry = match geo.cols.stride {
-            (1, 1) => "col2im_unit_stride",
-            _ => "col2im",
-        };
-        let kernel = Kernel::plain(&CONV, entry);
-        let params = geo.params(n, cols_grad, group);
-        Launch::new(OP, &kernel, &[(1, cols_grad), (2, &grad)], &params)
-            .record(groups(n, WORKGROUP))?;
+    if n == 0 {
+        return Ok(grad);
     }
+    let c = &geo.cols;
+    let (entry, params, invocations) = match (c.dilation, c.stride) {
+        ((1, 1), (stride_h, stride_w)) => {
+            // Runs short enough that an invocation's loops (an element's taps) stay within
+            // MAX_LOOP_LEN iterations.
+            let taps = c.kernel_h.div_ceil(stride_h) * c.kernel_w.div_ceil(stride_w);
+            let segment = (MAX_LOOP_LEN / (1 + taps)).clamp(1, COL2IM_RUN);
+            let segments = c.width.div_ceil(segment);
+            let runs = count * c.c_in * c.height * segments;
+            let params = ConvParams {
+                segment: segment as u32,
+                segments: segments as u32,
+                ..geo.params(runs, cols_grad, group)
+            };
+            ("col2im_rows", params, runs)
+        }
+        (_, (1, 1)) => ("col2im_unit_stride", geo.params(n, cols_grad, group), n),
+        _ => ("col2im", geo.params(n, cols_grad, group), n),
+    };
+    let kernel = Kernel::plain(&CONV, entry);
+    Launch::new(OP, &kernel, &[(1, cols_grad), (2, &grad)], &params)
+        .record(groups(invocations, WORKGROUP))?;
     Ok(grad)
 }
 
