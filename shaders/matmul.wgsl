@@ -20,9 +20,9 @@
 //             time.
 //   B_MODE n: B[k][c..c+4] is one aligned vec4 (N a multiple of 4); k: B[k..k+4][c] is one
 //             aligned vec4; any: one element at a time.
-// B_SOURCE (matrix or image) says what every kernel but `small_tiled` multiplies by: B as
-// above, or a 2-d convolution's column matrix read from the input images (see b_columns_image
-// and load_b_panel_image).
+// B_SOURCE (matrix, image or image_t) says what every kernel but `small_tiled` multiplies by:
+// B as above, a 2-d convolution's column matrix read from the input images (see
+// b_columns_image and load_b_panel_image), or its transpose (a weight grad's; image_t).
 // It also splices two facts about the shape, so that code the shape never runs is compiled out
 // (software adapters compile every load and store into a loop over lanes, and the per-element
 // paths doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group
@@ -214,13 +214,17 @@ struct BColumns {
     x0: vec4<i32>,
 }
 
-// The image source's channel and tap at the current k (the odometer).
+// The image source's channel and tap at the current k (the odometer); for the transposed
+// image source (`image_t`), the image in the group (`c_at`, its offset), the output pixel
+// (`oy`, `ox`) and where its window starts (`dy`, `dx`: oy stride_h, ox stride_w).
 struct BStep {
     c: u32,
     c_at: i32,
     tx: u32,
     dy: i32,
     dx: i32,
+    oy: u32,
+    ox: u32,
 }
 
 // Where an invocation stores output row r: `at + r * row_stride`.
@@ -296,6 +300,67 @@ fn out_column_image(batch: u32, col: u32) -> OutColumn {
     let pixels = pu(MATMUL_CONV_PIXELS);
     let image = col / pixels;
     return OutColumn(image * pu(MATMUL_M) * pixels + (col - image * pixels), pixels);
+}
+
+// `image_t`: the transposed column matrix, a convolution's weight grad out_grad x cols^T read
+// from the images. B[k][n] is input element (image j of the batch's group, channel c, y, x) for
+// k = (j, oy, ox) an output pixel of the group's images (k runs over the group's pixels, a
+// multiple of 4) and n = (c, ty, tx) a weight of one output channel, in the weight's own
+// layout; y = oy stride_h + ty dilation_h - padding_h, x likewise, 0 outside the image. Each
+// invocation's 4 columns are placed once; the odometer steps the pixel along k (no division).
+fn b_columns_image_t(b_base: u32, cols: vec4<u32>) -> BColumns {
+    let h = pu(MATMUL_CONV_HEIGHT);
+    let w = pu(MATMUL_CONV_WIDTH);
+    let kernel_w = pu(MATMUL_CONV_KERNEL_W);
+    let taps = pu(MATMUL_N) / pu(MATMUL_CONV_C_IN);
+    let c = cols / taps;
+    let tap = cols - c * taps;
+    let ty = tap / kernel_w;
+    var columns: BColumns;
+    columns.cols = cols;
+    columns.image_at = vec4<i32>(b_base + c * h * w);
+    columns.y0 = vec4<i32>(ty * pu(MATMUL_CONV_DILATION_H)) - i32(pu(MATMUL_CONV_PADDING_H));
+    columns.x0 = vec4<i32>((tap - ty * kernel_w) * pu(MATMUL_CONV_DILATION_W)) - i32(pu(MATMUL_CONV_PADDING_W));
+    return columns;
+}
+
+// Row k (an output pixel) of the transposed image columns at the invocation's 4 columns (0
+// past the last column and where `live` is false), then the odometer advanced to the next
+// pixel: along the row, then the next row, then the group's next image.
+fn image_t_row(c: BColumns, step: ptr<function, BStep>, live: bool) -> vec4<f32> {
+    let h = pu(MATMUL_CONV_HEIGHT);
+    let w = pu(MATMUL_CONV_WIDTH);
+    let ow = pu(MATMUL_CONV_OUT_W);
+    let s = *step;
+    let y = c.y0 + s.dy;
+    let x = c.x0 + s.dx;
+    let inside = vec4<u32>(y) < vec4<u32>(h) & vec4<u32>(x) < vec4<u32>(w)
+        & c.cols < vec4<u32>(pu(MATMUL_N)) & vec4<bool>(live);
+    let at = vec4<u32>(select(c.image_at, c.image_at + s.c_at + y * i32(w) + x, inside));
+    let v = vec4<f32>(b_at(at.x), b_at(at.y), b_at(at.z), b_at(at.w));
+    let next_row = s.ox + 1u == ow;
+    let next_image = next_row && s.oy + 1u == pu(MATMUL_CONV_PIXELS) / ow;
+    var n = s;
+    n.ox = select(s.ox + 1u, 0u, next_row);
+    n.dx = select(s.dx + i32(pu(MATMUL_CONV_STRIDE_W)), 0, next_row);
+    n.oy = select(s.oy, select(s.oy + 1u, 0u, next_image), next_row);
+    n.dy = select(s.dy, select(s.dy + i32(pu(MATMUL_CONV_STRIDE_H)), 0, next_image), next_row);
+    n.c_at = select(s.c_at, s.c_at + i32(pu(MATMUL_CONV_C_IN) * h * w), next_image);
+    *step = n;
+    return select(vec4<f32>(0.0), v, inside);
+}
+
+fn b_block_image_t(c: BColumns, step: ptr<function, BStep>, k: u32) -> mat4x4<f32> {
+    let k_len = pu(MATMUL_K);
+    let r0 = image_t_row(c, step, k < k_len);
+    let r1 = image_t_row(c, step, k + 1u < k_len);
+    let r2 = image_t_row(c, step, k + 2u < k_len);
+    let r3 = image_t_row(c, step, k + 3u < k_len);
+    return transpose(mat4x4<f32>(r0, r1, r2, r3));
+}
+
+fn out_column_image_t(batch: u32, col: u32) -> OutColumn {
+    return out_column_matrix(batch, col);
 }
 
 // SUBGROUP SECTION BEGIN: kept only where the device has 8-wide subgroups.
@@ -731,6 +796,11 @@ fn panel_column_image(o: Operands, col0: u32, in_tile: u32) -> PanelColumn {
     return PanelColumn(col0, in_tile, c.image_at.x, c.y0.x, c.x0.x);
 }
 
+fn panel_column_image_t(o: Operands, col0: u32, in_tile: u32) -> PanelColumn {
+    let c = b_columns_image_t(0u, vec4<u32>(col0 + in_tile));
+    return PanelColumn(col0, in_tile, c.image_at.x, c.y0.x, c.x0.x);
+}
+
 // The elements of the A panel of rows `row0` .. `row0 + block`, k0 .. k0 + BLOCK_K that
 // invocation `lid` (of (block / 8)^2) stages (see panel_element), 0 past the edges.
 fn load_a_panel(o: Operands, row0: u32, lid: u32, k0: u32, block: u32) -> array<f32, PANEL_LOADS> {
@@ -757,6 +827,10 @@ fn b_panel_slot_matrix(o: Operands, column: PanelColumn, lid: u32, j: u32, block
 fn b_panel_slot_image(o: Operands, column: PanelColumn, lid: u32, j: u32, block: u32) -> vec2<u32> {
     let threads = (block / 8u) * (block / 8u);
     return vec2<u32>(lid / block + j * (threads / block), column.in_tile);
+}
+
+fn b_panel_slot_image_t(o: Operands, column: PanelColumn, lid: u32, j: u32, block: u32) -> vec2<u32> {
+    return b_panel_slot_image(o, column, lid, j, block);
 }
 
 // The elements of the B panel of rows k0 .. k0 + BLOCK_K of the tile starting at column
@@ -792,6 +866,30 @@ fn load_b_panel_image(o: Operands, column: PanelColumn, lid: u32, k0: u32, block
         let x = column.x0 + i32((tap - ty * kernel_w) * pu(MATMUL_CONV_DILATION_W));
         if (k < pu(MATMUL_CONV_K) && column.col0 + column.in_tile < o.n && u32(y) < h && u32(x) < w) {
             values[j] = b_at(u32(column.image_at + i32(channel * h * w) + y * i32(w) + x));
+        }
+    }
+    return values;
+}
+
+// As load_b_panel_image, from the transposed image columns (`image_t`): a row k is split
+// into its image, output row and column by three divisions, which a GPU hides behind the loads.
+fn load_b_panel_image_t(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) -> array<f32, PANEL_LOADS> {
+    let threads = (block / 8u) * (block / 8u);
+    let h = pu(MATMUL_CONV_HEIGHT);
+    let w = pu(MATMUL_CONV_WIDTH);
+    let ow = pu(MATMUL_CONV_OUT_W);
+    let pixels = pu(MATMUL_CONV_PIXELS);
+    var values: array<f32, PANEL_LOADS>;
+    for (var j = 0u; j < BLOCK_K * block / threads; j = j + 1u) {
+        let k = k0 + b_panel_slot_image_t(o, column, lid, j, block).x;
+        let image = k / pixels;
+        let p = k - image * pixels;
+        let oy = p / ow;
+        let y = column.y0 + i32(oy * pu(MATMUL_CONV_STRIDE_H));
+        let x = column.x0 + i32((p - oy * ow) * pu(MATMUL_CONV_STRIDE_W));
+        if (k < o.k_len && column.col0 + column.in_tile < o.n && u32(y) < h && u32(x) < w) {
+            let image_at = i32(o.b_base + image * pu(MATMUL_CONV_C_IN) * h * w) + column.image_at;
+            values[j] = b_at(u32(image_at + y * i32(w) + x));
         }
     }
     return values;

@@ -878,8 +878,9 @@ fn check_grads_against_reference(cases: &[([usize; 4], [usize; 4], usize, usize)
 
 /// Small images (a ResNet's last stages: 1x1 to 7x7 output pixels) run their column
 /// matrices a group of images at a time, each product over the group's pixels side by side
-/// rather than an image's few: batches that split into groups and a prime one, strides 1 and
-/// 2, pixel counts in and not in whole 4s, one image, and one pixel per image.
+/// rather than an image's few, and the weight grad reads them from the images where the
+/// matmul kernel can: batches that split into groups and a prime one, strides 1 and 2, pixel
+/// counts in and not in whole 4s, one image, one pixel per image, and wide products.
 #[test]
 fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
     let cases = [
@@ -890,6 +891,9 @@ fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
         ([1, 6, 2, 2], [5, 6, 1, 1], 1, 0),
         ([96, 8, 1, 1], [6, 8, 1, 1], 1, 0),
         ([40, 3, 7, 7], [4, 3, 3, 3], 2, 1),
+        // Products of 128 and 64 rows and columns (the GPU flavour's block kernels).
+        ([4, 16, 8, 8], [130, 16, 3, 3], 1, 1),
+        ([2, 8, 6, 6], [70, 8, 3, 3], 1, 1),
     ];
     check_grads_against_reference(&cases, 300);
 }

@@ -4,7 +4,9 @@
 //! pixels in whole 4s), the forward is one implicit GEMM (`conv_product` in `ops/matmul.rs`):
 //! no column matrix is written.
 //! Otherwise `im2col` (`shaders/conv.wgsl`) writes a chunk of images' columns and the forward
-//! is `weight x cols`. The weight grad is `out_grad x cols^T` over im2col's columns. The input
+//! is `weight x cols`. The weight grad is `out_grad x cols^T`, read from the images in the same
+//! way where the kernel can (`conv_weight_product`), else over im2col's columns; small images
+//! go through their columns a group of images at a time (`images_per_group`). The input
 //! grad of a unit-stride convolution is itself a convolution (of the out grad with the flipped,
 //! transposed weight, padded by `d (k - 1) - p`), so it takes the same implicit GEMM; any other
 //! input grad is the cols grad `weight^T x out_grad` summed back by `col2im`. Chunks of images
@@ -14,7 +16,10 @@
 use crate::error::{Error, Result};
 use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
 use crate::ops::autocast::in_f32;
-use crate::ops::matmul::{conv_product, conv_product_applies, ImageColumns};
+use crate::ops::matmul::{
+    conv_product, conv_product_applies, conv_weight_product, conv_weight_product_applies,
+    ImageColumns,
+};
 use crate::ops::sum_over_chunks;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -474,14 +479,20 @@ fn flipped_taps_outer(w: &Tensor, geo: &Geometry) -> Result<Tensor> {
 }
 
 /// One group's weight grad, shaped as `w_shape`, from the input `x` and the out grad `g`: the
-/// sum over groups of images of `g cols^T`.
+/// sum over groups of images of `g cols^T`, read from the images where the matmul kernel can
+/// ([`conv_weight_product`]: no column matrix written), else through im2col's columns.
 fn weight_grad(x: &Tensor, g: &Tensor, geo: &Geometry, w_shape: &[usize]) -> Result<Tensor> {
     let part = |start, count| {
         let group = images_per_group(count, geo.cols.pixels());
-        let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, geo, group)?;
-        grouped(&g.narrow(0, start, count)?, group)?
-            .matmul(&cols.transpose(1, 2)?)?
-            .sum_dims(&[0], false)
+        let images = x.narrow(0, start, count)?.contiguous()?;
+        let g_groups = grouped(&g.narrow(0, start, count)?, group)?;
+        let partials =
+            if conv_weight_product_applies(x.device(), geo.c_out, count, group, &geo.cols) {
+                conv_weight_product(&g_groups.contiguous()?, &images, &geo.cols, group)?
+            } else {
+                g_groups.matmul(&im2col(&images, geo, group)?.transpose(1, 2)?)?
+            };
+        partials.sum_dims(&[0], false)
     };
     let sum = match sum_over_chunks(geo.batch, geo.images_per_chunk(), part)? {
         Some(s) => s,

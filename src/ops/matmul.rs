@@ -74,12 +74,14 @@ enum BMode {
     Any,
 }
 
-/// What `register_tiled_tall` multiplies A by: a matrix read in its `BMode`, or the column
-/// matrix of a convolution read from the images ([`conv_product`]).
+/// What the kernels multiply A by: a matrix read in its `BMode`, the column matrix of a
+/// convolution read from the images ([`conv_product`]), or its transpose
+/// ([`conv_weight_product`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BSource {
     Matrix,
     Image,
+    ImageT,
 }
 
 /// What a matmul kernel is specialised on (see shaders/matmul.wgsl): how A and B are read,
@@ -124,6 +126,7 @@ fn source(spec: Specialisation) -> String {
     let b_source = match spec.b_source {
         BSource::Matrix => "matrix",
         BSource::Image => "image",
+        BSource::ImageT => "image_t",
     };
     let flag = |on: bool| if on { "true" } else { "false" };
     let source = MATMUL.source_of(
@@ -194,9 +197,15 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
             }
         }
     }
-    for (tall_rows, subgroups) in [(16, true), (32, true), (32, false)] {
-        let spec = image_specialisation(AMode::K, tall_rows, subgroups);
-        all.push((format!("matmul/{spec:?}"), source(spec)));
+    for source_of_b in [BSource::Image, BSource::ImageT] {
+        for (tall_rows, subgroups) in [(16, true), (32, true), (32, false)] {
+            let spec = Specialisation {
+                // As conv_weight_product runs it.
+                n_aligned: source_of_b == BSource::Image,
+                ..image_specialisation(source_of_b, AMode::K, tall_rows, subgroups)
+            };
+            all.push((format!("matmul/{spec:?}"), source(spec)));
+        }
     }
     for (a_dtype, b_dtype, out_dtype) in [
         (DType::F16, DType::BF16, DType::F32),
@@ -720,14 +729,40 @@ impl ImageColumns {
     pub fn k(&self) -> usize {
         self.kernel_h * self.kernel_w * self.c_in
     }
+
+    /// The params that place these columns in the images (the rest left at 0).
+    fn params(&self) -> MatmulParams {
+        MatmulParams {
+            conv_c_in: self.c_in as u32,
+            conv_height: self.height as u32,
+            conv_width: self.width as u32,
+            conv_kernel_w: self.kernel_w as u32,
+            conv_out_w: self.out_w as u32,
+            conv_pixels: self.pixels() as u32,
+            conv_stride_h: self.stride.0 as u32,
+            conv_stride_w: self.stride.1 as u32,
+            conv_padding_h: self.padding.0 as u32,
+            conv_padding_w: self.padding.1 as u32,
+            conv_dilation_h: self.dilation.0 as u32,
+            conv_dilation_w: self.dilation.1 as u32,
+            conv_k: self.k() as u32,
+            ..MatmulParams::default()
+        }
+    }
 }
 
-/// The kernel that reads a convolution's column matrix from its images, for a weight of `rows`
-/// rows over `n` output columns, and the weight's read mode `a`: `register_tiled_tall` on
-/// 8-wide subgroups; on GPUs what [`kernel_for`] picks for a matrix of that shape (the block
-/// kernels, or `register_tiled` for a side under 64); none on software adapters without
-/// subgroups.
-fn image_kernel(device: &Device, a: AMode, rows: usize, n: usize) -> Option<KernelChoice> {
+/// The kernel that reads a convolution's column matrix (or its transpose: `source`) from its
+/// images, for `rows` rows of A over `n` output columns, and A's read mode `a`:
+/// `register_tiled_tall` on 8-wide subgroups; on GPUs what [`kernel_for`] picks for a matrix
+/// of that shape (the block kernels, or `register_tiled` for a side under 64); none on
+/// software adapters without subgroups.
+fn image_kernel(
+    device: &Device,
+    source: BSource,
+    a: AMode,
+    rows: usize,
+    n: usize,
+) -> Option<KernelChoice> {
     let choice = |entry, tile_rows, tile_cols, spec| KernelChoice {
         entry,
         tile_rows,
@@ -739,32 +774,37 @@ fn image_kernel(device: &Device, a: AMode, rows: usize, n: usize) -> Option<Kern
     match device.kernel_flavor() {
         KernelFlavor::Cpu if runs_tall(device) => {
             let tall_rows = if rows <= 16 { 16 } else { 32 };
-            let spec = image_specialisation(a, tall_rows, true);
+            let spec = image_specialisation(source, a, tall_rows, true);
             Some(choice("register_tiled_tall", tall_rows, 128, spec))
         }
         KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK => {
-            let spec = image_specialisation(AMode::Any, 32, false);
+            let spec = image_specialisation(source, AMode::Any, 32, false);
             Some(choice("block_tiled", BLOCK, BLOCK, spec))
         }
         KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK / 2 => {
-            let spec = image_specialisation(AMode::Any, 32, false);
+            let spec = image_specialisation(source, AMode::Any, 32, false);
             Some(choice("block_tiled_64", BLOCK / 2, BLOCK / 2, spec))
         }
         KernelFlavor::Gpu => {
-            let spec = image_specialisation(a, 32, false);
+            let spec = image_specialisation(source, a, 32, false);
             Some(choice("register_tiled", 8, 256, spec))
         }
         KernelFlavor::Cpu => None,
     }
 }
 
-/// The module of a kernel over image columns: `register_tiled_tall` (with `subgroups`),
-/// `register_tiled` or the block kernels.
-fn image_specialisation(a: AMode, tall_rows: usize, subgroups: bool) -> Specialisation {
+/// The module of a kernel over image columns (`source`): `register_tiled_tall` (with
+/// `subgroups`), `register_tiled` or the block kernels.
+fn image_specialisation(
+    source: BSource,
+    a: AMode,
+    tall_rows: usize,
+    subgroups: bool,
+) -> Specialisation {
     Specialisation {
         a,
         b: BMode::Any,
-        b_source: BSource::Image,
+        b_source: source,
         subgroups,
         tall_rows,
         n_aligned: true,
@@ -788,7 +828,14 @@ pub(crate) fn conv_product_applies(
     let in_bytes = images * cols.c_in * cols.height * cols.width * 4;
     let out_bytes = c_out * images * cols.pixels() * 4;
     let limit = device.inner.max_binding_bytes();
-    image_kernel(device, AMode::Any, c_out, images * cols.pixels()).is_some()
+    image_kernel(
+        device,
+        BSource::Image,
+        AMode::Any,
+        c_out,
+        images * cols.pixels(),
+    )
+    .is_some()
         && cols.pixels().is_multiple_of(4)
         && cols.k().next_multiple_of(4) <= K_CHUNK
         && in_bytes as u64 <= limit
@@ -820,8 +867,8 @@ pub(crate) fn conv_product(
         true => AMode::K,
         false => AMode::Any,
     };
-    let choice =
-        image_kernel(images.device(), a_mode, m, n).expect("callers check conv_product_applies");
+    let choice = image_kernel(images.device(), BSource::Image, a_mode, m, n)
+        .expect("callers check conv_product_applies");
     let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
     let params = MatmulParams {
         m: m as u32,
@@ -834,20 +881,7 @@ pub(crate) fn conv_product(
         b_offset: images.layout().offset as u32,
         col_tiles: tiles_n as u32,
         row_tiles: tiles_m as u32,
-        conv_c_in: cols.c_in as u32,
-        conv_height: cols.height as u32,
-        conv_width: cols.width as u32,
-        conv_kernel_w: cols.kernel_w as u32,
-        conv_out_w: cols.out_w as u32,
-        conv_pixels: cols.pixels() as u32,
-        conv_stride_h: cols.stride.0 as u32,
-        conv_stride_w: cols.stride.1 as u32,
-        conv_padding_h: cols.padding.0 as u32,
-        conv_padding_w: cols.padding.1 as u32,
-        conv_dilation_h: cols.dilation.0 as u32,
-        conv_dilation_w: cols.dilation.1 as u32,
-        conv_k: cols.k() as u32,
-        ..MatmulParams::default()
+        ..cols.params()
     };
     let operands = [weight, images, &out];
     launch_product(
@@ -857,6 +891,96 @@ pub(crate) fn conv_product(
         &params,
         operands,
         tiles_m * tiles_n,
+    )?;
+    Ok(out)
+}
+
+/// True when [`conv_weight_product`] can run the weight grad of `c_out` output channels over
+/// `images` images in groups of `group`: where the device has a kernel that reads images, with
+/// each group's output pixels in whole 4s (no k tail) within one kernel's loop, and the
+/// images, the out grad and the product within one binding.
+pub(crate) fn conv_weight_product_applies(
+    device: &Device,
+    c_out: usize,
+    images: usize,
+    group: usize,
+    cols: &ImageColumns,
+) -> bool {
+    let group_pixels = group * cols.pixels();
+    let in_bytes = images * cols.c_in * cols.height * cols.width * 4;
+    let grad_bytes = images * c_out * cols.pixels() * 4;
+    let out_bytes = images.div_ceil(group.max(1)) * c_out * cols.k() * 4;
+    let limit = device.inner.max_binding_bytes();
+    image_kernel(device, BSource::ImageT, AMode::K, c_out, cols.k()).is_some()
+        && group_pixels.is_multiple_of(4)
+        && group_pixels <= K_CHUNK
+        && [in_bytes, grad_bytes, out_bytes]
+            .iter()
+            .all(|&b| b as u64 <= limit)
+}
+
+/// A convolution's weight grad over groups of images with no column matrix in memory:
+/// `out_grad` `[groups, c_out, group pixels]` (contiguous, each group's images side by side,
+/// as `conv.rs`'s `grouped`) times the transposed column matrix of `images` (contiguous
+/// `[groups group, c_in, height, width]`), as `[groups, c_out, c_in kh kw]`, one partial grad
+/// per group in the weight's layout. Callers check [`conv_weight_product_applies`] first.
+pub(crate) fn conv_weight_product(
+    out_grad: &Tensor,
+    images: &Tensor,
+    cols: &ImageColumns,
+    group: usize,
+) -> Result<Tensor> {
+    const OP: &str = "conv2d";
+    debug_assert!(out_grad.is_contiguous() && images.is_contiguous());
+    let (groups, m, k) = (
+        out_grad.shape()[0],
+        out_grad.shape()[1],
+        out_grad.shape()[2],
+    );
+    debug_assert_eq!(k, group * cols.pixels());
+    let n = cols.k();
+    let out = Tensor::empty(OP, &[groups, m, n], DType::F32, images.device())?;
+    if out.numel() == 0 {
+        return Ok(out);
+    }
+    // The out grad's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
+    let a_mode = match out_grad.layout().offset.is_multiple_of(4) {
+        true => AMode::K,
+        false => AMode::Any,
+    };
+    let choice = image_kernel(images.device(), BSource::ImageT, a_mode, m, n)
+        .expect("callers check conv_weight_product_applies");
+    // The weight's columns (c_in kh kw) come in any count: one module stores them all (the
+    // product is small beside its k, and each module costs a model's first step a fraction
+    // of a second to compile on lavapipe).
+    let spec = Specialisation {
+        n_aligned: false,
+        ..choice.spec
+    };
+    let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
+    let params = MatmulParams {
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+        batches: groups as u32,
+        a_offset: out_grad.layout().offset as u32,
+        a_batch_stride: (m * k) as u32,
+        a_row_stride: k as u32,
+        a_col_stride: 1,
+        b_offset: images.layout().offset as u32,
+        b_batch_stride: (group * cols.c_in * cols.height * cols.width) as u32,
+        col_tiles: tiles_n as u32,
+        row_tiles: tiles_m as u32,
+        ..cols.params()
+    };
+    let operands = [out_grad, images, &out];
+    launch_product(
+        OP,
+        choice.entry,
+        spec,
+        &params,
+        operands,
+        groups * tiles_m * tiles_n,
     )?;
     Ok(out)
 }
