@@ -26,7 +26,6 @@
 @group(0) @binding(8) var<storage, read_write> sums: array<f32>;
 
 const PER_PART: u32 = 16384u;
-const PER_INVOCATION: u32 = 64u; // PER_PART / 256
 
 // The sum (or, with `largest`, the maximum) of every invocation's `v`, for all of them
 // (workgroup_reduce.wgsl). WORKGROUP_REDUCE is spliced: workgroup_reduce_subgroups where the
@@ -39,20 +38,59 @@ fn values_per_channel() -> u32 {
     return pu(BATCH_NORM_BATCH) * pu(BATCH_NORM_PIXELS);
 }
 
-// Element offset (past the tensor's own offset) of value `j` of `channel`: batch j / pixels,
-// pixel j % pixels.
-fn element(channel: u32, j: u32) -> u32 {
-    let pixels = pu(BATCH_NORM_PIXELS);
-    return ((j / pixels) * pu(BATCH_NORM_CHANNELS) + channel) * pixels + j % pixels;
+// Where the values j, j + 256, j + 512, .. of `channel` lie (past the tensor's own offset):
+// value j is pixel j % pixels of image j / pixels. A part's invocation visits its values 256
+// apart, so the walk divides once and then steps (CPU adapters divide lane by lane: two
+// divisions per value took most of a part's time).
+struct ValueWalk {
+    // The offset of the current value's image plane of the channel, and its pixel.
+    plane_at: u32,
+    pixel: u32,
+    // What one step of 256 values adds: pixels, and whole images' planes.
+    pixel_step: u32,
+    plane_step: u32,
 }
 
-// The values of this invocation in its part: j = start + k * 256 + lid for k below
-// PER_INVOCATION, while j < end.
+fn value_walk(channel: u32, j: u32) -> ValueWalk {
+    let pixels = pu(BATCH_NORM_PIXELS);
+    let image_len = pu(BATCH_NORM_CHANNELS) * pixels;
+    let image = j / pixels;
+    return ValueWalk(image * image_len + channel * pixels, j - image * pixels, 256u % pixels,
+                     (256u / pixels) * image_len);
+}
+
+fn value_at(w: ValueWalk) -> u32 {
+    return w.plane_at + w.pixel;
+}
+
+fn value_walk_next(w: ValueWalk) -> ValueWalk {
+    let pixels = pu(BATCH_NORM_PIXELS);
+    var next = w;
+    next.pixel = w.pixel + w.pixel_step;
+    next.plane_at = w.plane_at + w.plane_step;
+    if (next.pixel >= pixels) {
+        next.pixel = next.pixel - pixels;
+        next.plane_at = next.plane_at + pu(BATCH_NORM_CHANNELS) * pixels;
+    }
+    return next;
+}
+
+// A workgroup's part of a channel's values: invocation `lid` visits j = start + lid, + 256,
+// .. while j < end.
 struct Part {
     channel: u32,
     index: u32,
     start: u32,
     end: u32,
+}
+
+// How many of the part's values invocation `lid` visits (at most PER_PART / 256): loops run
+// that many times, not PER_PART / 256 (a channel of 2x2 images at batch 128 has 512 values,
+// two per invocation: the 64 iterations each of the three passes ran took a BatchNorm's
+// forward from 3 to 22 ms on lavapipe).
+fn visits(part: Part, lid: u32) -> u32 {
+    let len = part.end - part.start;
+    return (len + 255u - min(lid, len)) / 256u;
 }
 
 fn part_of(wid: vec3<u32>, nwg: vec3<u32>) -> Part {
@@ -74,31 +112,30 @@ fn partial_stats(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         return;
     }
     let x0 = pu(BATCH_NORM_X_OFFSET);
+    let first = value_walk(part.channel, part.start + lid);
+    let own = visits(part, lid);
     var largest = 0.0;
-    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
-        let j = part.start + k * 256u + lid;
-        if (j < part.end) {
-            largest = max(largest, abs(x[x0 + element(part.channel, j)]));
-        }
+    var walk = first;
+    for (var k = 0u; k < own; k = k + 1u) {
+        largest = max(largest, abs(x[x0 + value_at(walk)]));
+        walk = value_walk_next(walk);
     }
     largest = workgroup_reduce(lid, largest, true);
     let scale = select(1.0, largest, largest > 0.0 && largest <= 3.4028234e38);
     var sum = 0.0;
-    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
-        let j = part.start + k * 256u + lid;
-        if (j < part.end) {
-            sum = sum + x[x0 + element(part.channel, j)] / scale;
-        }
+    walk = first;
+    for (var k = 0u; k < own; k = k + 1u) {
+        sum = sum + x[x0 + value_at(walk)] / scale;
+        walk = value_walk_next(walk);
     }
     let count = f32(part.end - part.start);
     let mean = workgroup_reduce(lid, sum, false) / count;
     var squares = 0.0;
-    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
-        let j = part.start + k * 256u + lid;
-        if (j < part.end) {
-            let d = x[x0 + element(part.channel, j)] / scale - mean;
-            squares = squares + d * d;
-        }
+    walk = first;
+    for (var k = 0u; k < own; k = k + 1u) {
+        let d = x[x0 + value_at(walk)] / scale - mean;
+        squares = squares + d * d;
+        walk = value_walk_next(walk);
     }
     squares = workgroup_reduce(lid, squares, false);
     if (lid == 0u) {
@@ -147,8 +184,38 @@ fn channel_stats(@builtin(global_invocation_id) gid: vec3<u32>) {
     stats[channel * 3u + 2u] = squares / (count - 1.0) * scale * scale;
 }
 
-fn channel_of(i: u32) -> u32 {
-    return (i / pu(BATCH_NORM_PIXELS)) % pu(BATCH_NORM_CHANNELS);
+// The channel of items i, i + 8, i + 16, .. of x `[batch, channels, pixels]`, the items one
+// invocation of a contiguous kernel visits (contiguous_item_at): the walk divides once and
+// then steps, as ValueWalk.
+struct ChannelWalk {
+    channel: u32,
+    pixel: u32,
+    // What one step of 8 items adds: pixels, and whole planes' channels (mod channels).
+    pixel_step: u32,
+    channel_step: u32,
+}
+
+fn channel_walk(i: u32) -> ChannelWalk {
+    let pixels = pu(BATCH_NORM_PIXELS);
+    let channels = pu(BATCH_NORM_CHANNELS);
+    let plane = i / pixels;
+    return ChannelWalk(plane % channels, i - plane * pixels, 8u % pixels, (8u / pixels) % channels);
+}
+
+fn channel_walk_next(w: ChannelWalk) -> ChannelWalk {
+    let pixels = pu(BATCH_NORM_PIXELS);
+    let channels = pu(BATCH_NORM_CHANNELS);
+    var next = w;
+    next.pixel = w.pixel + w.pixel_step;
+    next.channel = w.channel + w.channel_step;
+    if (next.pixel >= pixels) {
+        next.pixel = next.pixel - pixels;
+        next.channel = next.channel + 1u;
+    }
+    if (next.channel >= channels) {
+        next.channel = next.channel - channels;
+    }
+    return next;
 }
 
 // The affine weight and bias of `channel` (1 and 0 without affine parameters).
@@ -171,13 +238,15 @@ fn bias_of(channel: u32) -> f32 {
 fn normalise(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
              @builtin(local_invocation_index) lid: u32) {
     let n = pu(BATCH_NORM_NUMEL);
+    var walk = channel_walk(contiguous_item(wid, nwg, lid, 0u, CONTIGUOUS_PER_GROUP));
     for (var k = 0u; k < rolled(CONTIGUOUS_PER_GROUP / 256u); k = k + 1u) {
         let i = contiguous_item(wid, nwg, lid, k, CONTIGUOUS_PER_GROUP);
         if (i < n) {
-            let c = channel_of(i);
+            let c = walk.channel;
             let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - stats[c * 3u]) * stats[c * 3u + 1u];
             out[i] = xhat * weight_of(c) + bias_of(c);
         }
+        walk = channel_walk_next(walk);
     }
 }
 
@@ -195,14 +264,13 @@ fn partial_grad_sums(@builtin(workgroup_id) wid: vec3<u32>,
     let rstd = stats[c * 3u + 1u];
     var sum_g = 0.0;
     var sum_g_xhat = 0.0;
-    for (var k = 0u; k < rolled(PER_INVOCATION); k = k + 1u) {
-        let j = part.start + k * 256u + lid;
-        if (j < part.end) {
-            let e = element(c, j);
-            let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + e];
-            sum_g = sum_g + g;
-            sum_g_xhat = sum_g_xhat + g * (x[pu(BATCH_NORM_X_OFFSET) + e] - mean) * rstd;
-        }
+    var walk = value_walk(c, part.start + lid);
+    for (var k = 0u; k < visits(part, lid); k = k + 1u) {
+        let e = value_at(walk);
+        let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + e];
+        sum_g = sum_g + g;
+        sum_g_xhat = sum_g_xhat + g * (x[pu(BATCH_NORM_X_OFFSET) + e] - mean) * rstd;
+        walk = value_walk_next(walk);
     }
     sum_g = workgroup_reduce(lid, sum_g, false);
     sum_g_xhat = workgroup_reduce(lid, sum_g_xhat, false);
@@ -240,10 +308,11 @@ fn input_grad(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
               @builtin(local_invocation_index) lid: u32) {
     let n = pu(BATCH_NORM_NUMEL);
     let count = f32(values_per_channel());
+    var walk = channel_walk(contiguous_item(wid, nwg, lid, 0u, CONTIGUOUS_PER_GROUP));
     for (var k = 0u; k < rolled(CONTIGUOUS_PER_GROUP / 256u); k = k + 1u) {
         let i = contiguous_item(wid, nwg, lid, k, CONTIGUOUS_PER_GROUP);
         if (i < n) {
-            let c = channel_of(i);
+            let c = walk.channel;
             let rstd = stats[c * 3u + 1u];
             let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - stats[c * 3u]) * rstd;
             let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + i];
@@ -251,5 +320,6 @@ fn input_grad(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             let mean_g_xhat = sums[c * 2u + 1u] / count;
             out[i] = weight_of(c) * rstd * (g - mean_g - xhat * mean_g_xhat);
         }
+        walk = channel_walk_next(walk);
     }
 }

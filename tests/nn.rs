@@ -452,44 +452,47 @@ fn batch_norm_2d_trains_on_batch_statistics_and_updates_running_ones() {
     );
 }
 
-/// A channel of more values than one workgroup reduces (16,384) is summed in parts and the
-/// parts merged: output, running statistics and input grad against the CPU, on values whose
+/// BatchNorm2d's output, running statistics and input grad against the CPU, on values whose
 /// mean is far from 0 (a naive sum of squares would lose them).
-#[test]
-fn batch_norm_2d_over_many_parts_matches_cpu_reference() {
-    let _s = serial();
-    let shape = [5, 2, 61, 67]; // 20,435 values per channel: two parts, the second ragged
-    let (_, xs) = random_tensor(&shape, 26);
+fn check_batch_norm_2d(shape: [usize; 4], seed: u64) {
+    let what = format!("BatchNorm2d over {shape:?}");
+    let channels = shape[1];
+    let (_, xs) = random_tensor(&shape, seed);
     let xs: Vec<f32> = xs.iter().map(|v| 3.0 + v).collect();
     let x = Tensor::from_slice(&xs, &shape, device())
         .unwrap()
         .requires_grad_(true);
-    let bn = nn::BatchNorm2d::new(2, device()).unwrap();
+    let bn = nn::BatchNorm2d::new(channels, device()).unwrap();
     let y = bn.forward(&x).unwrap();
     let (want, means, vars) = batch_norm_reference(&xs, shape);
-    assert_close(&y.to_vec().unwrap(), &want, 1e-4, "output");
+    assert_close(
+        &y.to_vec().unwrap(),
+        &want,
+        1e-4,
+        &format!("{what}: output"),
+    );
     let running_mean: Vec<f64> = means.iter().map(|m| 0.1 * m).collect();
     assert_close(
         &bn.running_mean.to_vec().unwrap(),
         &running_mean,
         1e-5,
-        "running_mean",
+        &format!("{what}: running_mean"),
     );
     let running_var: Vec<f64> = vars.iter().map(|v| 0.9 + 0.1 * v).collect();
     assert_close(
         &bn.running_var.to_vec().unwrap(),
         &running_var,
         1e-5,
-        "running_var",
+        &format!("{what}: running_var"),
     );
     // d/dx of sum(y g) = rstd (g - mean(g) - xhat mean(g xhat)) per channel (weight 1).
-    let (g, gs) = random_tensor(&shape, 27);
+    let (g, gs) = random_tensor(&shape, seed + 1);
     y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
     let pixels = shape[2] * shape[3];
     let count = (shape[0] * pixels) as f64;
-    let channel = |i: usize| (i / pixels) % 2;
-    let mut mean_g = [0.0f64; 2];
-    let mut mean_g_xhat = [0.0f64; 2];
+    let channel = |i: usize| (i / pixels) % channels;
+    let mut mean_g = vec![0.0f64; channels];
+    let mut mean_g_xhat = vec![0.0f64; channels];
     for i in 0..xs.len() {
         mean_g[channel(i)] += gs[i] as f64 / count;
         mean_g_xhat[channel(i)] += gs[i] as f64 * want[i] / count;
@@ -505,8 +508,36 @@ fn batch_norm_2d_over_many_parts_matches_cpu_reference() {
         &x.grad().unwrap().to_vec().unwrap(),
         &grad,
         1e-4,
-        "input grad",
+        &format!("{what}: input grad"),
     );
+}
+
+/// A channel of more values than one workgroup reduces (16,384) is summed in parts and the
+/// parts merged.
+#[test]
+fn batch_norm_2d_over_many_parts_matches_cpu_reference() {
+    let _s = serial();
+    check_batch_norm_2d([5, 2, 61, 67], 26); // 20,435 values per channel: the second part ragged
+}
+
+/// The kernels step through a channel's values and an invocation's items without dividing
+/// per value: planes smaller than a step (1, 2 and 6 pixels, more channels than a step's
+/// planes and fewer), and planes that do not divide a step (272 pixels).
+#[test]
+fn batch_norm_2d_over_small_and_ragged_planes_matches_cpu_reference() {
+    let _s = serial();
+    for (i, shape) in [
+        [3, 5, 1, 1],
+        [64, 3, 1, 2],
+        [7, 3, 2, 3],
+        [2, 4, 16, 17],
+        [40, 11, 1, 1],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        check_batch_norm_2d(shape, 40 + 2 * i as u64);
+    }
 }
 
 #[test]
