@@ -195,6 +195,9 @@ struct ChannelWalk {
     channel_step: u32,
 }
 
+// No channel: what a kernel's cache of a channel's values holds before its first load.
+const NO_CHANNEL: u32 = 0xffffffffu;
+
 fn channel_walk(i: u32) -> ChannelWalk {
     let pixels = pu(BATCH_NORM_PIXELS);
     let channels = pu(BATCH_NORM_CHANNELS);
@@ -239,12 +242,20 @@ fn normalise(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
              @builtin(local_invocation_index) lid: u32) {
     let n = pu(BATCH_NORM_NUMEL);
     var walk = channel_walk(contiguous_item(wid, nwg, lid, 0u, CONTIGUOUS_PER_GROUP));
+    // The channel's mean, rstd, weight and bias, loaded when the walk enters a channel, not
+    // per item (each is a load per lane on CPU adapters).
+    var loaded = NO_CHANNEL;
+    var channel = vec4<f32>();
     for (var k = 0u; k < rolled(CONTIGUOUS_PER_GROUP / 256u); k = k + 1u) {
         let i = contiguous_item(wid, nwg, lid, k, CONTIGUOUS_PER_GROUP);
         if (i < n) {
             let c = walk.channel;
-            let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - stats[c * 3u]) * stats[c * 3u + 1u];
-            out[i] = xhat * weight_of(c) + bias_of(c);
+            if (c != loaded) {
+                channel = vec4<f32>(stats[c * 3u], stats[c * 3u + 1u], weight_of(c), bias_of(c));
+                loaded = c;
+            }
+            let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - channel.x) * channel.y;
+            out[i] = xhat * channel.z + channel.w;
         }
         walk = channel_walk_next(walk);
     }
@@ -309,16 +320,25 @@ fn input_grad(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let n = pu(BATCH_NORM_NUMEL);
     let count = f32(values_per_channel());
     var walk = channel_walk(contiguous_item(wid, nwg, lid, 0u, CONTIGUOUS_PER_GROUP));
+    // The channel's mean and rstd, its means of g and of g xhat, and its weight, loaded when
+    // the walk enters a channel (as in normalise).
+    var loaded = NO_CHANNEL;
+    var channel = vec4<f32>();
+    var weight_c = 0.0;
     for (var k = 0u; k < rolled(CONTIGUOUS_PER_GROUP / 256u); k = k + 1u) {
         let i = contiguous_item(wid, nwg, lid, k, CONTIGUOUS_PER_GROUP);
         if (i < n) {
             let c = walk.channel;
-            let rstd = stats[c * 3u + 1u];
-            let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - stats[c * 3u]) * rstd;
+            if (c != loaded) {
+                channel = vec4<f32>(stats[c * 3u], stats[c * 3u + 1u], sums[c * 2u] / count,
+                                    sums[c * 2u + 1u] / count);
+                weight_c = weight_of(c);
+                loaded = c;
+            }
+            let rstd = channel.y;
+            let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - channel.x) * rstd;
             let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + i];
-            let mean_g = sums[c * 2u] / count;
-            let mean_g_xhat = sums[c * 2u + 1u] / count;
-            out[i] = weight_of(c) * rstd * (g - mean_g - xhat * mean_g_xhat);
+            out[i] = weight_c * rstd * (g - channel.z - xhat * channel.w);
         }
         walk = channel_walk_next(walk);
     }
