@@ -10,15 +10,19 @@
 @group(0) @binding(1) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 
-// One invocation per row of out_w elements of cols [images / group, c_in * kh * kw, group,
-// out_h, out_w] (`n` counts the rows): the divisions are paid once per row, not per element.
+// One invocation per run of `segment` elements of a row of out_w elements of cols
+// [images / group, c_in * kh * kw, group, out_h, out_w], `segments` runs to a row (`n` counts
+// the runs): the divisions are paid once per run, not per element, and a run stays within
+// Mesa 22.3's loop limit however long the row (a 1-d convolution over 70,000 steps).
 @compute @workgroup_size(256)
 fn im2col(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
-    let row = workgroup_index(wid, nwg) * 256u + lid;
-    if (row >= pu(CONV_N)) {
+    let run = workgroup_index(wid, nwg) * 256u + lid;
+    if (run >= pu(CONV_N)) {
         return;
     }
+    let row = run / pu(CONV_SEGMENTS);
+    let ox0 = (run - row * pu(CONV_SEGMENTS)) * pu(CONV_SEGMENT);
     let oh = pu(CONV_OUT_H);
     let ow = pu(CONV_OUT_W);
     let kw = pu(CONV_KERNEL_W);
@@ -38,7 +42,7 @@ fn im2col(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let out_at = (image / group) * c_in * taps * group_pixels + k * group_pixels
         + (image % group) * oh * ow + oy * ow;
     let row_inside = y >= 0 && u32(y) < h;
-    for (var ox = 0u; ox < ow; ox = ox + 1u) {
+    for (var ox = ox0; ox < min(ox0 + pu(CONV_SEGMENT), ow); ox = ox + 1u) {
         let x = x0 + i32(ox * stride_w);
         var v = 0.0;
         if (row_inside && x >= 0 && u32(x) < w) {

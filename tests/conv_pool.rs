@@ -609,6 +609,55 @@ fn conv1d_matches_cpu_reference() {
     assert_eq!(x.conv1d(&w, None, 1, 1).unwrap().shape(), &[1, 1, 5]);
 }
 
+/// A sequence longer than Mesa 22.3 lets one invocation loop (65,535 iterations), past one
+/// product's k (16,384) too: forward, input grad and weight grad against the CPU.
+#[test]
+fn conv1d_over_a_sequence_past_65536_matches_cpu_reference() {
+    let (len, c_in, c_out, k) = (70_001, 2, 3, 3);
+    let (x, xv) = random_tensor(&[1, c_in, len], 120);
+    let (w, wv) = random_tensor(&[c_out, c_in, k], 121);
+    let (x, w) = (x.requires_grad_(true), w.requires_grad_(true));
+    let o = Conv1dOptions {
+        padding: 1,
+        ..Default::default()
+    };
+    let y = x.conv1d_with(&w, None, o).unwrap();
+    let want = conv1d_reference(&xv, [1, c_in, len], &wv, [c_out, c_in, k], o);
+    assert_close(&y.to_vec().unwrap(), &want, 1e-4, "forward");
+    let (g, gv) = random_tensor(y.shape(), 122);
+    y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+    // x[i] meets w[t] at output i + 1 - t; w[co, ci, t] meets x[p + t - 1] at output p.
+    let mut want_x = vec![0.0f64; c_in * len];
+    let mut want_w = vec![0.0f64; c_out * c_in * k];
+    for co in 0..c_out {
+        for ci in 0..c_in {
+            for t in 0..k {
+                let wv = wv[(co * c_in + ci) * k + t] as f64;
+                for p in 0..len {
+                    let Some(i) = (p + t).checked_sub(1).filter(|&i| i < len) else {
+                        continue;
+                    };
+                    let gv = gv[co * len + p] as f64;
+                    want_x[ci * len + i] += gv * wv;
+                    want_w[(co * c_in + ci) * k + t] += gv * xv[ci * len + i] as f64;
+                }
+            }
+        }
+    }
+    assert_close(
+        &x.grad().unwrap().to_vec().unwrap(),
+        &want_x,
+        1e-4,
+        "input grad",
+    );
+    assert_close(
+        &w.grad().unwrap().to_vec().unwrap(),
+        &want_w,
+        1e-2,
+        "weight grad",
+    );
+}
+
 #[test]
 fn conv1d_gradcheck() {
     for n in [1, 3] {

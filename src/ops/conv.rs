@@ -28,9 +28,9 @@ use crate::tensor::{DType, Tensor};
 crate::kernel_params! {
     /// `im2col` and `col2im` over a chunk of images of `c_in x height x width`, read with
     /// `kernel_h x kernel_w` taps into `out_h x out_w` positions, the column matrix holding
-    /// `group` images side by side. `n` counts what the entry writes: rows of `out_w`
-    /// elements (`im2col`), elements (`col2im`), or runs of `segment` elements of an input
-    /// row, `segments` to a row (`col2im_rows`).
+    /// `group` images side by side. `n` counts what the entry writes: runs of `segment`
+    /// elements of a row of out_w, `segments` to a row (`im2col`), elements (`col2im`), or
+    /// runs of `segment` elements of an input row, `segments` to a row (`col2im_rows`).
     pub(crate) struct ConvParams {
         n: u32,
         c_in: u32,
@@ -309,10 +309,16 @@ fn im2col(images: &Tensor, geo: &Geometry, group: usize) -> Result<Tensor> {
     )?;
     if cols.numel() > 0 {
         let rows = count * geo.cols.k() * geo.cols.out_h;
+        let segment = geo.cols.out_w.min(MAX_LOOP_LEN);
+        let segments = geo.cols.out_w.div_ceil(segment);
+        let params = ConvParams {
+            segment: segment as u32,
+            segments: segments as u32,
+            ..geo.params(rows * segments, images, group)
+        };
         let kernel = Kernel::plain(&CONV, "im2col");
-        let params = geo.params(rows, images, group);
         Launch::new(OP, &kernel, &[(1, images), (2, &cols)], &params)
-            .record(groups(rows, WORKGROUP))?;
+            .record(groups(rows * segments, WORKGROUP))?;
     }
     Ok(cols)
 }
@@ -333,10 +339,11 @@ fn col2im(cols_grad: &Tensor, geo: &Geometry, group: usize) -> Result<Tensor> {
     let c = &geo.cols;
     let (entry, params, invocations) = match (c.dilation, c.stride) {
         ((1, 1), (stride_h, stride_w)) => {
-            // Runs short enough that an invocation's loops (an element's taps) stay within
-            // MAX_LOOP_LEN iterations.
-            let taps = c.kernel_h.div_ceil(stride_h) * c.kernel_w.div_ceil(stride_w);
-            let segment = (MAX_LOOP_LEN / (1 + taps)).clamp(1, COL2IM_RUN);
+            // Runs short enough that an invocation's loops stay within MAX_LOOP_LEN
+            // iterations: per element, itself, its rows of taps and its taps.
+            let tap_rows = c.kernel_h.div_ceil(stride_h);
+            let taps = tap_rows * c.kernel_w.div_ceil(stride_w);
+            let segment = (MAX_LOOP_LEN / (1 + tap_rows + taps)).clamp(1, COL2IM_RUN);
             let segments = c.width.div_ceil(segment);
             let runs = count * c.c_in * c.height * segments;
             let params = ConvParams {
