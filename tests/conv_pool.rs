@@ -940,9 +940,12 @@ fn conv2d_over_small_images_in_groups_matches_cpu_reference() {
         ([1, 6, 2, 2], [5, 6, 1, 1], 1, 0),
         ([96, 8, 1, 1], [6, 8, 1, 1], 1, 0),
         ([40, 3, 7, 7], [4, 3, 3, 3], 2, 1),
-        // Products of 128 and 64 rows and columns (the GPU flavour's block kernels).
+        // Products of 128 and 64 rows and columns (the GPU flavour's block kernels), over
+        // images of 8x8, 6x6, 2x2 and 1x1 output pixels.
         ([4, 16, 8, 8], [130, 16, 3, 3], 1, 1),
         ([2, 8, 6, 6], [70, 8, 3, 3], 1, 1),
+        ([6, 32, 3, 3], [130, 32, 2, 2], 1, 0),
+        ([40, 128, 1, 1], [130, 128, 1, 1], 1, 0),
     ];
     check_grads_against_reference(&cases, 300);
 }
