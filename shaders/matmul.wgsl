@@ -339,7 +339,7 @@ fn image_t_row(c: BColumns, step: ptr<function, BStep>, live: bool) -> vec4<f32>
     let at = vec4<u32>(select(c.image_at, c.image_at + s.c_at + y * i32(w) + x, inside));
     let v = vec4<f32>(b_at(at.x), b_at(at.y), b_at(at.z), b_at(at.w));
     let next_row = s.ox + 1u == ow;
-    let next_image = next_row && s.oy + 1u == pu(MATMUL_CONV_PIXELS) / ow;
+    let next_image = next_row && (s.oy + 1u) * ow == pu(MATMUL_CONV_PIXELS);
     var n = s;
     n.ox = select(s.ox + 1u, 0u, next_row);
     n.dx = select(s.dx + i32(pu(MATMUL_CONV_STRIDE_W)), 0, next_row);
@@ -872,7 +872,7 @@ fn load_b_panel_image(o: Operands, column: PanelColumn, lid: u32, k0: u32, block
 }
 
 // As load_b_panel_image, from the transposed image columns (`image_t`): a row k is split
-// into its image, output row and column by three divisions, which a GPU hides behind the loads.
+// into its image, output row and column by two divisions, which a GPU hides behind the loads.
 fn load_b_panel_image_t(o: Operands, column: PanelColumn, lid: u32, k0: u32, block: u32) -> array<f32, PANEL_LOADS> {
     let threads = (block / 8u) * (block / 8u);
     let h = pu(MATMUL_CONV_HEIGHT);

@@ -199,11 +199,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     }
     for source_of_b in [BSource::Image, BSource::ImageT] {
         for (tall_rows, subgroups) in [(16, true), (32, true), (32, false)] {
-            let spec = Specialisation {
-                // As conv_weight_product runs it.
-                n_aligned: source_of_b == BSource::Image,
-                ..image_specialisation(source_of_b, AMode::K, tall_rows, subgroups)
-            };
+            let spec = image_specialisation(source_of_b, AMode::K, tall_rows, subgroups);
             all.push((format!("matmul/{spec:?}"), source(spec)));
         }
     }
@@ -794,7 +790,10 @@ fn image_kernel(
 }
 
 /// The module of a kernel over image columns (`source`): `register_tiled_tall` (with
-/// `subgroups`), `register_tiled` or the block kernels.
+/// `subgroups`), `register_tiled` or the block kernels. A forward's output columns are whole
+/// 4s of an image's pixels; a weight grad's (c_in kh kw) come in any count, and one module
+/// stores them all (the product is small beside its k, and each module costs a model's first
+/// step a fraction of a second to compile on lavapipe).
 fn image_specialisation(
     source: BSource,
     a: AMode,
@@ -807,7 +806,7 @@ fn image_specialisation(
         b_source: source,
         subgroups,
         tall_rows,
-        n_aligned: true,
+        n_aligned: source == BSource::Image,
         k_tail: false,
         a_dtype: DType::F32,
         b_dtype: DType::F32,
@@ -856,42 +855,12 @@ pub(crate) fn conv_product(
     let (m, k) = (weight.shape()[0], weight.shape()[1]);
     debug_assert_eq!(k, cols.k().next_multiple_of(4));
     let count = images.shape()[0];
-    let n = count * cols.pixels();
     let out_shape = [count, m, cols.out_h, cols.out_w];
     let out = Tensor::empty(OP, &out_shape, DType::F32, images.device())?;
     if out.numel() == 0 {
         return Ok(out);
     }
-    // The weight's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
-    let a_mode = match weight.layout().offset.is_multiple_of(4) {
-        true => AMode::K,
-        false => AMode::Any,
-    };
-    let choice = image_kernel(images.device(), BSource::Image, a_mode, m, n)
-        .expect("callers check conv_product_applies");
-    let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
-    let params = MatmulParams {
-        m: m as u32,
-        n: n as u32,
-        k: k as u32,
-        batches: 1,
-        a_offset: weight.layout().offset as u32,
-        a_row_stride: k as u32,
-        a_col_stride: 1,
-        b_offset: images.layout().offset as u32,
-        col_tiles: tiles_n as u32,
-        row_tiles: tiles_m as u32,
-        ..cols.params()
-    };
-    let operands = [weight, images, &out];
-    launch_product(
-        OP,
-        choice.entry,
-        choice.spec,
-        &params,
-        operands,
-        tiles_m * tiles_n,
-    )?;
+    launch_image_product(BSource::Image, weight, images, 0, cols, &out)?;
     Ok(out)
 }
 
@@ -943,46 +912,58 @@ pub(crate) fn conv_weight_product(
     if out.numel() == 0 {
         return Ok(out);
     }
-    // The out grad's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
-    let a_mode = match out_grad.layout().offset.is_multiple_of(4) {
+    let group_images = group * cols.c_in * cols.height * cols.width;
+    launch_image_product(BSource::ImageT, out_grad, images, group_images, cols, &out)?;
+    Ok(out)
+}
+
+/// Records the product of `a` (contiguous `[batches, m, k]`, or `[m, k]` for one batch) by the
+/// image columns of `images` that `source` reads (`b_batch_stride` elements of the images per
+/// batch) into `out` (`[batches, m, n]` in the source's output layout). Callers check that
+/// [`image_kernel`] has a kernel for it.
+fn launch_image_product(
+    source: BSource,
+    a: &Tensor,
+    images: &Tensor,
+    b_batch_stride: usize,
+    cols: &ImageColumns,
+    out: &Tensor,
+) -> Result<()> {
+    const OP: &str = "conv2d";
+    let (m, k) = (a.shape()[a.rank() - 2], a.shape()[a.rank() - 1]);
+    let batches: usize = a.shape()[..a.rank() - 2].iter().product();
+    let n = out.numel() / (batches * m).max(1);
+    // A's rows are dense with k a multiple of 4: whole vec4s where it starts on one.
+    let a_mode = match a.layout().offset.is_multiple_of(4) {
         true => AMode::K,
         false => AMode::Any,
     };
-    let choice = image_kernel(images.device(), BSource::ImageT, a_mode, m, n)
-        .expect("callers check conv_weight_product_applies");
-    // The weight's columns (c_in kh kw) come in any count: one module stores them all (the
-    // product is small beside its k, and each module costs a model's first step a fraction
-    // of a second to compile on lavapipe).
-    let spec = Specialisation {
-        n_aligned: false,
-        ..choice.spec
-    };
+    let choice =
+        image_kernel(images.device(), source, a_mode, m, n).expect("callers check it applies");
     let (tiles_m, tiles_n) = (m.div_ceil(choice.tile_rows), n.div_ceil(choice.tile_cols));
     let params = MatmulParams {
         m: m as u32,
         n: n as u32,
         k: k as u32,
-        batches: groups as u32,
-        a_offset: out_grad.layout().offset as u32,
+        batches: batches as u32,
+        a_offset: a.layout().offset as u32,
         a_batch_stride: (m * k) as u32,
         a_row_stride: k as u32,
         a_col_stride: 1,
         b_offset: images.layout().offset as u32,
-        b_batch_stride: (group * cols.c_in * cols.height * cols.width) as u32,
+        b_batch_stride: b_batch_stride as u32,
         col_tiles: tiles_n as u32,
         row_tiles: tiles_m as u32,
         ..cols.params()
     };
-    let operands = [out_grad, images, &out];
     launch_product(
         OP,
         choice.entry,
-        spec,
+        choice.spec,
         &params,
-        operands,
-        groups * tiles_m * tiles_n,
-    )?;
-    Ok(out)
+        [a, images, out],
+        batches * tiles_m * tiles_n,
+    )
 }
 
 /// Records one product kernel over `[a, b, out]`; a captured step may run the product's
