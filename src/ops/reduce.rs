@@ -146,37 +146,34 @@ fn collapse(shape: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
     }
 }
 
-/// `x` viewed as `[kept dims, reduced dims]`, where its strides collapse each side into one.
-fn matrix_view(x: &Tensor, dims: &[usize]) -> Result<Option<Matrix>> {
+/// `x` with its kept dims first and the reduced `dims` after (a view), and how many are kept.
+fn kept_first(x: &Tensor, dims: &[usize]) -> Result<(Tensor, usize)> {
     let kept: Vec<usize> = (0..x.rank()).filter(|d| !dims.contains(d)).collect();
     let order = [kept.as_slice(), dims].concat();
-    let p = x.permute(&order)?;
-    let nk = kept.len();
+    Ok((x.permute(&order)?, kept.len()))
+}
+
+/// `p` (from [`kept_first`], `nk` kept dims) as the matrix `[kept, reduced]`, where its
+/// strides collapse each side into one.
+fn collapsed(p: &Tensor, nk: usize) -> Option<Matrix> {
     let (shape, strides) = (&p.layout().shape, &p.layout().strides);
-    let (Some((m, rs)), Some((k, ks))) = (
-        collapse(&shape[..nk], &strides[..nk]),
-        collapse(&shape[nk..], &strides[nk..]),
-    ) else {
-        return Ok(None);
-    };
-    Ok(Some(Matrix {
-        tensor: p,
+    let (m, rs) = collapse(&shape[..nk], &strides[..nk])?;
+    let (k, ks) = collapse(&shape[nk..], &strides[nk..])?;
+    Some(Matrix {
+        tensor: p.clone(),
         m,
         k,
         row_stride: rs,
         k_stride: ks,
-    }))
+    })
 }
 
 /// Views `x` as `[kept dims, reduced dims]`, copying only when the dims will not collapse.
 pub(crate) fn as_matrix(x: &Tensor, dims: &[usize]) -> Result<Matrix> {
-    if let Some(mat) = matrix_view(x, dims)? {
+    let (p, nk) = kept_first(x, dims)?;
+    if let Some(mat) = collapsed(&p, nk) {
         return Ok(mat);
     }
-    let kept: Vec<usize> = (0..x.rank()).filter(|d| !dims.contains(d)).collect();
-    let order = [kept.as_slice(), dims].concat();
-    let p = x.permute(&order)?;
-    let nk = kept.len();
     let dense = p.contiguous()?;
     let m = dense.shape()[..nk].iter().product();
     let k = dense.shape()[nk..].iter().product();
@@ -418,7 +415,11 @@ fn separated_runs<'a>(x: &Tensor, dims: &'a [usize]) -> Result<Option<(&'a [usiz
         .rev()
         .find(|&i| dims[i - 1] + 1 != dims[i])
         .unwrap_or(0);
-    if start == 0 || last + 1 != x.rank() || matrix_view(x, dims)?.is_some() {
+    if start == 0 || last + 1 != x.rank() {
+        return Ok(None);
+    }
+    let (p, nk) = kept_first(x, dims)?;
+    if collapsed(&p, nk).is_some() {
         return Ok(None);
     }
     Ok(Some(dims.split_at(start)))
