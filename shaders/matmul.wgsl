@@ -23,11 +23,11 @@
 // B_SOURCE (matrix, image or image_t) says what every kernel but `small_tiled` multiplies by:
 // B as above, a 2-d convolution's column matrix read from the input images (see
 // b_columns_image and load_b_panel_image), or its transpose (a weight grad's; image_t).
-// It also splices two facts about the shape, so that code the shape never runs is compiled out
-// (software adapters compile every load and store into a loop over lanes, and the per-element
-// paths doubled the compile time of a kernel): N_ALIGNED (N a multiple of 4: every output group
-// of 4 is one vec4 store) and K_TAIL (K not a multiple of 4: the last K % 4 steps run one at a
-// time).
+// It also splices K_TAIL (K not a multiple of 4: the last K % 4 steps run one at a time), so
+// that the tail's loads are compiled out where no product needs them (software adapters
+// compile every load into a loop over lanes). Whether an output group of 4 is one vec4 store
+// is decided at run time (`store_row_at`): its one per-element store site costs no more to
+// compile than a check, where a module per alignment cost a model's first step 0.4 s each.
 //
 // Where the device has 8-wide subgroups (llvmpipe, where a subgroup is one SIMD group), the
 // module keeps the SUBGROUP SECTION: `register_tiled_tall` and its helpers, whose 8 lanes load
@@ -98,14 +98,15 @@ fn tile_of(wid: vec3<u32>, nwg: vec3<u32>, tile_rows: u32, tile_cols: u32) -> Ti
 }
 
 // Writes out[row][col..col+4] at element offset `o`, skipping rows and columns past the edge.
-// `col` is a multiple of 4, so when N is too (N_ALIGNED) each group of 4 is whole and aligned:
-// one vec4 store, and the per-element path is compiled out.
+// A whole group starting on a vec4 boundary (every group where N is a multiple of 4, as
+// `col` is) is one vec4 store; the rest of an odd N's groups go element by element (each
+// group has one owner, so neither path writes another invocation's elements).
 fn store_row_at(o: u32, row: u32, col: u32, v: vec4<f32>) {
     let n = pu(MATMUL_N);
     if (row >= pu(MATMUL_M) || col >= n) {
         return;
     }
-    if (N_ALIGNED) {
+    if (o % 4u == 0u && col + 4u <= n) {
         store4(o, v);
         return;
     }
@@ -130,7 +131,8 @@ fn store1(o: u32, v: f32) {
 
 // 16-BIT STORES BEGIN
 // Stores of a 16-bit `out` (OUT_DTYPE 2 F16, 3 BF16): four elements, two words, rounded once.
-// Only whole groups are stored (N_ALIGNED): no two invocations write one word.
+// N is a multiple of 4 (the host's rule), so every group is whole and aligned: no two
+// invocations write one word.
 fn store4(o: u32, v: vec4<f32>) {
     let w = o / 2u;
     out[w / 4u][w % 4u] = pack_halves(v.x, v.y, OUT_DTYPE_CODEu);

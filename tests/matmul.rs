@@ -271,3 +271,74 @@ fn every_operand_layout_matches_reference_at_aligned_and_ragged_sizes() {
         check_every_layout(device(), batch, m, k, n);
     }
 }
+
+/// A random tensor on `dev` (a private device) and its data.
+fn tensor_on(dev: &Device, shape: &[usize], seed: u64) -> (Tensor, Vec<f32>) {
+    let data = random_vec(shape.iter().product(), seed);
+    (Tensor::from_slice(&data, shape, dev).unwrap(), data)
+}
+
+/// `a` ([m, k], row-major data `da`) times `b` ([k, n], `db`) on `dev`, checked against the
+/// reference; returns the pipelines the device has compiled by then.
+fn checked_product(dev: &Device, a: &Tensor, da: &[f32], b: &Tensor, db: &[f32]) -> usize {
+    let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
+    let got = a.matmul(b).unwrap().to_vec().unwrap();
+    let tol = if k > 256 { 1e-4 } else { 1e-5 };
+    assert_close(
+        &got,
+        &matmul_ref(da, db, 1, m, k, n),
+        tol,
+        &format!("{m}x{k}x{n}"),
+    );
+    dev.stats().pipelines
+}
+
+#[test]
+fn an_output_of_odd_width_compiles_no_module_beyond_an_aligned_ones() {
+    // A head over a vocabulary of 65 (its forward, x W^T) and a layer of 64 outputs read their
+    // operands alike and differ only in whether each output group of 4 is one aligned store,
+    // which the kernel decides as it stores: one module for both. Sizes keep both products on
+    // one entry point in every kernel flavour. A private device counts only this test's
+    // pipelines.
+    let dev = Device::new().unwrap();
+    let tensor = |shape: &[usize], seed| tensor_on(&dev, shape, seed);
+    let (x, dx) = tensor(&[768, 128], 31);
+    let (w64, dw64) = tensor(&[64, 128], 32);
+    let (w65, dw65) = tensor(&[65, 128], 33);
+    let aligned = checked_product(
+        &dev,
+        &x,
+        &dx,
+        &w64.t().unwrap(),
+        &transpose_host(&dw64, 64, 128),
+    );
+    let odd = checked_product(
+        &dev,
+        &x,
+        &dx,
+        &w65.t().unwrap(),
+        &transpose_host(&dw65, 65, 128),
+    );
+    assert_eq!(odd, aligned, "the odd width compiled a pipeline of its own");
+}
+
+#[test]
+fn products_reading_a_by_element_share_one_module_whatever_their_k() {
+    // A head over a vocabulary of 65: its input grad (out grad [768, 65] times W, k = 65, a k
+    // tail) and its weight grad (out grad^T times the input, k = 768, no tail) both read A
+    // element by element (its row stride or column stride is 65). The tail costs nothing
+    // where K has none, so both run one module. Sizes keep both products on one entry point
+    // in every kernel flavour.
+    let dev = Device::new().unwrap();
+    let tensor = |shape: &[usize], seed| tensor_on(&dev, shape, seed);
+    let (grad, dgrad) = tensor(&[768, 65], 34);
+    let (w, dw) = tensor(&[65, 64], 35);
+    let (x, dx) = tensor(&[768, 64], 36);
+    let input_grad = checked_product(&dev, &grad, &dgrad, &w, &dw);
+    let grad_t = grad.t().unwrap();
+    let weight_grad = checked_product(&dev, &grad_t, &transpose_host(&dgrad, 768, 65), &x, &dx);
+    assert_eq!(
+        weight_grad, input_grad,
+        "the weight grad compiled a pipeline of its own"
+    );
+}
