@@ -333,7 +333,8 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> Ke
 /// 10 classes), whose products need the tail in one direction and not in the other (a head's
 /// input grad sums over the vocabulary, its weight grad over the batch); one module serves
 /// both, where two cost a model's first step 0.45 s more on lavapipe. A tail of 0 steps costs
-/// nothing at run time.
+/// nothing at run time; a model whose one such product has no tail compiles it all the same
+/// (an MLP's 10-class weight grad: 0.15 s).
 fn with_k_tail(spec: Specialisation, k: usize) -> Specialisation {
     Specialisation {
         k_tail: !k.is_multiple_of(4) || spec.a == AMode::Any,
