@@ -1,4 +1,5 @@
-// Sorting along the last dim of a contiguous [rows, len] tensor, by rank: each invocation
+// Sorting along the last dim of a contiguous [rows, len] tensor (from element `offset` of its
+// buffer: a row of a larger tensor is a view), by rank: each invocation
 // owns one element and counts the elements of its row that go before it (greater first when
 // descending; ties by position, so the sort is stable). Its rank is where it lands: the
 // sorted values and their source positions are written there, and the rank itself is kept,
@@ -40,12 +41,13 @@ fn count(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     }
     let row_at = i - i % len;
     let own = i % len;
-    let x = src[i];
+    let base = pu(SORT_OFFSET);
+    let x = src[base + i];
     let first = pu(SORT_SPAN_START);
     let last = min(first + pu(SORT_SPAN), len);
     var rank = 0u;
     for (var j = first; j < last; j = j + 1u) {
-        let y = src[row_at + j];
+        let y = src[base + row_at + j];
         // Ties (NaN with NaN too) go in position order.
         let tie = !before(x, y) && !before(y, x);
         rank = rank + select(0u, 1u, before(y, x) || (tie && j < own));
@@ -67,7 +69,7 @@ fn place(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     let keep = pu(SORT_KEEP);
     if (rank < keep) {
         let at = (i / len) * keep + rank;
-        values[at] = src[i];
+        values[at] = src[pu(SORT_OFFSET) + i];
         indices[at] = i % len;
     }
     ranks[i] = min(rank, keep);

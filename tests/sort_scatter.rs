@@ -102,6 +102,45 @@ fn topk_keeps_the_k_largest_first() {
     assert_eq!(all.to_vec().unwrap(), sorted.to_vec().unwrap());
 }
 
+#[test]
+fn sort_and_topk_of_rows_of_a_larger_tensor_read_those_rows() {
+    // narrow(0, ..) is a dense view that starts inside its buffer: the kernels must read from
+    // its first element, not from the buffer's (they sorted row 0 whichever row was asked).
+    let (x, xv) = random_tensor(&[5, 7], 3);
+    for start in 0..5 {
+        let rows = x.narrow(0, start, 5 - start).unwrap();
+        let (values, indices) = rows.sort(1, false).unwrap();
+        let (top, top_at) = rows.topk(2, 1).unwrap();
+        let (got_v, got_i) = (values.to_vec().unwrap(), indices.to_vec_u32().unwrap());
+        let (got_top, got_top_at) = (top.to_vec().unwrap(), top_at.to_vec_u32().unwrap());
+        for r in 0..5 - start {
+            let row = &xv[(start + r) * 7..(start + r + 1) * 7];
+            let (want_v, want_i) = sort_ref(row, false);
+            assert_eq!(
+                &got_v[r * 7..(r + 1) * 7],
+                &want_v[..],
+                "sort, rows from {start}"
+            );
+            assert_eq!(
+                &got_i[r * 7..(r + 1) * 7],
+                &want_i[..],
+                "sort, rows from {start}"
+            );
+            let (want_top, want_top_at) = sort_ref(row, true);
+            assert_eq!(
+                &got_top[r * 2..(r + 1) * 2],
+                &want_top[..2],
+                "topk, rows from {start}"
+            );
+            assert_eq!(
+                &got_top_at[r * 2..(r + 1) * 2],
+                &want_top_at[..2],
+                "topk, rows from {start}"
+            );
+        }
+    }
+}
+
 /// A row past the count pass's span (16,384) is counted over several launches.
 #[test]
 fn sort_of_a_long_row_matches_the_host() {

@@ -13,9 +13,10 @@ use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `rows` rows of `len` elements; the place pass keeps ranks below `keep`; the count
-    /// pass walks `span` elements from `span_start`.
+    /// `rows` rows of `len` elements from element `offset` of the input's buffer; the place
+    /// pass keeps ranks below `keep`; the count pass walks `span` elements from `span_start`.
     pub(crate) struct SortParams {
+        offset: u32,
         rows: u32,
         len: u32,
         keep: u32,
@@ -73,6 +74,7 @@ fn sorted(
         let indices = Tensor::empty(op, &[rows, keep], DType::U32, dev)?;
         if rows * len > 0 {
             let mut params = SortParams {
+                offset: rows_t.layout().offset as u32,
                 rows: rows as u32,
                 len: len as u32,
                 keep: keep as u32,
