@@ -179,6 +179,22 @@ fn grad_means(sums: vec2<f32>, len: u32) -> vec2<f32> {
     return vec2<f32>(select(0.0, sums.x / f32(len), pu(NORM_CENTER) == 1u), sums.y / f32(len));
 }
 
+// The row's mean and its squared deviations' sum, from `mean` (the row's sum over `len`) and
+// `sums` (the squared deviations from `mean` and the deviations themselves, summed). The sum's
+// rounding can put `mean` an ulp or two off a row of equal values, which the output's
+// 1 / sqrt(eps) magnified (0.2501 for a bias of 0.25); the deviations sum to len times that
+// error, so adding their mean makes it exact there, as torch's running mean is (the
+// corrected two-pass algorithm). RMSNorm (no centre) keeps its mean of 0. Squares that
+// overflowed stay inf, for `row_rstd` to sum again rescaled.
+fn corrected(mean: f32, sums: vec2<f32>, len: u32) -> vec2<f32> {
+    if (pu(NORM_CENTER) != 1u) {
+        return vec2<f32>(mean, sums.x);
+    }
+    let shift = sums.y / f32(len);
+    let squares = select(max(sums.x - sums.y * shift, 0.0), sums.x, !(sums.x <= 3.0e38));
+    return vec2<f32>(mean + shift, squares);
+}
+
 // 1 / sqrt(var + eps) of the row from `base` to `end` whose squared deviations from `mean`
 // sum to `squares`. Past about 1e19 the squares overflow to inf: they are summed again, of
 // the deviations divided by the largest (two more passes, only for such rows), so that rows
@@ -219,13 +235,17 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     for (var c = 0u; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + 1u) {
         sum = sum + x4(x.x + 4u * c, x.y);
     }
-    let mean = sum4(sum) / f32(len);
+    let first_mean = sum4(sum) / f32(len);
     var squares = vec4<f32>(0.0);
+    var deviations = vec4<f32>(0.0);
     for (var c = 0u; c < groups; c = c + 1u) {
-        let d = deviation4(x.x, x.y, c, mean);
+        let d = deviation4(x.x, x.y, c, first_mean);
         squares = squares + d * d;
+        deviations = deviations + d;
     }
-    let rstd = row_rstd(x.x, x.y, mean, sum4(squares));
+    let stat = corrected(first_mean, vec2<f32>(sum4(squares), sum4(deviations)), len);
+    let mean = stat.x;
+    let rstd = row_rstd(x.x, x.y, mean, stat.y);
     for (var c = 0u; c < groups; c = c + 1u) {
         store_normalised(row, c, mean, rstd);
     }
@@ -400,13 +420,18 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     for (var c = g.lane; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + g.lanes) {
         sum = sum + x4(x.x + 4u * c, x.y);
     }
-    let mean = row_reduce(g, vec2<f32>(sum4(sum), 0.0), false).x / f32(len);
+    let first_mean = row_reduce(g, vec2<f32>(sum4(sum), 0.0), false).x / f32(len);
     var squares = vec4<f32>(0.0);
+    var deviations = vec4<f32>(0.0);
     for (var c = g.lane; c < groups; c = c + g.lanes) {
-        let d = deviation4(x.x, x.y, c, mean);
+        let d = deviation4(x.x, x.y, c, first_mean);
         squares = squares + d * d;
+        deviations = deviations + d;
     }
-    let rstd = row_rstd_rows(g, x.x, x.y, mean, row_reduce(g, vec2<f32>(sum4(squares), 0.0), false).x);
+    let sums = row_reduce(g, vec2<f32>(sum4(squares), sum4(deviations)), false);
+    let stat = corrected(first_mean, sums, len);
+    let mean = stat.x;
+    let rstd = row_rstd_rows(g, x.x, x.y, mean, stat.y);
     for (var c = g.lane; c < groups; c = c + g.lanes) {
         store_normalised(row, c, mean, rstd);
     }

@@ -214,6 +214,31 @@ fn layer_norm_matches_reference_and_its_grads_check() {
     assert!(nn::LayerNorm::new(5, -1.0, device()).is_err());
 }
 
+#[test]
+fn layer_norm_of_rows_of_equal_values_is_the_bias() {
+    // A row of equal values has no deviation, so every output is the bias, as torch gives it.
+    // The row's mean in f32 (its sum over its length) can land an ulp or two off the value,
+    // and 1 / sqrt(eps) magnified that: 0.2501131 for 0.25 (the fuzzer's case 58222).
+    let values = [-2.8354403f32, 0.7, 1.0 / 3.0, 12345.679, -0.015];
+    for len in [3, 7, 64, 1000] {
+        let data: Vec<f32> = values.iter().flat_map(|&v| vec![v; len]).collect();
+        let x = Tensor::from_slice(&data, &[values.len(), len], device()).unwrap();
+        let weight = Tensor::full(&[len], 1.5, device()).unwrap();
+        let bias = Tensor::full(&[len], 0.25, device()).unwrap();
+        let y = x
+            .layer_norm(&weight, &bias, 1e-5)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        for (i, &v) in y.iter().enumerate() {
+            assert!(
+                (v - 0.25).abs() <= 1e-6,
+                "rows of {len}: element {i} is {v}, want 0.25"
+            );
+        }
+    }
+}
+
 /// Rows longer than the fused kernel takes are normalised by the composed ops: same values.
 /// LayerNorm of rows of `len` on the host (biased variance), scaled and shifted.
 fn layer_norm_reference(x: &[f32], len: usize, w: &[f32], b: &[f32]) -> Vec<f64> {
