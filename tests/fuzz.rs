@@ -618,7 +618,10 @@ fn run_case(case: u64) -> Option<String> {
         }
         y.data.iter().zip(&probe.cpu.data).map(|(a, b)| a * b).sum()
     };
-    let eps = 1e-4;
+    // The differences run in f64, so a small step costs little rounding (about 1e-10 here),
+    // while a large one misses curvature: two LayerNorms over pairs within 1e-3 of each other
+    // (where eps, not the variance, sets the scale) read 2 % off the grad at a step of 1e-4.
+    let eps = 1e-6;
     for j in 0..x.cpu.data.len() {
         let mut plus = x.cpu.data.clone();
         plus[j] += eps;
