@@ -3,7 +3,7 @@
 // repeated (`repeated`); the host copies any other layout (a transposed view, an outer
 // broadcast) dense first (src/ops/binary.rs, readable_operand).
 //
-// Tensors are bound as words so that `contiguous` can move four elements per load where
+// Tensors are bound as words so that the `*_vec4` entries can move four elements per load where
 // lengths and offsets allow (software adapters pay per load, not per element), and so that
 // one module reads and writes any dtype: LHS_DTYPE_CODE, RHS_DTYPE_CODE and DST_DTYPE_CODE are
 // spliced (0 F32, 1 U32: four elements per vec4, seen as f32 bits; 2 F16, 3 BF16: eight,
@@ -77,24 +77,31 @@ fn repeated_at(i: u32) -> f32 {
     return op(a, b);
 }
 
-// Params: `BinaryParams` (src/ops/binary.rs).
+// Params: `BinaryParams` (src/ops/binary.rs). Each layout has two entries, so that a model
+// compiles only the one its tensors take: `*_vec4` four elements per load, where lengths,
+// offsets and runs allow, and the plain one element by element. (Each per-element load and
+// store compiles to a loop over the lanes on CPU adapters: lavapipe 25 spent a third of one
+// entry holding both paths on the path a model never ran.)
+@compute @workgroup_size(256)
+fn contiguous_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    let n = pu(BINARY_N);
+    let la = pu(BINARY_LHS_OFFSET);
+    let lb = pu(BINARY_RHS_OFFSET);
+    let per_group = CONTIGUOUS_PER_GROUP / 4u;
+    for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
+        let i = contiguous_item(wid, nwg, lid, j, per_group);
+        if (i >= n / 4u) {
+            break;
+        }
+        store_quad(i, op4(lhs_quad(la / 4u + i), rhs_quad(lb / 4u + i)));
+    }
+}
+
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let n = pu(BINARY_N);
-    let la = pu(BINARY_LHS_OFFSET);
-    let lb = pu(BINARY_RHS_OFFSET);
-    if (pu(BINARY_VEC4) == 1u) {
-        let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
-            let i = contiguous_item(wid, nwg, lid, j, per_group);
-            if (i >= n / 4u) {
-                break;
-            }
-            store_quad(i, op4(lhs_quad(la / 4u + i), rhs_quad(lb / 4u + i)));
-        }
-        return;
-    }
     for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
         if (DST_DTYPE < 2u) {
@@ -113,11 +120,11 @@ fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 }
 
 // Like `contiguous`, with one or both operands a dense run held and repeated (a bias over
-// rows or over channels): output element i reads run element (i / stretch) % period. A
-// separate entry, so the plain case keeps its loop free of index wrapping.
+// rows or over channels): output element i reads run element (i / stretch) % period.
+// Entries of their own, so the plain case keeps its loop free of index wrapping.
 @compute @workgroup_size(256)
-fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
+fn repeated_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
     let n = pu(BINARY_N);
     let la = pu(BINARY_LHS_OFFSET);
     let lb = pu(BINARY_RHS_OFFSET);
@@ -125,17 +132,20 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let pb = pu(BINARY_RHS_PERIOD);
     let sa = pu(BINARY_LHS_STRETCH);
     let sb = pu(BINARY_RHS_STRETCH);
-    if (pu(BINARY_VEC4) == 1u) {
-        let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
-            let i = contiguous_item(wid, nwg, lid, j, per_group);
-            if (i >= n / 4u) {
-                break;
-            }
-            store_quad(i, op4(lhs_run4(la, i, sa, pa), rhs_run4(lb, i, sb, pb)));
+    let per_group = CONTIGUOUS_PER_GROUP / 4u;
+    for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
+        let i = contiguous_item(wid, nwg, lid, j, per_group);
+        if (i >= n / 4u) {
+            break;
         }
-        return;
+        store_quad(i, op4(lhs_run4(la, i, sa, pa), rhs_run4(lb, i, sb, pb)));
     }
+}
+
+@compute @workgroup_size(256)
+fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let n = pu(BINARY_N);
     for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
         if (DST_DTYPE < 2u) {
@@ -160,7 +170,7 @@ fn run_index(i: u32, stretch: u32, period: u32) -> u32 {
     return (i / stretch) % period;
 }
 
-// Output elements 4 i .. 4 i + 4 of an operand read as a run (vec4 mode): one aligned load
+// Output elements 4 i .. 4 i + 4 of an operand read as a run (`repeated_vec4`): one aligned load
 // where the stretch is 1, else one element for all four (the stretch is a multiple of 4).
 fn lhs_run4(offset: u32, i: u32, stretch: u32, period: u32) -> vec4<f32> {
     if (stretch == 1u) {

@@ -24,8 +24,14 @@ fn fill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         if (e + 4u <= n) {
             dst[i] = value;
         } else {
-            for (var c = 0u; c < n - e; c = c + 1u) {
-                dst[i][c] = value[c];
+            // The last group's 1 to 3 elements, each at a constant index: a loop picking
+            // them by a variable one compiled 13 ms slower on lavapipe 25.
+            dst[i].x = value.x;
+            if (e + 1u < n) {
+                dst[i].y = value.y;
+            }
+            if (e + 2u < n) {
+                dst[i].z = value.z;
             }
         }
     }

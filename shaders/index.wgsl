@@ -176,16 +176,21 @@ fn index_select_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
         }
     }
     let out = (o * dim_size + p) * inner + first;
-    for (var e = 0u; e < count; e = e + 1u) {
-        var v = acc0[e % 4u];
-        if (e >= 12u) {
-            v = acc3[e % 4u];
-        } else if (e >= 8u) {
-            v = acc2[e % 4u];
-        } else if (e >= 4u) {
-            v = acc1[e % 4u];
+    // Stored a group of 4 per iteration, as summed: a loop of 16 single stores picking each
+    // element out of its group compiled 50 ms slower on lavapipe 25.
+    for (var q = 0u; q < groups; q = q + 1u) {
+        let v = select(select(acc0, acc1, q == 1u), select(acc2, acc3, q == 3u), q >= 2u);
+        let at = out + 4u * q;
+        dst[at] = bitcast<u32>(v.x);
+        if (4u * q + 1u < count) {
+            dst[at + 1u] = bitcast<u32>(v.y);
         }
-        dst[out + e] = bitcast<u32>(v);
+        if (4u * q + 2u < count) {
+            dst[at + 2u] = bitcast<u32>(v.z);
+        }
+        if (4u * q + 3u < count) {
+            dst[at + 3u] = bitcast<u32>(v.w);
+        }
     }
 }
 

@@ -195,29 +195,28 @@ fn corrected(mean: f32, sums: vec2<f32>, len: u32) -> vec2<f32> {
     return vec2<f32>(mean + shift, squares);
 }
 
+// 2^-100, exact: the deviations of a row whose squares overflow, scaled by it, square and
+// sum without overflow (the largest f32 gives 7e16) and lose nothing in the scaling; the
+// deviations it sends below f32's normal range are under 2^-26 where the largest exceeds
+// 1e14, too small to count in such a sum.
+const SQUARES_SCALE: f32 = 7.888609052210118e-31;
+
 // 1 / sqrt(var + eps) of the row from `base` to `end` whose squared deviations from `mean`
-// sum to `squares`. Past about 1e19 the squares overflow to inf: they are summed again, of
-// the deviations divided by the largest (two more passes, only for such rows), so that rows
-// of finite values up to 1e30 get their O(1) output. NaN stays NaN.
+// sum to `squares`. Past about 1e19 the squares overflow to inf: they are summed again scaled
+// by SQUARES_SCALE (one more pass, only for such rows), so that a row whose sum is finite
+// (values up to 1e30 over 16,384) gets its O(1) output; eps is then far below what the
+// variance rounds away. NaN stays NaN.
 fn row_rstd(base: u32, end: u32, mean: f32, squares: f32) -> f32 {
     let len = f32(end - base);
-    let eps = pf(NORM_EPS);
     if (!(squares > 3.0e38)) {
-        return inverseSqrt(squares / len + eps);
+        return inverseSqrt(squares / len + pf(NORM_EPS));
     }
-    let groups = (end - base + 3u) / 4u;
-    var largest = vec4<f32>(0.0);
-    for (var c = 0u; c < groups; c = c + 1u) {
-        largest = max(largest, abs(deviation4(base, end, c, mean)));
-    }
-    let scale = max(max(largest.x, largest.y), max(largest.z, largest.w));
     var scaled = vec4<f32>(0.0);
-    for (var c = 0u; c < groups; c = c + 1u) {
-        let d = deviation4(base, end, c, mean) / scale;
+    for (var c = 0u; c < (end - base + 3u) / 4u; c = c + 1u) {
+        let d = deviation4(base, end, c, mean) * SQUARES_SCALE;
         scaled = scaled + d * d;
     }
-    // var + eps = scale^2 (scaled / len + eps / scale^2); eps / scale^2 is 0 past 1e19.
-    return inverseSqrt(sum4(scaled) / len + eps / (scale * scale)) / scale;
+    return inverseSqrt(sum4(scaled) / len) * SQUARES_SCALE;
 }
 
 // y = (x - mean) / sqrt(var + eps) * weight + bias, var biased (as PyTorch).
@@ -384,23 +383,16 @@ fn row_reduce_in_subgroup(lane: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
 // row_rstd of the lanes' row, whose squared deviations sum to `squares` (uniform).
 fn row_rstd_rows(g: RowGroup, base: u32, end: u32, mean: f32, squares: f32) -> f32 {
     let len = f32(end - base);
-    let eps = pf(NORM_EPS);
     if (!(squares > 3.0e38)) {
-        return inverseSqrt(squares / len + eps);
+        return inverseSqrt(squares / len + pf(NORM_EPS));
     }
-    let groups = (end - base + 3u) / 4u;
-    var largest = vec4<f32>(0.0);
-    for (var c = g.lane; c < groups; c = c + g.lanes) {
-        largest = max(largest, abs(deviation4(base, end, c, mean)));
-    }
-    let scale = row_reduce(g, vec2<f32>(max(max(largest.x, largest.y), max(largest.z, largest.w)), 0.0), true).x;
     var scaled = vec4<f32>(0.0);
-    for (var c = g.lane; c < groups; c = c + g.lanes) {
-        let d = deviation4(base, end, c, mean) / scale;
+    for (var c = g.lane; c < (end - base + 3u) / 4u; c = c + g.lanes) {
+        let d = deviation4(base, end, c, mean) * SQUARES_SCALE;
         scaled = scaled + d * d;
     }
     let total = row_reduce(g, vec2<f32>(sum4(scaled), 0.0), false).x;
-    return inverseSqrt(total / len + eps / (scale * scale)) / scale;
+    return inverseSqrt(total / len) * SQUARES_SCALE;
 }
 
 // forward, a group of lanes per row.

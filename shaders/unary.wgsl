@@ -1,7 +1,7 @@
 // Elementwise unary ops: one template. The host splices the op's expression in `x` (the
 // element) and `s` (the op's scalar) for UNARY_EXPR.
 //
-// Tensors are bound as words so that `contiguous` can move four elements per load where
+// Tensors are bound as words so that `contiguous_vec4` can move four elements per load where
 // lengths and offsets allow (software adapters pay per load, not per element), and so that
 // one module reads and writes any dtype: SRC_DTYPE_CODE and DST_DTYPE_CODE are spliced (0 F32,
 // 1 U32: four elements per vec4, seen as f32 bits; 2 F16, 3 BF16: eight, converted through the
@@ -47,24 +47,31 @@ fn contiguous_at(i: u32) -> f32 {
     return op(src_at(pu(UNARY_OFFSET) + i), pf(UNARY_SCALAR));
 }
 
-// Params: `UnaryParams` (src/ops/unary.rs).
+// Params: `UnaryParams` (src/ops/unary.rs). Two entries, so that a model compiles only the one
+// its tensors take: `contiguous_vec4` four elements per load, where `n` and the offset are
+// multiples of 4, and `contiguous` element by element. (Each per-element load and store
+// compiles to a loop over the lanes on CPU adapters: lavapipe 25 spent a third of one
+// entry holding both paths on the path a model never ran.)
 @compute @workgroup_size(256)
-fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-              @builtin(local_invocation_index) lid: u32) {
+fn contiguous_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
     let s = pf(UNARY_SCALAR);
     let n = pu(UNARY_N);
     let off = pu(UNARY_OFFSET);
-    if (pu(UNARY_VEC4) == 1u) {
-        let per_group = CONTIGUOUS_PER_GROUP / 4u;
-        for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
-            let i = contiguous_item(wid, nwg, lid, j, per_group);
-            if (i >= n / 4u) {
-                break;
-            }
-            store_quad(i, op4(src_quad(off / 4u + i), s));
+    let per_group = CONTIGUOUS_PER_GROUP / 4u;
+    for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
+        let i = contiguous_item(wid, nwg, lid, j, per_group);
+        if (i >= n / 4u) {
+            break;
         }
-        return;
+        store_quad(i, op4(src_quad(off / 4u + i), s));
     }
+}
+
+@compute @workgroup_size(256)
+fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let n = pu(UNARY_N);
     for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
         if (DST_DTYPE < 2u) {

@@ -18,18 +18,17 @@ use crate::tensor::tape::HostBytes;
 use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {
-    /// `contiguous` and `repeated`. Stretches and periods (`repeated` only): an
+    /// `contiguous` and `repeated` (each with a `_vec4` twin that reads four elements at a time
+    /// where `n` is a multiple of 4 and each operand allows: `s` 1 with its offset and `p`
+    /// multiples of 4, or `s` a multiple of 4). Stretches and periods (`repeated` only): an
     /// operand with stretch `s` and period `p` is a dense run of `p` elements, each held for
     /// `s` output elements, repeated along the leading dims (a bias row: `s` 1; a channel bias
     /// over `[N, C, H, W]`: `s` = H W, `p` = C): element `i` reads its element `(i / s) % p`;
-    /// `s` 1 and `p` `n` mean a dense operand. `vec4`: 1 when `n` is a multiple
-    /// of 4 and each operand can be read four elements at a time (`s` 1 with its offset and
-    /// `p` multiples of 4, or `s` a multiple of 4).
+    /// `s` 1 and `p` `n` mean a dense operand.
     pub(crate) struct BinaryParams {
         n: u32,
         lhs_offset: u32,
         rhs_offset: u32,
-        vec4: u32,
         lhs_period: u32,
         rhs_period: u32,
         lhs_stretch: u32,
@@ -364,8 +363,8 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
     // row or to each channel) take `repeated`.
     let run = |l: &Layout| broadcast_run(l).expect("operands are dense runs (readable_operand)");
     let ((stretch_a, period_a), (stretch_b, period_b)) = (run(&la), run(&lb));
-    // Four elements per load where lengths, offsets and runs allow: about twice the
-    // bandwidth on CPU adapters.
+    // Four elements per load where lengths, offsets and runs allow (about twice the
+    // bandwidth on CPU adapters), by an entry of its own.
     let in_fours = |offset: usize, stretch: usize, period: usize| {
         (stretch == 1 && offset.is_multiple_of(4) && period.is_multiple_of(4))
             || stretch.is_multiple_of(4)
@@ -374,12 +373,16 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
         && in_fours(la.offset, stretch_a, period_a)
         && in_fours(lb.offset, stretch_b, period_b);
     let repeated = (stretch_a, period_a) != (1, n) || (stretch_b, period_b) != (1, n);
-    let entry = if repeated { "repeated" } else { "contiguous" };
+    let entry = match (repeated, vec4) {
+        (false, true) => "contiguous_vec4",
+        (false, false) => "contiguous",
+        (true, true) => "repeated_vec4",
+        (true, false) => "repeated",
+    };
     let params = BinaryParams {
         n: n as u32,
         lhs_offset: la.offset as u32,
         rhs_offset: lb.offset as u32,
-        vec4: vec4 as u32,
         lhs_period: period_a as u32,
         rhs_period: period_b as u32,
         lhs_stretch: stretch_a as u32,

@@ -13,12 +13,11 @@ use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `contiguous`: `vec4` is 1 when `n` and `offset` are multiples of 4.
+    /// `n` elements from `offset`, by the entry `contiguous_vec4` or `contiguous`.
     pub(crate) struct UnaryParams {
         n: u32,
         offset: u32,
         scalar: f32,
-        vec4: u32,
         scalar2: f32,
     }
 }
@@ -309,14 +308,18 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
     let n = x.numel();
     let layout = x.layout();
     debug_assert!(x.is_contiguous(), "{name} reads dense input");
-    // Four elements per load where lengths and offsets allow: about twice the bandwidth on
-    // CPU adapters.
+    // Four elements per load where lengths and offsets allow (about twice the bandwidth on
+    // CPU adapters), by an entry of its own.
     let vec4 = [n, layout.offset].iter().all(|x| x.is_multiple_of(4));
+    let entry = if vec4 {
+        "contiguous_vec4"
+    } else {
+        "contiguous"
+    };
     let params = UnaryParams {
         n: n as u32,
         offset: layout.offset as u32,
         scalar,
-        vec4: vec4 as u32,
         scalar2,
     };
     let (src, dst) = (x.dtype(), out.dtype());
@@ -325,12 +328,12 @@ fn launch_unary(op: UnaryOp, x: &Tensor, out: &Tensor, scalar: f32, scalar2: f32
         // Read or written as 16-bit elements: a module of its own, which a captured step
         // runs as it is (the fuser's elementwise kernels read and write 32-bit elements).
         let variant = format!("{name}_{src:?}_to_{dst:?}");
-        let kernel = Kernel::specialised(&UNARY, "contiguous", &variant, &source)
+        let kernel = Kernel::specialised(&UNARY, entry, &variant, &source)
             .with_dtypes(&[(1, src), (2, dst)]);
         let bound = [(1, x), (2, out)];
         return Launch::new(name, &kernel, &bound, &params).record(groups(n, CONTIGUOUS_PER_GROUP));
     }
-    let kernel = Kernel::specialised(&UNARY, "contiguous", name, &source);
+    let kernel = Kernel::specialised(&UNARY, entry, name, &source);
     let describe = || Elementwise {
         params: "x: f32, s: f32, t: f32",
         expr: op.expr().to_string(),
