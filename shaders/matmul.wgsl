@@ -23,9 +23,9 @@
 // B_SOURCE (matrix, image or image_t) says what every kernel but `small_tiled` multiplies by:
 // B as above, a 2-d convolution's column matrix read from the input images (see
 // b_columns_image and load_b_panel_image), or its transpose (a weight grad's; image_t).
-// It also splices K_TAIL (K not a multiple of 4: the last K % 4 steps run one at a time), so
-// that the tail's loads are compiled out where no product needs them (software adapters
-// compile every load into a loop over lanes). Whether an output group of 4 is one vec4 store
+// It also splices K_TAIL (K may not be a multiple of 4: the last step of 4 along k is partial,
+// its A and B elements past K masked to 0), so that the masks are compiled out where no
+// product needs them. Whether an output group of 4 is one vec4 store
 // is decided at run time (`store_row_at`): its one per-element store site costs no more to
 // compile than a check, where a module per alignment cost a model's first step 0.4 s each.
 //
@@ -392,17 +392,6 @@ fn a_blocks_any(v: vec4<f32>) -> APair {
     return a_blocks_k(v);
 }
 
-// Lanes 0-3's and lanes 4-7's values as two columns of 4 rows.
-struct LaneRows {
-    lo: vec4<f32>,
-    hi: vec4<f32>,
-}
-
-fn lane_rows(v: f32) -> LaneRows {
-    return LaneRows(vec4<f32>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u), subgroupBroadcast(v, 2u), subgroupBroadcast(v, 3u)),
-                    vec4<f32>(subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u), subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u)));
-}
-
 // Element offset of the vec4 that lane `lane` loads for rows row0 .. row0 + 8 at step k = 0
 // (see a_blocks_*; step k adds k times A's col stride); `a_base` is the batch's A[0][0]. Rows
 // past the last are clamped to valid ones, whose results are never stored.
@@ -416,6 +405,26 @@ fn a_lane_at_m(a_base: u32, row0: u32, lane: u32) -> u32 {
 
 fn a_lane_at_any(a_base: u32, row0: u32, lane: u32) -> u32 {
     return a_lane_at_k(a_base, row0, lane);
+}
+
+// A lane's vec4 of step k with what lies past `k_len` zeroed (K_TAIL's partial last step): in
+// k and any modes the lane holds one row at k..k+4; in m mode 4 rows at k + lane % 4.
+fn masked_lane_k(v: vec4<f32>, k: u32, k_len: u32, lane: u32) -> vec4<f32> {
+    if (!K_TAIL) {
+        return v;
+    }
+    return select(vec4<f32>(0.0), v, k_inside(k, k_len));
+}
+
+fn masked_lane_m(v: vec4<f32>, k: u32, k_len: u32, lane: u32) -> vec4<f32> {
+    if (!K_TAIL) {
+        return v;
+    }
+    return select(vec4<f32>(0.0), v, k + lane % 4u < k_len);
+}
+
+fn masked_lane_any(v: vec4<f32>, k: u32, k_len: u32, lane: u32) -> vec4<f32> {
+    return masked_lane_k(v, k, k_len, lane);
 }
 
 // The vec4 a lane loads at step k (`at` from a_lane_at_*, `cs` A's col stride): one aligned
@@ -473,41 +482,21 @@ fn register_tiled_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     var acc5 = mat4x4<f32>();
     var acc6 = mat4x4<f32>();
     var acc7 = mat4x4<f32>();
-    let k_main = k_len - k_len % 4u;
-    for (var k = 0u; k < k_main; k = k + 4u) {
-        let b_blk = b_block_B_SOURCE(b_cols, &b_step, k);
-        let p0 = a_blocks_A_MODE(a_lane_load_A_MODE(a_0, k, a_cs));
+    for (var k = 0u; k < k_steps(k_len); k = k + 4u) {
+        let b_blk = masked_b_block(b_block_B_SOURCE(b_cols, &b_step, k), k, k_len);
+        let p0 = a_blocks_A_MODE(masked_lane_A_MODE(a_lane_load_A_MODE(a_0, k, a_cs), k, k_len, lane));
         acc0 = acc0 + p0.lo * b_blk;
         acc1 = acc1 + p0.hi * b_blk;
-        let p1 = a_blocks_A_MODE(a_lane_load_A_MODE(a_8, k, a_cs));
+        let p1 = a_blocks_A_MODE(masked_lane_A_MODE(a_lane_load_A_MODE(a_8, k, a_cs), k, k_len, lane));
         acc2 = acc2 + p1.lo * b_blk;
         acc3 = acc3 + p1.hi * b_blk;
         if (TALL_ROWSu == 32u) {
-            let p2 = a_blocks_A_MODE(a_lane_load_A_MODE(a_16, k, a_cs));
+            let p2 = a_blocks_A_MODE(masked_lane_A_MODE(a_lane_load_A_MODE(a_16, k, a_cs), k, k_len, lane));
             acc4 = acc4 + p2.lo * b_blk;
             acc5 = acc5 + p2.hi * b_blk;
-            let p3 = a_blocks_A_MODE(a_lane_load_A_MODE(a_24, k, a_cs));
+            let p3 = a_blocks_A_MODE(masked_lane_A_MODE(a_lane_load_A_MODE(a_24, k, a_cs), k, k_len, lane));
             acc6 = acc6 + p3.lo * b_blk;
             acc7 = acc7 + p3.hi * b_blk;
-        }
-    }
-    // The last k_len % 4 steps: lane l reads A[row0 + 8 j + l][k] of each 8 rows j, shared as
-    // in the main loop (4 load sites, where one per row block compiled into twice the code).
-    for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
-        let b = b_row_at(b_base, k, cols);
-        let p0 = lane_rows(a_at(a_lane_at_k(a_base, t.row0, lane) + k * a_cs));
-        acc0 = acc0 + outer(p0.lo, b);
-        acc1 = acc1 + outer(p0.hi, b);
-        let p1 = lane_rows(a_at(a_lane_at_k(a_base, t.row0 + 8u, lane) + k * a_cs));
-        acc2 = acc2 + outer(p1.lo, b);
-        acc3 = acc3 + outer(p1.hi, b);
-        if (TALL_ROWSu == 32u) {
-            let p2 = lane_rows(a_at(a_lane_at_k(a_base, t.row0 + 16u, lane) + k * a_cs));
-            acc4 = acc4 + outer(p2.lo, b);
-            acc5 = acc5 + outer(p2.hi, b);
-            let p3 = lane_rows(a_at(a_lane_at_k(a_base, t.row0 + 24u, lane) + k * a_cs));
-            acc6 = acc6 + outer(p3.lo, b);
-            acc7 = acc7 + outer(p3.hi, b);
         }
     }
     // Transposed, column i of each accumulator is one output row's 4 columns. The rows are
@@ -568,16 +557,41 @@ fn cols_from(c0: u32) -> vec4<u32> {
     return min(vec4<u32>(c0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
 }
 
-// For the last k_len % 4 steps along k, read element by element: A[rows][k] and B[k][cols]
-// (`a_base`, `b_base`: the batch's offsets). A step reads its row of B once for all its row
-// blocks: each load site costs a software adapter compile time (one per lane), and reading B
-// per row block doubled the compile time of a kernel with a tail.
-fn a_column_at(a_base: u32, k: u32, rows: vec4<u32>) -> vec4<f32> {
-    return a_at4(a_base + k * pu(MATMUL_A_COL_STRIDE) + rows * pu(MATMUL_A_ROW_STRIDE));
+// How far the register kernels step along k, 4 at a time: to K, or with K_TAIL past it to the
+// next multiple of 4, the last step partial. Its elements past K are masked to 0 (what lies
+// there is not the operand's, and may be NaN): one loop, where a tail of single steps after
+// it compiled into a second copy of the multiply-adds (40 % of a module's compile time on
+// lavapipe 25).
+fn k_steps(k_len: u32) -> u32 {
+    if (K_TAIL) {
+        return (k_len + 3u) / 4u * 4u;
+    }
+    return k_len;
 }
 
-fn b_row_at(b_base: u32, k: u32, cols: vec4<u32>) -> vec4<f32> {
-    return b_at4(b_base + k * pu(MATMUL_B_ROW_STRIDE) + cols * pu(MATMUL_B_COL_STRIDE));
+// Which of k .. k + 4 lie before `k_len`.
+fn k_inside(k: u32, k_len: u32) -> vec4<bool> {
+    return vec4<u32>(k) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(k_len);
+}
+
+// A block of A (column kk: 4 rows at k + kk) with the columns past `k_len` zeroed.
+fn masked_a_block(blk: mat4x4<f32>, k: u32, k_len: u32) -> mat4x4<f32> {
+    if (!K_TAIL) {
+        return blk;
+    }
+    let inside = k_inside(k, k_len);
+    return mat4x4<f32>(select(vec4<f32>(0.0), blk[0], inside.x), select(vec4<f32>(0.0), blk[1], inside.y),
+                       select(vec4<f32>(0.0), blk[2], inside.z), select(vec4<f32>(0.0), blk[3], inside.w));
+}
+
+// A block of B (column j: B[k..k+4][cols[j]]) with the rows past `k_len` zeroed.
+fn masked_b_block(blk: mat4x4<f32>, k: u32, k_len: u32) -> mat4x4<f32> {
+    if (!K_TAIL) {
+        return blk;
+    }
+    let inside = k_inside(k, k_len);
+    return mat4x4<f32>(select(vec4<f32>(0.0), blk[0], inside), select(vec4<f32>(0.0), blk[1], inside),
+                       select(vec4<f32>(0.0), blk[2], inside), select(vec4<f32>(0.0), blk[3], inside));
 }
 
 // The elements of A (of B) at four element offsets.
@@ -658,27 +672,16 @@ fn register_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     var acc_hl = mat4x4<f32>(); // rows_hi x cols_lo
     var acc_lh = mat4x4<f32>(); // rows_lo x cols_hi
     var acc_hh = mat4x4<f32>(); // rows_hi x cols_hi
-    let k_main = k_len - k_len % 4u;
-    for (var k = 0u; k < k_main; k = k + 4u) {
+    for (var k = 0u; k < k_steps(k_len); k = k + 4u) {
         let a_pair = a_pair(a_lo + k * a_cs, a_hi + k * a_cs, rows_lo, rows_hi, a_rs, a_cs);
-        let a_blk_lo = a_pair.lo;
-        let a_blk_hi = a_pair.hi;
-        let b_blk_lo = b_block_B_SOURCE(b_lo, &step_lo, k);
-        let b_blk_hi = b_block_B_SOURCE(b_hi, &step_hi, k);
+        let a_blk_lo = masked_a_block(a_pair.lo, k, k_len);
+        let a_blk_hi = masked_a_block(a_pair.hi, k, k_len);
+        let b_blk_lo = masked_b_block(b_block_B_SOURCE(b_lo, &step_lo, k), k, k_len);
+        let b_blk_hi = masked_b_block(b_block_B_SOURCE(b_hi, &step_hi, k), k, k_len);
         acc_ll = acc_ll + a_blk_lo * b_blk_lo;
         acc_hl = acc_hl + a_blk_hi * b_blk_lo;
         acc_lh = acc_lh + a_blk_lo * b_blk_hi;
         acc_hh = acc_hh + a_blk_hi * b_blk_hi;
-    }
-    for (var k = k_main; K_TAIL && k < k_len; k = k + 1u) {
-        let a_k_lo = a_column_at(a_base, k, rows_lo);
-        let a_k_hi = a_column_at(a_base, k, rows_hi);
-        let b_k_lo = b_row_at(b_base, k, cols_lo);
-        let b_k_hi = b_row_at(b_base, k, cols_hi);
-        acc_ll = acc_ll + outer(a_k_lo, b_k_lo);
-        acc_hl = acc_hl + outer(a_k_hi, b_k_lo);
-        acc_lh = acc_lh + outer(a_k_lo, b_k_hi);
-        acc_hh = acc_hh + outer(a_k_hi, b_k_hi);
     }
     store_block8(t.batch, t.row0, col_lo, vec2<u32>(4u), acc_ll, acc_hl, acc_lh, acc_hh);
 }

@@ -95,8 +95,8 @@ struct Specialisation {
     subgroups: bool,
     /// Output rows per invocation of `register_tiled_tall` (16 or 32).
     tall_rows: usize,
-    /// The module runs the last K % 4 steps (K not a multiple of 4, or A read element by
-    /// element: see [`with_k_tail`]).
+    /// The module's last step of 4 along k may be partial, its elements past K masked (K not
+    /// a multiple of 4, or A read element by element: see [`with_k_tail`]).
     k_tail: bool,
     /// The dtypes of A, B and the output (F32, F16 or BF16; a 16-bit output needs N a
     /// multiple of 4).
@@ -328,13 +328,12 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> Ke
     }
 }
 
-/// `spec` for a product over `k`: with the tail of K % 4 steps where K needs it, and always
-/// where A is read element by element. That layout comes from an odd dim (a vocabulary of 65,
-/// 10 classes), whose products need the tail in one direction and not in the other (a head's
-/// input grad sums over the vocabulary, its weight grad over the batch); one module serves
-/// both, where two cost a model's first step 0.45 s more on lavapipe. A tail of 0 steps costs
-/// nothing at run time; a model whose one such product has no tail compiles it all the same
-/// (an MLP's 10-class weight grad: 0.15 s).
+/// `spec` for a product over `k`: with the masked partial last step where K needs it, and
+/// always where A is read element by element. That layout comes from an odd dim (a vocabulary
+/// of 65, 10 classes), whose products need the tail in one direction and not in the other (a
+/// head's input grad sums over the vocabulary, its weight grad over the batch); one module
+/// serves both, where two cost a model's first step 0.45 s more on lavapipe. The masks cost a
+/// product without a partial step a few selects per step of 4.
 fn with_k_tail(spec: Specialisation, k: usize) -> Specialisation {
     Specialisation {
         k_tail: !k.is_multiple_of(4) || spec.a == AMode::Any,
