@@ -66,85 +66,54 @@ fn rhs_quad(q: u32) -> vec4<f32> {
 }
 // F16 OPERAND rhs END
 
-// Output element i of each entry, element by element.
-fn contiguous_at(i: u32) -> f32 {
-    return op(lhs_at(pu(BINARY_LHS_OFFSET) + i), rhs_at(pu(BINARY_RHS_OFFSET) + i));
-}
-
-fn repeated_at(i: u32) -> f32 {
-    let a = lhs_at(pu(BINARY_LHS_OFFSET) + run_index(i, pu(BINARY_LHS_STRETCH), pu(BINARY_LHS_PERIOD)));
-    let b = rhs_at(pu(BINARY_RHS_OFFSET) + run_index(i, pu(BINARY_RHS_STRETCH), pu(BINARY_RHS_PERIOD)));
-    return op(a, b);
-}
-
 // Params: `BinaryParams` (src/ops/binary.rs). Each layout has two entries, so that a model
 // compiles only the one its tensors take: `*_vec4` four elements per load, where lengths,
 // offsets and runs allow, and the plain one element by element. (Each per-element load and
 // store compiles to a loop over the lanes on CPU adapters: lavapipe 25 spent a third of one
-// entry holding both paths on the path a model never ran.)
+// entry holding both paths on the path a model never ran.) `repeated*` have one or both
+// operands a dense run held and repeated (a bias over rows or over channels): output element
+// i reads run element (i / stretch) % period. Each entry passes its layout as a constant, so
+// the driver's compiler drops the other's code and the plain case keeps its loop free of
+// index wrapping.
 @compute @workgroup_size(256)
 fn contiguous_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_index) lid: u32) {
-    let n = pu(BINARY_N);
-    let la = pu(BINARY_LHS_OFFSET);
-    let lb = pu(BINARY_RHS_OFFSET);
-    let per_group = CONTIGUOUS_PER_GROUP / 4u;
-    for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
-        let i = contiguous_item(wid, nwg, lid, j, per_group);
-        if (i >= n / 4u) {
-            break;
-        }
-        store_quad(i, op4(lhs_quad(la / 4u + i), rhs_quad(lb / 4u + i)));
-    }
+    store_quads(wid, nwg, lid, false);
 }
 
 @compute @workgroup_size(256)
 fn contiguous(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let n = pu(BINARY_N);
-    for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
-        let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
-        if (DST_DTYPE < 2u) {
-            if (i >= n) {
-                break;
-            }
-            store1(i, contiguous_at(i));
-        } else {
-            // Word i; an odd n's last word repeats its one element in the half past the end.
-            if (2u * i >= n) {
-                break;
-            }
-            store_pair(i, contiguous_at(2u * i), contiguous_at(min(2u * i + 1u, n - 1u)));
-        }
-    }
+    store_elements(wid, nwg, lid, false);
 }
 
-// Like `contiguous`, with one or both operands a dense run held and repeated (a bias over
-// rows or over channels): output element i reads run element (i / stretch) % period.
-// Entries of their own, so the plain case keeps its loop free of index wrapping.
 @compute @workgroup_size(256)
 fn repeated_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
+    store_quads(wid, nwg, lid, true);
+}
+
+@compute @workgroup_size(256)
+fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    store_elements(wid, nwg, lid, true);
+}
+
+// The workgroup's output elements, four at a time.
+fn store_quads(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, repeated: bool) {
     let n = pu(BINARY_N);
-    let la = pu(BINARY_LHS_OFFSET);
-    let lb = pu(BINARY_RHS_OFFSET);
-    let pa = pu(BINARY_LHS_PERIOD);
-    let pb = pu(BINARY_RHS_PERIOD);
-    let sa = pu(BINARY_LHS_STRETCH);
-    let sb = pu(BINARY_RHS_STRETCH);
     let per_group = CONTIGUOUS_PER_GROUP / 4u;
     for (var j = 0u; j < rolled(per_group / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, per_group);
         if (i >= n / 4u) {
             break;
         }
-        store_quad(i, op4(lhs_run4(la, i, sa, pa), rhs_run4(lb, i, sb, pb)));
+        store_quad(i, quad_at(i, repeated));
     }
 }
 
-@compute @workgroup_size(256)
-fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
+// The workgroup's output elements one at a time (a word of two where dst is 16-bit).
+fn store_elements(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, repeated: bool) {
     let n = pu(BINARY_N);
     for (var j = 0u; j < rolled(CONTIGUOUS_PER_GROUP / 256u); j = j + 1u) {
         let i = contiguous_item(wid, nwg, lid, j, CONTIGUOUS_PER_GROUP);
@@ -152,14 +121,37 @@ fn repeated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             if (i >= n) {
                 break;
             }
-            store1(i, repeated_at(i));
+            store1(i, element_at(i, repeated));
         } else {
+            // Word i; an odd n's last word repeats its one element in the half past the end.
             if (2u * i >= n) {
                 break;
             }
-            store_pair(i, repeated_at(2u * i), repeated_at(min(2u * i + 1u, n - 1u)));
+            store_pair(i, element_at(2u * i, repeated), element_at(min(2u * i + 1u, n - 1u), repeated));
         }
     }
+}
+
+// Output elements 4i .. 4i + 4.
+fn quad_at(i: u32, repeated: bool) -> vec4<f32> {
+    let la = pu(BINARY_LHS_OFFSET);
+    let lb = pu(BINARY_RHS_OFFSET);
+    if (repeated) {
+        return op4(lhs_run4(la, i, pu(BINARY_LHS_STRETCH), pu(BINARY_LHS_PERIOD)),
+                   rhs_run4(lb, i, pu(BINARY_RHS_STRETCH), pu(BINARY_RHS_PERIOD)));
+    }
+    return op4(lhs_quad(la / 4u + i), rhs_quad(lb / 4u + i));
+}
+
+// Output element i.
+fn element_at(i: u32, repeated: bool) -> f32 {
+    var a = i;
+    var b = i;
+    if (repeated) {
+        a = run_index(i, pu(BINARY_LHS_STRETCH), pu(BINARY_LHS_PERIOD));
+        b = run_index(i, pu(BINARY_RHS_STRETCH), pu(BINARY_RHS_PERIOD));
+    }
+    return op(lhs_at(pu(BINARY_LHS_OFFSET) + a), rhs_at(pu(BINARY_RHS_OFFSET) + b));
 }
 
 // The run element output element i reads (see `repeated`); a stretch of 1 divides nothing.
