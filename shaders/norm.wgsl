@@ -328,21 +328,21 @@ fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
     return ROW_GROUP(wid, nwg, lid, 64u);
 }
 
-// The sum (or the max) of `v` over the row's lanes, uniform: every lane gets it. ROW_REDUCE is
+// The sum of `v` over the row's lanes, uniform: every lane gets it. ROW_REDUCE is
 // spliced: row_reduce_subgroups for a workgroup where the device has subgroups of a fixed
 // width (two barriers), row_reduce_tree for one where it has not (seven: software adapters
 // run each as a coroutine switch of every SIMD group), row_reduce_in_subgroup for a subgroup.
-fn row_reduce(g: RowGroup, v: vec2<f32>, is_max: bool) -> vec2<f32> {
-    return ROW_REDUCE(g.lane, v, is_max);
+fn row_reduce(g: RowGroup, v: vec2<f32>) -> vec2<f32> {
+    return ROW_REDUCE(g.lane, v);
 }
 
-fn row_reduce_tree(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
+fn row_reduce_tree(lid: u32, v: vec2<f32>) -> vec2<f32> {
     row_parts[lid] = v;
     workgroupBarrier();
     for (var width = 32u; width > 0u; width = width / 2u) {
         if (lid < width) {
             let other = row_parts[lid + width];
-            row_parts[lid] = select(row_parts[lid] + other, max(row_parts[lid], other), is_max);
+            row_parts[lid] = row_parts[lid] + other;
         }
         workgroupBarrier();
     }
@@ -356,8 +356,8 @@ fn row_reduce_tree(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
 // Each subgroup sums its lanes, its first lane writes the sum at the subgroup's index (the
 // subgroups of a one-dimensional workgroup hold consecutive invocations, as on every adapter
 // wgrad knows), and invocation 0 combines the 64 / width sums.
-fn row_reduce_subgroups(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
-    let s = select(subgroupAdd(v), subgroupMax(v), is_max);
+fn row_reduce_subgroups(lid: u32, v: vec2<f32>) -> vec2<f32> {
+    let s = subgroupAdd(v);
     let width = subgroupAdd(1u);
     if (subgroupExclusiveAdd(1u) == 0u) {
         row_parts[lid / width] = s;
@@ -366,17 +366,16 @@ fn row_reduce_subgroups(lid: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
     if (lid == 0u) {
         var total = row_parts[0];
         for (var j = 1u; j < 64u / width; j = j + 1u) {
-            let other = row_parts[j];
-            total = select(total + other, max(total, other), is_max);
+            total = total + row_parts[j];
         }
         row_total = total;
     }
     return workgroupUniformLoad(&row_total);
 }
 
-// The sum (or the max) of `v` over the subgroup: no barrier.
-fn row_reduce_in_subgroup(lane: u32, v: vec2<f32>, is_max: bool) -> vec2<f32> {
-    return select(subgroupAdd(v), subgroupMax(v), is_max);
+// The sum of `v` over the subgroup: no barrier.
+fn row_reduce_in_subgroup(lane: u32, v: vec2<f32>) -> vec2<f32> {
+    return subgroupAdd(v);
 }
 // SUBGROUP SECTION END
 
@@ -391,7 +390,7 @@ fn row_rstd_rows(g: RowGroup, base: u32, end: u32, mean: f32, squares: f32) -> f
         let d = deviation4(base, end, c, mean) * SQUARES_SCALE;
         scaled = scaled + d * d;
     }
-    let total = row_reduce(g, vec2<f32>(sum4(scaled), 0.0), false).x;
+    let total = row_reduce(g, vec2<f32>(sum4(scaled), 0.0)).x;
     return inverseSqrt(total / len) * SQUARES_SCALE;
 }
 
@@ -412,7 +411,7 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     for (var c = g.lane; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + g.lanes) {
         sum = sum + x4(x.x + 4u * c, x.y);
     }
-    let first_mean = row_reduce(g, vec2<f32>(sum4(sum), 0.0), false).x / f32(len);
+    let first_mean = row_reduce(g, vec2<f32>(sum4(sum), 0.0)).x / f32(len);
     var squares = vec4<f32>(0.0);
     var deviations = vec4<f32>(0.0);
     for (var c = g.lane; c < groups; c = c + g.lanes) {
@@ -420,7 +419,7 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         squares = squares + d * d;
         deviations = deviations + d;
     }
-    let sums = row_reduce(g, vec2<f32>(sum4(squares), sum4(deviations)), false);
+    let sums = row_reduce(g, vec2<f32>(sum4(squares), sum4(deviations)));
     let stat = corrected(first_mean, sums, len);
     let mean = stat.x;
     let rstd = row_rstd_rows(g, x.x, x.y, mean, stat.y);
@@ -452,7 +451,7 @@ fn backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         sum_gw = sum_gw + t.gw;
         sum_gw_xhat = sum_gw_xhat + t.gw * t.xhat;
     }
-    let means = grad_means(row_reduce(g, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), false), len);
+    let means = grad_means(row_reduce(g, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat))), len);
     for (var c = g.lane; c < groups; c = c + g.lanes) {
         store_input_grad(row, c, stat, means);
     }
