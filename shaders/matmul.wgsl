@@ -25,9 +25,9 @@
 // b_columns_image and load_b_panel_image), or its transpose (a weight grad's; image_t).
 // It also splices K_TAIL (K may not be a multiple of 4: the last step of 4 along k is partial,
 // its A and B elements past K masked to 0), so that the masks are compiled out where no
-// product needs them. Whether an output group of 4 is one vec4 store
-// is decided at run time (`store_row_at`): its one per-element store site costs no more to
-// compile than a check, where a module per alignment cost a model's first step 0.4 s each.
+// product needs them. Whether an output group of 4 is one vec4 store is decided at run time
+// (`store_row_at`): its one per-element store site costs no more to compile than a check,
+// where a module per alignment cost a model's first step 0.4 s each.
 //
 // Where the device has 8-wide subgroups (llvmpipe, where a subgroup is one SIMD group), the
 // module keeps the SUBGROUP SECTION: `register_tiled_tall` and its helpers, whose 8 lanes load

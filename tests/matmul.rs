@@ -326,9 +326,9 @@ fn an_output_of_odd_width_compiles_no_module_beyond_an_aligned_ones() {
 fn products_reading_a_by_element_share_one_module_whatever_their_k() {
     // A head over a vocabulary of 65: its input grad (out grad [768, 65] times W, k = 65, a k
     // tail) and its weight grad (out grad^T times the input, k = 768, no tail) both read A
-    // element by element (its row stride or column stride is 65). The tail costs nothing
-    // where K has none, so both run one module. Sizes keep both products on one entry point
-    // in every kernel flavour.
+    // element by element (its row stride or column stride is 65). The masked partial last
+    // step is a no-op where K has none, so both run one module. Sizes keep both products on
+    // one entry point in every kernel flavour.
     let dev = Device::new().unwrap();
     let tensor = |shape: &[usize], seed| tensor_on(&dev, shape, seed);
     let (grad, dgrad) = tensor(&[768, 65], 34);
