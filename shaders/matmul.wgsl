@@ -7,8 +7,8 @@
 // so this wins there; GPUs run it for products with a side under 64); `register_tiled_tall`
 // keeps 32x4 with the A loads shared by 8-wide subgroups (software adapters with subgroups);
 // `small_tiled` keeps 8x8 for small products on software adapters, in one module for every
-// layout; `block_tiled` and `block_tiled_64` stage 128x16 or 64x16 panels of A and B in
-// workgroup memory and keep 8x8 per invocation (what GPUs want).
+// layout; `block_tiled` and `block_tiled_64` stage panels of 128 or 64 rows of A and columns
+// of B in workgroup memory and keep 8x8 per invocation (what GPUs want).
 //
 // Buffers are bound as arrays of vec4 so that the register kernels can load four elements at a
 // time where the layout allows: software adapters pay per load, not per element. The host
@@ -30,9 +30,11 @@
 // where a module per alignment cost a model's first step 0.4 s each.
 //
 // Where the device has 8-wide subgroups (llvmpipe, where a subgroup is one SIMD group), the
-// module keeps the SUBGROUP SECTION: `register_tiled_tall` and its helpers, whose 8 lanes load
-// the A blocks they share once and assemble them with subgroupBroadcast. Elsewhere the section
-// is cut out (it needs the device's subgroup feature).
+// module keeps the SUBGROUP SECTIONs: `register_tiled_tall` and its helpers, whose 8 lanes
+// load the A blocks they share once and assemble them with subgroupBroadcast, and the block
+// kernels' entries, whose 8 lanes share their A panel reads the same way. Elsewhere the
+// sections are cut out (they need the device's subgroup feature), the block kernels' entries
+// replaced by ones whose every invocation reads its own A.
 
 // A and B are bound as words and read as f32 through a_at/a_quad and b_at/b_quad: F32
 // elements four to a vec4, F16 or BF16 ones eight (A_DTYPE and B_DTYPE are spliced: 0 F32,
@@ -755,18 +757,21 @@ fn operands_of(batch: u32) -> Operands {
                     pu(MATMUL_B_ROW_STRIDE), pu(MATMUL_B_COL_STRIDE));
 }
 
-const BLOCK_K: u32 = 8u;
+// Rows of k in a block kernel's panel (spliced): 16 where the device's workgroup storage
+// holds the panels below at that depth (32 KiB), else 8 (16 KiB, WebGPU's default). Deeper
+// panels halve the barriers per k; on llvmpipe, where a barrier switches every SIMD group's
+// coroutine and moves its accumulators through memory, they ran the product 1.3x faster.
+const BLOCK_K: u32 = BLOCK_K_ROWSu;
 // The block kernels' panels of A and B, k-major, four rows (columns) to a vec4, two of each
 // (double-buffered: one is read while the next is written): [2][BLOCK_K][block / 4], sized
-// for the 128 block: 16 KiB in all, WebGPU's default workgroup storage (the 64 block uses
-// half).
-var<workgroup> a_block: array<vec4<f32>, 512>;
-var<workgroup> b_block: array<vec4<f32>, 512>;
+// for the 128 block (the 64 block uses half).
+var<workgroup> a_block: array<vec4<f32>, 2u * BLOCK_K * 32u>;
+var<workgroup> b_block: array<vec4<f32>, 2u * BLOCK_K * 32u>;
 // Vec4s of one panel buffer of A (of B): BLOCK_K x 128 / 4.
-const PANEL: u32 = 256u;
-// Elements of a panel an invocation stages: BLOCK_K x block / (block / 8)^2, 4 for the 128
-// block, 8 for the 64.
-const PANEL_LOADS: u32 = 8u;
+const PANEL: u32 = BLOCK_K * 32u;
+// Elements of a panel an invocation stages: BLOCK_K x block / (block / 8)^2, BLOCK_K / 2 for
+// the 128 block, BLOCK_K for the 64.
+const PANEL_LOADS: u32 = BLOCK_K;
 
 // The element of a `block` x BLOCK_K panel that invocation `lid` (of `threads`) stages in its
 // `j`th load: (k within the panel, row or column within the tile). Consecutive invocations
@@ -927,18 +932,31 @@ fn panel_b_block(at: u32, quads: u32) -> mat4x4<f32> {
     return transpose(mat4x4<f32>(b_block[at], b_block[at + quads], b_block[at + 2u * quads], b_block[at + 3u * quads]));
 }
 
+// Where a block kernel's invocation works: `staging`, its index among the workgroup's
+// invocations for staging panels (see panel_element); (`ty`, `tx`), its place in the tile's
+// grid of invocations (rows ty*4.. and block/2 + ty*4.., columns tx*4.. and block/2 + tx*4..);
+// `lane`, its lane in an 8-wide subgroup whose lanes share `ty` (the SUBGROUP SECTION's
+// entries; 0 elsewhere).
+struct BlockPlace {
+    staging: u32,
+    ty: u32,
+    tx: u32,
+    lane: u32,
+}
+
 // `block` x `block` outputs per workgroup of (block / 8)^2 invocations, 8 x 8 per invocation,
 // for GPUs: each step of BLOCK_K along k reads a panel of A and of B from workgroup memory,
-// every invocation 4 vec4s per k for 64 multiply-adds. Invocation (ty, tx) keeps rows ty*4..
-// and block/2 + ty*4.., columns tx*4.. and block/2 + tx*4.., so that the invocations reading
-// one panel row read consecutive vec4s. The panels are double-buffered: an invocation loads
-// its elements of the next panels into registers before this step's products (a GPU overlaps
-// the loads with them) and writes them into the other buffer after, so each step has one
-// barrier. The products go 4 k at a time as 4x4 matrix products (panel_a_block,
-// panel_b_block): the same loads and multiply-adds, with each accumulator updated once per 4
-// k, which software adapters keep in memory across the barrier (llvmpipe's coroutines): 10 %
-// faster there. `block` is 128 or 64, a constant at each call, so every loop bound below folds.
-fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
+// every invocation 4 vec4s per k for 64 multiply-adds (the A pair through block_a_pair).
+// Invocation (ty, tx) keeps rows ty*4.. and block/2 + ty*4.., columns tx*4.. and block/2 +
+// tx*4.., so that the invocations reading one panel row read consecutive vec4s. The panels
+// are double-buffered: an invocation loads its elements of the next panels into registers
+// before this step's products (a GPU overlaps the loads with them) and writes them into the
+// other buffer after, so each step has one barrier. The products go 4 k at a time as 4x4
+// matrix products (block_a_pair, panel_b_block): the same loads and multiply-adds, with each
+// accumulator updated once per 4 k, which software adapters keep in memory across the
+// barrier (llvmpipe's coroutines): 10 % faster there. `block` is 128 or 64, a constant at
+// each call, so every loop bound below folds.
+fn block_product(wid: vec3<u32>, nwg: vec3<u32>, place: BlockPlace, block: u32) {
     let t = tile_of(wid, nwg, block, block);
     // Uniform across the workgroup, so the early return cannot split a barrier.
     if (t.batch >= pu(MATMUL_BATCHES)) {
@@ -947,56 +965,101 @@ fn block_product(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, block: u32) {
     let o = operands_of(t.batch);
     let side = block / 8u; // invocations along each side of the tile
     let quads = block / 4u; // vec4s per panel row
-    let ty = lid / side;
-    let tx = lid % side;
     var acc_ll = mat4x4<f32>();
     var acc_hl = mat4x4<f32>();
     var acc_lh = mat4x4<f32>();
     var acc_hh = mat4x4<f32>();
-    let b_column = panel_column_B_SOURCE(o, t.col0, lid % block);
-    var a_next = load_a_panel(o, t.row0, lid, 0u, block);
-    var b_next = load_b_panel_B_SOURCE(o, b_column, lid, 0u, block);
-    store_panels(&a_next, &b_next, o, b_column, lid, 0u, block);
+    let b_column = panel_column_B_SOURCE(o, t.col0, place.staging % block);
+    var a_next = load_a_panel(o, t.row0, place.staging, 0u, block);
+    var b_next = load_b_panel_B_SOURCE(o, b_column, place.staging, 0u, block);
+    store_panels(&a_next, &b_next, o, b_column, place.staging, 0u, block);
     workgroupBarrier();
     var buffer = 0u;
     for (var k0 = 0u; k0 < o.k_len; k0 = k0 + BLOCK_K) {
         // Uniform across the workgroup, as the barrier below needs.
         let more = k0 + BLOCK_K < o.k_len;
         if (more) {
-            a_next = load_a_panel(o, t.row0, lid, k0 + BLOCK_K, block);
-            b_next = load_b_panel_B_SOURCE(o, b_column, lid, k0 + BLOCK_K, block);
+            a_next = load_a_panel(o, t.row0, place.staging, k0 + BLOCK_K, block);
+            b_next = load_b_panel_B_SOURCE(o, b_column, place.staging, k0 + BLOCK_K, block);
         }
         let at = buffer * PANEL;
         for (var kk = 0u; kk < BLOCK_K; kk = kk + 4u) {
-            let a_lo = panel_a_block(at + kk * quads + ty, quads);
-            let a_hi = panel_a_block(at + kk * quads + side + ty, quads);
-            let b_lo = panel_b_block(at + kk * quads + tx, quads);
-            let b_hi = panel_b_block(at + kk * quads + side + tx, quads);
-            acc_ll = acc_ll + a_lo * b_lo;
-            acc_hl = acc_hl + a_hi * b_lo;
-            acc_lh = acc_lh + a_lo * b_hi;
-            acc_hh = acc_hh + a_hi * b_hi;
+            let a_pair = block_a_pair(at + kk * quads, quads, side, place);
+            let b_lo = panel_b_block(at + kk * quads + place.tx, quads);
+            let b_hi = panel_b_block(at + kk * quads + side + place.tx, quads);
+            acc_ll = acc_ll + a_pair.lo * b_lo;
+            acc_hl = acc_hl + a_pair.hi * b_lo;
+            acc_lh = acc_lh + a_pair.lo * b_hi;
+            acc_hh = acc_hh + a_pair.hi * b_hi;
         }
         buffer = 1u - buffer;
         if (more) {
-            store_panels(&a_next, &b_next, o, b_column, lid, buffer, block);
+            store_panels(&a_next, &b_next, o, b_column, place.staging, buffer, block);
         }
         workgroupBarrier();
     }
-    store_block8(t.batch, t.row0 + ty * 4u, t.col0 + tx * 4u, vec2<u32>(block / 2u), acc_ll, acc_hl,
-                 acc_lh, acc_hh);
+    store_block8(t.batch, t.row0 + place.ty * 4u, t.col0 + place.tx * 4u, vec2<u32>(block / 2u), acc_ll,
+                 acc_hl, acc_lh, acc_hh);
+}
+
+// SUBGROUP SECTION BEGIN: the block kernels on 8-wide subgroups.
+
+// Each subgroup is 8 invocations of one tile row (one `ty`), placed by its subgroup id, so
+// the lanes need the same A pair at each step: lane l loads the vec4 of rows at k + l % 4 (the
+// rows of `lo` for l < 4, of `hi` after) and the subgroup assembles both blocks with
+// subgroupBroadcast. One load per lane, not 8: inside a loop, llvmpipe runs each
+// workgroup-memory load as a loop over its lanes, and sharing A ran the product 1.3x faster
+// there.
+fn block_a_pair(at: u32, quads: u32, side: u32, place: BlockPlace) -> APair {
+    let v = a_block[at + place.ty + (place.lane % 4u) * quads + (place.lane / 4u) * side];
+    return APair(broadcast_lo(v), broadcast_hi(v));
+}
+
+// The place of lane `lane` of subgroup `subgroup` in a tile of side x side invocations.
+fn lanes_place(subgroup: u32, lane: u32, side: u32) -> BlockPlace {
+    let per_row = side / 8u; // subgroups per tile row
+    return BlockPlace(subgroup * 8u + lane, subgroup / per_row, (subgroup % per_row) * 8u + lane, lane);
+}
+
+// 128 x 128 tiles: products of at least 128 rows and columns.
+@compute @workgroup_size(256)
+fn block_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(subgroup_id) subgroup: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    block_product(wid, nwg, lanes_place(subgroup, lane, 16u), 128u);
+}
+
+// 64 x 64 tiles: products of at least 64 rows and columns, fewer than 128 on a side.
+@compute @workgroup_size(64)
+fn block_tiled_64(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(subgroup_id) subgroup: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    block_product(wid, nwg, lanes_place(subgroup, lane, 8u), 64u);
+}
+
+// SUBGROUP SECTION ELSE: the block kernels where every invocation reads its own A.
+
+// The A pair for rows ty*4.. (`lo`) and block/2 + ty*4.. (`hi`) at four consecutive k from
+// `at`, the panel's vec4 of its first row group at the first k.
+fn block_a_pair(at: u32, quads: u32, side: u32, place: BlockPlace) -> APair {
+    return APair(panel_a_block(at + place.ty, quads), panel_a_block(at + side + place.ty, quads));
+}
+
+// The place of invocation `lid` in a tile of side x side invocations.
+fn invocation_place(lid: u32, side: u32) -> BlockPlace {
+    return BlockPlace(lid, lid / side, lid % side, 0u);
 }
 
 // 128 x 128 tiles: products of at least 128 rows and columns.
 @compute @workgroup_size(256)
 fn block_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    block_product(wid, nwg, lid, 128u);
+    block_product(wid, nwg, invocation_place(lid, 16u), 128u);
 }
 
 // 64 x 64 tiles: products of at least 64 rows and columns, fewer than 128 on a side.
 @compute @workgroup_size(64)
 fn block_tiled_64(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
-    block_product(wid, nwg, lid, 64u);
+    block_product(wid, nwg, invocation_place(lid, 8u), 64u);
 }
+
+// SUBGROUP SECTION END

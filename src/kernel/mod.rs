@@ -100,25 +100,32 @@ impl ShaderFamily {
     }
 }
 
-/// `wgsl` with its SUBGROUP SECTIONs (the text between each `// SUBGROUP SECTION BEGIN` and
-/// the `// SUBGROUP SECTION END` after it) where `subgroups`, else without them: kernels that
-/// need the device's subgroup operations live there, and a module that names them does not
-/// compile where the device has none. wgpu enables the subgroup built-ins with the device
-/// feature (its WGSL front end does not take `enable subgroups;` yet).
+/// `wgsl` for a device with subgroups (`subgroups`) or without. Each SUBGROUP SECTION (the
+/// text between a `// SUBGROUP SECTION BEGIN` and the `// SUBGROUP SECTION END` after it) is
+/// kept only with subgroups: kernels that need the device's subgroup operations live there,
+/// and a module that names them does not compile where the device has none. A section may
+/// hold a `// SUBGROUP SECTION ELSE` line: the text after it is what a device without
+/// subgroups gets instead (the same functions written without them), and only that device.
+/// wgpu enables the subgroup built-ins with the device feature (its WGSL front end does not
+/// take `enable subgroups;` yet).
 pub(crate) fn with_subgroup_section(wgsl: &str, subgroups: bool) -> String {
     const BEGIN: &str = "// SUBGROUP SECTION BEGIN";
+    const ELSE: &str = "// SUBGROUP SECTION ELSE";
     const END: &str = "// SUBGROUP SECTION END";
-    if subgroups {
-        return wgsl.to_string();
-    }
     let mut kept = String::with_capacity(wgsl.len());
     let mut rest = wgsl;
     while let Some(begin) = rest.find(BEGIN) {
-        let Some(end) = rest[begin..].find(END) else {
+        let Some(end) = rest[begin..].find(END).map(|at| begin + at) else {
             break;
         };
+        let section = &rest[begin..end];
+        let (with, without) = match section.find(ELSE) {
+            Some(at) => section.split_at(at),
+            None => (section, ""),
+        };
         kept.push_str(&rest[..begin]);
-        rest = &rest[begin + end + END.len()..];
+        kept.push_str(if subgroups { with } else { without });
+        rest = &rest[end + END.len()..];
     }
     kept.push_str(rest);
     kept
@@ -468,4 +475,32 @@ pub(crate) fn strided_dims(
         shape: six(merged_shape),
         strides: merged_strides.into_iter().map(six).collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_subgroup_section;
+
+    const SECTIONS: &str =
+        "a\n// SUBGROUP SECTION BEGIN\nwith\n// SUBGROUP SECTION ELSE\nwithout\n\
+                            // SUBGROUP SECTION END\nb\n// SUBGROUP SECTION BEGIN\nonly\n\
+                            // SUBGROUP SECTION END\nc";
+
+    fn lines(wgsl: &str) -> Vec<&str> {
+        wgsl.lines()
+            .filter(|l| !l.is_empty() && !l.starts_with("//"))
+            .collect()
+    }
+
+    #[test]
+    fn a_device_with_subgroups_keeps_each_section_up_to_its_else() {
+        let kept = with_subgroup_section(SECTIONS, true);
+        assert_eq!(lines(&kept), ["a", "with", "b", "only", "c"]);
+    }
+
+    #[test]
+    fn a_device_without_subgroups_keeps_only_what_follows_an_else() {
+        let kept = with_subgroup_section(SECTIONS, false);
+        assert_eq!(lines(&kept), ["a", "without", "b", "c"]);
+    }
 }

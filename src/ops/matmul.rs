@@ -85,8 +85,9 @@ enum BSource {
 }
 
 /// What a matmul kernel is specialised on (see shaders/matmul.wgsl): how A and B are read,
-/// whether the module keeps the subgroup section (`register_tiled_tall`, for 8-wide
-/// subgroups), and two facts about the shape.
+/// whether the module keeps the subgroup sections (`register_tiled_tall` and the block
+/// kernels' shared A reads, for 8-wide subgroups), the block kernels' panel depth, and two
+/// facts about the shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Specialisation {
     a: AMode,
@@ -95,6 +96,9 @@ struct Specialisation {
     subgroups: bool,
     /// Output rows per invocation of `register_tiled_tall` (16 or 32).
     tall_rows: usize,
+    /// Rows of k per panel of the block kernels (see [`block_k`]); 8 in modules that never
+    /// run them.
+    block_k: usize,
     /// The module's last step of 4 along k may be partial, its elements past K masked (K not
     /// a multiple of 4, or A read element by element: see [`with_k_tail`]).
     k_tail: bool,
@@ -137,6 +141,7 @@ fn source(spec: Specialisation) -> String {
             ("B_ALIGNED_COLS", aligned_cols),
             ("K_TAIL", flag(spec.k_tail)),
             ("TALL_ROWS", &spec.tall_rows.to_string()),
+            ("BLOCK_K_ROWS", &spec.block_k.to_string()),
             ("A_DTYPE_CODE", spec.a_dtype.wgsl_code()),
             ("B_DTYPE_CODE", spec.b_dtype.wgsl_code()),
             ("OUT_DTYPE_CODE", spec.out_dtype.wgsl_code()),
@@ -184,6 +189,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
                         b_source: BSource::Matrix,
                         subgroups,
                         tall_rows,
+                        block_k: if subgroups { 16 } else { 8 },
                         k_tail,
                         a_dtype: DType::F32,
                         b_dtype: DType::F32,
@@ -292,6 +298,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> Ke
         b_source: BSource::Matrix,
         subgroups,
         tall_rows,
+        block_k: 8,
         k_tail: false,
         a_dtype: DType::F32,
         b_dtype: DType::F32,
@@ -302,7 +309,7 @@ fn kernel_for(device: &Device, a: AMode, b: BMode, (m, n): (usize, usize)) -> Ke
         tile_rows: side,
         tile_cols: side,
         tiles_per_workgroup: 1,
-        spec: spec(AMode::Any, BMode::Any, false, 32),
+        spec: block_specialisation(device, spec(AMode::Any, BMode::Any, false, 32)),
     };
     let blocks = fits_block_tiles(device);
     match device.kernel_flavor() {
@@ -345,13 +352,39 @@ fn with_k_tail(spec: Specialisation, k: usize) -> Specialisation {
 /// and columns).
 const BLOCK: usize = 128;
 
-/// Whether the device runs the block kernels' workgroups: up to 256 invocations and 16 KiB of
-/// workgroup storage (WebGPU's defaults; an adapter may offer less).
+/// Workgroup storage the block kernels' panels take at 8 rows of k: two buffers each of A's
+/// and B's 8 x 128 f32.
+const PANEL_BYTES_AT_8: u32 = 2 * 2 * 8 * 128 * 4;
+
+/// Whether the device runs the block kernels' workgroups: up to 256 invocations and the
+/// panels at 8 rows of k (16 KiB, WebGPU's defaults; an adapter may offer less).
 fn fits_block_tiles(device: &Device) -> bool {
     let limits = &device.inner.limits;
-    limits.max_compute_workgroup_storage_size >= 16 << 10
+    limits.max_compute_workgroup_storage_size >= PANEL_BYTES_AT_8
         && limits.max_compute_invocations_per_workgroup >= 256
         && limits.max_compute_workgroup_size_x >= 256
+}
+
+/// Rows of k per block-kernel panel for a device with `workgroup_storage` bytes: 16 where
+/// it holds them (32 KiB: GPUs offer 32 to 64, llvmpipe 32), else 8. Each step of the
+/// product ends in a barrier, so deeper panels halve the barriers per k (the 70 %-of-peak
+/// WGSL GEMMs stage 16 rows too).
+fn block_k(workgroup_storage: u32) -> usize {
+    if workgroup_storage >= 2 * PANEL_BYTES_AT_8 {
+        16
+    } else {
+        8
+    }
+}
+
+/// `spec` made a block kernel's on `device`: its panel depth, and the subgroup sections
+/// where subgroups are 8 wide (each subgroup's lanes then share their A panel reads).
+fn block_specialisation(device: &Device, spec: Specialisation) -> Specialisation {
+    Specialisation {
+        block_k: block_k(device.inner.limits.max_compute_workgroup_storage_size),
+        subgroups: device.subgroup_size() == Some(8),
+        ..spec
+    }
 }
 
 /// Products below both of these (a dim, and multiply-adds) run `small_tiled` on software
@@ -398,6 +431,7 @@ const SMALL_SPECIALISATION: Specialisation = Specialisation {
     b_source: BSource::Matrix,
     subgroups: false,
     tall_rows: 32,
+    block_k: 8,
     k_tail: true,
     a_dtype: DType::F32,
     b_dtype: DType::F32,
@@ -778,10 +812,16 @@ fn image_kernel(
         }
         KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK => {
             let spec = image_specialisation(source, AMode::Any, 32, false);
-            Some(choice("block_tiled", BLOCK, BLOCK, spec))
+            Some(choice(
+                "block_tiled",
+                BLOCK,
+                BLOCK,
+                block_specialisation(device, spec),
+            ))
         }
         KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK / 2 => {
             let spec = image_specialisation(source, AMode::Any, 32, false);
+            let spec = block_specialisation(device, spec);
             Some(choice("block_tiled_64", BLOCK / 2, BLOCK / 2, spec))
         }
         KernelFlavor::Gpu => {
@@ -806,6 +846,7 @@ fn image_specialisation(
         b_source: source,
         subgroups,
         tall_rows,
+        block_k: 8,
         k_tail: false,
         a_dtype: DType::F32,
         b_dtype: DType::F32,
@@ -1046,4 +1087,22 @@ fn finish(out: Tensor, a: &Tensor, b: &Tensor, shape: &mut Vec<usize>) -> Result
         shape.remove(shape.len() - if b.rank() == 1 { 1 } else { 2 });
     }
     out.reshape(shape)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{block_k, PANEL_BYTES_AT_8};
+
+    #[test]
+    fn block_panels_are_16_rows_deep_where_workgroup_storage_holds_them() {
+        assert_eq!(block_k(32 << 10), 16);
+        assert_eq!(block_k(48 << 10), 16);
+    }
+
+    #[test]
+    fn block_panels_are_8_rows_deep_in_webgpus_default_workgroup_storage() {
+        assert_eq!(PANEL_BYTES_AT_8, 16 << 10);
+        assert_eq!(block_k(16 << 10), 8);
+        assert_eq!(block_k((32 << 10) - 4), 8);
+    }
 }
