@@ -91,7 +91,11 @@ impl Device {
 
     fn from_adapter(adapter: wgpu::Adapter) -> Result<Device> {
         let adapter_info = adapter.get_info();
-        let limits = adapter.limits();
+        let mut limits = adapter.limits();
+        if let Some(cap) = workgroup_storage_from_env()? {
+            limits.max_compute_workgroup_storage_size =
+                limits.max_compute_workgroup_storage_size.min(cap);
+        }
         // Subgroup operations, where the adapter has them, let kernels share loads across a
         // subgroup (matmul on llvmpipe); WGSL's f16 lets them bind F16 tensors as such.
         let wanted = match subgroups_from_env()? {
@@ -204,6 +208,27 @@ fn subgroups_from_env() -> Result<Option<bool>> {
 
 pub(super) fn subgroups_from(setting: Option<String>) -> Result<Option<bool>> {
     choice_from("WGRAD_SUBGROUPS", setting, &[("on", true), ("off", false)])
+}
+
+/// `WGRAD_WORKGROUP_STORAGE=<bytes>`: the most workgroup storage the device requests, below
+/// what the adapter offers (unset: all of it). Kernels that would take more fall back to
+/// forms that fit, as on an adapter that offers less: how CI runs the matmul's 8-row panels
+/// (16 KiB, WebGPU's default) on lavapipe, which offers 32 KiB.
+fn workgroup_storage_from_env() -> Result<Option<u32>> {
+    workgroup_storage_from(std::env::var("WGRAD_WORKGROUP_STORAGE").ok())
+}
+
+pub(super) fn workgroup_storage_from(setting: Option<String>) -> Result<Option<u32>> {
+    let Some(v) = setting else {
+        return Ok(None);
+    };
+    v.trim()
+        .parse::<u32>()
+        .map(Some)
+        .map_err(|_| Error::InvalidArgument {
+            op: "Device::new",
+            msg: format!("WGRAD_WORKGROUP_STORAGE={v:?}: use a number of bytes, or unset it"),
+        })
 }
 
 /// `WGRAD_F16_READS=native`, `=hardware` or `=integer`: how kernels read F16 elements (see

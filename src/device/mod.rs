@@ -466,7 +466,9 @@ impl DeviceInner {
 
 #[cfg(test)]
 mod tests {
-    use super::adapter::{backends_from, f16_reads_from, kernel_flavor_from, subgroups_from};
+    use super::adapter::{
+        backends_from, f16_reads_from, kernel_flavor_from, subgroups_from, workgroup_storage_from,
+    };
     use super::{Device, F16Reads, KernelFlavor};
 
     #[test]
@@ -505,6 +507,18 @@ mod tests {
         let err = subgroups("0").unwrap_err().to_string();
         assert!(
             err.contains("WGRAD_SUBGROUPS") && err.contains("\"0\"") && err.contains("off"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn wgrad_workgroup_storage_caps_it_in_bytes_or_is_an_error() {
+        let cap = |v: &str| workgroup_storage_from(Some(v.into()));
+        assert_eq!(cap("16384").unwrap(), Some(16384));
+        assert_eq!(workgroup_storage_from(None).unwrap(), None);
+        let err = cap("16k").unwrap_err().to_string();
+        assert!(
+            err.contains("WGRAD_WORKGROUP_STORAGE") && err.contains("\"16k\""),
             "{err}"
         );
     }
