@@ -812,12 +812,8 @@ fn image_kernel(
         }
         KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK => {
             let spec = image_specialisation(source, AMode::Any, 32, false);
-            Some(choice(
-                "block_tiled",
-                BLOCK,
-                BLOCK,
-                block_specialisation(device, spec),
-            ))
+            let spec = block_specialisation(device, spec);
+            Some(choice("block_tiled", BLOCK, BLOCK, spec))
         }
         KernelFlavor::Gpu if blocks && rows.min(n) >= BLOCK / 2 => {
             let spec = image_specialisation(source, AMode::Any, 32, false);
