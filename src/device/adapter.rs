@@ -211,9 +211,9 @@ pub(super) fn subgroups_from(setting: Option<String>) -> Result<Option<bool>> {
 }
 
 /// `WGRAD_WORKGROUP_STORAGE=<bytes>`: the most workgroup storage the device requests, below
-/// what the adapter offers (unset: all of it). Kernels that would take more fall back to
-/// forms that fit, as on an adapter that offers less: how CI runs the matmul's 8-row panels
-/// (16 KiB, WebGPU's default) on lavapipe, which offers 32 KiB.
+/// what the adapter offers (unset: all of it; at least WebGPU's 16 KiB). Kernels that would
+/// take more fall back to forms that fit, as on an adapter that offers less: how CI runs the
+/// matmul's 8-row panels (16 KiB) on lavapipe, which offers 32 KiB.
 fn workgroup_storage_from_env() -> Result<Option<u32>> {
     workgroup_storage_from(std::env::var("WGRAD_WORKGROUP_STORAGE").ok())
 }
@@ -222,14 +222,21 @@ pub(super) fn workgroup_storage_from(setting: Option<String>) -> Result<Option<u
     let Some(v) = setting else {
         return Ok(None);
     };
-    v.trim()
-        .parse::<u32>()
-        .map(Some)
-        .map_err(|_| Error::InvalidArgument {
+    match v.trim().parse::<u32>() {
+        Ok(bytes) if bytes >= LEAST_WORKGROUP_STORAGE => Ok(Some(bytes)),
+        _ => Err(Error::InvalidArgument {
             op: "Device::new",
-            msg: format!("WGRAD_WORKGROUP_STORAGE={v:?}: use a number of bytes, or unset it"),
-        })
+            msg: format!(
+                "WGRAD_WORKGROUP_STORAGE={v:?}: use a number of bytes of at least \
+                 {LEAST_WORKGROUP_STORAGE} (what every WebGPU adapter offers), or unset it"
+            ),
+        }),
+    }
 }
+
+/// The workgroup storage every WebGPU adapter offers (its default limit), which wgrad's
+/// kernels may take without asking.
+const LEAST_WORKGROUP_STORAGE: u32 = 16 << 10;
 
 /// `WGRAD_F16_READS=native`, `=hardware` or `=integer`: how kernels read F16 elements (see
 /// [`F16Reads`]); unset, native where the adapter has `SHADER_F16`, else hardware.

@@ -512,15 +512,17 @@ mod tests {
     }
 
     #[test]
-    fn wgrad_workgroup_storage_caps_it_in_bytes_or_is_an_error() {
+    fn wgrad_workgroup_storage_caps_it_at_16_kib_or_more_or_is_an_error() {
         let cap = |v: &str| workgroup_storage_from(Some(v.into()));
         assert_eq!(cap("16384").unwrap(), Some(16384));
         assert_eq!(workgroup_storage_from(None).unwrap(), None);
-        let err = cap("16k").unwrap_err().to_string();
-        assert!(
-            err.contains("WGRAD_WORKGROUP_STORAGE") && err.contains("\"16k\""),
-            "{err}"
-        );
+        for bad in ["16k", "8192", "0"] {
+            let err = cap(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("WGRAD_WORKGROUP_STORAGE") && err.contains(&format!("{bad:?}")),
+                "{err}"
+            );
+        }
     }
 
     #[test]
