@@ -236,7 +236,7 @@ pub(super) fn workgroup_storage_from(setting: Option<String>) -> Result<Option<u
 
 /// The workgroup storage every WebGPU adapter offers (its default limit), which wgrad's
 /// kernels may take without asking.
-const LEAST_WORKGROUP_STORAGE: u32 = 16 << 10;
+pub(crate) const LEAST_WORKGROUP_STORAGE: u32 = 16 << 10;
 
 /// `WGRAD_F16_READS=native`, `=hardware` or `=integer`: how kernels read F16 elements (see
 /// [`F16Reads`]); unset, native where the adapter has `SHADER_F16`, else hardware.

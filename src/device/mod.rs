@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use adapter::looks_like_software;
+pub(crate) use adapter::LEAST_WORKGROUP_STORAGE;
 use pipelines::PipelineCache;
 pub(crate) use pipelines::{declared_bindings, CachedPipeline, GENERATED};
 pub(crate) use pool::size_class;

@@ -222,7 +222,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
 
 /// Workgroup memory the `*_tiled` entries' two tiles take at most: WebGPU's least
 /// `max_compute_workgroup_storage_size`.
-const TILE_BYTES: usize = 16 << 10;
+const TILE_BYTES: usize = crate::device::LEAST_WORKGROUP_STORAGE as usize;
 
 /// Rows of the other side per tile in the `*_tiled` entries, for rows of `d` q/k and `dv` v
 /// features (feature groups of 4 padded to whole 8s): as many as fit both tiles in
