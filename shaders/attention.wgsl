@@ -32,9 +32,9 @@
 // splits == 1. backward: [rows, 2] (log-sum-exp, rowsum(out grad * out)).
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
 // query grad (rows like q's); key grad (like k's). Through the out layout.
-@group(0) @binding(6) var<storage, read_write> grad_a: array<f32>;
+@group(0) @binding(6) var<storage, read_write> grad_a: array<vec4<f32>>;
 // value grad (rows like v's), through the second out layout.
-@group(0) @binding(7) var<storage, read_write> grad_b: array<f32>;
+@group(0) @binding(7) var<storage, read_write> grad_b: array<vec4<f32>>;
 // The mask, read through the mask layout (see `masked_score`); any buffer when there is none.
 @group(0) @binding(8) var<storage, read> mask: array<f32>;
 
@@ -242,16 +242,27 @@ fn store_out(at: u32, value: vec4<f32>, n: u32) {
 }
 
 // Writes the first `n` features of `value` to grad_a (grad_b) from element `at`, added to what
-// is there when `add` (a later split).
+// is there when `add` (a later split): one vec4 where aligned (`n` is 4 there). Element by
+// element, each access is a site that lavapipe compiles as a loop over its lanes.
 fn add_grad_a(at: u32, value: vec4<f32>, n: u32, add: bool) {
+    if (ALIGNED) {
+        grad_a[at / 4u] = select(value, grad_a[at / 4u] + value, add);
+        return;
+    }
     for (var e = 0u; e < n; e = e + 1u) {
-        grad_a[at + e] = select(value[e], grad_a[at + e] + value[e], add);
+        let i = at + e;
+        grad_a[i / 4u][i % 4u] = select(value[e], grad_a[i / 4u][i % 4u] + value[e], add);
     }
 }
 
 fn add_grad_b(at: u32, value: vec4<f32>, n: u32, add: bool) {
+    if (ALIGNED) {
+        grad_b[at / 4u] = select(value, grad_b[at / 4u] + value, add);
+        return;
+    }
     for (var e = 0u; e < n; e = e + 1u) {
-        grad_b[at + e] = select(value[e], grad_b[at + e] + value[e], add);
+        let i = at + e;
+        grad_b[i / 4u][i % 4u] = select(value[e], grad_b[i / 4u][i % 4u] + value[e], add);
     }
 }
 
