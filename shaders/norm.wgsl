@@ -180,19 +180,28 @@ fn grad_means(sums: vec2<f32>, len: u32) -> vec2<f32> {
 }
 
 // The row's mean and its squared deviations' sum, from `mean` (the row's sum over `len`) and
-// `sums` (the squared deviations from `mean` and the deviations themselves, summed). The sum's
+// `sums` (the squared deviations from `mean`, the deviations themselves and the scaled
+// squares, summed: see `Deviations`). The sum's
 // rounding can put `mean` an ulp or two off a row of equal values, which the output's
 // 1 / sqrt(eps) magnified (0.2501 for a bias of 0.25); the deviations sum to len times that
 // error, so adding their mean makes it exact there, as torch's running mean is (the
-// corrected two-pass algorithm). RMSNorm (no centre) keeps its mean of 0. Squares that
-// overflowed stay inf, for `row_rstd` to sum again rescaled.
-fn corrected(mean: f32, sums: vec2<f32>, len: u32) -> vec2<f32> {
+// corrected two-pass algorithm). RMSNorm (no centre) keeps its mean of 0.
+struct RowStats {
+    mean: f32,
+    // The squared deviations from `mean`, summed; inf where they overflow f32.
+    squares: f32,
+    // The same scaled by SQUARES_SCALE squared, for rows whose squares overflow.
+    scaled_squares: f32,
+}
+
+fn corrected(mean: f32, sums: vec3<f32>, len: u32) -> RowStats {
     if (pu(NORM_CENTER) != 1u) {
-        return vec2<f32>(mean, sums.x);
+        return RowStats(mean, sums.x, sums.z);
     }
     let shift = sums.y / f32(len);
     let squares = select(max(sums.x - sums.y * shift, 0.0), sums.x, !(sums.x <= 3.0e38));
-    return vec2<f32>(mean + shift, squares);
+    let scaled = max(sums.z - (sums.y * SQUARES_SCALE) * (shift * SQUARES_SCALE), 0.0);
+    return RowStats(mean + shift, squares, scaled);
 }
 
 // 2^-100, exact: the deviations of a row whose squares overflow, scaled by it, square and
@@ -201,22 +210,29 @@ fn corrected(mean: f32, sums: vec2<f32>, len: u32) -> vec2<f32> {
 // 1e14, too small to count in such a sum.
 const SQUARES_SCALE: f32 = 7.888609052210118e-31;
 
-// 1 / sqrt(var + eps) of the row from `base` to `end` whose squared deviations from `mean`
-// sum to `squares`. Past about 1e19 the squares overflow to inf: they are summed again scaled
-// by SQUARES_SCALE (one more pass, only for such rows), so that a row whose sum is finite
-// (values up to 1e30 over 16,384) gets its O(1) output; eps is then far below what the
-// variance rounds away. NaN stays NaN.
-fn row_rstd(base: u32, end: u32, mean: f32, squares: f32) -> f32 {
-    let len = f32(end - base);
-    if (!(squares > 3.0e38)) {
-        return inverseSqrt(squares / len + pf(NORM_EPS));
+// The deviations d of a row, summed four lanes apart: d^2, d, and (d SQUARES_SCALE)^2. The
+// scaled squares are summed beside the plain ones, in the same loop, rather than in a second
+// pass over the row for the rare rows whose squares overflow (past about 1e19): each pass is
+// a load site, which costs lavapipe compile time.
+struct Deviations {
+    squares: vec4<f32>,
+    sum: vec4<f32>,
+    scaled_squares: vec4<f32>,
+}
+
+fn add_deviation(sums: Deviations, d: vec4<f32>) -> Deviations {
+    let scaled = d * SQUARES_SCALE;
+    return Deviations(sums.squares + d * d, sums.sum + d, sums.scaled_squares + scaled * scaled);
+}
+
+// 1 / sqrt(var + eps) of a row of `len` with these sums. A row whose squares overflow but
+// whose scaled squares do not (values up to 1e30 over 16,384) gets its O(1) output from the
+// scaled ones; eps is then far below what the variance rounds away. NaN stays NaN.
+fn row_rstd(stats: RowStats, len: u32) -> f32 {
+    if (!(stats.squares > 3.0e38)) {
+        return inverseSqrt(stats.squares / f32(len) + pf(NORM_EPS));
     }
-    var scaled = vec4<f32>(0.0);
-    for (var c = 0u; c < (end - base + 3u) / 4u; c = c + 1u) {
-        let d = deviation4(base, end, c, mean) * SQUARES_SCALE;
-        scaled = scaled + d * d;
-    }
-    return inverseSqrt(sum4(scaled) / len) * SQUARES_SCALE;
+    return inverseSqrt(stats.scaled_squares / f32(len)) * SQUARES_SCALE;
 }
 
 // y = (x - mean) / sqrt(var + eps) * weight + bias, var biased (as PyTorch).
@@ -235,16 +251,13 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         sum = sum + x4(x.x + 4u * c, x.y);
     }
     let first_mean = sum4(sum) / f32(len);
-    var squares = vec4<f32>(0.0);
-    var deviations = vec4<f32>(0.0);
+    var sums = Deviations(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
     for (var c = 0u; c < groups; c = c + 1u) {
-        let d = deviation4(x.x, x.y, c, first_mean);
-        squares = squares + d * d;
-        deviations = deviations + d;
+        sums = add_deviation(sums, deviation4(x.x, x.y, c, first_mean));
     }
-    let stat = corrected(first_mean, vec2<f32>(sum4(squares), sum4(deviations)), len);
-    let mean = stat.x;
-    let rstd = row_rstd(x.x, x.y, mean, stat.y);
+    let stat = corrected(first_mean, vec3<f32>(sum4(sums.squares), sum4(sums.sum), sum4(sums.scaled_squares)), len);
+    let mean = stat.mean;
+    let rstd = row_rstd(stat, len);
     for (var c = 0u; c < groups; c = c + 1u) {
         store_normalised(row, c, mean, rstd);
     }
@@ -379,21 +392,6 @@ fn row_reduce_in_subgroup(lane: u32, v: vec2<f32>) -> vec2<f32> {
 }
 // SUBGROUP SECTION END
 
-// row_rstd of the lanes' row, whose squared deviations sum to `squares` (uniform).
-fn row_rstd_rows(g: RowGroup, base: u32, end: u32, mean: f32, squares: f32) -> f32 {
-    let len = f32(end - base);
-    if (!(squares > 3.0e38)) {
-        return inverseSqrt(squares / len + pf(NORM_EPS));
-    }
-    var scaled = vec4<f32>(0.0);
-    for (var c = g.lane; c < (end - base + 3u) / 4u; c = c + g.lanes) {
-        let d = deviation4(base, end, c, mean) * SQUARES_SCALE;
-        scaled = scaled + d * d;
-    }
-    let total = row_reduce(g, vec2<f32>(sum4(scaled), 0.0)).x;
-    return inverseSqrt(total / len) * SQUARES_SCALE;
-}
-
 // forward, a group of lanes per row.
 @compute @workgroup_size(64)
 fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -412,17 +410,20 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         sum = sum + x4(x.x + 4u * c, x.y);
     }
     let first_mean = row_reduce(g, vec2<f32>(sum4(sum), 0.0)).x / f32(len);
-    var squares = vec4<f32>(0.0);
-    var deviations = vec4<f32>(0.0);
+    var sums = Deviations(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
     for (var c = g.lane; c < groups; c = c + g.lanes) {
-        let d = deviation4(x.x, x.y, c, first_mean);
-        squares = squares + d * d;
-        deviations = deviations + d;
+        sums = add_deviation(sums, deviation4(x.x, x.y, c, first_mean));
     }
-    let sums = row_reduce(g, vec2<f32>(sum4(squares), sum4(deviations)));
-    let stat = corrected(first_mean, sums, len);
-    let mean = stat.x;
-    let rstd = row_rstd_rows(g, x.x, x.y, mean, stat.y);
+    let squares = row_reduce(g, vec2<f32>(sum4(sums.squares), sum4(sums.sum)));
+    // The scaled squares are summed over the lanes only where the squares overflowed (the
+    // same on every lane of the row, so every lane meets the reduction's barriers or none).
+    var scaled = 0.0;
+    if (!(squares.x <= 3.0e38)) {
+        scaled = row_reduce(g, vec2<f32>(sum4(sums.scaled_squares), 0.0)).x;
+    }
+    let stat = corrected(first_mean, vec3<f32>(squares, scaled), len);
+    let mean = stat.mean;
+    let rstd = row_rstd(stat, len);
     for (var c = g.lane; c < groups; c = c + g.lanes) {
         store_normalised(row, c, mean, rstd);
     }
