@@ -255,7 +255,17 @@ fn add_grad_a(at: u32, value: vec4<f32>, n: u32, add: bool) {
     }
 }
 
+// Where the value grads go: through grad_b, or (VALUE_GRAD_SHARED) through grad_a, whose
+// buffer then holds the key and the value grads both, as the packed projection q, k and v
+// came from does (`packed_grads` in src/ops/attention.rs). Two writable bindings of one buffer
+// would alias, which WebGPU forbids; grad_b is then bound to a scratch buffer, unwritten.
+const VALUE_GRAD_SHARED: bool = VALUE_GRAD_SHARED_CODE;
+
 fn add_grad_b(at: u32, value: vec4<f32>, n: u32, add: bool) {
+    if (VALUE_GRAD_SHARED) {
+        add_grad_a(at, value, n, add);
+        return;
+    }
     if (ALIGNED) {
         grad_b[at / 4u] = select(value, grad_b[at / 4u] + value, add);
         return;

@@ -16,7 +16,7 @@ use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, inverse_permutation, merge_dims};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Layout, Tensor};
 
 crate::kernel_params! {
     /// Heads of `t_q` query rows and `t_k` key rows; q and k rows have `d` features, v rows
@@ -189,9 +189,22 @@ static ATTENTION: ShaderFamily = ShaderFamily {
 
 /// The module for heads of `d` q/k features and `dv` v features, reading four features per
 /// load when `aligned`, with the subgroup sections (`*_shared`, `*_tiled_lanes`) where
-/// `subgroups` (the device runs one of them), for a mask of `mask_kind` (see [`MaskKind`]).
-fn source(d: usize, dv: usize, aligned: bool, subgroups: bool, mask_kind: u32) -> String {
+/// `subgroups` (the device runs one of them), for a mask of `mask_kind` (see [`MaskKind`]);
+/// with `value_grad_shared`, the key entries write the value grad through the key grad's
+/// binding (see [`packed_grads`]).
+fn source(
+    d: usize,
+    dv: usize,
+    aligned: bool,
+    subgroups: bool,
+    mask_kind: u32,
+    value_grad_shared: bool,
+) -> String {
     let source = ATTENTION.source(&[
+        (
+            "VALUE_GRAD_SHARED_CODE",
+            if value_grad_shared { "true" } else { "false" },
+        ),
         ("ALIGNED", if aligned { "true" } else { "false" }),
         ("HEAD_VEC4S", &d.div_ceil(4).to_string()),
         ("VALUE_VEC4S", &dv.div_ceil(4).to_string()),
@@ -213,7 +226,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
         for subgroups in [false, true] {
             all.push((
                 format!("attention/{d}x{dv}/{aligned}/{subgroups}/{mask:?}"),
-                source(d, dv, aligned, subgroups, mask as u32),
+                source(d, dv, aligned, subgroups, mask as u32, false),
             ));
         }
     }
@@ -311,7 +324,8 @@ impl Entries {
     }
 }
 
-/// Runs `entry` with `bound` tensors, four features per load where `operands` allow.
+/// Runs `entry` with `bound` tensors, four features per load where `operands` allow; with
+/// `value_grad_shared`, a key entry writes the value grad through the key grad's binding.
 fn run(
     entry: &'static str,
     operands: &[&HeadLayout],
@@ -319,6 +333,7 @@ fn run(
     bound: &[(u32, &Tensor)],
     params: &AttentionParams,
     invocations: usize,
+    value_grad_shared: bool,
 ) -> Result<()> {
     let dev = bound[0].1.device();
     let aligned = s.d.is_multiple_of(4)
@@ -326,11 +341,16 @@ fn run(
         && operands.iter().all(|layout| layout.aligned());
     let subgroups = matches!(Entries::of(dev), Entries::Shared | Entries::TiledLanes);
     let mask = s.mask_kind;
-    let specialise = || source(s.d, s.dv, aligned, subgroups, mask);
+    let specialise = || source(s.d, s.dv, aligned, subgroups, mask, value_grad_shared);
     let variant = format!(
-        "{}x{}/{aligned}/{subgroups}/{mask}",
+        "{}x{}/{aligned}/{subgroups}/{mask}{}",
         s.d.div_ceil(4),
-        s.dv.div_ceil(4)
+        s.dv.div_ceil(4),
+        if value_grad_shared {
+            "/shared value grad"
+        } else {
+            ""
+        }
     );
     let kernel = Kernel::specialised(&ATTENTION, entry, &variant, &specialise);
     let workgroups = groups(invocations, ATTENTION_WORKGROUP);
@@ -635,7 +655,7 @@ fn forward(
     );
     if splits == 1 {
         let bound = [(1, q), (2, k), (3, v), (4, &out), (5, &stats), (8, mask)];
-        run(entry, &read, s, &bound, &params, invocations)?;
+        run(entry, &read, s, &bound, &params, invocations, false)?;
         return Ok((out, stats));
     }
     let partial = Tensor::empty(OP, &[splits, rows, s.dv], DType::F32, dev)?;
@@ -648,9 +668,17 @@ fn forward(
         (5, &partial_stats),
         (8, mask),
     ];
-    run(entry, &read, s, &bound, &params, invocations * splits)?;
+    run(
+        entry,
+        &read,
+        s,
+        &bound,
+        &params,
+        invocations * splits,
+        false,
+    )?;
     let bound = [(2, &partial_stats), (3, &partial), (4, &out), (5, &stats)];
-    run("combine", &[&lo], s, &bound, &params, rows)?;
+    run("combine", &[&lo], s, &bound, &params, rows, false)?;
     Ok((out, stats))
 }
 
@@ -681,7 +709,15 @@ fn backward(
         let params = s.params(rows_q, 0, 1, &[lo, lo, lo, *lg], [&lo, &lo]);
         // q is bound, unread: the kernel's one row loader names all four inputs.
         let bound = [(1, q), (2, stats), (3, &out), (4, g), (5, &with_stats)];
-        run("backward_stats", &[&lo, lg], s, &bound, &params, rows_q)?;
+        run(
+            "backward_stats",
+            &[&lo, lg],
+            s,
+            &bound,
+            &params,
+            rows_q,
+            false,
+        )?;
         with_stats
     };
     drop(out);
@@ -699,8 +735,16 @@ fn backward(
             ..params
         })
     };
+    let packed = if need == [true; 3] {
+        packed_grads(q, k, v)?
+    } else {
+        None
+    };
     if need[0] {
-        let (grad_q, lq) = written_like(OP, q.shape(), q)?;
+        let (grad_q, lq) = match &packed {
+            Some([(grad_q, lq), _, _]) => (grad_q.clone(), *lq),
+            None => written_like(OP, q.shape(), q)?,
+        };
         let base = s.params(rows_q, 0, 1, &ops.layouts, [&lq, &lq]);
         let bound = [
             (1, q),
@@ -715,14 +759,24 @@ fn backward(
         let invocations = entries.invocations(s.heads, s.t_q);
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lq]).collect();
         for params in spans(s.t_k, 1, base) {
-            run(entry, &layouts, s, &bound, &params, invocations)?;
+            run(entry, &layouts, s, &bound, &params, invocations, false)?;
         }
         grads[0] = Some(grad_q);
     }
     if need[1] || need[2] {
-        let (grad_k, lk) = written_like(OP, k.shape(), k)?;
-        let (grad_v, lv) = written_like(OP, v.shape(), v)?;
+        let ((grad_k, lk), (grad_v, lv)) = match &packed {
+            Some([_, k, v]) => (k.clone(), v.clone()),
+            None => (
+                written_like(OP, k.shape(), k)?,
+                written_like(OP, v.shape(), v)?,
+            ),
+        };
         let base = s.params(rows_k, 0, 1, &ops.layouts, [&lk, &lv]);
+        // The value grad shares the key grad's buffer (and binding) when packed.
+        let scratch = match packed {
+            Some(_) => Some(Tensor::empty(OP, &[4], DType::F32, dev)?),
+            None => None,
+        };
         let bound = [
             (1, q),
             (2, k),
@@ -730,19 +784,121 @@ fn backward(
             (4, g),
             (5, &stats),
             (6, &grad_k),
-            (7, &grad_v),
+            (7, scratch.as_ref().unwrap_or(&grad_v)),
             (8, mask),
         ];
         let entry = entries.entry(Pass::KeyValueGrad);
         let invocations = entries.invocations(s.heads / s.group, s.t_k);
         let layouts: Vec<&HeadLayout> = read.iter().copied().chain([&lk, &lv]).collect();
         for params in spans(s.t_q, s.group, base) {
-            run(entry, &layouts, s, &bound, &params, invocations)?;
+            run(
+                entry,
+                &layouts,
+                s,
+                &bound,
+                &params,
+                invocations,
+                scratch.is_some(),
+            )?;
         }
         grads[1] = need[1].then_some(grad_k);
         grads[2] = need[2].then_some(grad_v);
     }
     Ok(grads)
+}
+
+/// The grads of q, k and v in one buffer, each laid out as its input is, with their
+/// layouts; `None` unless q, k and v are F32 views of one buffer that differ only in their
+/// offsets and do not overlap (the heads of a packed projection, as `nn::MultiheadAttention`
+/// splits them). Split's backward then joins the three grads as a view of that buffer where
+/// it would have copied them together (see `Tensor::split`).
+fn packed_grads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<[(Tensor, HeadLayout); 3]>> {
+    let layouts = [q.layout(), k.layout(), v.layout()];
+    let one_buffer = [k, v].iter().all(|t| t.storage_id() == q.storage_id());
+    let alike = layouts[1..]
+        .iter()
+        .all(|l| l.shape == layouts[0].shape && l.strides == layouts[0].strides);
+    let f32 = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
+    if !one_buffer || !alike || !f32 || q.numel() == 0 {
+        return Ok(None);
+    }
+    let Some((period, run)) = runs(layouts[0]) else {
+        return Ok(None);
+    };
+    // Every element of a view lies at its offset plus a multiple of `period` plus 0 .. run:
+    // views whose offsets' residues start runs that fit in a period and do not meet share
+    // no element.
+    let mut starts: Vec<usize> = layouts.iter().map(|l| l.offset % period).collect();
+    starts.sort_unstable();
+    let apart = starts.windows(2).all(|w| w[0] + run <= w[1]);
+    if !apart || starts[2] + run > period {
+        return Ok(None);
+    }
+    let span = layouts
+        .iter()
+        .map(|l| l.offset + extent(l))
+        .max()
+        .expect("three layouts");
+    let buffer = Tensor::empty(OP, &[span], DType::F32, q.device())?;
+    let grads = layouts.map(|l| {
+        let grad = buffer.view(l.clone());
+        HeadLayout::of(&grad).map(|layout| (grad, layout))
+    });
+    match grads {
+        [Some(a), Some(b), Some(c)] => Ok(Some([a, b, c])),
+        _ => Ok(None),
+    }
+}
+
+/// `(period, run)` for a layout without overlapping elements whose elements are runs of
+/// `run` adjacent ones, each starting a multiple of `period` (at least `run`) from its offset
+/// (`usize::MAX` for one run); `None` for any other layout.
+fn runs(l: &Layout) -> Option<(usize, usize)> {
+    let mut dims: Vec<(usize, usize)> = l
+        .shape
+        .iter()
+        .zip(&l.strides)
+        .filter(|(&n, _)| n > 1)
+        .map(|(&n, &s)| (n, s))
+        .collect();
+    dims.sort_by_key(|&(_, s)| std::cmp::Reverse(s));
+    // Each dim steps past all of the dims inside it: no element is reached twice.
+    let nested = dims.windows(2).all(|w| w[0].1 >= w[1].0 * w[1].1) && dims.iter().all(|d| d.1 > 0);
+    if !nested {
+        return None;
+    }
+    let mut run = 1;
+    while let Some(&(n, s)) = dims.last() {
+        if s != run {
+            break;
+        }
+        run *= n;
+        dims.pop();
+    }
+    let period = dims.iter().fold(0, |g, &(_, s)| gcd(g, s));
+    match period {
+        0 => Some((usize::MAX, run)),
+        p if p >= run => Some((p, run)),
+        _ => None,
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Elements from a layout's first to its last, both included (at least 1).
+fn extent(l: &Layout) -> usize {
+    1 + l
+        .shape
+        .iter()
+        .zip(&l.strides)
+        .map(|(&n, &s)| n.saturating_sub(1) * s)
+        .sum::<usize>()
 }
 
 /// `tensors` as the kernels read them: in place where their layouts allow.

@@ -8,7 +8,7 @@ use crate::tensor::dim::{resolve_dims, Dim};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::{record, record_outputs};
 use crate::tensor::layout::inverse_permutation;
-use crate::tensor::{checked_numel, Tensor, MAX_RANK};
+use crate::tensor::{checked_numel, Layout, Tensor, MAX_RANK};
 
 /// Records an op that only re-shapes `x` (same elements, same order): its grad is the
 /// output's grad re-shaped back.
@@ -27,6 +27,32 @@ pub(crate) fn pad_into(grad: &Tensor, shape: &[usize], dim: usize, start: usize)
         .narrow("narrow", dim, start, grad.shape()[dim])?;
     copy_into("narrow", grad, &out, &region)?;
     Ok(out)
+}
+
+/// `pieces` joined along `dim` into a tensor of `whole`'s shape as a view, where they already
+/// lie that way in one buffer: the same strides, each starting where the one before ends
+/// along `dim` (the grads that attention writes for the heads of a packed projection, see
+/// `packed_grads` in src/ops/attention.rs). `None` otherwise, for `cat` to copy them.
+fn adjacent_pieces(pieces: &[Tensor], dim: usize, whole: &[usize]) -> Option<Tensor> {
+    let first = pieces.first()?;
+    let (strides, offset) = (&first.layout().strides, first.layout().offset);
+    let mut at = offset;
+    for piece in pieces {
+        let layout = piece.layout();
+        let joins = piece.storage_id() == first.storage_id()
+            && piece.dtype() == first.dtype()
+            && &layout.strides == strides
+            && layout.offset == at;
+        if !joins {
+            return None;
+        }
+        at += layout.shape[dim] * strides[dim];
+    }
+    Some(first.view(Layout {
+        shape: whole.to_vec(),
+        strides: strides.clone(),
+        offset,
+    }))
 }
 
 impl Tensor {
@@ -76,7 +102,9 @@ impl Tensor {
     /// Consecutive pieces of `sizes` elements along `dim`, which must add up to its size
     /// (views, as PyTorch's `split` with a list of sizes). The pieces are one recorded op, so
     /// their grads come back as one tensor written piece by piece (a `cat`, with zeros for
-    /// pieces no grad reached), not as one zero-padded grad per piece summed up.
+    /// pieces no grad reached), not as one zero-padded grad per piece summed up. Grads that
+    /// already lie side by side in one buffer, as attention writes those of the heads of a
+    /// packed projection, are joined as a view, with no copy.
     ///
     /// ```
     /// # fn main() -> wgrad::Result<()> {
@@ -112,6 +140,7 @@ impl Tensor {
         }
         Ok(record_outputs(OP, pieces, &[self], |pieces| {
             let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape().to_vec()).collect();
+            let whole = self.shape().to_vec();
             let device = self.device().clone();
             move |grads: &[Option<Tensor>]| {
                 let grads = grads
@@ -122,6 +151,9 @@ impl Tensor {
                         None => Tensor::zeros(shape, &device),
                     })
                     .collect::<Result<Vec<_>>>()?;
+                if let Some(joined) = adjacent_pieces(&grads, dim, &whole) {
+                    return Ok(vec![Some(joined)]);
+                }
                 Ok(vec![Some(Tensor::cat(&grads, dim)?)])
             }
         }))
