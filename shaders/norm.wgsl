@@ -414,14 +414,14 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     for (var c = g.lane; c < groups; c = c + g.lanes) {
         sums = add_deviation(sums, deviation4(x.x, x.y, c, first_mean));
     }
-    let squares = row_reduce(g, vec2<f32>(sum4(sums.squares), sum4(sums.sum)));
+    let row_sums = row_reduce(g, vec2<f32>(sum4(sums.squares), sum4(sums.sum)));
     // The scaled squares are summed over the lanes only where the squares overflowed (the
     // same on every lane of the row, so every lane meets the reduction's barriers or none).
     var scaled = 0.0;
-    if (!(squares.x <= 3.0e38)) {
+    if (!(row_sums.x <= 3.0e38)) {
         scaled = row_reduce(g, vec2<f32>(sum4(sums.scaled_squares), 0.0)).x;
     }
-    let stat = corrected(first_mean, vec3<f32>(squares, scaled), len);
+    let stat = corrected(first_mean, vec3<f32>(row_sums, scaled), len);
     let mean = stat.mean;
     let rstd = row_rstd(stat, len);
     for (var c = g.lane; c < groups; c = c + g.lanes) {

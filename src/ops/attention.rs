@@ -836,7 +836,7 @@ fn packed_grads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<[(Tensor, H
     }
     let span = layouts
         .iter()
-        .map(|l| l.offset + extent(l))
+        .map(|l| l.span())
         .max()
         .expect("three layouts");
     let buffer = Tensor::empty(OP, &[span], DType::F32, q.device())?;
@@ -889,16 +889,6 @@ fn gcd(a: usize, b: usize) -> usize {
     } else {
         gcd(b, a % b)
     }
-}
-
-/// Elements from a layout's first to its last, both included (at least 1).
-fn extent(l: &Layout) -> usize {
-    1 + l
-        .shape
-        .iter()
-        .zip(&l.strides)
-        .map(|(&n, &s)| n.saturating_sub(1) * s)
-        .sum::<usize>()
 }
 
 /// `tensors` as the kernels read them: in place where their layouts allow.
