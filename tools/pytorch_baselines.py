@@ -7,7 +7,7 @@ step.
     python3 tools/pytorch_baselines.py gpt [--iters 2000] [--data data/shakespeare.txt]
     python3 tools/pytorch_baselines.py llama [--iters 2000] [--data data/shakespeare.txt]
     python3 tools/pytorch_baselines.py resnet [--epochs 2] [--data /usr/share/datasets/fashion-mnist]
-    python3 tools/pytorch_baselines.py steps   # ms per step of both, batch 64 CNN and batch 12 GPT
+    python3 tools/pytorch_baselines.py steps [--device cuda]   # ms per step, batch 64 CNN and batch 12 GPT
 
 Needs torch and numpy (pip install torch numpy); llama also transformers and tokenizers.
 Threads: PyTorch's default (all cores).
@@ -91,7 +91,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         t = x.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
         h = self.ln_1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
         return x + self.mlp(self.ln_2(x))
@@ -105,7 +105,7 @@ class Gpt(nn.Module):
         self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx):
-        x = self.token(idx) + self.position(torch.arange(idx.shape[1]))
+        x = self.token(idx) + self.position(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -283,27 +283,37 @@ def resnet(args):
     print(f"final: test_acc={acc:.4f} train_loss={total_loss / len(x_train):.4f} steps={step} samples_per_s={rate:.1f}")
 
 
-def steps(_args):
+def steps(args):
+    """Milliseconds per training step of the report's CNN and GPT workloads (examples/bench.rs:
+    batch 64 CNN with Adam, batch 12 block 64 GPT with AdamW), on --device (cpu or cuda)."""
+    device = torch.device(args.device)
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     def time_steps(model, make_batch, opt, n=20):
+        x, y = make_batch()
         for i in range(n + 5):
             if i == 5:
+                synchronize()
                 started = time.time()
-            x, y = make_batch()
             loss = F.cross_entropy(model(x).flatten(0, -2) if x.dim() == 2 else model(x), y.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
+        synchronize()
         return (time.time() - started) / n * 1e3
 
     torch.manual_seed(0)
-    model = cnn_model()
+    model = cnn_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    ms = time_steps(model, lambda: (torch.rand(64, 1, 28, 28), torch.randint(0, 10, (64,))), opt)
-    print(f"cnn step, batch 64 (Adam): {ms:.1f} ms")
-    model = Gpt(65)
+    batch = lambda: (torch.rand(64, 1, 28, 28, device=device), torch.randint(0, 10, (64,), device=device))
+    print(f"cnn step, batch 64 (Adam), {device.type}: {time_steps(model, batch, opt):.2f} ms")
+    model = Gpt(65).to(device)
     opt = gpt_optimizer(model, 1e-3)
-    ms = time_steps(model, lambda: (torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))), opt)
-    print(f"gpt step, batch 12 block 64 (AdamW): {ms:.1f} ms")
+    batch = lambda: (torch.randint(0, 65, (12, 64), device=device), torch.randint(0, 65, (12, 64), device=device))
+    print(f"gpt step, batch 12 block 64 (AdamW), {device.type}: {time_steps(model, batch, opt):.2f} ms")
 
 
 if __name__ == "__main__":
@@ -312,6 +322,7 @@ if __name__ == "__main__":
     parser.add_argument("--data")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--device", default="cpu", help="steps only: cpu or cuda")
     args = parser.parse_args()
     if args.data is None:
         images = args.what in ("cnn", "resnet")
