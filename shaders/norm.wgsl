@@ -338,7 +338,7 @@ var<workgroup> row_total: vec2<f32>;
 
 // ROW_GROUP is spliced: workgroup_row or subgroup_row (row_group.wgsl).
 fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
-    return ROW_GROUP(wid, nwg, lid, 64u);
+    return ROW_GROUP(wid, nwg, lid, 64u, pu(NORM_ROWS));
 }
 
 // The sum of `v` over the row's lanes, uniform: every lane gets it. ROW_REDUCE is
@@ -396,12 +396,16 @@ fn row_reduce_in_subgroup(lane: u32, v: vec2<f32>) -> vec2<f32> {
 @compute @workgroup_size(64)
 fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let g = row_group(wid, nwg, lid);
-    let row = g.row;
-    // Uniform across the row's lanes, so the early return cannot split a barrier.
-    if (row >= pu(NORM_ROWS)) {
-        return;
+    // The loop's bounds are uniform across a row's lanes, so every lane of a row meets the
+    // reductions' barriers.
+    for (var g = row_group(wid, nwg, lid); g.row < g.end; g.row = g.row + g.step) {
+        forward_row(g);
     }
+}
+
+// One row of `forward_rows`.
+fn forward_row(g: RowGroup) {
+    let row = g.row;
     let len = pu(NORM_LEN);
     let groups = (len + 3u) / 4u;
     let x = x_row(row);
@@ -437,11 +441,14 @@ fn forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 @compute @workgroup_size(64)
 fn backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
-    let g = row_group(wid, nwg, lid);
-    let row = g.row;
-    if (row >= pu(NORM_ROWS)) {
-        return;
+    for (var g = row_group(wid, nwg, lid); g.row < g.end; g.row = g.row + g.step) {
+        backward_row(g);
     }
+}
+
+// One row of `backward_rows`.
+fn backward_row(g: RowGroup) {
+    let row = g.row;
     let len = pu(NORM_LEN);
     let groups = (len + 3u) / 4u;
     let stat = vec2<f32>(stats[2u * row], stats[2u * row + 1u]);

@@ -129,29 +129,31 @@ fn subgroup_combine(v: f32, width: u32) -> f32 {
     return s;
 }
 
-// One subgroup per (row, chunk), 256 / width of them per workgroup: the lanes stride through
-// the chunk (neighbouring lanes read neighbouring elements of a contiguous row), combine by
-// shuffles, and the first lane writes dst[row * chunks + chunk]. No workgroup memory and no
-// barrier: the GPU flavour's reduction where the device has subgroups (the subgroups of a
-// one-dimensional workgroup hold consecutive invocations, as on every adapter wgrad knows).
+// One subgroup per (row, chunk): the lanes stride through the chunk (neighbouring lanes read
+// neighbouring elements of a contiguous row), combine by shuffles, and the first lane writes
+// dst[row * chunks + chunk]. No workgroup memory and no barrier: the GPU flavour's reduction
+// where the device has subgroups (the subgroups of a one-dimensional workgroup hold consecutive
+// invocations, as on every adapter wgrad knows). A workgroup takes 32 items, one per subgroup
+// of 8 lanes; its subgroups step through them whatever their width, which a driver may pick per
+// shader (row_group.wgsl).
 @compute @workgroup_size(256)
 fn subgroup_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32,
                  @builtin(subgroup_invocation_id) lane: u32,
                  @builtin(subgroup_size) width: u32) {
-    let item = workgroup_index(wid, nwg) * (256u / width) + lid / width;
-    // The same for every lane of a subgroup, so the return cannot split a shuffle.
-    if (item >= pu(REDUCE_ROWS) * pu(REDUCE_CHUNKS)) {
-        return;
-    }
-    let c = chunk_of(item);
-    var acc = REDUCE_IDENTITY;
-    for (var k = c.start + lane; k < c.end; k = k + width) {
-        acc = combine(acc, src_at(c.base + k * c.k_stride));
-    }
-    let total = subgroup_combine(acc, width);
-    if (lane == 0u) {
-        dst[item] = total * pf(REDUCE_SCALE);
+    let first = workgroup_index(wid, nwg) * 32u;
+    let end = min(first + 32u, pu(REDUCE_ROWS) * pu(REDUCE_CHUNKS));
+    // The same for every lane of a subgroup, so the loop cannot split a shuffle.
+    for (var item = first + lid / width; item < end; item = item + max(256u / width, 1u)) {
+        let c = chunk_of(item);
+        var acc = REDUCE_IDENTITY;
+        for (var k = c.start + lane; k < c.end; k = k + width) {
+            acc = combine(acc, src_at(c.base + k * c.k_stride));
+        }
+        let total = subgroup_combine(acc, width);
+        if (lane == 0u) {
+            dst[item] = total * pf(REDUCE_SCALE);
+        }
     }
 }
 // SUBGROUP SECTION END

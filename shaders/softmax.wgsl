@@ -49,7 +49,7 @@ fn softmax_value(x: f32, stats: vec2<f32>) -> f32 {
 // row_reduce_tree for a workgroup (workgroup_reduce.wgsl), row_reduce_in_subgroup for a
 // subgroup.
 fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
-    return ROW_GROUP(wid, nwg, lid, WG);
+    return ROW_GROUP(wid, nwg, lid, WG, pu(SOFTMAX_ROWS));
 }
 
 fn row_reduce(g: RowGroup, v: f32, is_max: bool) -> f32 {
@@ -114,11 +114,14 @@ fn row_stats_serial(base: u32, k_len: u32) -> vec2<f32> {
 @compute @workgroup_size(64)
 fn softmax_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let g = row_group(wid, nwg, lid);
-    let row = g.row;
-    if (row >= pu(SOFTMAX_ROWS)) {
-        return;
+    for (var g = row_group(wid, nwg, lid); g.row < g.end; g.row = g.row + g.step) {
+        softmax_row(g);
     }
+}
+
+// One row of `softmax_rows`.
+fn softmax_row(g: RowGroup) {
+    let row = g.row;
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_group(base, k_len, g);
@@ -186,11 +189,14 @@ fn row_loss(stats: vec2<f32>, label: u32, x_label: f32, sums: vec2<f32>) -> f32 
 @compute @workgroup_size(64)
 fn cross_entropy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) lid: u32) {
-    let g = row_group(wid, nwg, lid);
-    let row = g.row;
-    if (row >= pu(SOFTMAX_ROWS)) {
-        return;
+    for (var g = row_group(wid, nwg, lid); g.row < g.end; g.row = g.row + g.step) {
+        cross_entropy_row(g);
     }
+}
+
+// One row of `cross_entropy_rows`.
+fn cross_entropy_row(g: RowGroup) {
+    let row = g.row;
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_group(base, k_len, g);
@@ -247,11 +253,14 @@ fn softmax_grad_term(y: f32, g: f32) -> f32 {
 @compute @workgroup_size(64)
 fn softmax_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                          @builtin(local_invocation_index) lid: u32) {
-    let g = row_group(wid, nwg, lid);
-    let row = g.row;
-    if (row >= pu(SOFTMAX_ROWS)) {
-        return;
+    for (var g = row_group(wid, nwg, lid); g.row < g.end; g.row = g.row + g.step) {
+        softmax_backward_row(g);
     }
+}
+
+// One row of `softmax_backward_rows`.
+fn softmax_backward_row(g: RowGroup) {
+    let row = g.row;
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     var part = 0.0;
@@ -304,11 +313,14 @@ fn cross_entropy_grad_value(x: f32, c: u32, stats: vec2<f32>, label: u32, row: u
 @compute @workgroup_size(64)
 fn cross_entropy_backward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                                @builtin(local_invocation_index) lid: u32) {
-    let g = row_group(wid, nwg, lid);
-    let row = g.row;
-    if (row >= pu(SOFTMAX_ROWS)) {
-        return;
+    for (var g = row_group(wid, nwg, lid); g.row < g.end; g.row = g.row + g.step) {
+        cross_entropy_backward_row(g);
     }
+}
+
+// One row of `cross_entropy_backward_rows`.
+fn cross_entropy_backward_row(g: RowGroup) {
+    let row = g.row;
     let k_len = pu(SOFTMAX_LEN);
     let base = pu(SOFTMAX_OFFSET) + row * k_len;
     let stats = row_stats_group(base, k_len, g);

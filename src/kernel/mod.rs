@@ -182,11 +182,13 @@ impl RowLanes {
         }
     }
 
-    /// Workgroups of `workgroup` invocations that run `rows` rows on `device`: a row each, or
-    /// as many rows as a workgroup has subgroups.
-    pub fn workgroups(self, device: &Device, rows: usize, workgroup: usize) -> u32 {
-        match (self, device.subgroup_size()) {
-            (RowLanes::Subgroup, Some(width)) => groups(rows, workgroup / width as usize),
+    /// Workgroups of `workgroup` invocations that run `rows` rows: a row each, or, for
+    /// subgroups, `workgroup / 8` rows each (the rows of 8-lane subgroups), which the
+    /// workgroup's subgroups step through whatever their width (row_group.wgsl: a driver may
+    /// pick the width per shader, so the adapter's figure cannot size the grid).
+    pub fn workgroups(self, rows: usize, workgroup: usize) -> u32 {
+        match self {
+            RowLanes::Subgroup => groups(rows, workgroup / 8),
             _ => rows as u32,
         }
     }

@@ -422,7 +422,7 @@ fn launch_rows(
     let lanes = row_lanes(dev, len);
     let in_lanes = dev.kernel_flavor() == KernelFlavor::Gpu
         && (len >= WORKGROUP_ROW_LEN || lanes == RowLanes::Subgroup);
-    let row_groups = lanes.workgroups(dev, rows, NORM_WORKGROUP);
+    let row_groups = lanes.workgroups(rows, NORM_WORKGROUP);
     let (entry, workgroups) = match (pass, in_lanes) {
         (Pass::Forward, false) => ("forward", groups(rows, NORM_WORKGROUP)),
         (Pass::Backward, false) => ("backward", groups(rows, NORM_WORKGROUP)),

@@ -307,9 +307,10 @@ fn reduce_pass(
         // norm-weight grads) into one launch.
         kernel = kernel.merging("serial_part");
     }
-    let workgroups = match (entry, device.subgroup_size()) {
-        ("rows", _) => (mat.m * chunks) as u32,
-        ("subgroup_rows", Some(width)) => groups(mat.m * chunks, WORKGROUP / width as usize),
+    let workgroups = match entry {
+        "rows" => (mat.m * chunks) as u32,
+        // 32 (row, chunk) items a workgroup, whatever the width of its subgroups (reduce.wgsl).
+        "subgroup_rows" => groups(mat.m * chunks, 32),
         _ => groups(invocations_per_chunk(mat, fours) * chunks, WORKGROUP),
     };
     Launch::new(op_name, &kernel, &[(1, &mat.tensor), (2, &out)], &params).record(workgroups)?;

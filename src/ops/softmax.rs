@@ -59,7 +59,7 @@ fn softmax_source(lanes: RowLanes) -> String {
 /// Rows of the `[M, K]` input one `*_serial` workgroup handles (its `WG`).
 const SERIAL_ROWS_PER_GROUP: usize = 64;
 
-/// Invocations of a `*_rows` workgroup (its `WG`): one row, or 64 / width rows of a subgroup.
+/// Invocations of a `*_rows` workgroup (its `WG`): one row, or 8 rows run by its subgroups.
 const ROWS_WG: usize = 64;
 
 /// The row kernel families of `shaders/softmax.wgsl`; each has a `_rows` (a group of lanes per row)
@@ -156,7 +156,7 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     let workgroups = if serial {
         groups(m, SERIAL_ROWS_PER_GROUP)
     } else {
-        lanes.workgroups(device, m, ROWS_WG)
+        lanes.workgroups(m, ROWS_WG)
     };
     let source = move || softmax_source(lanes);
     let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), lanes.name(), &source);
