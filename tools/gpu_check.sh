@@ -33,6 +33,7 @@ source tools/gpu_tests.sh
 # tools/gpu_bundle.sh built on another machine (GPU_CHECK_BUNDLE, for a GPU machine without a
 # Rust toolchain or network).
 bundle=${GPU_CHECK_BUNDLE:-}
+ldconfig=$(command -v ldconfig || echo /sbin/ldconfig)
 if [ -n "$bundle" ]; then
     if [ -f "$bundle" ]; then
         unpacked=$(mktemp -d)
@@ -43,7 +44,7 @@ if [ -n "$bundle" ]; then
     run_test() { "$bundle/bin/$1" -q "${@:2}"; }
     run_bench() { "$bundle/bin/bench" "$@"; }
     # A machine with a GPU driver but no Vulkan loader gets the bundle's.
-    if ! ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so\.1 '; then
+    if ! "$ldconfig" -p 2>/dev/null | grep -q 'libvulkan\.so\.1 '; then
         export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
 else
@@ -84,7 +85,17 @@ if run_test device info_names --nocapture >"$out/test-device.log" 2>&1; then
 else
     failed=$((failed + 1))
     echo "FAILED the adapter check (log: $out/test-device.log)"
-    grep -E 'adapter:|expected|panicked' "$out/test-device.log" | head -5
+    grep -E 'adapter:|expected|panicked|Error' "$out/test-device.log" | head -5
+    if [ -n "$gpu_name" ]; then
+        # On a machine with a GPU the rest would only time a software adapter: stop here and
+        # say what the Vulkan loader could see, so that the next run can be fixed first.
+        echo "== why no $gpu_name adapter: the Vulkan loader and drivers this machine has"
+        "$ldconfig" -p 2>/dev/null | grep -E 'libvulkan|libGLX_nvidia|libEGL_nvidia' | head -5
+        ls /usr/share/vulkan/icd.d /etc/vulkan/icd.d /usr/local/nvidia/share/vulkan/icd.d 2>&1 | head -12
+        echo "VK_DRIVER_FILES=${VK_DRIVER_FILES:-} VK_ICD_FILENAMES=${VK_ICD_FILENAMES:-} LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+        echo "== done in $(elapsed): stopped at the adapter check"
+        exit 1
+    fi
 fi
 for t in "${gpu_tests[@]}"; do
     if run_test "$t" >"$out/test-$t.log" 2>&1; then
