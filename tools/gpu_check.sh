@@ -58,6 +58,12 @@ if [ -z "${VK_DRIVER_FILES:-}${VK_ICD_FILENAMES:-}" ] && [ -f "$nvidia_icd" ] &&
     ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
     export VK_DRIVER_FILES=$nvidia_icd
 fi
+# ... and its libraries (libGLX_nvidia, which that file names) where the linker may not look.
+for dir in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
+    if [ -d "$dir" ] && ! "$ldconfig" -p 2>/dev/null | grep -q "=> $dir/"; then
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$dir"
+    fi
+done
 
 echo "== machine"
 gpu_name=
