@@ -29,6 +29,16 @@ elapsed() { echo "$(( $(date +%s) - started )) s"; }
 # shellcheck source=tools/gpu_tests.sh
 source tools/gpu_tests.sh
 
+echo "== machine"
+gpu_name=
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    gpu_name=NVIDIA
+    # The adapter must be the GPU, not a software one the runtime fell back to.
+    export WGRAD_EXPECT_DRIVER=${WGRAD_EXPECT_DRIVER:-$gpu_name}
+fi
+nproc
+
 # Where the binaries come from: built here by cargo, or unpacked from an archive that
 # tools/gpu_bundle.sh built on another machine (GPU_CHECK_BUNDLE, for a GPU machine without a
 # Rust toolchain or network).
@@ -48,6 +58,13 @@ if [ -n "$bundle" ]; then
         export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
 else
+    echo "== build (release): the tests and the report ($(elapsed))"
+    test_args=()
+    for t in "${gpu_tests[@]}"; do test_args+=(--test "$t"); done
+    if ! cargo build --release --quiet --example bench --test device "${test_args[@]}"; then
+        echo "gpu_check: the build failed" >&2
+        exit 1
+    fi
     run_test() { cargo test --release --quiet --test "$1" -- "${@:2}"; }
     run_bench() { cargo run --release --quiet --example bench -- "$@"; }
 fi
@@ -65,24 +82,6 @@ for dir in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
     fi
 done
 
-echo "== machine"
-gpu_name=
-if command -v nvidia-smi >/dev/null; then
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    gpu_name=NVIDIA
-    # The adapter must be the GPU, not a software one the runtime fell back to.
-    export WGRAD_EXPECT_DRIVER=${WGRAD_EXPECT_DRIVER:-$gpu_name}
-fi
-nproc
-if [ -z "${GPU_CHECK_BUNDLE:-}" ]; then
-    echo "== build (release): the tests and the report ($(elapsed))"
-    test_args=()
-    for t in "${gpu_tests[@]}"; do test_args+=(--test "$t"); done
-    if ! cargo build --release --quiet --example bench --test device "${test_args[@]}"; then
-        echo "gpu_check: the build failed" >&2
-        exit 1
-    fi
-fi
 
 echo "== tests with WGRAD_KERNEL_FLAVOR=$WGRAD_KERNEL_FLAVOR ($(elapsed))"
 failed=0
