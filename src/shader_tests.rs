@@ -20,6 +20,7 @@ fn all_kernel_sources() -> Vec<(String, String)> {
     all.extend(crate::ops::attention::kernel_sources());
     all.extend(crate::ops::norm::kernel_sources());
     all.extend(crate::ops::sort::kernel_sources());
+    all.extend(crate::ops::scan::kernel_sources());
     all.extend(crate::autograd::kernel_sources());
     all.extend(crate::optim::kernel_sources());
     all.extend(crate::optim::scaler_kernel_sources());

@@ -115,6 +115,166 @@ fn var_and_std_take_a_correction() {
     assert!(x.var_dims(&[2], 1, false).is_err());
 }
 
+/// torch divides by `max(0, count - correction)`: a count not above the correction gives inf
+/// (or NaN where the squares sum to 0), never a negative variance.
+#[test]
+fn var_with_a_count_not_above_the_correction_is_inf_or_nan() {
+    let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 4.0, 4.0], &[2, 3], device()).unwrap();
+    for correction in [3usize, 5] {
+        let var = x
+            .var_dims(&[1], correction, false)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(
+            var[0],
+            f32::INFINITY,
+            "var of 1, 2, 3 with correction {correction}"
+        );
+        assert!(
+            var[1].is_nan(),
+            "var of 4, 4, 4 with correction {correction}: {}",
+            var[1]
+        );
+        let std = x
+            .std_dims(&[1], correction, false)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(std[0], f32::INFINITY, "std with correction {correction}");
+    }
+}
+
+/// torch: the variance of no elements is NaN, whatever the correction.
+#[test]
+fn var_over_an_empty_dim_is_nan() {
+    let x = Tensor::zeros(&[0, 5], device()).unwrap();
+    for correction in [0usize, 1] {
+        let var = x.var_dims(&[0], correction, false).unwrap();
+        assert_eq!(var.shape(), &[5]);
+        let got = var.to_vec().unwrap();
+        assert!(
+            got.iter().all(|v| v.is_nan()),
+            "correction {correction}: {got:?}"
+        );
+    }
+}
+
+/// torch: the log of an empty sum is -inf, and the grad of the empty input is empty.
+#[test]
+fn logsumexp_over_an_empty_dim_is_minus_infinity() {
+    let x = Tensor::zeros(&[0, 5], device())
+        .unwrap()
+        .requires_grad_(true);
+    let out = x.logsumexp(&[0], false).unwrap();
+    assert_eq!(out.shape(), &[5]);
+    assert_eq!(out.to_vec().unwrap(), vec![f32::NEG_INFINITY; 5]);
+    assert_eq!(x.logsumexp(&[0], true).unwrap().shape(), &[1, 5]);
+    out.sum().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().shape(), &[0, 5]);
+}
+
+/// Running sums in f64 of `rows` rows of `len` (row-major), from the end when `reverse`.
+fn running_sums_ref(xs: &[f32], len: usize, reverse: bool) -> Vec<f64> {
+    let mut out = vec![0f64; xs.len()];
+    for (row_in, row_out) in xs.chunks(len).zip(out.chunks_mut(len)) {
+        let mut run = 0.0;
+        let order: Vec<usize> = if reverse {
+            (0..len).rev().collect()
+        } else {
+            (0..len).collect()
+        };
+        for i in order {
+            run += row_in[i] as f64;
+            row_out[i] = run;
+        }
+    }
+    out
+}
+
+/// Lengths around the kernel's 1,024-element blocks, past Mesa 22.3's 65,535-iteration loops,
+/// and past 1,024 blocks (the block totals then take a scan of their own).
+#[test]
+fn cumsum_of_long_rows_matches_a_running_sum() {
+    for (i, &len) in [1usize, 2, 63, 64, 65, 1023, 1024, 1025, 70_001, 1_050_000]
+        .iter()
+        .enumerate()
+    {
+        let rows = if len > 100_000 { 1 } else { 3 };
+        let (x, xs) = random_tensor(&[rows, len], 40 + i as u64);
+        let got = x.cumsum(1).unwrap().to_vec().unwrap();
+        let want = running_sums_ref(&xs, len, false);
+        // Sums of `len` values in [-1, 1] are within sqrt(len) of 0; f32 keeps 7 digits.
+        let tol = 1e-6 * (len as f64).sqrt().max(1.0) * 4.0;
+        for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= tol,
+                "len {len}: element {j}: got {g}, want {w}"
+            );
+        }
+    }
+}
+
+/// The grad of a running sum is the running sum of the grad from the end; it reaches every
+/// element of a row past one block.
+#[test]
+fn cumsum_grad_is_the_reversed_running_sum_of_the_grad() {
+    let len = 2_500;
+    let x = Tensor::zeros(&[2, len], device())
+        .unwrap()
+        .requires_grad_(true);
+    let (g, gs) = random_tensor(&[2, len], 77);
+    x.cumsum(-1)
+        .unwrap()
+        .mul(&g)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let got = x.grad().unwrap().to_vec().unwrap();
+    assert_close(&got, &running_sums_ref(&gs, len, true), 1e-4, "cumsum grad");
+}
+
+/// Short rows along a middle dim, a view with an offset, an empty dim and a scalar.
+#[test]
+fn cumsum_of_short_rows_views_and_empty_dims() {
+    let (x, xs) = random_tensor(&[5, 3, 4], 12);
+    let got = x.narrow(0, 1, 3).unwrap().cumsum(1).unwrap();
+    assert_eq!(got.shape(), &[3, 3, 4]);
+    let mut want = vec![0f64; 36];
+    for a in 0..3 {
+        for c in 0..4 {
+            let mut run = 0.0;
+            for b in 0..3 {
+                run += xs[(a + 1) * 12 + b * 4 + c] as f64;
+                want[a * 12 + b * 4 + c] = run;
+            }
+        }
+    }
+    assert_close(&got.to_vec().unwrap(), &want, 1e-6, "cumsum of a view");
+    let empty = Tensor::zeros(&[4, 0], device()).unwrap();
+    assert_eq!(empty.cumsum(1).unwrap().shape(), &[4, 0]);
+    assert_eq!(empty.cumsum(0).unwrap().shape(), &[4, 0]);
+    assert!(x.cumsum(3).is_err());
+    let scalar = Tensor::from_vec(vec![2.5], &[], device())
+        .unwrap()
+        .cumsum(0)
+        .unwrap();
+    assert_eq!(scalar.shape(), &[] as &[usize]);
+    assert_eq!(scalar.to_vec().unwrap(), vec![2.5]);
+}
+
+/// Finite differences through a running sum that feeds a product with itself.
+#[test]
+fn cumsum_grads_agree_with_finite_differences() {
+    gradcheck(
+        "cumsum then square",
+        &[(vec![2, 70], values_in(140, -1.0, 1.0, 11))],
+        |t| t[0].cumsum(1)?.mul(&t[0].cumsum(1)?),
+    );
+}
+
 #[test]
 fn cumsum_runs_along_any_dim() {
     let (x, xs) = random_tensor(&[3, 4, 5], 8);

@@ -15,6 +15,7 @@ pub(crate) mod norm;
 pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rope;
+pub(crate) mod scan;
 pub(crate) mod softmax;
 pub(crate) mod sort;
 pub(crate) mod unary;

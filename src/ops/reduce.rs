@@ -571,6 +571,10 @@ impl Tensor {
     /// torch). Its grad is the softmax over `dims`.
     pub fn logsumexp(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
         let dims = &resolve_dims("logsumexp", dims, self.rank())?[..];
+        if dims.iter().any(|&d| self.shape()[d] == 0) {
+            // No max to take out: the empty sum is 0 and its log -inf, torch's answer.
+            return self.exp()?.sum_dims(dims, keepdim)?.log();
+        }
         let shift = {
             let _no_grad = NoGradGuard::new();
             let max = self.max_dims(dims, true)?;
@@ -587,7 +591,8 @@ impl Tensor {
 
     /// Variance over `dims` with `correction` subtracted from the count (1: the unbiased
     /// estimate, torch's default; 0: the population variance). Where the count is not above
-    /// `correction` the result is NaN or inf, as torch.
+    /// `correction` the divisor is 0, as torch's `max(0, count - correction)`: inf, or NaN
+    /// where the squares sum to 0 (an empty dim among them).
     pub fn var_dims(&self, dims: &[impl Dim], correction: usize, keepdim: bool) -> Result<Tensor> {
         let dims = &resolve_dims("var", dims, self.rank())?[..];
         for &d in dims {
@@ -596,29 +601,12 @@ impl Tensor {
         let count: usize = dims.iter().map(|&d| self.shape()[d]).product();
         let centred = self.sub(&self.mean_dims(dims, true)?)?;
         let squares = centred.mul(&centred)?.sum_dims(dims, keepdim)?;
-        squares.div_scalar(count as f32 - correction as f32)
+        squares.div_scalar(count.saturating_sub(correction) as f32)
     }
 
     /// Standard deviation over `dims`: the square root of [`Tensor::var_dims`].
     pub fn std_dims(&self, dims: &[impl Dim], correction: usize, keepdim: bool) -> Result<Tensor> {
         let dims = &resolve_dims("std", dims, self.rank())?[..];
         self.var_dims(dims, correction, keepdim)?.sqrt()
-    }
-
-    /// Running sums along `dim`: element `i` holds the sum of elements `0..=i`, as torch's
-    /// `cumsum`. One product with a triangle of ones (`[K, K]` for a dim of size `K`), so its
-    /// grad is the reversed running sum.
-    pub fn cumsum(&self, dim: impl Dim) -> Result<Tensor> {
-        let dim = dim.resolve("cumsum", self.rank())?;
-        if let Some(out) = cast::through_f32("cumsum", &[self], |w| w[0].cumsum(dim))? {
-            return Ok(out);
-        }
-        self.layout().check_dim("cumsum", dim)?;
-        let k = self.shape()[dim];
-        let last = self.rank() - 1;
-        let triangle = Tensor::ones(&[k, k], self.device())?.triu(0)?;
-        self.transpose(dim, last)?
-            .matmul(&triangle)?
-            .transpose(dim, last)
     }
 }
