@@ -303,6 +303,27 @@ fn cumsum_runs_along_any_dim() {
     );
 }
 
+/// Errors name the op called, not the one it is built from; over another dim the result is
+/// empty, not an error.
+#[test]
+fn min_dims_and_argmin_over_an_empty_dim_are_errors_naming_them() {
+    let e = Tensor::zeros(&[0, 5], device()).unwrap();
+    let err = e.min_dims(&[0], false).unwrap_err().to_string();
+    assert!(err.starts_with("min: ") && err.contains("[0, 5]"), "{err}");
+    let err = e.argmin(0).unwrap_err().to_string();
+    assert!(err.starts_with("argmin: ") && err.contains("[0, 5]"), "{err}");
+    assert_eq!(e.min_dims(&[1], false).unwrap().shape(), &[0]);
+    assert_eq!(e.argmin(1).unwrap().shape(), &[0]);
+}
+
+/// torch rejects a dim named twice rather than flipping it back.
+#[test]
+fn flip_of_a_dim_named_twice_is_an_error() {
+    let x = Tensor::zeros(&[3, 4], device()).unwrap();
+    let err = x.flip(&[1, -1]).unwrap_err().to_string();
+    assert!(err.starts_with("flip: ") && err.contains("more than once"), "{err}");
+}
+
 #[test]
 fn flip_and_repeat_move_elements_as_torch() {
     let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], device()).unwrap();

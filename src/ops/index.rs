@@ -225,7 +225,7 @@ impl Tensor {
     pub fn argmin(&self, dim: impl Dim) -> Result<Tensor> {
         let dim = dim.resolve("argmin", self.rank())?;
         let _no_grad = NoGradGuard::new();
-        self.neg()?.argmax(dim, false)
+        extremum_index("argmin", &self.neg()?, dim, false)
     }
 
     /// A `[.., classes]` u32 tensor of 0/1: 1 at each label's class, as torch's `one_hot`.
@@ -289,41 +289,7 @@ impl Tensor {
         let dim = dim.resolve("argmax", self.rank())?;
         // u32 indices have no grad: argmax records nothing, and neither do its internals.
         let _no_grad = NoGradGuard::new();
-        if let Some(out) = cast::through_f32("argmax", &[self], |w| w[0].argmax(dim, keepdim))? {
-            return Ok(out);
-        }
-        const OP: &str = "argmax";
-        self.expect_dtype(OP, DType::F32)?;
-        self.layout().check_dim(OP, dim)?;
-        let k = self.shape()[dim];
-        let out_shape = reduced_shape(self.shape(), &[dim], keepdim);
-        if k == 0 && self.numel() == 0 && out_shape.iter().product::<usize>() > 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "cannot take argmax over an empty dim of shape {:?}",
-                    self.shape()
-                ),
-            });
-        }
-        let mat = as_matrix(self, &[dim])?;
-        let out = Tensor::empty(OP, &[mat.m], DType::U32, self.device())?
-            .with_index_bound(Some(k as u32));
-        let chunks = mat.k.div_ceil(ARGMAX_CHUNK).max(1);
-        let params = mat.params(chunks, ARGMAX_CHUNK, 1.0, false);
-        let pass = |entry, src: &Tensor, dst: &Tensor, invocations: usize| {
-            let kernel = Kernel::plain(&INDEX, entry);
-            Launch::new(OP, &kernel, &[(1, src), (2, dst)], &params)
-                .record(groups(invocations, WORKGROUP))
-        };
-        if chunks == 1 {
-            pass("argmax", &mat.tensor, &out, mat.m)?;
-        } else {
-            let pairs = Tensor::empty(OP, &[mat.m, chunks, 2], DType::U32, self.device())?;
-            pass("argmax", &mat.tensor, &pairs, mat.m * chunks)?;
-            pass("argmax_join", &pairs, &out, mat.m)?;
-        }
-        out.reshape(&out_shape)
+        extremum_index("argmax", self, dim, keepdim)
     }
 
     /// The slices `indices[j]` of `dim`, in order: `out` has `dim` of size `indices.len()`.
@@ -581,4 +547,42 @@ fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize])
     )
     .record(groups(n, WORKGROUP))?;
     Ok(out)
+}
+
+/// Index of the first maximum of `x` along `dim`, as u32: `argmax`, and `argmin` of the
+/// negated input, each naming itself in errors. Runs with grad off.
+fn extremum_index(op: &'static str, x: &Tensor, dim: usize, keepdim: bool) -> Result<Tensor> {
+    if let Some(out) = cast::through_f32(op, &[x], |w| extremum_index(op, &w[0], dim, keepdim))? {
+        return Ok(out);
+    }
+    x.expect_dtype(op, DType::F32)?;
+    x.layout().check_dim(op, dim)?;
+    let k = x.shape()[dim];
+    let out_shape = reduced_shape(x.shape(), &[dim], keepdim);
+    if k == 0 && x.numel() == 0 && out_shape.iter().product::<usize>() > 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "cannot take {op} over an empty dim of shape {:?}",
+                x.shape()
+            ),
+        });
+    }
+    let mat = as_matrix(x, &[dim])?;
+    let out = Tensor::empty(op, &[mat.m], DType::U32, x.device())?.with_index_bound(Some(k as u32));
+    let chunks = mat.k.div_ceil(ARGMAX_CHUNK).max(1);
+    let params = mat.params(chunks, ARGMAX_CHUNK, 1.0, false);
+    let pass = |entry, src: &Tensor, dst: &Tensor, invocations: usize| {
+        let kernel = Kernel::plain(&INDEX, entry);
+        Launch::new(op, &kernel, &[(1, src), (2, dst)], &params)
+            .record(groups(invocations, WORKGROUP))
+    };
+    if chunks == 1 {
+        pass("argmax", &mat.tensor, &out, mat.m)?;
+    } else {
+        let pairs = Tensor::empty(op, &[mat.m, chunks, 2], DType::U32, x.device())?;
+        pass("argmax", &mat.tensor, &pairs, mat.m * chunks)?;
+        pass("argmax_join", &pairs, &out, mat.m)?;
+    }
+    out.reshape(&out_shape)
 }

@@ -383,7 +383,7 @@ fn reduce(
             (ReduceOp::Max, _) => Err(Error::Shape {
                 op: op_name,
                 msg: format!(
-                    "cannot take the max over an empty dim of shape {:?}",
+                    "cannot take the {op_name} over an empty dim of shape {:?}",
                     x.shape()
                 ),
             }),
@@ -563,7 +563,7 @@ impl Tensor {
     /// grad is split evenly among ties.
     pub fn min_dims(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
         let dims = &resolve_dims("min", dims, self.rank())?[..];
-        self.neg()?.max_dims(dims, keepdim)?.neg()
+        reduce_op("min", ReduceOp::Max, &self.neg()?, dims, keepdim, false)?.neg()
     }
 
     /// `log(sum(exp(x)))` over `dims`, stable: the max of each slice is taken out first (an

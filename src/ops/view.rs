@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::copy::copy_into;
+use crate::ops::reduce::check_dims;
 use crate::tensor::dim::{resolve_dims, Dim};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::{record, record_outputs};
@@ -294,10 +295,9 @@ impl Tensor {
     /// This tensor with the order of elements along each of `dims` reversed, as torch's
     /// `flip`.
     pub fn flip(&self, dims: &[impl Dim]) -> Result<Tensor> {
-        let dims = &resolve_dims("flip", dims, self.rank())?[..];
+        let dims = check_dims("flip", self, &resolve_dims("flip", dims, self.rank())?)?;
         let mut out = self.clone();
-        for &d in dims {
-            self.layout().check_dim("flip", d)?;
+        for d in dims {
             let n = self.shape()[d] as u32;
             let reversed =
                 Tensor::from_vec_u32((0..n).rev().collect(), &[n as usize], self.device())?;
