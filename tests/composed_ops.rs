@@ -311,7 +311,10 @@ fn min_dims_and_argmin_over_an_empty_dim_are_errors_naming_them() {
     let err = e.min_dims(&[0], false).unwrap_err().to_string();
     assert!(err.starts_with("min: ") && err.contains("[0, 5]"), "{err}");
     let err = e.argmin(0).unwrap_err().to_string();
-    assert!(err.starts_with("argmin: ") && err.contains("[0, 5]"), "{err}");
+    assert!(
+        err.starts_with("argmin: ") && err.contains("[0, 5]"),
+        "{err}"
+    );
     assert_eq!(e.min_dims(&[1], false).unwrap().shape(), &[0]);
     assert_eq!(e.argmin(1).unwrap().shape(), &[0]);
 }
@@ -321,7 +324,19 @@ fn min_dims_and_argmin_over_an_empty_dim_are_errors_naming_them() {
 fn flip_of_a_dim_named_twice_is_an_error() {
     let x = Tensor::zeros(&[3, 4], device()).unwrap();
     let err = x.flip(&[1, -1]).unwrap_err().to_string();
-    assert!(err.starts_with("flip: ") && err.contains("more than once"), "{err}");
+    assert!(
+        err.starts_with("flip: ") && err.contains("more than once"),
+        "{err}"
+    );
+}
+
+/// The error names `nll`, the op called, and its shapes.
+#[test]
+fn nll_with_a_target_out_of_range_is_an_error_naming_it() {
+    let log_probs = Tensor::zeros(&[2, 3], device()).unwrap();
+    let targets = Tensor::from_labels(vec![0, 3], device()).unwrap();
+    let err = nn::loss::nll(&log_probs, &targets).unwrap_err().to_string();
+    assert!(err.starts_with("nll: ") && err.contains("[2, 3]"), "{err}");
 }
 
 #[test]

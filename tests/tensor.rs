@@ -416,3 +416,35 @@ fn display_prints_values_as_pytorch() {
         "tensor([1.5000, 2.0000], requires_grad=True)"
     );
 }
+
+/// torch's `uniform_(1, 0)` and `normal(0, -1)` are errors; wgrad's drew from a range turned
+/// around and a normal with its sign flipped.
+#[test]
+fn uniform_with_low_above_high_and_normal_with_negative_std_are_errors() {
+    let dev = device();
+    for (what, got) in [
+        ("uniform", Tensor::uniform(&[3], 1.0, 0.0, dev)),
+        ("uniform", Tensor::uniform(&[3], 0.0, f32::INFINITY, dev)),
+        ("normal", Tensor::normal(&[3], 0.0, -1.0, dev)),
+        ("normal", Tensor::normal(&[3], f32::NAN, 1.0, dev)),
+    ] {
+        match got {
+            Err(Error::InvalidArgument { op, .. }) => assert_eq!(op, what),
+            other => panic!("{what}: expected an InvalidArgument error, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        Tensor::normal(&[2], 3.0, 0.0, dev)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        vec![3.0, 3.0]
+    );
+    assert_eq!(
+        Tensor::uniform(&[2], 2.0, 2.0, dev)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        vec![2.0, 2.0]
+    );
+}

@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::ops::autocast::for_f32_op;
+use crate::ops::index::expect_indices_below;
 use crate::ops::softmax::RowLoss;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::{DType, Tensor};
@@ -240,6 +241,13 @@ pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
             ),
         });
     }
+    let classes = log_probs.shape()[1];
+    expect_indices_below(OP, targets, classes, |target| {
+        format!(
+            "target {target} is out of range for {classes} classes (log_probs {:?})",
+            log_probs.shape()
+        )
+    })?;
     let picked = log_probs.gather(1, &targets.unsqueeze(1)?)?;
     picked.mean()?.neg()
 }

@@ -234,8 +234,17 @@ impl Tensor {
 
     /// Values from N(mean, std^2) drawn from the global generator ([`crate::manual_seed`]), as
     /// `torch.normal(mean, std, shape)` (and `torch.randn` at 0, 1): a second call gives new
-    /// values; [`Tensor::randn`] takes its own seed instead.
+    /// values; [`Tensor::randn`] takes its own seed instead. A negative or non-finite std is
+    /// an error, as torch's.
     pub fn normal(shape: &[usize], mean: f32, std: f32, device: &Device) -> Result<Tensor> {
+        if !(std >= 0.0 && std.is_finite() && mean.is_finite()) {
+            return Err(Error::InvalidArgument {
+                op: "normal",
+                msg: format!(
+                    "needs a finite mean and a finite std >= 0, got mean {mean} and std {std}"
+                ),
+            });
+        }
         let n = checked_host_numel("normal", shape, device)?;
         let data = normal_values(n, mean, std, crate::seed::next_seed());
         upload(
@@ -248,8 +257,15 @@ impl Tensor {
     }
 
     /// Values uniform in `[low, high)` drawn from the global generator, as
-    /// `torch.empty(shape).uniform_(low, high)` (and `torch.rand` at 0, 1).
+    /// `torch.empty(shape).uniform_(low, high)` (and `torch.rand` at 0, 1); `low > high` is an
+    /// error, as torch's.
     pub fn uniform(shape: &[usize], low: f32, high: f32, device: &Device) -> Result<Tensor> {
+        if !(low <= high && low.is_finite() && high.is_finite()) {
+            return Err(Error::InvalidArgument {
+                op: "uniform",
+                msg: format!("needs finite bounds with low <= high, got low {low} and high {high}"),
+            });
+        }
         let n = checked_host_numel("uniform", shape, device)?;
         let data: Vec<f32> = uniform_values(n, crate::seed::next_seed())
             .into_iter()
