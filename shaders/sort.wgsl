@@ -5,7 +5,7 @@
 // sorted values and their source positions are written there, and the rank itself is kept,
 // so that the backward gathers each element's grad from its rank (the inverse permutation;
 // ranks past the k kept clamped to k, a zero grad).
-// `topk` is the same pass writing only ranks below `keep`. NaN sorts as the largest value,
+// `topk` is the same pass writing only ranks below `keep`; a count stops once it reaches `keep`. NaN sorts as the largest value,
 // as torch sorts it. Params: `SortParams` (src/ops/sort.rs). A row is walked in spans of
 // `span` elements, one launch per span (`span_start`), each adding to the counts of the one
 // before, so that no invocation loops more than llvmpipe allows.
@@ -45,14 +45,17 @@ fn count(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     let x = src[base + i];
     let first = pu(SORT_SPAN_START);
     let last = min(first + pu(SORT_SPAN), len);
-    var rank = 0u;
-    for (var j = first; j < last; j = j + 1u) {
+    var rank = select(0u, ranks[i], first > 0u);
+    // An element whose rank reaches `keep` is not kept, whatever comes after: `topk` of a few
+    // of a vocabulary's logits stops most counts early (for sort, keep is len: never).
+    let keep = pu(SORT_KEEP);
+    for (var j = first; j < last && rank < keep; j = j + 1u) {
         let y = src[base + row_at + j];
         // Ties (NaN with NaN too) go in position order.
         let tie = !before(x, y) && !before(y, x);
         rank = rank + select(0u, 1u, before(y, x) || (tie && j < own));
     }
-    ranks[i] = select(rank, ranks[i] + rank, first > 0u);
+    ranks[i] = rank;
 }
 
 // Writes each element whose rank is below `keep` to its place, and leaves its rank clamped to

@@ -156,6 +156,38 @@ fn sort_of_a_long_row_matches_the_host() {
     assert_eq!(at.to_vec_u32().unwrap(), want_i[..5].to_vec());
 }
 
+/// top-k sampling's shape: a few of a long row with ties and NaNs (the counts stop at k),
+/// in any order of the row, grads at the k positions only.
+#[test]
+fn topk_of_a_vocabulary_sized_row_matches_the_host() {
+    let n = 30_000; // past the count pass's span of 16,384
+    let mut tied = tied_values(n, 5);
+    for at in [7, 20_000, 29_999] {
+        tied[at] = f32::NAN;
+    }
+    let ascending: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    for (what, row) in [("ties and NaNs", tied), ("ascending", ascending)] {
+        let x = Tensor::from_vec(row.clone(), &[1, n], device())
+            .unwrap()
+            .requires_grad_(true);
+        let (top, at) = x.topk(40, 1).unwrap();
+        let (want_v, want_i) = sort_ref(&row, true);
+        let got_v = top.to_vec().unwrap();
+        for (g, w) in got_v.iter().zip(&want_v[..40]) {
+            assert!(g == w || (g.is_nan() && w.is_nan()), "{what}: {got_v:?}");
+        }
+        assert_eq!(at.to_vec_u32().unwrap(), want_i[..40].to_vec(), "{what}");
+        // The sum is NaN where NaNs were kept; its grad is 1 at each kept position all the same.
+        top.sum().unwrap().backward().unwrap();
+        let grad = x.grad().unwrap().to_vec().unwrap();
+        let mut want = vec![0.0; n];
+        for &i in &want_i[..40] {
+            want[i as usize] = 1.0;
+        }
+        assert_eq!(grad, want, "{what}: grads");
+    }
+}
+
 #[test]
 fn sort_and_topk_send_grads_to_the_positions_they_took() {
     for n in [1, 3] {
