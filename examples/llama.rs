@@ -71,6 +71,9 @@ struct Args {
     /// Sample among this many most likely tokens.
     #[arg(long, default_value_t = 40)]
     top_k: usize,
+    /// Then among the most likely whose probabilities add up to this (nucleus sampling; 1: all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
 }
 
 /// A byte-level BPE of `vocab_size` tokens trained on the file `text` (GPT-2's pre-tokenizer
@@ -257,6 +260,7 @@ fn run(args: &Args, process_start: Instant) -> Result<(), String> {
     let sampling = Sampling {
         temperature: args.temperature,
         top_k: Some(args.top_k.max(1)),
+        top_p: Some(args.top_p),
         seed: args.lm.seed + 1,
     };
     let start = &val[..1];

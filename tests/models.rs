@@ -402,6 +402,7 @@ fn sampling_is_seeded_and_top_k_one_is_greedy() {
     let warm = |seed| Sampling {
         temperature: 1.5,
         top_k: None,
+        top_p: None,
         seed,
     };
     let a = model
@@ -424,6 +425,7 @@ fn sampling_is_seeded_and_top_k_one_is_greedy() {
     let top1 = Sampling {
         temperature: 1.0,
         top_k: Some(1),
+        top_p: None,
         seed: 9,
     };
     let greedy = model.generate(&prompt, 12, &Sampling::greedy()).unwrap();
@@ -435,6 +437,28 @@ fn sampling_is_seeded_and_top_k_one_is_greedy() {
             .unwrap(),
         greedy.to_vec_u32().unwrap()
     );
+}
+
+/// Nucleus sampling keeps the most likely token whatever p: a p below every probability is
+/// greedy; a p outside (0, 1] is an error naming generate.
+#[test]
+fn top_p_below_every_probability_is_greedy() {
+    let model = Llama::from_pretrained(fixture("llama_gqa"), device()).unwrap();
+    let prompt = Tensor::from_vec_u32(vec![5, 6, 7, 8, 9, 10], &[2, 3], device()).unwrap();
+    let nucleus = |top_p| Sampling {
+        temperature: 1.5,
+        top_k: None,
+        top_p: Some(top_p),
+        seed: 11,
+    };
+    let greedy = model.generate(&prompt, 12, &Sampling::greedy()).unwrap();
+    let tiny = model.generate(&prompt, 12, &nucleus(1e-7)).unwrap();
+    assert_eq!(tiny.to_vec_u32().unwrap(), greedy.to_vec_u32().unwrap());
+    // Without the cut, this seed samples away from greedy.
+    let whole = model.generate(&prompt, 12, &nucleus(1.0)).unwrap();
+    assert_ne!(whole.to_vec_u32().unwrap(), greedy.to_vec_u32().unwrap());
+    let err = model.generate(&prompt, 12, &nucleus(0.0)).unwrap_err();
+    assert!(err.to_string().contains("top_p"), "{err}");
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! What the causal language models share: the checks on their input, the attention context
 //! of a layer (padding mask, KV cache), and generation: a KV cache on the device, so each new
 //! token runs the model on that token alone, and sampling on the host (greedy, temperature,
-//! top-k) from a seeded generator.
+//! top-k, top-p) from a seeded generator.
 
 use std::cell::OnceCell;
 
@@ -20,6 +20,10 @@ pub struct Sampling {
     pub temperature: f32,
     /// Sample among the `k` most likely tokens only; `None`: among all.
     pub top_k: Option<usize>,
+    /// Nucleus sampling, after top-k as transformers orders them: sample among the most likely
+    /// tokens whose probabilities (at this temperature) add up to at least `p`, in (0, 1];
+    /// the most likely token always stays. `None` (or 1): no cut.
+    pub top_p: Option<f32>,
     /// Seed of the generator the samples are drawn from (unused when greedy).
     pub seed: u64,
 }
@@ -30,6 +34,7 @@ impl Sampling {
         Sampling {
             temperature: 0.0,
             top_k: None,
+            top_p: None,
             seed: 0,
         }
     }
@@ -49,6 +54,14 @@ impl Sampling {
                 op,
                 msg: "top_k must be at least 1".to_string(),
             });
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(Error::InvalidArgument {
+                    op,
+                    msg: format!("top_p must be in (0, 1], got {p}"),
+                });
+            }
         }
         Ok(())
     }
@@ -339,10 +352,22 @@ fn pick(logits: &[f32], sampling: &Sampling, rng: &mut rand::rngs::StdRng) -> u3
     }
     order.truncate(sampling.top_k.unwrap_or(order.len()).min(order.len()));
     let top = logits[order[0]];
-    let weights: Vec<f64> = order
+    let mut weights: Vec<f64> = order
         .iter()
         .map(|&i| (((logits[i] - top) / sampling.temperature) as f64).exp())
         .collect();
+    if let Some(p) = sampling.top_p {
+        // transformers' TopPLogitsWarper: drop the least likely tokens while their mass, the
+        // dropped one's included, is at most 1 - p; the most likely token stays.
+        let total: f64 = weights.iter().sum();
+        let mut tail = 0.0;
+        let mut keep = weights.len();
+        while keep > 1 && tail + weights[keep - 1] <= (1.0 - p as f64) * total {
+            tail += weights[keep - 1];
+            keep -= 1;
+        }
+        weights.truncate(keep);
+    }
     let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
     for (&i, w) in order.iter().zip(&weights) {
         if u < *w {
@@ -351,4 +376,65 @@ fn pick(logits: &[f32], sampling: &Sampling, rng: &mut rand::rngs::StdRng) -> u3
         u -= w;
     }
     *order.last().expect("not empty") as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tokens `pick` draws in `draws` tries from probabilities `probs` under `sampling`.
+    fn drawn(probs: &[f64], sampling: &Sampling, draws: usize) -> Vec<usize> {
+        let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(sampling.seed);
+        let mut counts = vec![0; probs.len()];
+        for _ in 0..draws {
+            counts[pick(&logits, sampling, &mut rng) as usize] += 1;
+        }
+        counts
+    }
+
+    fn nucleus(top_p: Option<f32>) -> Sampling {
+        Sampling {
+            temperature: 1.0,
+            top_k: None,
+            top_p,
+            seed: 5,
+        }
+    }
+
+    /// transformers drops the least likely tokens while their mass is at most 1 - p: of 0.5,
+    /// 0.3, 0.15, 0.05, p = 0.7 keeps two (the last two hold 0.2, the last three 0.5) and
+    /// p = 0.85 keeps three.
+    #[test]
+    fn top_p_keeps_the_most_likely_tokens_that_hold_p() {
+        let probs = [0.5, 0.3, 0.15, 0.05];
+        let two = drawn(&probs, &nucleus(Some(0.7)), 4000);
+        assert!(
+            two[0] > 0 && two[1] > 0 && two[2] == 0 && two[3] == 0,
+            "{two:?}"
+        );
+        // Renormalised over what is kept: 0.5 / 0.8 of the draws.
+        let share = two[0] as f64 / 4000.0;
+        assert!((share - 0.625).abs() < 0.03, "{two:?}");
+        let three = drawn(&probs, &nucleus(Some(0.85)), 4000);
+        assert!(three[2] > 0 && three[3] == 0, "{three:?}");
+        let all = drawn(&probs, &nucleus(Some(1.0)), 4000);
+        assert!(all.iter().all(|&c| c > 0), "{all:?}");
+        assert_eq!(all, drawn(&probs, &nucleus(None), 4000));
+    }
+
+    /// A p below the most likely token's probability leaves that token alone.
+    #[test]
+    fn a_small_top_p_keeps_the_most_likely_token() {
+        let counts = drawn(&[0.2, 0.6, 0.2], &nucleus(Some(1e-6)), 500);
+        assert_eq!(counts, vec![0, 500, 0]);
+    }
+
+    #[test]
+    fn top_p_outside_zero_to_one_is_an_error() {
+        for p in [0.0, -0.5, 1.5, f32::NAN] {
+            assert!(nucleus(Some(p)).check("generate").is_err(), "top_p {p}");
+        }
+        assert!(nucleus(Some(1.0)).check("generate").is_ok());
+    }
 }

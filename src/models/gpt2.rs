@@ -322,7 +322,7 @@ impl Gpt2Block {
 /// let dev = Device::new()?;
 /// let model = Gpt2::from_pretrained("gpt2-checkpoint", &dev)?;
 /// let prompt = Tensor::from_vec_u32(vec![464, 2068], &[1, 2], &dev)?;
-/// let tokens = model.generate(&prompt, 10, &Sampling { temperature: 0.8, top_k: Some(40), seed: 0 })?;
+/// let tokens = model.generate(&prompt, 10, &Sampling { temperature: 0.8, top_k: Some(40), top_p: None, seed: 0 })?;
 /// # Ok(())
 /// # }
 /// ```
