@@ -1,24 +1,28 @@
-// Sorting along the last dim of a contiguous [rows, len] tensor (from element `offset` of its
-// buffer: a row of a larger tensor is a view), by rank: each invocation
-// owns one element and counts the elements of its row that go before it (greater first when
-// descending; ties by position, so the sort is stable). Its rank is where it lands: the
-// sorted values and their source positions are written there, and the rank itself is kept,
-// so that the backward gathers each element's grad from its rank (the inverse permutation;
-// ranks past the k kept clamped to k, a zero grad).
-// `topk` is the same pass writing only ranks below `keep`; a count stops once it reaches `keep`. NaN sorts as the largest value,
-// as torch sorts it. Params: `SortParams` (src/ops/sort.rs). A row is walked in spans of
-// `span` elements, one launch per span (`span_start`), each adding to the counts of the one
-// before, so that no invocation loops more than llvmpipe allows.
+// Sorting along the last dim of a contiguous [rows, len] tensor read from element `offset` of
+// its buffer (a row of a larger tensor is a view), stable (equal elements keep their order)
+// with NaN the largest value, as torch sorts. A merge sort, one invocation per element in
+// every pass: `sort_runs` sorts each run of 64 elements of a row (RUN in src/ops/sort.rs) by
+// counting, for each element, the elements of its run that go before it; each `merge_runs`
+// pass merges neighbouring runs of `width` into runs of twice that, each element finding its
+// place in the other run by binary search; `finish` writes the first `keep` of each row
+// (`topk`'s k, or the whole row) and each element's rank, where the backward gathers its
+// grad from (ranks past the k kept are clamped to k: a zero grad). No invocation loops more
+// than 64 times, whatever the row's length. Params: `SortParams` (src/ops/sort.rs).
 
 @group(0) @binding(1) var<storage, read> src: array<f32>;
-// Ranks so far, and the final ranks: [rows, len].
+// Each element's rank in its row: [rows, len].
 @group(0) @binding(2) var<storage, read_write> ranks: array<u32>;
-// The sorted values and their positions: [rows, keep].
+// The first `keep` sorted values of each row and their positions: [rows, keep].
 @group(0) @binding(3) var<storage, read_write> values: array<f32>;
 @group(0) @binding(4) var<storage, read_write> indices: array<u32>;
+// A pass's sorted runs, in and out: values and their positions in the row, [rows, len].
+@group(0) @binding(5) var<storage, read> keys_in: array<f32>;
+@group(0) @binding(6) var<storage, read> positions_in: array<u32>;
+@group(0) @binding(7) var<storage, read_write> keys_out: array<f32>;
+@group(0) @binding(8) var<storage, read_write> positions_out: array<u32>;
 
 // Whether a goes before b: greater first when descending, else smaller first; NaN is the
-// largest value.
+// largest value. Neither goes before the other when they tie (NaN with NaN too).
 fn before(a: f32, b: f32) -> bool {
     let descending = pu(SORT_DESCENDING) == 1u;
     let a_nan = is_nan(a);
@@ -29,51 +33,96 @@ fn before(a: f32, b: f32) -> bool {
     return (!a_nan && b_nan) || (!a_nan && !b_nan && a < b);
 }
 
-// Adds to element i's rank the elements of span [span_start, span_start + span) of its row
-// that go before it.
+// Each element's place in its run of 64: the run's elements that go before it, ties in
+// position order.
 @compute @workgroup_size(256)
-fn count(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-         @builtin(local_invocation_index) lid: u32) {
+fn sort_runs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
     let len = pu(SORT_LEN);
     if (i >= pu(SORT_ROWS) * len) {
         return;
     }
     let row_at = i - i % len;
-    let own = i % len;
-    let base = pu(SORT_OFFSET);
-    let x = src[base + i];
-    let first = pu(SORT_SPAN_START);
-    let last = min(first + pu(SORT_SPAN), len);
-    var rank = select(0u, ranks[i], first > 0u);
-    // An element whose rank reaches `keep` is not kept, whatever comes after: `topk` of a few
-    // of a vocabulary's logits stops most counts early (for sort, keep is len: never).
-    let keep = pu(SORT_KEEP);
-    for (var j = first; j < last && rank < keep; j = j + 1u) {
-        let y = src[base + row_at + j];
-        // Ties (NaN with NaN too) go in position order.
+    let own = i - row_at;
+    let run = own - own % 64u;
+    let run_end = min(run + 64u, len);
+    let base = pu(SORT_OFFSET) + row_at;
+    let x = src[base + own];
+    var rank = 0u;
+    for (var j = run; j < run_end; j = j + 1u) {
+        let y = src[base + j];
         let tie = !before(x, y) && !before(y, x);
         rank = rank + select(0u, 1u, before(y, x) || (tie && j < own));
     }
-    ranks[i] = rank;
+    keys_out[row_at + run + rank] = x;
+    positions_out[row_at + run + rank] = own;
 }
 
-// Writes each element whose rank is below `keep` to its place, and leaves its rank clamped to
-// `keep` (where the backward finds a zero grad for the elements not kept).
+// Merges runs of `width` pairwise. An element of the first run of a pair goes after the
+// second run's elements that go strictly before it; one of the second run after the first
+// run's elements that go before it or tie with it (earlier positions first: stable).
 @compute @workgroup_size(256)
-fn place(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-         @builtin(local_invocation_index) lid: u32) {
+fn merge_runs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
     let i = workgroup_index(wid, nwg) * 256u + lid;
     let len = pu(SORT_LEN);
     if (i >= pu(SORT_ROWS) * len) {
         return;
     }
-    let rank = ranks[i];
-    let keep = pu(SORT_KEEP);
-    if (rank < keep) {
-        let at = (i / len) * keep + rank;
-        values[at] = src[pu(SORT_OFFSET) + i];
-        indices[at] = i % len;
+    let row_at = i - i % len;
+    let own = i - row_at;
+    let width = pu(SORT_WIDTH);
+    let pair = own - own % (2u * width);
+    let mid = min(pair + width, len);
+    let pair_end = min(pair + 2u * width, len);
+    let x = keys_in[i];
+    var place = 0u;
+    if (own < mid) {
+        var lo = mid;
+        var hi = pair_end;
+        while (lo < hi) {
+            let m = (lo + hi) / 2u;
+            if (before(keys_in[row_at + m], x)) {
+                lo = m + 1u;
+            } else {
+                hi = m;
+            }
+        }
+        place = own + (lo - mid);
+    } else {
+        var lo = pair;
+        var hi = mid;
+        while (lo < hi) {
+            let m = (lo + hi) / 2u;
+            if (!before(x, keys_in[row_at + m])) {
+                lo = m + 1u;
+            } else {
+                hi = m;
+            }
+        }
+        place = (own - mid) + lo;
     }
-    ranks[i] = min(rank, keep);
+    keys_out[row_at + place] = x;
+    positions_out[row_at + place] = positions_in[i];
+}
+
+// The first `keep` of each sorted row, and every element's rank (clamped to `keep`).
+@compute @workgroup_size(256)
+fn finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    let len = pu(SORT_LEN);
+    if (i >= pu(SORT_ROWS) * len) {
+        return;
+    }
+    let row = i / len;
+    let rank = i - row * len;
+    let position = positions_in[i];
+    let keep = pu(SORT_KEEP);
+    ranks[row * len + position] = min(rank, keep);
+    if (rank < keep) {
+        values[row * keep + rank] = keys_in[i];
+        indices[row * keep + rank] = position;
+    }
 }

@@ -1,32 +1,32 @@
-//! `sort` and `topk` along a dim, forward and backward (`shaders/sort.wgsl`): a rank pass
-//! counts, for each element, the elements of its row that go before it, and a place pass
-//! writes each element at its rank. The ranks are kept for the backward, which gathers each
-//! element's grad from its rank (0 past the k kept). A sort's count is quadratic in the row's
-//! length: right for the dims models sort (a few thousand scores), not for sorting millions.
-//! A `topk` count stops once it reaches k, so that most elements of a vocabulary's logits
-//! stop early (top-40 of 32,000 random logits: 20x faster than counting whole rows, of
-//! 128,256: 75x); a row in ascending order still counts in full.
+//! `sort` and `topk` along a dim, forward and backward (`shaders/sort.wgsl`): a stable merge
+//! sort, one invocation per element in each pass (runs of 64 sorted by counting, then
+//! `log2(len / 64)` passes that merge neighbouring runs by binary search), so a row of `n`
+//! takes `n log n` work whatever its order, and no invocation loops past 64. The last pass
+//! keeps each element's rank for the backward, which gathers each element's grad from its
+//! rank (0 past the k kept).
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// `rows` rows of `len` elements from element `offset` of the input's buffer; the place
-    /// pass keeps ranks below `keep`; the count pass walks `span` elements from `span_start`.
+    /// `rows` rows of `len` elements from element `offset` of the input's buffer; `finish`
+    /// keeps ranks below `keep`; `merge_runs` merges runs of `width`.
     pub(crate) struct SortParams {
         offset: u32,
         rows: u32,
         len: u32,
         keep: u32,
         descending: u32,
-        span: u32,
-        span_start: u32,
+        width: u32,
     }
 }
+
+/// Elements of a row that `sort_runs` sorts by counting (the 64u in sort.wgsl).
+const RUN: usize = 64;
 
 static SORT: ShaderFamily = ShaderFamily {
     name: "sort",
@@ -81,26 +81,58 @@ fn sorted(
                 len: len as u32,
                 keep: keep as u32,
                 descending: descending as u32,
-                span: MAX_LOOP_LEN as u32,
-                span_start: 0,
+                width: RUN as u32,
             };
             let workgroups = groups(rows * len, WORKGROUP);
-            for span_start in (0..len).step_by(MAX_LOOP_LEN) {
-                params.span_start = span_start as u32;
-                let count = Kernel::plain(&SORT, "count");
-                Launch::new(op, &count, &[(1, &rows_t), (2, &ranks)], &params)
-                    .record(workgroups)?;
-            }
-            let place = Kernel::plain(&SORT, "place");
+            let runs = || -> Result<(Tensor, Tensor)> {
+                Ok((
+                    Tensor::empty(op, &[rows, len], DType::F32, dev)?,
+                    Tensor::empty(op, &[rows, len], DType::U32, dev)?,
+                ))
+            };
+            let (mut keys, mut positions) = runs()?;
+            let sort_runs = Kernel::plain(&SORT, "sort_runs");
             Launch::new(
                 op,
-                &place,
-                &[(1, &rows_t), (2, &ranks), (3, &values), (4, &indices)],
+                &sort_runs,
+                &[(1, &rows_t), (7, &keys), (8, &positions)],
+                &params,
+            )
+            .record(workgroups)?;
+            let merge_runs = Kernel::plain(&SORT, "merge_runs");
+            while (params.width as usize) < len {
+                let (merged_keys, merged_positions) = runs()?;
+                Launch::new(
+                    op,
+                    &merge_runs,
+                    &[
+                        (5, &keys),
+                        (6, &positions),
+                        (7, &merged_keys),
+                        (8, &merged_positions),
+                    ],
+                    &params,
+                )
+                .record(workgroups)?;
+                (keys, positions) = (merged_keys, merged_positions);
+                params.width *= 2;
+            }
+            let finish = Kernel::plain(&SORT, "finish");
+            Launch::new(
+                op,
+                &finish,
+                &[
+                    (5, &keys),
+                    (6, &positions),
+                    (2, &ranks),
+                    (3, &values),
+                    (4, &indices),
+                ],
                 &params,
             )
             .record(workgroups)?;
         }
-        // Clamped to `keep` by the place pass.
+        // Clamped to `keep` by the finish pass.
         (
             ranks.with_index_bound(Some(keep as u32 + 1)),
             values,
