@@ -512,6 +512,32 @@ fn pow_with_a_tensor_exponent_matches_reference_and_broadcasts() {
     assert_close(&got, &want, 1e-6, "pow broadcast");
 }
 
+/// torch's special cases: the base's grad is 0 where the exponent is 0 (at 0^0 too, not
+/// 0 * inf), the exponent's 0 where the base is 0 and the exponent >= 0 (inf * log 0 = -inf
+/// below), NaN for the log of a negative base.
+#[test]
+fn pow_grads_at_zero_follow_torch() {
+    let a = Tensor::from_vec(vec![0.0, 0.0, 2.0, -2.0, 0.0], &[5], device())
+        .unwrap()
+        .requires_grad_(true);
+    let b = Tensor::from_vec(vec![2.0, 0.0, 0.5, 2.0, -1.0], &[5], device())
+        .unwrap()
+        .requires_grad_(true);
+    a.pow(&b).unwrap().sum().unwrap().backward().unwrap();
+    let da = a.grad().unwrap().to_vec().unwrap();
+    let db = b.grad().unwrap().to_vec().unwrap();
+    let want_da = [0.0, 0.0, 0.5 / 2f64.sqrt(), -4.0, f64::NEG_INFINITY];
+    let want_db = [
+        0.0,
+        0.0,
+        2f64.sqrt() * 2f64.ln(),
+        f64::NAN,
+        f64::NEG_INFINITY,
+    ];
+    assert_close(&da, &want_da, 1e-6, "pow: base grad");
+    assert_close(&db, &want_db, 1e-6, "pow: exponent grad");
+}
+
 /// A comparison's name, the op, and its host reference.
 type CompareCase<Op> = (&'static str, Op, fn(f32, f32) -> bool);
 type Compare = fn(&Tensor, &Tensor) -> wgrad::Result<Tensor>;

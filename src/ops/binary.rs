@@ -527,15 +527,18 @@ impl Tensor {
     }
 
     /// `self^exponent` elementwise, broadcast, as torch's `pow` with a tensor exponent:
-    /// negative bases with integral exponents keep their sign, `0^0 = 1`. The exponent's
-    /// grad is `a^b log(a)`, 0 where `a` is 0 and `b >= 0`.
+    /// negative bases with integral exponents keep their sign, `0^0 = 1`. The base's grad is
+    /// `b a^(b - 1)`, 0 where `b` is 0 (at `0^0` too); the exponent's is `a^b log(a)`, 0 where
+    /// `a` is 0 and `b >= 0`: torch's rules.
     pub fn pow(&self, exponent: &Tensor) -> Result<Tensor> {
         let out = binary(self, exponent, BinaryOp::Pow)?;
         Ok(record("pow", out, &[self, exponent], |out| {
             let (a, b, y) = (self.detach(), exponent.detach(), out.detach());
             move |g: &Tensor| {
-                // d/da a^b = b a^(b - 1); d/db a^b = a^b log(a)
-                let ga = g.mul(&b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?)?;
+                // d/da a^b = b a^(b - 1), 0 where b = 0 (not 0 * inf at a = 0);
+                // d/db a^b = a^b log(a)
+                let da = b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?;
+                let ga = g.mul(&da.masked_fill(&b.eq_scalar(0.0)?, 0.0)?)?;
                 let gb = g.mul(&y.mul(&binary(&a, &b, BinaryOp::PowLogBase)?)?)?;
                 Ok(vec![
                     Some(sum_to_shape(&ga, a.shape())?),
