@@ -272,7 +272,11 @@ fn index_select_scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     if (at == OUTSIDE_WINDOW) {
         return;
     }
-    let value = bitcast<f32>(src[pu(INDEX_SELECT_SRC_OFFSET) + i]);
+    add_to_sum(at, bitcast<f32>(src[pu(INDEX_SELECT_SRC_OFFSET) + i]));
+}
+
+// sums[at] += value, as f32 bits, with a compare-and-swap loop (WGSL has no f32 atomics).
+fn add_to_sum(at: u32, value: f32) {
     var old = atomicLoad(&sums[at]);
     loop {
         let swapped = atomicCompareExchangeWeak(&sums[at], old, bitcast<u32>(bitcast<f32>(old) + value));
@@ -281,4 +285,31 @@ fn index_select_scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
         }
         old = swapped.old_value;
     }
+}
+
+// gather_backward by scattering, where the input times the lookups along `dim` is large:
+// one invocation per element of src (the incoming grad, contiguous with the indices' shape)
+// adds it into sums (the input's shape, zeroed first) at its own coordinates with `dim`
+// replaced by its index. Work in the lookups, not input x lookups; the order of the
+// additions, and so the last bits of a sum, may differ from run to run.
+@compute @workgroup_size(256)
+fn gather_scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let i = workgroup_index(wid, nwg) * 256u + lid;
+    if (i >= pu(GATHER_BACKWARD_N)) {
+        return;
+    }
+    let dim = pu(GATHER_BACKWARD_DIM);
+    let picked = indices[pu(GATHER_BACKWARD_INDICES_OFFSET) + i];
+    var rem = i;
+    var at = 0u;
+    var stride = 1u;
+    for (var d = 5; d >= 0; d = d - 1) {
+        let n = pu(GATHER_BACKWARD_INDICES_SHAPE + u32(d));
+        let c = select(rem % n, picked, u32(d) == dim);
+        rem = rem / n;
+        at = at + c * stride;
+        stride = stride * pu(GATHER_BACKWARD_DST_SHAPE + u32(d));
+    }
+    add_to_sum(at, bitcast<f32>(src[pu(GATHER_BACKWARD_SRC_OFFSET) + i]));
 }

@@ -284,6 +284,44 @@ fn scatter_add_adds_repeated_indices_up() {
     assert_close(&got, &want, 1e-6, "scatter_add dim 0");
 }
 
+/// Where the input times the lookups along the dim is large (a permutation of long rows,
+/// rows of indices fewer than the input's), gather's grad and scatter_add scatter each
+/// lookup atomically: the same sums as the host's, repeated indices included.
+#[test]
+fn gather_grads_and_scatter_add_over_long_rows_match_the_host() {
+    let dev = device();
+    let (rows, cols, picked_rows) = (4, 1500, 3);
+    let (x, xv) = random_tensor(&[rows, cols], 21);
+    // Every index twice or not at all, shuffled by a multiplicative step.
+    let index_values: Vec<u32> = (0..picked_rows * cols)
+        .map(|i| ((i * 7919) % cols / 2 * 2) as u32)
+        .collect();
+    let index = Tensor::from_vec_u32(index_values.clone(), &[picked_rows, cols], dev).unwrap();
+    let (src, sv) = random_tensor(&[picked_rows, cols], 22);
+    let got = x.scatter_add(1, &index, &src).unwrap();
+    let mut want = scatter_add_ref(&xv[..picked_rows * cols], cols, &index_values, &sv, cols);
+    want.extend(xv[picked_rows * cols..].iter().map(|&v| v as f64));
+    assert_close(
+        &got.to_vec().unwrap(),
+        &want,
+        1e-5,
+        "scatter_add over long rows",
+    );
+
+    let leaf = x.detach().requires_grad_(true);
+    let picked = leaf.gather(1, &index).unwrap();
+    picked.mul(&src).unwrap().sum().unwrap().backward().unwrap();
+    let zeros = vec![0.0; rows * cols];
+    let mut want = scatter_add_ref(&zeros[..picked_rows * cols], cols, &index_values, &sv, cols);
+    want.extend(std::iter::repeat_n(0.0, (rows - picked_rows) * cols));
+    assert_close(
+        &leaf.grad().unwrap().to_vec().unwrap(),
+        &want,
+        1e-5,
+        "gather grad",
+    );
+}
+
 #[test]
 fn scatter_add_gradcheck() {
     let dev = device();

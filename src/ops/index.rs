@@ -85,9 +85,10 @@ const SCATTER_CHUNK: usize = MAX_LOOP_LEN;
 /// (see `index_select_backward` in shaders/index.wgsl).
 const INDEX_SELECT_GRAD_CHUNK: usize = MAX_LOOP_LEN / 5;
 
-/// Past this many (table rows x lookups), index_select's grad is scattered with atomic adds
-/// (work in the lookups) rather than gathered per table element (work in rows x lookups:
-/// 44 s for an Embedding(10000, 64) over 8,192 tokens on lavapipe).
+/// Past this many (table rows x lookups; for gather, input elements x lookups along its dim),
+/// index_select's and gather's grads are scattered with atomic adds (work in the lookups)
+/// rather than gathered per table element (work in rows x lookups: 44 s for an
+/// Embedding(10000, 64) over 8,192 tokens on lavapipe).
 const GATHER_MAX_WORK: usize = 1 << 20;
 
 /// The grad of index_select by scattering each incoming element into a zeroed table.
@@ -508,9 +509,14 @@ fn index_select_backward(
     Ok(out)
 }
 
-/// The grad of `gather` for an input of `shape`.
+/// The grad of `gather` for an input of `shape` (and `scatter_add`'s sum): per input element
+/// a sum over the lookups along `dim`, or, where that work (input x lookups along `dim`)
+/// passes [`GATHER_MAX_WORK`], each lookup's grad added in atomically.
 fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let extent = indices.shape()[dim];
+    if shape.iter().product::<usize>() * extent > GATHER_MAX_WORK {
+        return gather_scatter(grad, dim, indices, shape);
+    }
     if extent > SCATTER_CHUNK {
         let part = |start, len| {
             let (g, i) = (
@@ -543,6 +549,35 @@ fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize])
         OP,
         &Kernel::plain(&INDEX, "gather_backward"),
         &[(1, &g), (2, &out), (3, &idx)],
+        &params,
+    )
+    .record(groups(n, WORKGROUP))?;
+    Ok(out)
+}
+
+/// `gather_backward` by scattering each lookup's grad into a zeroed input (`gather_scatter`).
+fn gather_scatter(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    const OP: &str = "gather";
+    let out = Tensor::zeros(shape, grad.device())?;
+    let n = indices.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
+    let pad = KERNEL_RANK - shape.len();
+    let params = GatherBackwardParams {
+        n: n as u32,
+        dim: (pad + dim) as u32,
+        src_offset: g.layout().offset as u32,
+        indices_offset: idx.layout().offset as u32,
+        rank: shape.len() as u32,
+        dst_shape: padded(shape, 1),
+        indices_shape: padded(indices.shape(), 1),
+    };
+    Launch::new(
+        OP,
+        &Kernel::plain(&INDEX, "gather_scatter"),
+        &[(1, &g), (3, &idx), (4, &out)],
         &params,
     )
     .record(groups(n, WORKGROUP))?;
