@@ -90,3 +90,31 @@ pub enum Error {
 
 /// `std::result::Result` with wgrad's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// An input error of an op built on another (conv1d on conv2d) as the caller's: named
+    /// `op`, its message after `inputs`, the shapes the caller was given. Other errors (device,
+    /// files, capture) pass unchanged.
+    pub(crate) fn into_error_of(self, op: &'static str, inputs: String) -> Error {
+        let restate = |msg: String| format!("{inputs}: {msg}");
+        match self {
+            Error::Shape { msg, .. } => Error::Shape {
+                op,
+                msg: restate(msg),
+            },
+            Error::DType { msg, .. } => Error::DType {
+                op,
+                msg: restate(msg),
+            },
+            Error::Index { msg, .. } => Error::Index {
+                op,
+                msg: restate(msg),
+            },
+            Error::InvalidArgument { msg, .. } => Error::InvalidArgument {
+                op,
+                msg: restate(msg),
+            },
+            other => other,
+        }
+    }
+}

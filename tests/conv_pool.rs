@@ -609,6 +609,25 @@ fn conv1d_matches_cpu_reference() {
     assert_eq!(x.conv1d(&w, None, 1, 1).unwrap().shape(), &[1, 1, 5]);
 }
 
+/// conv1d runs as a 2-d convolution; its errors still name conv1d and the shapes given to it.
+#[test]
+fn conv1d_errors_name_conv1d_and_its_shapes() {
+    let x = Tensor::zeros(&[2, 3, 2], device()).unwrap();
+    let cases = [
+        (Tensor::zeros(&[4, 3, 3], device()).unwrap(), "does not fit"),
+        (Tensor::zeros(&[4, 2, 1], device()).unwrap(), "C_out"),
+    ];
+    for (w, says) in cases {
+        let err = x.conv1d(&w, None, 1, 0).unwrap_err().to_string();
+        assert!(err.starts_with("conv1d: "), "{err}");
+        assert!(
+            err.contains("[2, 3, 2]") && err.contains(&format!("{:?}", w.shape())),
+            "{err}"
+        );
+        assert!(err.contains(says), "{err}");
+    }
+}
+
 /// A sequence longer than Mesa 22.3 lets one invocation loop (65,535 iterations), past one
 /// product's k (16,384) too: forward, input grad and weight grad against the CPU.
 #[test]

@@ -777,7 +777,15 @@ impl Tensor {
             });
         }
         self.unsqueeze(2)?
-            .conv2d_with(&weight.unsqueeze(2)?, bias, options.as_2d())?
+            .conv2d_with(&weight.unsqueeze(2)?, bias, options.as_2d())
+            .map_err(|e| {
+                let inputs = format!(
+                    "input {:?} and weight {:?} as a 2-d convolution",
+                    self.shape(),
+                    weight.shape()
+                );
+                e.into_error_of("conv1d", inputs)
+            })?
             .squeeze(2)
     }
 
