@@ -59,18 +59,32 @@ fn workgroup_prefix(lid: u32, v: f32) -> f32 {
     return partial[lid];
 }
 
+// Workgroup `w`'s block: its row, its index in the row, and the first of the 4 positions of
+// invocation `lid`.
+struct Block {
+    row: u32,
+    index: u32,
+    first: u32,
+}
+
+fn block_of(w: u32, lid: u32) -> Block {
+    let blocks = pu(SCAN_BLOCKS);
+    let row = w / blocks;
+    let index = w - row * blocks;
+    return Block(row, index, index * 1024u + lid * 4u);
+}
+
 // Each block's total, at [row, block] of dst.
 @compute @workgroup_size(256)
 fn block_totals(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
     let w = workgroup_index(wid, nwg);
-    let blocks = pu(SCAN_BLOCKS);
-    if (w >= pu(SCAN_ROWS) * blocks) {
+    if (w >= pu(SCAN_ROWS) * pu(SCAN_BLOCKS)) {
         return;
     }
-    let row = w / blocks;
-    let first = (w - row * blocks) * 1024u + lid * 4u;
-    let four = load(row, first) + load(row, first + 1u) + load(row, first + 2u) + load(row, first + 3u);
+    let b = block_of(w, lid);
+    let four = load(b.row, b.first) + load(b.row, b.first + 1u) + load(b.row, b.first + 2u)
+        + load(b.row, b.first + 3u);
     workgroup_prefix(lid, four);
     if (lid == 0u) {
         dst[w] = block_sum;
@@ -82,26 +96,23 @@ fn block_totals(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 fn scan_blocks(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
     let w = workgroup_index(wid, nwg);
-    let blocks = pu(SCAN_BLOCKS);
-    if (w >= pu(SCAN_ROWS) * blocks) {
+    if (w >= pu(SCAN_ROWS) * pu(SCAN_BLOCKS)) {
         return;
     }
-    let row = w / blocks;
-    let block = w - row * blocks;
-    let first = block * 1024u + lid * 4u;
-    let a = load(row, first);
-    let b = load(row, first + 1u);
-    let c = load(row, first + 2u);
-    let d = load(row, first + 3u);
+    let k = block_of(w, lid);
+    let a = load(k.row, k.first);
+    let b = load(k.row, k.first + 1u);
+    let c = load(k.row, k.first + 2u);
+    let d = load(k.row, k.first + 3u);
     var carry = 0.0;
-    if (block > 0u) {
+    if (k.index > 0u) {
         carry = scanned_totals[w - 1u];
     }
     let start = carry + workgroup_prefix(lid, a + b + c + d);
-    store(row, first, start + a);
-    store(row, first + 1u, start + a + b);
-    store(row, first + 2u, start + a + b + c);
-    store(row, first + 3u, start + a + b + c + d);
+    store(k.row, k.first, start + a);
+    store(k.row, k.first + 1u, start + a + b);
+    store(k.row, k.first + 2u, start + a + b + c);
+    store(k.row, k.first + 3u, start + a + b + c + d);
 }
 
 // Short rows: one invocation walks each.

@@ -535,16 +535,7 @@ fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize])
         return Ok(out);
     }
     let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
-    let pad = KERNEL_RANK - shape.len();
-    let params = GatherBackwardParams {
-        n: n as u32,
-        dim: (pad + dim) as u32,
-        src_offset: g.layout().offset as u32,
-        indices_offset: idx.layout().offset as u32,
-        rank: shape.len() as u32,
-        dst_shape: padded(shape, 1),
-        indices_shape: padded(indices.shape(), 1),
-    };
+    let params = GatherBackwardParams::new(n, dim, &g, &idx, shape);
     Launch::new(
         OP,
         &Kernel::plain(&INDEX, "gather_backward"),
@@ -553,6 +544,22 @@ fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize])
     )
     .record(groups(n, WORKGROUP))?;
     Ok(out)
+}
+
+impl GatherBackwardParams {
+    /// `n` invocations over the contiguous incoming grad `g` and lookups `idx` along `dim`
+    /// of an input of `shape`.
+    fn new(n: usize, dim: usize, g: &Tensor, idx: &Tensor, shape: &[usize]) -> Self {
+        GatherBackwardParams {
+            n: n as u32,
+            dim: (KERNEL_RANK - shape.len() + dim) as u32,
+            src_offset: g.layout().offset as u32,
+            indices_offset: idx.layout().offset as u32,
+            rank: shape.len() as u32,
+            dst_shape: padded(shape, 1),
+            indices_shape: padded(idx.shape(), 1),
+        }
+    }
 }
 
 /// `gather_backward` by scattering each lookup's grad into a zeroed input (`gather_scatter`).
@@ -564,16 +571,7 @@ fn gather_scatter(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) 
         return Ok(out);
     }
     let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
-    let pad = KERNEL_RANK - shape.len();
-    let params = GatherBackwardParams {
-        n: n as u32,
-        dim: (pad + dim) as u32,
-        src_offset: g.layout().offset as u32,
-        indices_offset: idx.layout().offset as u32,
-        rank: shape.len() as u32,
-        dst_shape: padded(shape, 1),
-        indices_shape: padded(indices.shape(), 1),
-    };
+    let params = GatherBackwardParams::new(n, dim, &g, &idx, shape);
     Launch::new(
         OP,
         &Kernel::plain(&INDEX, "gather_scatter"),
