@@ -72,8 +72,18 @@ struct Args {
     #[arg(long, default_value_t = 40)]
     top_k: usize,
     /// Then among the most likely whose probabilities add up to this (nucleus sampling; 1: all).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = probability_mass)]
     top_p: f32,
+}
+
+/// `--top-p`'s value: a probability mass in (0, 1], checked before any training starts.
+fn probability_mass(arg: &str) -> Result<f32, String> {
+    let p: f32 = arg.parse().map_err(|e| format!("{e}"))?;
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err(format!("must be in (0, 1], got {p}"))
+    }
 }
 
 /// A byte-level BPE of `vocab_size` tokens trained on the file `text` (GPT-2's pre-tokenizer
