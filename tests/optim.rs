@@ -352,6 +352,28 @@ fn clip_grad_norm_scales_grads_to_the_max_norm() {
     );
 }
 
+/// torch's `clip_grad_norm_` over parameters without grads returns a norm of 0 and changes
+/// nothing (a frozen model's step); with no parameters at all wgrad has no device for it.
+#[test]
+fn clip_grad_norm_without_grads_is_a_norm_of_zero() {
+    let a = Tensor::zeros(&[2], device()).unwrap().requires_grad_(true);
+    let norm = optim::clip_grad_norm(std::slice::from_ref(&a), 1.0).unwrap();
+    assert_eq!(norm.shape(), &[] as &[usize]);
+    assert_eq!(norm.item().unwrap(), 0.0);
+    assert!(a.grad().is_none());
+    let err = optim::clip_grad_norm(&[], 1.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                op: "clip_grad_norm",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
 #[test]
 fn cosine_and_step_schedules_follow_pytorch() {
     let cosine = optim::CosineLr {

@@ -6,8 +6,9 @@ use crate::tensor::Tensor;
 
 /// Scales the grads of `params` in place so that their global L2 norm is at most `max_norm`
 /// (as `torch.nn.utils.clip_grad_norm_`: by `min(1, max_norm / (norm + 1e-6))`), and returns
-/// the norm before clipping as a 0-dim tensor. Parameters without a grad are skipped, and a
-/// tensor listed twice (a tied weight) counts and is scaled once.
+/// the norm before clipping as a 0-dim tensor. Parameters without a grad are skipped (none
+/// with a grad: a norm of 0, as torch), and a tensor listed twice (a tied weight) counts and
+/// is scaled once.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f32) -> Result<Tensor> {
     const OP: &str = "clip_grad_norm";
     if !max_norm.is_finite() || max_norm <= 0.0 {
@@ -25,10 +26,15 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f32) -> Result<Tensor> {
     }
     let grads: Vec<Tensor> = distinct.iter().filter_map(|p| p.grad()).collect();
     let Some(first) = grads.first() else {
-        return Err(Error::InvalidArgument {
-            op: OP,
-            msg: "no parameter has a grad".into(),
-        });
+        // torch returns a norm of 0 and clips nothing; with no parameter there is no device to
+        // put it on.
+        return match params.first() {
+            Some(p) => Tensor::zeros(&[], p.device()),
+            None => Err(Error::InvalidArgument {
+                op: OP,
+                msg: "needs at least one parameter".into(),
+            }),
+        };
     };
     let mut total = Tensor::zeros(&[], first.device())?;
     for g in &grads {
