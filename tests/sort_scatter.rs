@@ -231,8 +231,19 @@ fn sort_and_topk_send_grads_to_the_positions_they_took() {
         // A transposed view, sorted along dim 0.
         gradcheck(
             &format!("topk of a view {n}"),
-            &[(vec![n, 6], values)],
+            &[(vec![n, 6], values.clone())],
             |t| Ok(t[0].t()?.topk(1, 1)?.0),
+        );
+        // Along a dim that is not last: the grad comes back in the input's layout.
+        gradcheck(
+            &format!("sort along dim 0 {n}"),
+            &[(vec![6, n], values.clone())],
+            |t| Ok(t[0].sort(0, true)?.0),
+        );
+        gradcheck(
+            &format!("topk along dim 0 {n}"),
+            &[(vec![6, n], values)],
+            |t| Ok(t[0].topk(2, 0)?.0),
         );
     }
 }

@@ -24,6 +24,26 @@ pub(crate) mod view;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// `x` as dense rows `[rows, n]` along `dim` (moved last; a dense view keeps its offset), for
+/// the kernels that walk whole rows (sort, cumsum). [`from_rows`] lays their results back out.
+pub(crate) fn rows_along(x: &Tensor, dim: usize) -> Result<Tensor> {
+    let n = x.shape()[dim];
+    let rows = x.numel().checked_div(n).unwrap_or(0);
+    x.transpose(dim, x.rank() - 1)?
+        .contiguous()?
+        .reshape(&[rows, n])
+}
+
+/// Rows `[rows, m]` computed from [`rows_along`]`(x, dim)` in the layout of `x` (`shape`),
+/// `dim` now of size m (a view: `dim` moved back from last).
+pub(crate) fn from_rows(rows: &Tensor, shape: &[usize], dim: usize) -> Result<Tensor> {
+    let last = shape.len() - 1;
+    let mut moved = shape.to_vec();
+    moved.swap(dim, last);
+    moved[last] = rows.shape()[1];
+    rows.reshape(&moved)?.transpose(dim, last)
+}
+
 /// `part(start, len)` for the chunks of at most `chunk` items that cover `0..total`, added
 /// up (`None` when `total` is 0): how ops split work whose loops would otherwise run past
 /// llvmpipe's iteration limit, or whose buffers would grow with the batch.

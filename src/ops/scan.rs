@@ -6,7 +6,7 @@
 
 use crate::error::Result;
 use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
-use crate::ops::cast;
+use crate::ops::{cast, from_rows, rows_along};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -92,20 +92,10 @@ fn cumsum_along(x: &Tensor, dim: usize, reverse: bool) -> Result<Tensor> {
     const OP: &str = "cumsum";
     x.expect_dtype(OP, DType::F32)?;
     x.layout().check_dim(OP, dim)?;
-    let last = x.rank() - 1;
-    let len = x.shape()[dim];
-    let rows = x.numel().checked_div(len).unwrap_or(0);
     let out = {
         let _no_grad = NoGradGuard::new();
-        let rows_t = x
-            .transpose(dim, last)?
-            .contiguous()?
-            .reshape(&[rows, len])?;
-        let mut moved = x.shape().to_vec();
-        moved.swap(dim, last);
-        running_sums(OP, &rows_t, reverse)?
-            .reshape(&moved)?
-            .transpose(dim, last)?
+        let sums = running_sums(OP, &rows_along(x, dim)?, reverse)?;
+        from_rows(&sums, x.shape(), dim)?
     };
     Ok(record(OP, out, &[x], |_| {
         move |g: &Tensor| Ok(vec![Some(cumsum_along(g, dim, !reverse)?)])

@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
+use crate::ops::{from_rows, rows_along};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -61,16 +62,12 @@ fn sorted(
             ),
         });
     }
-    let last = x.rank() - 1;
     let rows = x.numel().checked_div(len).unwrap_or(0);
     let dev = x.device();
     // Rows [rows, len] with `dim` last; results [rows, keep] moved back.
     let (ranks, values, indices) = {
         let _no_grad = NoGradGuard::new();
-        let rows_t = x
-            .transpose(dim, last)?
-            .contiguous()?
-            .reshape(&[rows, len])?;
+        let rows_t = rows_along(x, dim)?;
         let ranks = Tensor::empty(op, &[rows, len], DType::U32, dev)?;
         let values = Tensor::empty(op, &[rows, keep], DType::F32, dev)?;
         let indices = Tensor::empty(op, &[rows, keep], DType::U32, dev)?;
@@ -139,11 +136,11 @@ fn sorted(
             indices,
         )
     };
-    let mut moved = x.shape().to_vec();
-    moved.swap(dim, last);
-    moved[last] = keep;
-    let back = |t: Tensor| t.reshape(&moved)?.transpose(dim, last);
-    let indices = back(indices.with_index_bound(Some(len.max(1) as u32)))?;
+    let indices = from_rows(
+        &indices.with_index_bound(Some(len.max(1) as u32)),
+        x.shape(),
+        dim,
+    )?;
     let values = record(op, values, &[x], |_| {
         let shape = x.shape().to_vec();
         move |g: &Tensor| {
@@ -151,12 +148,10 @@ fn sorted(
             // grads padded with a column of zeros, gathered at min(rank, keep).
             let g = g.reshape(&[rows, keep])?.pad2d((0, 1, 0, 0), 0.0)?;
             let grad = g.gather(1, &ranks)?;
-            let mut moved = shape.clone();
-            moved.swap(dim, last);
-            Ok(vec![Some(grad.reshape(&moved)?.transpose(dim, last)?)])
+            Ok(vec![Some(from_rows(&grad, &shape, dim)?)])
         }
     });
-    Ok((back(values)?, indices))
+    Ok((from_rows(&values, x.shape(), dim)?, indices))
 }
 
 impl Tensor {
