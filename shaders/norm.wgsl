@@ -149,8 +149,8 @@ fn store_normalised(row: u32, c: u32, mean: f32, rstd: f32) {
 }
 
 // The backward's terms at elements 4c..4c+4 of row `row`, whose statistics `stat` are
-// (mean, rstd): gw = grad * weight and xhat = (x - mean) rstd, zero past the row's end (grad
-// and weight read as 0 there).
+// (mean, rstd): gw = grad * weight and xhat = (x - mean) rstd, both zero past the row's end
+// (grad and weight read as 0 there; xhat is masked, as its sum is taken).
 struct GradTerms {
     gw: vec4<f32>,
     xhat: vec4<f32>,
@@ -161,22 +161,28 @@ fn grad_terms(row: u32, c: u32, stat: vec2<f32>) -> GradTerms {
     let x = x_row(row);
     let g_base = pu(NORM_GRAD_OFFSET) + row * len;
     let w_at = pu(NORM_WEIGHT_OFFSET);
-    let xhat = (x4(x.x + 4u * c, x.y) - stat.x) * stat.y;
+    let xhat = select(vec4<f32>(0.0), (x4(x.x + 4u * c, x.y) - stat.x) * stat.y,
+                      inside(x.x + 4u * c, x.y));
     let gw = grad4(g_base + 4u * c, g_base + len) * weight4(w_at + 4u * c, w_at + len);
     return GradTerms(gw, xhat);
 }
 
-// The input grad at elements 4c..4c+4 of row `row`, stored, given the row's means of gw and
-// of gw xhat: rstd (gw - mean(gw) - xhat mean(gw xhat)).
+// The input grad at elements 4c..4c+4 of row `row`, stored, given the row's mean of gw and
+// the co-moment of gw and xhat (see `grad_means`): rstd (gw - mean(gw) - xhat comoment).
 fn store_input_grad(row: u32, c: u32, stat: vec2<f32>, means: vec2<f32>) {
     let t = grad_terms(row, c, stat);
     let dx = stat.y * (t.gw - means.x - t.xhat * means.y);
     store_group(row * pu(NORM_LEN) + 4u * c, dx, c, pu(NORM_LEN));
 }
 
-// The means of gw (0 for RMSNorm) and of gw xhat over a row of `len`, from their sums.
-fn grad_means(sums: vec2<f32>, len: u32) -> vec2<f32> {
-    return vec2<f32>(select(0.0, sums.x / f32(len), pu(NORM_CENTER) == 1u), sums.y / f32(len));
+// The mean of gw (0 for RMSNorm) over a row of `len`, and the co-moment of gw and xhat,
+// mean(gw xhat) - mean(gw) mean(xhat), from the sums of gw, gw xhat and xhat. xhat's mean
+// is 0 in exact arithmetic, but a row far from 0 rounds its f32 mean an ulp off, and 1 / sigma
+// magnifies the recomputed xhat's mean past 1e-3 of it: the co-moment cancels it, where
+// mean(gw xhat) alone kept it (the grad of a LayerNorm's summed outputs, 0, read 0.017).
+fn grad_means(sums: vec3<f32>, len: u32) -> vec2<f32> {
+    let mean_gw = select(0.0, sums.x / f32(len), pu(NORM_CENTER) == 1u);
+    return vec2<f32>(mean_gw, sums.y / f32(len) - mean_gw * (sums.z / f32(len)));
 }
 
 // The row's mean and its squared deviations' sum, from `mean` (the row's sum over `len`) and
@@ -266,7 +272,8 @@ fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 }
 
 // dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) with gw = grad * weight and
-// xhat = (x - mean) * rstd (RMSNorm: no mean(gw) term, mean 0).
+// xhat = (x - mean) * rstd (RMSNorm: no mean(gw) term, mean 0); mean(gw * xhat) taken as
+// the co-moment (see `grad_means`).
 @compute @workgroup_size(64)
 fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -279,12 +286,14 @@ fn backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let stat = vec2<f32>(stats[2u * row], stats[2u * row + 1u]);
     var sum_gw = vec4<f32>(0.0);
     var sum_gw_xhat = vec4<f32>(0.0);
+    var sum_xhat = vec4<f32>(0.0);
     for (var c = 0u; c < groups; c = c + 1u) {
         let t = grad_terms(row, c, stat);
         sum_gw = sum_gw + t.gw;
         sum_gw_xhat = sum_gw_xhat + t.gw * t.xhat;
+        sum_xhat = sum_xhat + t.xhat;
     }
-    let means = grad_means(vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat)), len);
+    let means = grad_means(vec3<f32>(sum4(sum_gw), sum4(sum_gw_xhat), sum4(sum_xhat)), len);
     for (var c = 0u; c < groups; c = c + 1u) {
         store_input_grad(row, c, stat, means);
     }
@@ -333,8 +342,8 @@ fn weight_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // (coalesced), and the row's sums are combined over the lanes. The sums are the same as the
 // per-row kernels', in another order.
 
-var<workgroup> row_parts: array<vec2<f32>, 64>;
-var<workgroup> row_total: vec2<f32>;
+var<workgroup> row_parts: array<vec3<f32>, 64>;
+var<workgroup> row_total: vec3<f32>;
 
 // ROW_GROUP is spliced: workgroup_row or subgroup_row (row_group.wgsl).
 fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
@@ -345,11 +354,11 @@ fn row_group(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> RowGroup {
 // spliced: row_reduce_subgroups for a workgroup where the device has subgroups of a fixed
 // width (two barriers), row_reduce_tree for one where it has not (seven: software adapters
 // run each as a coroutine switch of every SIMD group), row_reduce_in_subgroup for a subgroup.
-fn row_reduce(g: RowGroup, v: vec2<f32>) -> vec2<f32> {
+fn row_reduce(g: RowGroup, v: vec3<f32>) -> vec3<f32> {
     return ROW_REDUCE(g.lane, v);
 }
 
-fn row_reduce_tree(lid: u32, v: vec2<f32>) -> vec2<f32> {
+fn row_reduce_tree(lid: u32, v: vec3<f32>) -> vec3<f32> {
     row_parts[lid] = v;
     workgroupBarrier();
     for (var width = 32u; width > 0u; width = width / 2u) {
@@ -369,7 +378,7 @@ fn row_reduce_tree(lid: u32, v: vec2<f32>) -> vec2<f32> {
 // Each subgroup sums its lanes, its first lane writes the sum at the subgroup's index (the
 // subgroups of a one-dimensional workgroup hold consecutive invocations, as on every adapter
 // wgrad knows), and invocation 0 combines the 64 / width sums.
-fn row_reduce_subgroups(lid: u32, v: vec2<f32>) -> vec2<f32> {
+fn row_reduce_subgroups(lid: u32, v: vec3<f32>) -> vec3<f32> {
     let s = subgroupAdd(v);
     let width = subgroupAdd(1u);
     if (subgroupExclusiveAdd(1u) == 0u) {
@@ -387,7 +396,7 @@ fn row_reduce_subgroups(lid: u32, v: vec2<f32>) -> vec2<f32> {
 }
 
 // The sum of `v` over the subgroup: no barrier.
-fn row_reduce_in_subgroup(lane: u32, v: vec2<f32>) -> vec2<f32> {
+fn row_reduce_in_subgroup(lane: u32, v: vec3<f32>) -> vec3<f32> {
     return subgroupAdd(v);
 }
 // SUBGROUP SECTION END
@@ -413,17 +422,17 @@ fn forward_row(g: RowGroup) {
     for (var c = g.lane; c < select(0u, groups, pu(NORM_CENTER) == 1u); c = c + g.lanes) {
         sum = sum + x4(x.x + 4u * c, x.y);
     }
-    let first_mean = row_reduce(g, vec2<f32>(sum4(sum), 0.0)).x / f32(len);
+    let first_mean = row_reduce(g, vec3<f32>(sum4(sum), 0.0, 0.0)).x / f32(len);
     var sums = Deviations(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
     for (var c = g.lane; c < groups; c = c + g.lanes) {
         sums = add_deviation(sums, deviation4(x.x, x.y, c, first_mean));
     }
-    let row_sums = row_reduce(g, vec2<f32>(sum4(sums.squares), sum4(sums.sum)));
+    let row_sums = row_reduce(g, vec3<f32>(sum4(sums.squares), sum4(sums.sum), 0.0)).xy;
     // The scaled squares are summed over the lanes only where the squares overflowed (the
     // same on every lane of the row, so every lane meets the reduction's barriers or none).
     var scaled = 0.0;
     if (!(row_sums.x <= 3.0e38)) {
-        scaled = row_reduce(g, vec2<f32>(sum4(sums.scaled_squares), 0.0)).x;
+        scaled = row_reduce(g, vec3<f32>(sum4(sums.scaled_squares), 0.0, 0.0)).x;
     }
     let stat = corrected(first_mean, vec3<f32>(row_sums, scaled), len);
     let mean = stat.mean;
@@ -454,12 +463,15 @@ fn backward_row(g: RowGroup) {
     let stat = vec2<f32>(stats[2u * row], stats[2u * row + 1u]);
     var sum_gw = vec4<f32>(0.0);
     var sum_gw_xhat = vec4<f32>(0.0);
+    var sum_xhat = vec4<f32>(0.0);
     for (var c = g.lane; c < groups; c = c + g.lanes) {
         let t = grad_terms(row, c, stat);
         sum_gw = sum_gw + t.gw;
         sum_gw_xhat = sum_gw_xhat + t.gw * t.xhat;
+        sum_xhat = sum_xhat + t.xhat;
     }
-    let means = grad_means(row_reduce(g, vec2<f32>(sum4(sum_gw), sum4(sum_gw_xhat))), len);
+    let sums = vec3<f32>(sum4(sum_gw), sum4(sum_gw_xhat), sum4(sum_xhat));
+    let means = grad_means(row_reduce(g, sums), len);
     for (var c = g.lane; c < groups; c = c + g.lanes) {
         store_input_grad(row, c, stat, means);
     }

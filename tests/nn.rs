@@ -239,6 +239,38 @@ fn layer_norm_of_rows_of_equal_values_is_the_bias() {
     }
 }
 
+#[test]
+fn layer_norm_input_grad_of_a_constant_sum_is_zero() {
+    // Each row's outputs sum to len * bias whatever x is, so the input grad of their sum is 0.
+    // Rows far from 0 with a small spread round their f32 mean an ulp off, so the xhat the
+    // backward recomputes sums to no exact 0; 1 / sigma magnified that: the fuzzer's case
+    // 1352498 read 0.017 where finite differences read 2e-8.
+    for (base, spread) in [(1.3f32, 0.01f32), (1000.0, 0.01), (-37.5, 0.003)] {
+        for len in [2, 5, 64, 1000] {
+            let data: Vec<f32> = (0..3 * len)
+                .map(|i| base + spread * ((i * 7 % 11) as f32 / 10.0 - 0.5))
+                .collect();
+            let x = Tensor::from_slice(&data, &[3, len], device())
+                .unwrap()
+                .requires_grad_(true);
+            let weight = Tensor::full(&[len], 1.5, device()).unwrap();
+            let bias = Tensor::full(&[len], 0.25, device()).unwrap();
+            x.layer_norm(&weight, &bias, 1e-5)
+                .unwrap()
+                .sum()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grad = x.grad().unwrap().to_vec().unwrap();
+            let worst = grad.iter().fold(0f32, |m, g| m.max(g.abs()));
+            assert!(
+                worst <= 1e-4,
+                "rows of {len} at {base} +- {spread}: grad up to {worst}, want 0"
+            );
+        }
+    }
+}
+
 /// Rows longer than the fused kernel takes are normalised by the composed ops: same values.
 /// LayerNorm of rows of `len` on the host (biased variance), scaled and shifted.
 fn layer_norm_reference(x: &[f32], len: usize, w: &[f32], b: &[f32]) -> Vec<f64> {
