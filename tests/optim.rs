@@ -374,6 +374,103 @@ fn clip_grad_norm_without_grads_is_a_norm_of_zero() {
     );
 }
 
+/// Makes an optimizer over the parameters it is given.
+type MakeOptimizer = fn(Vec<Tensor>) -> Box<dyn Optimizer>;
+
+#[test]
+fn a_schedule_that_ends_at_a_rate_of_zero_trains_through_its_last_step() {
+    // CosineLr's min_lr of 0 (torch's eta_min default) gives the last step a rate of 0: the
+    // step runs, as torch's does, and moves nothing (no decay at rate 0 either).
+    let makers: [(&str, MakeOptimizer); 3] = [
+        ("sgd", |p| {
+            Box::new(optim::Sgd::new(
+                p,
+                optim::SgdConfig {
+                    lr: 0.1,
+                    momentum: 0.9,
+                    weight_decay: 0.1,
+                    ..Default::default()
+                },
+            ))
+        }),
+        ("adam", |p| {
+            Box::new(optim::Adam::new(p, optim::AdamConfig::default()))
+        }),
+        ("adamw", |p| {
+            Box::new(optim::AdamW::new(
+                p,
+                optim::AdamConfig {
+                    weight_decay: 0.1,
+                    ..Default::default()
+                },
+            ))
+        }),
+    ];
+    let schedule = optim::CosineLr {
+        base_lr: 0.1,
+        min_lr: 0.0,
+        total_steps: 3,
+    };
+    let (x, _) = random_tensor(&[N, IN], 8);
+    let labels = Tensor::from_labels(LABELS.to_vec(), device()).unwrap();
+    for (name, make) in makers {
+        let net = model();
+        let params = net.parameters();
+        let mut opt = make(params.clone());
+        for step in 0..=3 {
+            opt.set_lr(schedule.lr(step));
+            opt.zero_grad();
+            nn::loss::cross_entropy(&net.forward(&x).unwrap(), &labels)
+                .unwrap()
+                .backward()
+                .unwrap();
+            let before: Vec<Vec<f32>> = params.iter().map(|p| p.to_vec().unwrap()).collect();
+            opt.step()
+                .unwrap_or_else(|e| panic!("{name}, step {step}: {e}"));
+            let after: Vec<Vec<f32>> = params.iter().map(|p| p.to_vec().unwrap()).collect();
+            assert_eq!(
+                before == after,
+                step == 3,
+                "{name}, step {step} at lr {}",
+                schedule.lr(step)
+            );
+        }
+    }
+}
+
+#[test]
+fn a_negative_learning_rate_is_an_error() {
+    let net = model();
+    let mut opt = optim::Sgd::new(
+        net.parameters(),
+        optim::SgdConfig {
+            lr: -0.1,
+            ..Default::default()
+        },
+    );
+    let err = opt.step().unwrap_err();
+    assert!(
+        err.to_string().contains("lr must be finite and >= 0"),
+        "{err}"
+    );
+    let mut adam = optim::Adam::new(net.parameters(), optim::AdamConfig::default());
+    adam.set_lr(-0.1);
+    assert!(adam.step().is_err());
+    // A group's rate is a multiple of the base rate, so a base of 0 leaves it none.
+    let mut grouped = optim::Sgd::with_groups(
+        vec![optim::ParamGroup::new(net.parameters()).lr(0.1)],
+        optim::SgdConfig {
+            lr: 0.0,
+            ..Default::default()
+        },
+    );
+    let err = grouped.step().unwrap_err();
+    assert!(
+        err.to_string().contains("multiple of the config's lr"),
+        "{err}"
+    );
+}
+
 #[test]
 fn cosine_and_step_schedules_follow_pytorch() {
     let cosine = optim::CosineLr {

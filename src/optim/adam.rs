@@ -46,9 +46,9 @@ struct AdamHyper {
 impl AdamHyper {
     fn check(&self, op: &'static str) -> Result<()> {
         let c = self.config;
-        check_hyper(op, "lr", c.lr, true)?;
-        check_hyper(op, "eps", c.eps, false)?;
-        check_hyper(op, "weight_decay", c.weight_decay, false)?;
+        check_hyper(op, "lr", c.lr)?;
+        check_hyper(op, "eps", c.eps)?;
+        check_hyper(op, "weight_decay", c.weight_decay)?;
         for beta in [c.betas.0, c.betas.1] {
             if !(0.0..1.0).contains(&beta) {
                 return Err(crate::Error::InvalidArgument {

@@ -116,8 +116,9 @@ pub(crate) fn restored_groups(
 
 /// The parameters of `groups` in order, each with its group's settings (`base_lr` is the
 /// config's learning rate, which a group's rate is a multiple of), or why the groups are
-/// invalid: an empty group, a group rate that is not finite and positive, a weight decay that
-/// is not finite and non-negative. (A parameter in two groups is refused at `step`, as any
+/// invalid: an empty group, a group rate that is not finite and non-negative (or any group
+/// rate when the base rate is 0: it would be no multiple of it), a weight decay that is not
+/// finite and non-negative. (A parameter in two groups is refused at `step`, as any
 /// parameter listed twice.)
 pub(crate) fn flatten(
     op: &'static str,
@@ -133,10 +134,14 @@ pub(crate) fn flatten(
             invalid = invalid.or_else(|| fail(format!("parameter group {g} is empty")));
         }
         if let Some(lr) = group.lr {
-            if !(lr.is_finite() && lr > 0.0) {
+            if !(lr.is_finite() && lr >= 0.0) {
+                invalid = invalid
+                    .or_else(|| fail(format!("group {g}: lr must be finite and >= 0, got {lr}")));
+            } else if base_lr == 0.0 {
                 invalid = invalid.or_else(|| {
                     fail(format!(
-                        "group {g}: lr must be finite and positive, got {lr}"
+                        "group {g}: lr {lr} is kept as a multiple of the config's lr, which is \
+                         0; give the config the base rate and schedule it down instead"
                     ))
                 });
             }

@@ -195,19 +195,13 @@ fn check_distinct(op: &'static str, params: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// Errors unless `value` is finite (and positive where `positive`), naming the optimizer.
-fn check_hyper(op: &'static str, name: &str, value: f32, positive: bool) -> Result<()> {
-    if !value.is_finite() || (positive && value <= 0.0) || value < 0.0 {
+/// Errors unless `value` is finite and non-negative, naming the optimizer. A rate of 0 is
+/// valid, as in torch: schedules end there (`CosineLr`'s `min_lr` of 0).
+fn check_hyper(op: &'static str, name: &str, value: f32) -> Result<()> {
+    if !(value.is_finite() && value >= 0.0) {
         return Err(Error::InvalidArgument {
             op,
-            msg: format!(
-                "{name} must be finite{}, got {value}",
-                if positive {
-                    " and positive"
-                } else {
-                    " and >= 0"
-                }
-            ),
+            msg: format!("{name} must be finite and >= 0, got {value}"),
         });
     }
     Ok(())

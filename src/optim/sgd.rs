@@ -74,10 +74,10 @@ impl Sgd {
 
 fn check_config(c: &SgdConfig) -> Result<()> {
     const OP: &str = "Sgd::step";
-    check_hyper(OP, "lr", c.lr, true)?;
-    check_hyper(OP, "momentum", c.momentum, false)?;
-    check_hyper(OP, "weight_decay", c.weight_decay, false)?;
-    check_hyper(OP, "dampening", c.dampening, false)?;
+    check_hyper(OP, "lr", c.lr)?;
+    check_hyper(OP, "momentum", c.momentum)?;
+    check_hyper(OP, "weight_decay", c.weight_decay)?;
+    check_hyper(OP, "dampening", c.dampening)?;
     if c.nesterov && (c.momentum == 0.0 || c.dampening != 0.0) {
         return Err(Error::InvalidArgument {
             op: OP,
