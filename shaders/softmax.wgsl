@@ -167,6 +167,12 @@ fn weight_of(c: u32) -> f32 {
     return 1.0;
 }
 
+// The logit of `label` in the row from `base`: an ignored label may lie past the row (a
+// marker such as torch's -100), so the read is clamped into it and its value unused.
+fn label_logit(base: u32, label: u32) -> f32 {
+    return src_at(base + min(label, pu(SOFTMAX_LEN) - 1u));
+}
+
 fn ignored(label: u32) -> bool {
     return pu(SOFTMAX_IGNORE) == 1u && label == pu(SOFTMAX_IGNORE_INDEX);
 }
@@ -211,8 +217,8 @@ fn cross_entropy_row(g: RowGroup) {
         sums = vec2<f32>(row_reduce(g, w, false), row_reduce(g, wx, false));
     }
     if (g.lane == 0u) {
-        let label = min(labels[pu(SOFTMAX_LABELS_OFFSET) + row], k_len - 1u);
-        set_dst(row, row_loss(stats, label, src_at(base + label), sums));
+        let label = labels[pu(SOFTMAX_LABELS_OFFSET) + row];
+        set_dst(row, row_loss(stats, label, label_logit(base, label), sums));
     }
 }
 
@@ -232,8 +238,8 @@ fn cross_entropy_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
             sums = sums + vec2<f32>(1.0, src_at(base + k)) * weight_of(k);
         }
     }
-    let label = min(labels[pu(SOFTMAX_LABELS_OFFSET) + row], k_len - 1u);
-    set_dst(row, row_loss(stats, label, src_at(base + label), sums));
+    let label = labels[pu(SOFTMAX_LABELS_OFFSET) + row];
+    set_dst(row, row_loss(stats, label, label_logit(base, label), sums));
 }
 
 // The grad of softmax (or log_softmax) for one element, given the row's sum: for softmax

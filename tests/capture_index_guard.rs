@@ -5,6 +5,7 @@
 
 mod common;
 use wgrad::capture::Step;
+use wgrad::nn::loss::{cross_entropy_with, CrossEntropyOptions, IGNORE_INDEX};
 use wgrad::nn::{self, Module};
 use wgrad::optim::{Optimizer, Sgd, SgdConfig};
 use wgrad::{Device, Error, Result, Tensor};
@@ -230,5 +231,115 @@ fn labels_the_step_derives_are_bounded_by_their_inputs_at_capture() {
     assert_eq!(step.stats().replays, 2);
     // Past the classes: the eager error.
     let err = step.run(&[x.clone(), label(6), label(1)]).unwrap_err();
+    assert!(matches!(err, Error::Index { .. }), "{err}");
+}
+
+/// A step whose loss ignores targets holding `IGNORE_INDEX` (torch's -100): with SGD at lr 0,
+/// so that every call's loss can be compared with the eager loss.
+fn ignoring_step<'a>(
+    model: &'a nn::Linear,
+    opt: &'a mut Sgd,
+    derive: impl Fn(&[Tensor]) -> Result<Tensor> + 'a,
+) -> Step<impl FnMut(&[Tensor]) -> Result<Tensor> + 'a> {
+    Step::new(move |b: &[Tensor]| {
+        opt.zero_grad();
+        let opts = CrossEntropyOptions {
+            ignore_index: Some(IGNORE_INDEX),
+            ..Default::default()
+        };
+        let loss = cross_entropy_with(&model.forward(&b[0])?, &derive(b)?, &opts)?;
+        loss.backward()?;
+        opt.step()?;
+        Ok(loss)
+    })
+}
+
+#[test]
+fn labels_holding_the_ignore_marker_replay_and_a_label_past_the_classes_is_the_eager_error() {
+    let dev = Device::new().unwrap();
+    let model = nn::Linear::new(4, 3, true, &dev).unwrap();
+    let mut opt = Sgd::new(
+        model.parameters(),
+        SgdConfig {
+            lr: 0.0,
+            ..Default::default()
+        },
+    );
+    let x = Tensor::randn(&[2, 4], 5, &dev).unwrap();
+    let labels = |v: Vec<u32>| Tensor::from_vec_u32(v, &[2], &dev).unwrap();
+    let eager = |y: &Tensor| {
+        let opts = CrossEntropyOptions {
+            ignore_index: Some(IGNORE_INDEX),
+            ..Default::default()
+        };
+        cross_entropy_with(&model.forward(&x).unwrap(), y, &opts)
+            .unwrap()
+            .item()
+            .unwrap()
+    };
+    let want: Vec<f32> = [vec![0, IGNORE_INDEX], vec![IGNORE_INDEX, 2], vec![1, 0]]
+        .into_iter()
+        .map(|v| eager(&labels(v)))
+        .collect();
+    let mut step = ignoring_step(&model, &mut opt, |b| Ok(b[1].clone()));
+    for _ in 0..3 {
+        let loss = step
+            .run(&[x.clone(), labels(vec![0, IGNORE_INDEX])])
+            .unwrap();
+        assert_eq!(loss.item().unwrap(), want[0]);
+    }
+    assert_eq!(step.stats().replays, 1);
+    // The marker in another row, then no marker: both replay.
+    let loss = step
+        .run(&[x.clone(), labels(vec![IGNORE_INDEX, 2])])
+        .unwrap();
+    assert_eq!(loss.item().unwrap(), want[1]);
+    let loss = step.run(&[x.clone(), labels(vec![1, 0])]).unwrap();
+    assert_eq!(loss.item().unwrap(), want[2]);
+    assert_eq!(step.stats().replays, 3);
+    // Class 3 does not exist and is not the marker: the eager step's error.
+    let err = step
+        .run(&[x.clone(), labels(vec![3, IGNORE_INDEX])])
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Index {
+                op: "cross_entropy",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(step.stats().replays, 3);
+}
+
+#[test]
+fn derived_labels_holding_the_ignore_marker_replay() {
+    let dev = Device::new().unwrap();
+    let model = nn::Linear::new(4, 3, true, &dev).unwrap();
+    let mut opt = Sgd::new(
+        model.parameters(),
+        SgdConfig {
+            lr: 0.0,
+            ..Default::default()
+        },
+    );
+    let x = Tensor::randn(&[2, 4], 6, &dev).unwrap();
+    let label = |v: u32| Tensor::from_vec_u32(vec![v], &[1], &dev).unwrap();
+    let mut step = ignoring_step(&model, &mut opt, |b| {
+        Tensor::cat(&[b[1].clone(), b[2].clone()], 0)
+    });
+    for _ in 0..3 {
+        step.run(&[x.clone(), label(2), label(IGNORE_INDEX)])
+            .unwrap();
+    }
+    assert_eq!(step.stats().replays, 1);
+    // A smaller label and the marker again: replays.
+    step.run(&[x.clone(), label(0), label(IGNORE_INDEX)])
+        .unwrap();
+    assert_eq!(step.stats().replays, 2);
+    // Past the classes: the eager error.
+    let err = step.run(&[x.clone(), label(1), label(7)]).unwrap_err();
     assert!(matches!(err, Error::Index { .. }), "{err}");
 }

@@ -4,7 +4,9 @@
 
 mod common;
 use common::*;
-use wgrad::nn::loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions, Reduction};
+use wgrad::nn::loss::{
+    cross_entropy, cross_entropy_with, CrossEntropyOptions, Reduction, IGNORE_INDEX,
+};
 use wgrad::{Device, Error, KernelFlavor, Tensor};
 
 /// Torch's options on the host side.
@@ -76,7 +78,7 @@ fn reference(x: &[f32], y: &[u32], c: usize, o: &Options, g: &[f32]) -> (Vec<f64
 fn check(dev: &Device, n: usize, c: usize, o: &Options, what: &str) {
     let what = format!("{what} n {n} c {c} flavor {:?}", dev.kernel_flavor());
     let xv: Vec<f32> = random_vec(n * c, 11).iter().map(|v| v * 3.0).collect();
-    let labels: Vec<u32> = (0..n).map(|i| ((i * 3 + 1) % c) as u32).collect();
+    let labels = labels_for(n, c, o);
     let x = Tensor::from_slice(&xv, &[n, c], dev)
         .unwrap()
         .requires_grad_(true);
@@ -116,6 +118,17 @@ fn check(dev: &Device, n: usize, c: usize, o: &Options, what: &str) {
     assert_close(&grad, &want_grad, 1e-5, &format!("grad, {what}"));
 }
 
+/// Labels of `n` rows of `c` classes; where `o` ignores a marker past the classes (torch's
+/// -100), every fourth row holds the marker instead.
+fn labels_for(n: usize, c: usize, o: &Options) -> Vec<u32> {
+    (0..n)
+        .map(|i| match o.ignore_index {
+            Some(marker) if marker as usize >= c && i % 4 == 2 => marker,
+            _ => ((i * 3 + 1) % c) as u32,
+        })
+        .collect()
+}
+
 /// The calls on the shared device (the serial row kernels past 64 rows on lavapipe) and on one
 /// forced to the GPU flavour (a workgroup per row).
 fn on_both_flavours(calls: impl Fn(&Device)) {
@@ -140,6 +153,113 @@ fn ignore_index_drops_rows_from_the_loss_and_the_mean() {
             check(dev, n, 7, &o, "ignore_index");
         }
     });
+}
+
+#[test]
+fn an_ignore_index_past_the_classes_marks_targets_as_torchs_minus_100_does() {
+    on_both_flavours(|dev| {
+        for marker in [IGNORE_INDEX, 1000] {
+            for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+                for n in [5, 70] {
+                    let plain = Options {
+                        ignore_index: Some(marker),
+                        reduction,
+                        ..Default::default()
+                    };
+                    check(dev, n, 7, &plain, "marker");
+                    let every_option = Options {
+                        label_smoothing: 0.2,
+                        weight: Some(weights(7)),
+                        ..plain
+                    };
+                    check(dev, n, 7, &every_option, "marker with every option");
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn a_label_past_the_classes_other_than_the_ignore_index_is_an_error() {
+    let dev = device();
+    let x = Tensor::zeros(&[3, 10], dev).unwrap();
+    let opts = CrossEntropyOptions {
+        ignore_index: Some(100),
+        ..Default::default()
+    };
+    for (labels, needle) in [
+        (
+            vec![3, 100, 12],
+            "label 12 is out of range for 10 classes and is not the ignore_index 100",
+        ),
+        (vec![3, 200, 100], "label 200"),
+        (vec![3, 200, 5], "label 200"),
+    ] {
+        let y = Tensor::from_labels(labels, dev).unwrap();
+        let e = expect_error(cross_entropy_with(&x, &y, &opts), needle);
+        assert!(matches!(e, Error::Index { .. }), "{e:?}");
+    }
+    // Without an ignore_index, the marker is a label like any other.
+    let y = Tensor::from_labels(vec![3, IGNORE_INDEX, 1], dev).unwrap();
+    expect_error(cross_entropy(&x, &y), &format!("label {IGNORE_INDEX}"));
+}
+
+#[test]
+fn index_ops_refuse_labels_that_hold_the_ignore_marker() {
+    let dev = device();
+    let y = Tensor::from_labels(vec![3, IGNORE_INDEX, 1], dev).unwrap();
+    let table = Tensor::zeros(&[10, 2], dev).unwrap();
+    let e = table.index_select(0, &y).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Index {
+                op: "index_select",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn labels_joined_or_sliced_keep_their_ignore_marker() {
+    let dev = device();
+    let x = Tensor::randn(&[6, 5], 3, dev).unwrap();
+    let a = Tensor::from_labels(vec![4, IGNORE_INDEX, 0], dev).unwrap();
+    let b = Tensor::from_labels(vec![IGNORE_INDEX, 2, 1], dev).unwrap();
+    let opts = CrossEntropyOptions {
+        ignore_index: Some(IGNORE_INDEX),
+        reduction: Reduction::None,
+        ..Default::default()
+    };
+    let joined = Tensor::cat(&[a.clone(), b], 0).unwrap();
+    let losses = cross_entropy_with(&x, &joined, &opts)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(losses[1], 0.0);
+    assert_eq!(losses[3], 0.0);
+    assert!(
+        losses
+            .iter()
+            .enumerate()
+            .all(|(i, &l)| i == 1 || i == 3 || l > 0.0),
+        "{losses:?}"
+    );
+    let rows = x.narrow(0, 0, 2).unwrap();
+    let head = a.narrow(0, 0, 2).unwrap();
+    let losses = cross_entropy_with(&rows, &head, &opts)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    assert_eq!(losses[1], 0.0);
+    // A marker other than the one the loss ignores still fails it.
+    let other = CrossEntropyOptions {
+        ignore_index: Some(7),
+        ..opts
+    };
+    expect_error(cross_entropy_with(&x, &joined, &other), "ignore_index 7");
 }
 
 #[test]
@@ -335,11 +455,6 @@ fn bad_options_are_errors_naming_the_shapes() {
     let with = |x: &Tensor, y: &Tensor, opts: CrossEntropyOptions| cross_entropy_with(x, y, &opts);
     let bad_y = Tensor::from_vec_u32(vec![0; 6], &[2, 3], dev).unwrap();
     expect_error(with(&x, &bad_y, Default::default()), "[2, 3]");
-    let too_far = CrossEntropyOptions {
-        ignore_index: Some(3),
-        ..Default::default()
-    };
-    expect_error(with(&x, &y, too_far), "ignore_index 3");
     let smoothing = CrossEntropyOptions {
         label_smoothing: 1.5,
         ..Default::default()

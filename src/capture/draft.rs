@@ -10,7 +10,7 @@ use super::ir::{Draft, Kind, Loss, Refusal, Shell, Slot};
 use crate::device::Device;
 use crate::tensor::command::Command;
 use crate::tensor::tape::{SlotEvent, Tape, TapedStorage};
-use crate::tensor::{Layout, Tensor};
+use crate::tensor::{IndexRange, Layout, Tensor};
 
 /// Sorts the tape's storages into values and its entries into commands.
 pub(super) fn draft(
@@ -61,7 +61,7 @@ pub(super) fn draft(
 /// The step's index checks, less those on a tensor the step fills with the same host bytes at
 /// every replay and nothing else writes (a position embedding's positions): such a check holds
 /// at every replay as it did at capture, and says nothing of the inputs.
-fn checks_on_values_that_vary(tape: &Tape) -> Vec<(u64, usize)> {
+fn checks_on_values_that_vary(tape: &Tape) -> Vec<(u64, IndexRange)> {
     let mut constant: HashSet<u64> = HashSet::new();
     let mut written: HashSet<u64> = HashSet::new();
     for command in &tape.commands {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::ir::{Kind, Slot};
 use super::plan::Plan;
 use crate::autograd::is_grad_enabled;
-use crate::tensor::{DType, Layout, Storage, Tensor};
+use crate::tensor::{DType, IndexRange, Layout, Storage, Tensor};
 
 /// What a captured step's inputs looked like: a replay needs the same, since shapes and
 /// strides are baked into the plan's kernel params. Index values are not part of it: the
@@ -32,36 +32,38 @@ impl InputSignature {
     }
 }
 
-/// Which index inputs a plan admits: per input, the bound every index must stay below, or
-/// `None` where the step checked none of its values.
+/// Which index inputs a plan admits: per input, the range every index must stay in (below a
+/// bound, or a loss's ignore_index), or `None` where the step checked none of its values.
 ///
 /// A check on an input itself (or a view of it) admits what the consumer admits (an
 /// embedding's rows, a loss's classes), so batches of random tokens share one plan. A check
 /// on a u32 tensor the step derived (a copy, a `cat`) cannot be traced to one input; since a
 /// derived tensor's bound never exceeds its sources', such a check bounds every index input by
-/// its bound at capture, which is still valid, if narrower. (Checks on tensors the step
+/// its bound at capture, which is still valid, if narrower (see [`derived_limit`] for a loss's
+/// ignore_index marker). (Checks on tensors the step
 /// uploads with the same bytes at every replay never reach the guard: `draft.rs` drops them.)
 /// Bounds are known where a tensor is created, so the guard reads nothing back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct IndexGuard {
-    limits: Vec<Option<u32>>,
+    limits: Vec<Option<IndexRange>>,
 }
 
 impl IndexGuard {
-    pub(super) fn of(inputs: &[Tensor], checks: &[(u64, usize)]) -> IndexGuard {
-        let mut limits: Vec<Option<u32>> = vec![None; inputs.len()];
-        let mut derived = false;
-        for &(storage, size) in checks {
-            let size = u32::try_from(size).unwrap_or(u32::MAX);
+    pub(super) fn of(inputs: &[Tensor], checks: &[(u64, IndexRange)]) -> IndexGuard {
+        let mut limits: Vec<Option<IndexRange>> = vec![None; inputs.len()];
+        // The exceptions (ignore_index markers) that checks on derived tensors allow.
+        let mut derived: Option<Vec<Option<u32>>> = None;
+        for &(storage, range) in checks {
             match inputs.iter().position(|t| t.storage_id() == storage) {
-                Some(i) => limits[i] = Some(limits[i].map_or(size, |l| l.min(size))),
-                None => derived = true,
+                Some(i) => limits[i] = Some(limits[i].map_or(range, |l| l.intersection(range))),
+                None => derived.get_or_insert_default().push(range.except),
             }
         }
-        if derived {
+        if let Some(markers) = derived {
             for (limit, input) in limits.iter_mut().zip(inputs) {
-                if let (DType::U32, Some(bound)) = (input.dtype(), input.index_bound()) {
-                    *limit = Some(limit.map_or(bound, |l| l.min(bound)));
+                if let (DType::U32, Some(range)) = (input.dtype(), input.index_range()) {
+                    let bound = derived_limit(range, &markers);
+                    *limit = Some(limit.map_or(bound, |l| l.intersection(bound)));
                 }
             }
         }
@@ -75,8 +77,20 @@ impl IndexGuard {
             .zip(inputs)
             .all(|(limit, t)| match limit {
                 None => true,
-                Some(limit) => t.numel() == 0 || t.index_bound().is_some_and(|b| b <= *limit),
+                Some(limit) => t.numel() == 0 || t.index_range().is_some_and(|r| r.within(*limit)),
             })
+    }
+}
+
+/// What an index input whose values the step checked only through a tensor it derived (a
+/// `cat` of labels) may hold at a replay: any value below its bound at capture, as the derived
+/// tensor's values come from the inputs' and its check passed; or, where its largest value is
+/// a marker a check allows (a loss's ignore_index), that marker and any value below the
+/// others' bound.
+fn derived_limit(range: IndexRange, markers: &[Option<u32>]) -> IndexRange {
+    match range.except {
+        Some(e) if e >= range.below && markers.contains(&Some(e)) => range,
+        _ => IndexRange::below(range.bound()),
     }
 }
 

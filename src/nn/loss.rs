@@ -27,12 +27,20 @@ pub enum Reduction {
     None,
 }
 
+/// A target value past every class that marks a target to ignore, as torch's default
+/// `ignore_index` of -100 (whose u32 image this is not: U32 targets have no negative values).
+/// Labels from Hugging Face's `-100` map to it; pass it as
+/// [`CrossEntropyOptions::ignore_index`].
+pub const IGNORE_INDEX: u32 = u32::MAX;
+
 /// The options of [`cross_entropy_with`], as torch's `cross_entropy` arguments.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CrossEntropyOptions<'a> {
-    /// Targets equal to it contribute 0 and count for nothing in the mean. It must be a class
-    /// index (below C): U32 targets have no -100, so use e.g. the padding token's id. With
-    /// every target ignored the mean is 0 / 0 = NaN, as in torch.
+    /// Targets equal to it contribute 0 and count for nothing in the mean. Any u32: a class
+    /// index, or a value past the classes that marks targets as torch's -100 does (U32 has no
+    /// -100; [`IGNORE_INDEX`] is one such marker). Targets holding a marker pass this loss's
+    /// range check only (index ops still refuse them). With every target ignored the mean is
+    /// 0 / 0 = NaN, as in torch.
     pub ignore_index: Option<u32>,
     /// In `[0, 1]`: the target becomes `(1 - s) one_hot + s / C`.
     pub label_smoothing: f32,
@@ -99,23 +107,13 @@ pub fn cross_entropy_with(
             msg: format!("label_smoothing must be in [0, 1], got {s}"),
         });
     }
-    if let Some(ignore) = opts.ignore_index {
-        // The mean's count compares targets as f32s, exact below 2^24.
-        if c > 1 << 24 {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                msg: format!("ignore_index supports up to 2^24 classes, got {c}"),
-            });
-        }
-        if ignore as usize >= c {
-            return Err(Error::Index {
-                op: OP,
-                msg: format!(
-                    "ignore_index {ignore} must be a class index, below {c} (logits {:?})",
-                    logits.shape()
-                ),
-            });
-        }
+    // The mean's count compares targets as f32s, exact below 2^24 (a marker past the classes
+    // rounds, but no class rounds to it).
+    if opts.ignore_index.is_some() && c > 1 << 24 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!("ignore_index supports up to 2^24 classes, got {c}"),
+        });
     }
     if let Some(w) = opts.weight {
         logits.expect_same_device(OP, w)?;
@@ -165,7 +163,7 @@ pub fn cross_entropy_with(
             let denominator = {
                 let _no_grad = NoGradGuard::new();
                 let mut counted = match opts.weight {
-                    Some(w) => w.index_select(0, &flat_targets)?,
+                    Some(w) => class_weights_of(w, &flat_targets, opts.ignore_index)?,
                     None => Tensor::ones(&[m], logits.device())?,
                 };
                 if let Some(ignore) = opts.ignore_index {
@@ -178,6 +176,25 @@ pub fn cross_entropy_with(
             };
             losses.sum()?.div(&denominator)
         }
+    }
+}
+
+/// `weight[t]` for each target `t` (F32 `[M]`), 0 for a target equal to an `ignore` marker
+/// past the classes, which `index_select` would refuse: such targets read a zero appended at
+/// index C.
+fn class_weights_of(weight: &Tensor, targets: &Tensor, ignore: Option<u32>) -> Result<Tensor> {
+    let c = weight.numel();
+    match ignore {
+        Some(marker) if marker as usize >= c => {
+            let padded = Tensor::cat(&[weight.clone(), Tensor::zeros(&[1], weight.device())?], 0)?;
+            // Targets are below C or the marker; C < 2^24, so the f32 round trip is exact.
+            let clamped = (targets.to_dtype(DType::F32)?)
+                .clamp(0.0, c as f32)?
+                .to_dtype(DType::U32)?
+                .with_index_bound(Some(c as u32 + 1));
+            padded.index_select(0, &clamped)
+        }
+        _ => weight.index_select(0, targets),
     }
 }
 

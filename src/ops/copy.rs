@@ -10,7 +10,7 @@ use crate::kernel::{
 use crate::ops::cast;
 use crate::tensor::dim::Dim;
 use crate::tensor::graph::record;
-use crate::tensor::{DType, Layout, Tensor};
+use crate::tensor::{DType, IndexRange, Layout, Tensor};
 
 crate::kernel_params! {
     /// `strided_copy`: element `i` of the shape, read at the source's strides, written at the
@@ -368,7 +368,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         let out = Tensor::empty("contiguous", self.shape(), self.dtype(), self.device())?
-            .with_index_bound(self.index_bound());
+            .with_index_range(self.index_range());
         copy_fresh(self, &out)?;
         Ok(record_identity("contiguous", out, self))
     }
@@ -378,7 +378,7 @@ impl Tensor {
     pub fn deep_clone(&self) -> Result<Tensor> {
         const OP: &str = "deep_clone";
         let out = Tensor::empty(OP, self.shape(), self.dtype(), self.device())?
-            .with_index_bound(self.index_bound());
+            .with_index_range(self.index_range());
         copy_into(OP, self, &out, &out.layout().clone())?;
         Ok(record_identity(OP, out, self))
     }
@@ -422,8 +422,8 @@ impl Tensor {
         // may not bring in values past it.
         if self.dtype() == DType::U32 {
             let fits = matches!(
-                (src.index_bound(), self.index_bound()),
-                (Some(incoming), Some(bound)) if incoming <= bound
+                (src.index_range(), self.index_range()),
+                (Some(incoming), Some(range)) if incoming.within(range)
             );
             if !fits && src.numel() > 0 {
                 return Err(Error::InvalidArgument {
@@ -554,11 +554,11 @@ impl Tensor {
             let out = cast::through_f32(OP, &given, |w| Tensor::cat(w, dim))?;
             return Ok(out.expect("16-bit inputs"));
         }
-        let bound = tensors
+        let range = tensors
             .iter()
-            .map(|t| t.index_bound())
-            .try_fold(0u32, |m, b| b.map(|b| m.max(b)));
-        let out = Tensor::empty(OP, &shape, first.dtype(), first.device())?.with_index_bound(bound);
+            .map(|t| t.index_range())
+            .try_fold(IndexRange::below(0), |all, r| r.map(|r| all.union(r)));
+        let out = Tensor::empty(OP, &shape, first.dtype(), first.device())?.with_index_range(range);
         let mut start = 0;
         for t in tensors {
             let len = t.shape()[dim];

@@ -13,7 +13,7 @@ use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::KERNEL_RANK;
 use crate::tensor::tape;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, IndexRange, Tensor};
 
 crate::kernel_params! {
     /// `index_select` and its backward over contiguous `[outer, dim_size, inner]` data, of
@@ -201,19 +201,40 @@ pub(crate) fn expect_indices_below(
     size: usize,
     out_of_range: impl FnOnce(u32) -> String,
 ) -> Result<()> {
+    let size = u32::try_from(size).unwrap_or(u32::MAX);
+    expect_indices_in(op, indices, IndexRange::below(size), out_of_range)
+}
+
+/// Errors unless every value of the u32 `indices` lies in `limit` (below a size, or a loss's
+/// ignore_index), known from the range the tensor carries (no read-back); `out_of_range`
+/// words the error for the largest index that may lie outside. A captured step notes `limit`
+/// as the range its plan admits indices in.
+pub(crate) fn expect_indices_in(
+    op: &'static str,
+    indices: &Tensor,
+    limit: IndexRange,
+    out_of_range: impl FnOnce(u32) -> String,
+) -> Result<()> {
     indices.expect_dtype(op, DType::U32)?;
     if indices.numel() == 0 {
         return Ok(());
     }
-    match indices.index_bound() {
-        Some(bound) if bound as usize <= size => {
-            tape::note_index_limit(indices, size);
+    match indices.index_range() {
+        Some(range) if range.within(limit) => {
+            tape::note_index_limit(indices, limit);
             Ok(())
         }
-        Some(bound) => Err(Error::Index {
-            op,
-            msg: out_of_range(bound - 1),
-        }),
+        Some(range) => {
+            // The exception where it is the value outside, else the largest of the others.
+            let outside = match range.except {
+                Some(e) if e >= limit.below && Some(e) != limit.except => e,
+                _ => range.below - 1,
+            };
+            Err(Error::Index {
+                op,
+                msg: out_of_range(outside),
+            })
+        }
         None => Err(Error::Index {
             op,
             msg: "indices of unknown range".into(),

@@ -7,11 +7,11 @@ use crate::kernel::{
     groups, Kernel, KernelParams, Launch, RowLanes, ShaderFamily, MAX_LOOP_LEN, ROW_GROUP_WGSL,
     WORKGROUP_REDUCE_WGSL,
 };
-use crate::ops::index::expect_indices_below;
+use crate::ops::index::expect_indices_in;
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, IndexRange, Tensor};
 
 crate::kernel_params! {
     /// Every row kernel: `rows` rows of `len` elements from `offset`. `log`: 1 for
@@ -269,9 +269,18 @@ pub(crate) fn cross_entropy_rows(
             msg: format!("needs at least one class, got logits {:?}", logits.shape()),
         });
     }
-    expect_indices_below(OP, labels, c, |label| {
+    // A label may also be the ignore_index, past the classes (torch's -100).
+    let allowed = IndexRange {
+        below: u32::try_from(c).unwrap_or(u32::MAX),
+        except: loss.ignore_index,
+    };
+    expect_indices_in(OP, labels, allowed, |label| {
+        let ignore = match loss.ignore_index {
+            Some(i) if i as usize >= c => format!(" and is not the ignore_index {i}"),
+            _ => String::new(),
+        };
         format!(
-            "label {label} is out of range for {c} classes (logits {:?})",
+            "label {label} is out of range for {c} classes{ignore} (logits {:?})",
             logits.shape()
         )
     })?;

@@ -8,7 +8,7 @@ use rand_distr::{Distribution, StandardNormal};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::tensor::{checked_numel, tape, DType, Layout, Storage, Tensor};
+use crate::tensor::{checked_numel, tape, DType, IndexRange, Layout, Storage, Tensor};
 
 fn upload(
     op: &'static str,
@@ -155,7 +155,7 @@ impl Tensor {
     /// A u32 tensor of `shape` (indices for `index_select` and `gather`).
     pub fn from_vec_u32(data: Vec<u32>, shape: &[usize], device: &Device) -> Result<Tensor> {
         check_len("from_vec_u32", data.len(), shape)?;
-        let bound = data.iter().max().map_or(0, |&m| m.saturating_add(1));
+        let range = IndexRange::of(&data);
         Ok(upload(
             "from_vec_u32",
             bytemuck::cast_slice(&data),
@@ -163,7 +163,7 @@ impl Tensor {
             DType::U32,
             device,
         )?
-        .with_index_bound(Some(bound)))
+        .with_index_range(Some(range)))
     }
 
     /// An F16 tensor of `shape` holding `data` as it is (no rounding: the values are halves).

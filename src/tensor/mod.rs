@@ -7,6 +7,7 @@ mod display;
 pub(crate) mod fusion;
 pub(crate) mod grad_mode;
 pub(crate) mod graph;
+pub(crate) mod index_range;
 pub(crate) mod layout;
 mod storage;
 pub(crate) mod tape;
@@ -16,6 +17,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use graph::AutogradMeta;
+pub(crate) use index_range::IndexRange;
 pub(crate) use layout::Layout;
 pub(crate) use storage::Storage;
 
@@ -78,9 +80,9 @@ pub(crate) struct TensorInner {
     storage: RwLock<Arc<Storage>>,
     layout: Layout,
     dtype: DType,
-    /// For u32 tensors: an exclusive upper bound on the values, known from how the tensor was
-    /// made, so that ops can reject out-of-range labels without reading the data back.
-    index_bound: Option<u32>,
+    /// For u32 tensors: the range of the values, known from how the tensor was made, so that
+    /// ops can reject out-of-range labels without reading the data back.
+    index_range: Option<IndexRange>,
     device: Device,
 }
 
@@ -109,7 +111,7 @@ impl Tensor {
                 storage: RwLock::new(storage),
                 layout,
                 dtype,
-                index_bound: None,
+                index_range: None,
                 device: device.clone(),
             }),
         }
@@ -139,19 +141,25 @@ impl Tensor {
         let mut t = Tensor::from_parts(self.storage(), layout, self.dtype(), self.device());
         Arc::get_mut(&mut t.inner)
             .expect("fresh handle")
-            .index_bound = self.inner.index_bound;
+            .index_range = self.inner.index_range;
         t
     }
 
-    pub(crate) fn with_index_bound(mut self, bound: Option<u32>) -> Tensor {
+    /// This tensor with its values known to be below `bound` (`None`: unknown).
+    pub(crate) fn with_index_bound(self, bound: Option<u32>) -> Tensor {
+        self.with_index_range(bound.map(IndexRange::below))
+    }
+
+    /// This tensor with its values known to lie in `range` (`None`: unknown).
+    pub(crate) fn with_index_range(mut self, range: Option<IndexRange>) -> Tensor {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            inner.index_bound = bound;
+            inner.index_range = range;
             return self;
         }
         let mut t = self.view(self.layout().clone());
         Arc::get_mut(&mut t.inner)
             .expect("fresh handle")
-            .index_bound = bound;
+            .index_range = range;
         t
     }
 
@@ -181,7 +189,7 @@ impl Tensor {
             offset: skip,
         };
         Tensor::from_parts(Arc::new(window), layout, self.dtype(), self.device())
-            .with_index_bound(self.index_bound())
+            .with_index_range(self.index_range())
     }
 
     /// True when this tensor's buffer is larger than one kernel may bind.
@@ -189,8 +197,14 @@ impl Tensor {
         self.storage().bytes() > self.device().inner.max_binding_bytes()
     }
 
+    /// An exclusive bound on every value of this u32 tensor, where known.
     pub(crate) fn index_bound(&self) -> Option<u32> {
-        self.inner.index_bound
+        self.inner.index_range.map(IndexRange::bound)
+    }
+
+    /// What this u32 tensor's values are known to be, where known.
+    pub(crate) fn index_range(&self) -> Option<IndexRange> {
+        self.inner.index_range
     }
 
     /// Points this handle at another buffer of the same layout: how the engine installs a

@@ -15,7 +15,7 @@ use crate::device::{CachedPipeline, Device};
 use crate::error::{Error, Result};
 use crate::tensor::command::{BufferCopy, Command, Launch, Upload};
 use crate::tensor::fusion::Fusion;
-use crate::tensor::{Layout, Storage, Tensor, TensorInner};
+use crate::tensor::{IndexRange, Layout, Storage, Tensor, TensorInner};
 
 thread_local! {
     static TAPE: RefCell<Option<Tape>> = const { RefCell::new(None) };
@@ -66,9 +66,9 @@ pub(crate) struct Tape {
     pub flags: Vec<(Arc<AtomicBool>, bool)>,
     /// `requires_grad` of each tensor from outside the step that a launch read.
     pub requires_grad: Vec<(Weak<TensorInner>, bool)>,
-    /// Index checks that passed: the storage of the u32 tensor checked, and the size its
-    /// indices had to be below (an embedding's rows, a loss's classes).
-    pub index_limits: Vec<(u64, usize)>,
+    /// Index checks that passed: the storage of the u32 tensor checked, and the range its
+    /// indices had to lie in (an embedding's rows, a loss's classes and ignore_index).
+    pub index_limits: Vec<(u64, IndexRange)>,
     /// Why the step cannot be replayed, when the step did something a plan cannot hold.
     pub refused: Option<String>,
 }
@@ -257,10 +257,10 @@ pub(crate) fn observe_flag(flag: &Arc<AtomicBool>) {
     });
 }
 
-/// Notes that an op checked every index of `indices` to be below `size`: a plan may replay
-/// any batch whose indices stay below it, since its kernels hold nothing else of the indices.
-pub(crate) fn note_index_limit(indices: &Tensor, size: usize) {
-    with_tape(|tape| tape.index_limits.push((indices.storage_id(), size)));
+/// Notes that an op checked every index of `indices` to lie in `limit`: a plan may replay
+/// any batch whose indices stay in it, since its kernels hold nothing else of the indices.
+pub(crate) fn note_index_limit(indices: &Tensor, limit: IndexRange) {
+    with_tape(|tape| tape.index_limits.push((indices.storage_id(), limit)));
 }
 
 pub(crate) fn note_slot(event: impl FnOnce() -> SlotEvent) {
