@@ -472,6 +472,44 @@ fn a_negative_learning_rate_is_an_error() {
 }
 
 #[test]
+fn warmup_then_cosine_follows_transformers_cosine_schedule_with_warmup() {
+    // transformers' get_cosine_schedule_with_warmup(num_warmup_steps=10,
+    // num_training_steps=50): step / 10 during the warmup, then 0.5 (1 + cos(pi progress)).
+    let (warmup, total, base) = (10usize, 50usize, 3e-4f64);
+    let want = |step: usize| {
+        if step < warmup {
+            base * step as f64 / warmup as f64
+        } else {
+            let progress = (step - warmup) as f64 / (total - warmup) as f64;
+            base * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+        }
+    };
+    let schedule = optim::Warmup {
+        steps: warmup,
+        schedule: optim::CosineLr {
+            base_lr: base as f32,
+            min_lr: 0.0,
+            total_steps: total - warmup,
+        },
+    };
+    for step in 0..=total {
+        let got = schedule.lr(step) as f64;
+        assert!(
+            (got - want(step)).abs() <= 1e-7 * base,
+            "step {step}: {got} vs {}",
+            want(step)
+        );
+    }
+    assert_eq!(schedule.lr(total + 5), 0.0);
+    // No warmup: the schedule alone.
+    let plain = optim::Warmup {
+        steps: 0,
+        schedule: schedule.schedule,
+    };
+    assert_eq!(plain.lr(0), base as f32);
+}
+
+#[test]
 fn cosine_and_step_schedules_follow_pytorch() {
     let cosine = optim::CosineLr {
         base_lr: 0.1,

@@ -36,6 +36,9 @@ pub struct LmArgs {
     /// Peak learning rate, decayed to a tenth by a cosine schedule.
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f32,
+    /// Steps of linear warmup from a rate of 0 up to --lr, before the cosine decay.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
     /// Steps between loss estimates.
     #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
     pub eval_interval: u64,
@@ -265,10 +268,13 @@ pub fn train(
         Ok(loss)
     };
     let mut captured = Step::new(train_step);
-    let schedule = optim::CosineLr {
-        base_lr: args.lr,
-        min_lr: args.lr / 10.0,
-        total_steps: args.iters as usize,
+    let schedule = optim::Warmup {
+        steps: args.warmup as usize,
+        schedule: optim::CosineLr {
+            base_lr: args.lr,
+            min_lr: args.lr / 10.0,
+            total_steps: args.iters.saturating_sub(args.warmup) as usize,
+        },
     };
 
     // Batches drawn from generators seeded by the step, so a resumed run draws what the

@@ -12,7 +12,7 @@ pub use adam::{Adam, AdamConfig, AdamW};
 pub use clip::clip_grad_norm;
 pub use group::ParamGroup;
 pub use scaler::{GradScaler, GradScalerOptions};
-pub use schedule::{CosineLr, LrSchedule, StepLr};
+pub use schedule::{CosineLr, LrSchedule, StepLr, Warmup};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::{Error, Result};

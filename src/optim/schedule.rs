@@ -30,6 +30,41 @@ pub struct StepLr {
     pub gamma: f32,
 }
 
+/// A linear warmup before `schedule`: the rate climbs from 0 at step 0 to `schedule`'s first
+/// rate at step `steps`, then follows `schedule` from its step 0. With a [`CosineLr`] of
+/// `total_steps: total - steps` and `min_lr: 0.0` this is transformers'
+/// `get_cosine_schedule_with_warmup`, the usual schedule of a language model's training (the
+/// first step's rate is 0, so its update is none).
+///
+/// ```
+/// use wgrad::optim::{CosineLr, LrSchedule, Warmup};
+/// let schedule = Warmup {
+///     steps: 100,
+///     schedule: CosineLr { base_lr: 3e-4, min_lr: 0.0, total_steps: 900 },
+/// };
+/// assert_eq!(schedule.lr(0), 0.0);
+/// assert_eq!(schedule.lr(50), 1.5e-4);
+/// assert_eq!(schedule.lr(100), 3e-4);
+/// assert_eq!(schedule.lr(1000), 0.0);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Warmup<S> {
+    /// Length of the warmup (0: `schedule` alone).
+    pub steps: usize,
+    /// What follows it, started at its step 0.
+    pub schedule: S,
+}
+
+impl<S: LrSchedule> LrSchedule for Warmup<S> {
+    fn lr(&self, step: usize) -> f32 {
+        if step < self.steps {
+            (self.schedule.lr(0) as f64 * step as f64 / self.steps as f64) as f32
+        } else {
+            self.schedule.lr(step - self.steps)
+        }
+    }
+}
+
 impl LrSchedule for CosineLr {
     fn lr(&self, step: usize) -> f32 {
         let t = step.min(self.total_steps) as f64 / self.total_steps.max(1) as f64;
