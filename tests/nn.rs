@@ -148,9 +148,12 @@ fn dropout_zeroes_and_rescales_in_training_and_passes_through_in_eval() {
         "seeded masks repeat"
     );
     assert!(matches!(
-        nn::Dropout::new(1.0),
+        nn::Dropout::new(1.5),
         Err(Error::InvalidArgument { .. })
     ));
+    // p = 1 drops everything, as torch's Dropout(1.0) does.
+    let all = nn::Dropout::new(1.0).unwrap();
+    assert_eq!(all.forward(&x).unwrap().to_vec().unwrap(), vec![0.0; x.numel()]);
 }
 
 #[test]

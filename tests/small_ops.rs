@@ -132,8 +132,23 @@ fn dropout_zeroes_about_p_and_scales_the_rest() {
         "{dropped} of 10000 dropped at p = 0.25"
     );
     assert!(a.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.75).abs() < 1e-6));
-    assert!(x.dropout(1.0).is_err());
+    assert!(x.dropout(1.5).is_err() && x.dropout(-0.1).is_err() && x.dropout(f32::NAN).is_err());
     assert_eq!(x.dropout(0.0).unwrap().to_vec().unwrap(), vec![1.0; 10_000]);
+}
+
+#[test]
+fn dropout_of_every_element_gives_zeros_and_a_zero_grad() {
+    // torch's dropout at p = 1 multiplies by 0 (so NaN stays NaN) rather than scale by 1 / 0.
+    let x = Tensor::from_slice(&[1.5, -2.0, f32::NAN, 0.0], &[4], device())
+        .unwrap()
+        .requires_grad_(true);
+    let y = x.dropout(1.0).unwrap();
+    let got = y.to_vec().unwrap();
+    assert_eq!(&got[..2], &[0.0, 0.0]);
+    assert!(got[2].is_nan());
+    assert_eq!(got[3], 0.0);
+    y.sum().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec().unwrap(), vec![0.0; 4]);
 }
 
 #[test]

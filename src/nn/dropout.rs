@@ -13,12 +13,12 @@ pub struct Dropout {
 }
 
 impl Dropout {
-    /// Dropout with drop probability `p` in `[0, 1)`.
+    /// Dropout with drop probability `p` in `[0, 1]` (1 drops every element, as torch's).
     pub fn new(p: f32) -> Result<Dropout> {
-        if !(0.0..1.0).contains(&p) {
+        if !(0.0..=1.0).contains(&p) {
             return Err(Error::InvalidArgument {
                 op: "Dropout::new",
-                msg: format!("p must be in [0, 1), got {p}"),
+                msg: format!("p must be in [0, 1], got {p}"),
             });
         }
         Ok(Dropout {

@@ -707,16 +707,20 @@ impl Tensor {
 
     /// Zeroes each element with probability `p` and scales the rest by `1 / (1 - p)`, as
     /// PyTorch's `dropout` in training. The mask is drawn on the host from the global seed
-    /// ([`crate::manual_seed`]), so runs repeat; the grad passes through the same mask.
+    /// ([`crate::manual_seed`]), so runs repeat; the grad passes through the same mask. At
+    /// `p` = 1 every element is dropped: the input times 0, as torch (NaN stays NaN).
     pub fn dropout(&self, p: f32) -> Result<Tensor> {
-        if !(0.0..1.0).contains(&p) {
+        if !(0.0..=1.0).contains(&p) {
             return Err(Error::InvalidArgument {
                 op: "dropout",
-                msg: format!("p must be in [0, 1), got {p}"),
+                msg: format!("p must be in [0, 1], got {p}"),
             });
         }
         if p == 0.0 {
             return Ok(self.clone());
+        }
+        if p == 1.0 {
+            return self.mul_scalar(0.0);
         }
         let keep = 1.0 / (1.0 - p);
         let numel = checked_host_numel("dropout", self.shape(), self.device())?;
