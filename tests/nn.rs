@@ -153,7 +153,10 @@ fn dropout_zeroes_and_rescales_in_training_and_passes_through_in_eval() {
     ));
     // p = 1 drops everything, as torch's Dropout(1.0) does.
     let all = nn::Dropout::new(1.0).unwrap();
-    assert_eq!(all.forward(&x).unwrap().to_vec().unwrap(), vec![0.0; x.numel()]);
+    assert_eq!(
+        all.forward(&x).unwrap().to_vec().unwrap(),
+        vec![0.0; x.numel()]
+    );
 }
 
 #[test]

@@ -352,6 +352,27 @@ fn clip_grad_norm_scales_grads_to_the_max_norm() {
     );
 }
 
+/// `clip_grad_norm(params, f32::INFINITY)` is torch's idiom for the grads' norm alone (a
+/// coefficient of 1); a max_norm of 0 zeroes the grads; a negative or NaN one is an error.
+#[test]
+fn clip_grad_norm_to_infinity_measures_and_to_zero_zeroes() {
+    let a = Tensor::zeros(&[2], device()).unwrap().requires_grad_(true);
+    a.set_grad(Some(
+        Tensor::from_vec(vec![3.0, -4.0], &[2], device()).unwrap(),
+    ))
+    .unwrap();
+    let norm = optim::clip_grad_norm(std::slice::from_ref(&a), f32::INFINITY).unwrap();
+    assert_eq!(norm.item().unwrap(), 5.0);
+    assert_eq!(a.grad().unwrap().to_vec().unwrap(), vec![3.0, -4.0]);
+    let norm = optim::clip_grad_norm(std::slice::from_ref(&a), 0.0).unwrap();
+    assert_eq!(norm.item().unwrap(), 5.0);
+    assert_eq!(a.grad().unwrap().to_vec().unwrap(), vec![0.0, 0.0]);
+    for bad in [-1.0, f32::NAN, f32::NEG_INFINITY] {
+        let err = optim::clip_grad_norm(std::slice::from_ref(&a), bad).unwrap_err();
+        assert!(err.to_string().contains("max_norm must be >= 0"), "{err}");
+    }
+}
+
 /// torch's `clip_grad_norm_` over parameters without grads returns a norm of 0 and changes
 /// nothing (a frozen model's step); with no parameters at all wgrad has no device for it.
 #[test]

@@ -8,13 +8,14 @@ use crate::tensor::Tensor;
 /// (as `torch.nn.utils.clip_grad_norm_`: by `min(1, max_norm / (norm + 1e-6))`), and returns
 /// the norm before clipping as a 0-dim tensor. Parameters without a grad are skipped (none
 /// with a grad: a norm of 0, as torch), and a tensor listed twice (a tied weight) counts and
-/// is scaled once.
+/// is scaled once. A `max_norm` of `f32::INFINITY` measures the norm and scales by 1 (torch's
+/// idiom for logging it); 0 zeroes the grads.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f32) -> Result<Tensor> {
     const OP: &str = "clip_grad_norm";
-    if !max_norm.is_finite() || max_norm <= 0.0 {
+    if max_norm.is_nan() || max_norm < 0.0 {
         return Err(Error::InvalidArgument {
             op: OP,
-            msg: format!("max_norm must be finite and positive, got {max_norm}"),
+            msg: format!("max_norm must be >= 0 (infinity: no clipping), got {max_norm}"),
         });
     }
     let _no_grad = NoGradGuard::new();
