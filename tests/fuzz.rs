@@ -1,7 +1,8 @@
 //! A seeded fuzzer: random programs of ops (unary, broadcasting binary, reductions, views,
 //! matmul, softmax, index_select with repeats, cat, and the ops of today's models: sin, cos,
 //! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm
-//! and LayerNorm, conv_transpose2d) over random shapes (0- and 1-sized dims,
+//! and LayerNorm, conv_transpose2d, cumsum, flip, logsumexp, var, gather with repeats) over
+//! random shapes (0- and 1-sized dims,
 //! broadcasting, ranks 0 to 6; rank 7 must be an error) run on wgrad and on an f64 CPU
 //! interpreter. Values must agree; for programs of smooth ops, finite differences must agree
 //! with the grad of the first input; nothing may panic.
@@ -272,7 +273,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(22) {
+    match rng.below(24) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -502,6 +503,63 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
                 x.gpu.conv_transpose2d(&w.gpu, None, &o)?,
                 conv_transpose_2x2(&x.cpu, &w.cpu),
             )
+        }
+        22 if r > 0 => {
+            // Along one dim: a running sum, a flip, a log-sum-exp or a variance (kept dims).
+            let dim = rng.below(r);
+            let n = x.cpu.shape[dim];
+            match rng.below(4) {
+                0 => {
+                    let cpu = x.cpu.along(dim, n, |line| {
+                        line.iter()
+                            .scan(0.0, |sum, v| {
+                                *sum += v;
+                                Some(*sum)
+                            })
+                            .collect()
+                    });
+                    pair(x.gpu.cumsum(dim)?, cpu)
+                }
+                2 if n > 0 => {
+                    let cpu = x.cpu.along(dim, 1, |line| {
+                        let m = line.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        vec![m + line.iter().map(|v| (v - m).exp()).sum::<f64>().ln()]
+                    });
+                    pair(x.gpu.logsumexp(&[dim], true)?, cpu)
+                }
+                3 if n >= 2 => {
+                    let cpu = x.cpu.along(dim, 1, |line| {
+                        let mean = line.iter().sum::<f64>() / n as f64;
+                        let squares = line.iter().map(|v| (v - mean).powi(2)).sum::<f64>();
+                        vec![squares / (n - 1) as f64]
+                    });
+                    pair(x.gpu.var_dims(&[dim], 1, true)?, cpu)
+                }
+                _ => pair(
+                    x.gpu.flip(&[dim])?,
+                    x.cpu
+                        .along(dim, n, |line| line.iter().rev().copied().collect()),
+                ),
+            }
+        }
+        23 if r > 0 => {
+            // gather along a dim by indices of x's shape but 0 to 3 long there, the same
+            // picks on every line (repeats included: their grads add up).
+            let dim = rng.below(r);
+            let n = x.cpu.shape[dim];
+            let k = if n == 0 { 0 } else { rng.below(4) };
+            let picks: Vec<usize> = (0..k).map(|_| rng.below(n)).collect();
+            let mut shape = x.cpu.shape.clone();
+            shape[dim] = k;
+            let inner = Cpu::numel(&shape[dim + 1..]);
+            let values: Vec<u32> = (0..Cpu::numel(&shape))
+                .map(|i| picks[(i / inner) % k] as u32)
+                .collect();
+            let indices = Tensor::from_vec_u32(values, &shape, device())?;
+            let cpu = x
+                .cpu
+                .along(dim, k, |line| picks.iter().map(|&p| line[p]).collect());
+            pair(x.gpu.gather(dim, &indices)?, cpu)
         }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
