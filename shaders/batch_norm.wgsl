@@ -14,15 +14,16 @@
 // forward: the output; backward: the input grad.
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 // forward, [channels, parts, 4]: each part's count, scale, mean and sum of squared deviations
-// (both of x / scale); backward, [channels, parts, 2]: its sums of the out grad and of
-// grad * xhat.
+// (both of x / scale); backward, [channels, parts, 3]: its sums of the out grad, of
+// grad * xhat and of xhat.
 @group(0) @binding(5) var<storage, read_write> partials: array<f32>;
 // [channels, 3]: the batch mean, 1 / sqrt(var + eps) and the unbiased variance.
 @group(0) @binding(6) var<storage, read_write> stats: array<f32>;
 // backward: the out grad, contiguous as x.
 @group(0) @binding(7) var<storage, read> grad: array<f32>;
-// backward, [channels, 2]: the sums of the out grad and of grad * xhat over each channel (the
-// bias's and the weight's grads).
+// backward, [channels, 2]: the sum of the out grad over each channel and the co-moment
+// sum(grad xhat) - sum(grad) mean(xhat) (the bias's and the weight's grads; see
+// channel_grad_sums).
 @group(0) @binding(8) var<storage, read_write> sums: array<f32>;
 
 const PER_PART: u32 = 16384u;
@@ -261,7 +262,8 @@ fn normalise(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     }
 }
 
-// One workgroup per (channel, part): the part's sums of the out grad and of grad * xhat.
+// One workgroup per (channel, part): the part's sums of the out grad, of grad * xhat and of
+// xhat.
 @compute @workgroup_size(256)
 fn partial_grad_sums(@builtin(workgroup_id) wid: vec3<u32>,
                      @builtin(num_workgroups) nwg: vec3<u32>,
@@ -275,24 +277,33 @@ fn partial_grad_sums(@builtin(workgroup_id) wid: vec3<u32>,
     let rstd = stats[c * 3u + 1u];
     var sum_g = 0.0;
     var sum_g_xhat = 0.0;
+    var sum_xhat = 0.0;
     var walk = value_walk(c, part.start + lid);
     for (var k = 0u; k < visits(part, lid); k = k + 1u) {
         let e = value_at(walk);
         let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + e];
+        let xhat = (x[pu(BATCH_NORM_X_OFFSET) + e] - mean) * rstd;
         sum_g = sum_g + g;
-        sum_g_xhat = sum_g_xhat + g * (x[pu(BATCH_NORM_X_OFFSET) + e] - mean) * rstd;
+        sum_g_xhat = sum_g_xhat + g * xhat;
+        sum_xhat = sum_xhat + xhat;
         walk = value_walk_next(walk);
     }
     sum_g = workgroup_reduce(lid, sum_g, false);
     sum_g_xhat = workgroup_reduce(lid, sum_g_xhat, false);
+    sum_xhat = workgroup_reduce(lid, sum_xhat, false);
     if (lid == 0u) {
-        let at = (c * pu(BATCH_NORM_PARTS) + part.index) * 2u;
+        let at = (c * pu(BATCH_NORM_PARTS) + part.index) * 3u;
         partials[at] = sum_g;
         partials[at + 1u] = sum_g_xhat;
+        partials[at + 2u] = sum_xhat;
     }
 }
 
-// One invocation per channel: its parts' grad sums added into `sums`.
+// One invocation per channel: its parts' grad sums added into `sums`, the second as the
+// co-moment sum(g xhat) - sum(g) mean(xhat). xhat's mean is 0 in exact arithmetic, but a
+// channel far from 0 with a small spread rounds its f32 mean an ulp off, and 1 / sigma
+// magnifies the recomputed xhat's mean: the co-moment cancels it, in the input grad and the
+// weight's (the grad of a BatchNorm's summed outputs, 0, read 14 for values of 1000 +- 0.005).
 
 @compute @workgroup_size(64)
 fn channel_grad_sums(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -303,13 +314,15 @@ fn channel_grad_sums(@builtin(global_invocation_id) gid: vec3<u32>) {
     let parts = pu(BATCH_NORM_PARTS);
     var sum_g = 0.0;
     var sum_g_xhat = 0.0;
+    var sum_xhat = 0.0;
     for (var p = 0u; p < rolled(parts); p = p + 1u) {
-        let at = (channel * parts + p) * 2u;
+        let at = (channel * parts + p) * 3u;
         sum_g = sum_g + partials[at];
         sum_g_xhat = sum_g_xhat + partials[at + 1u];
+        sum_xhat = sum_xhat + partials[at + 2u];
     }
     sums[channel * 2u] = sum_g;
-    sums[channel * 2u + 1u] = sum_g_xhat;
+    sums[channel * 2u + 1u] = sum_g_xhat - sum_g * (sum_xhat / f32(values_per_channel()));
 }
 
 // Contiguous over every element: the input grad

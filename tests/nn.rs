@@ -252,7 +252,8 @@ fn layer_norm_input_grad_of_a_constant_sum_is_zero() {
     // backward recomputes sums to no exact 0; 1 / sigma magnified that: the fuzzer's case
     // 1352498 read 0.017 where finite differences read 2e-8.
     for (base, spread) in [(1.3f32, 0.01f32), (1000.0, 0.01), (-37.5, 0.003)] {
-        for len in [2, 5, 64, 1000] {
+        // 20,000 is past the fused kernels' rows: the composed ops'.
+        for len in [2, 5, 64, 1000, 20_000] {
             let data: Vec<f32> = (0..3 * len)
                 .map(|i| base + spread * ((i * 7 % 11) as f32 / 10.0 - 0.5))
                 .collect();
@@ -273,6 +274,39 @@ fn layer_norm_input_grad_of_a_constant_sum_is_zero() {
                 worst <= 1e-4,
                 "rows of {len} at {base} +- {spread}: grad up to {worst}, want 0"
             );
+        }
+    }
+}
+
+#[test]
+fn batch_norm_and_group_norm_input_grads_of_a_constant_sum_are_zero() {
+    // As for LayerNorm: each channel's (group's) outputs sum to a constant, so the grad is 0;
+    // values far from 0 with a small spread read 14 (BatchNorm) and 10 (GroupNorm) before
+    // their backward took the co-moment and the composed ops centred twice.
+    let _s = serial();
+    for (base, spread) in [(1.3f32, 0.01f32), (1000.0, 0.01), (-37.5, 0.003)] {
+        for (n, c, h) in [(2, 1, 1), (4, 3, 5), (16, 2, 64)] {
+            let what = format!("[{n}, {c}, {h}, 1] at {base} +- {spread}");
+            let data: Vec<f32> = (0..n * c * h)
+                .map(|i| base + spread * ((i * 7 % 11) as f32 / 10.0 - 0.5))
+                .collect();
+            let fresh = || {
+                Tensor::from_slice(&data, &[n, c, h, 1], device())
+                    .unwrap()
+                    .requires_grad_(true)
+            };
+            let worst = |x: &Tensor| {
+                let g = x.grad().unwrap().to_vec().unwrap();
+                g.iter().fold(0f32, |m, v| m.max(v.abs()))
+            };
+            let x = fresh();
+            let bn = nn::BatchNorm2d::new(c, device()).unwrap();
+            bn.forward(&x).unwrap().sum().unwrap().backward().unwrap();
+            assert!(worst(&x) <= 1e-4, "BatchNorm2d over {what}: {}", worst(&x));
+            let x = fresh();
+            let gn = x.group_norm(1, None, None, 1e-5).unwrap();
+            gn.sum().unwrap().backward().unwrap();
+            assert!(worst(&x) <= 1e-4, "group_norm over {what}: {}", worst(&x));
         }
     }
 }

@@ -176,7 +176,7 @@ pub(crate) fn batch_norm_training(
                 grad_offset: g.layout().offset as u32,
                 ..params
             };
-            let partials = Tensor::empty(op, &[channels, parts, 2], DType::F32, dev)?;
+            let partials = Tensor::empty(op, &[channels, parts, 3], DType::F32, dev)?;
             let sums = Tensor::empty(op, &[channels, 2], DType::F32, dev)?;
             let grad_x = Tensor::empty(op, x_c.shape(), DType::F32, dev)?;
             if x_c.numel() > 0 {

@@ -157,9 +157,16 @@ pub(crate) fn scaled_for_statistics(
 /// `x` normalised over `dims` to zero mean and unit (biased) variance, `eps` added to the
 /// variance: the statistics of [`scaled_for_statistics`], so rows of finite values up to 1e30
 /// normalise. Composed of reductions and elementwise ops, whose grads it takes.
+///
+/// Centred twice (the corrected two-pass algorithm): values far from 0 with a small spread
+/// round their f32 mean an ulp off, so once-centred values do not sum to 0, and the grad of
+/// the variance carries that sum times 1 / sigma into every element (the grad of a GroupNorm's
+/// summed outputs, 0, read 10 for values of 1000 +- 0.005). The second pass's mean is of the
+/// deviations, exact to their own rounding.
 pub(crate) fn standardised(x: &Tensor, dims: &[usize], eps: f32) -> Result<Tensor> {
     let (u, _, eps_scaled) = scaled_for_statistics(x, dims, eps)?;
-    let centred = u.sub(&u.mean_dims(dims, true)?)?;
+    let once = u.sub(&u.mean_dims(dims, true)?)?;
+    let centred = once.sub(&once.mean_dims(dims, true)?)?;
     let var = centred.mul(&centred)?.mean_dims(dims, true)?;
     centred.mul(&var.add(&eps_scaled)?.rsqrt()?)
 }
