@@ -898,6 +898,9 @@ fn group_norm_matches_torchs_formula() {
         (vec![1, 4, 5], 2),
         (vec![3, 4], 4),
         (vec![2, 6, 2, 2], 1),
+        // Groups of 17,000: past the fused row kernels, the composed ops.
+        (vec![1, 2, 8500], 1),
+        (vec![0, 4, 3], 2),
     ] {
         let c = shape[1];
         let rest: usize = shape[2..].iter().product();
