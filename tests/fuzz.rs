@@ -1,11 +1,11 @@
 //! A seeded fuzzer: random programs of ops (unary, broadcasting binary, reductions, views,
 //! matmul, softmax, index_select with repeats, cat, and the ops of today's models: sin, cos,
-//! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm
-//! and LayerNorm, conv_transpose2d, cumsum, flip, logsumexp, var, gather with repeats) over
-//! random shapes (0- and 1-sized dims,
-//! broadcasting, ranks 0 to 6; rank 7 must be an error) run on wgrad and on an f64 CPU
-//! interpreter. Values must agree; for programs of smooth ops, finite differences must agree
-//! with the grad of the first input; nothing may panic.
+//! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm,
+//! LayerNorm and GroupNorm, conv_transpose2d, cumsum, flip, logsumexp, var, gather with
+//! repeats) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must
+//! be an error) run on wgrad and on an f64 CPU interpreter. Values must agree; for programs
+//! of smooth ops, finite differences must agree with the grad of the first input; nothing may
+//! panic.
 //!
 //! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
 //! `WGRAD_FUZZ_SEED=S` starts from case S (each case is reproducible from its number alone).
@@ -468,6 +468,29 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
                 let cpu = x.cpu.along(dim, n, |line| sorted(line, false));
                 pair(x.gpu.sort(dim, false)?.0, cpu)
             }
+        }
+        20 if r >= 2 && x.cpu.shape[1] > 0 && rng.below(3) == 0 => {
+            // GroupNorm over 1, 2 or C groups of dim 1's channels (and the dims after).
+            let c = x.cpu.shape[1];
+            let groups = [1, if c.is_multiple_of(2) { 2 } else { 1 }, c][rng.below(3)];
+            let rows = x.cpu.shape[0] * groups;
+            let per = Cpu::numel(&x.cpu.shape[1..]) / groups;
+            let flat = Cpu {
+                shape: vec![rows, per],
+                data: x.cpu.data.clone(),
+            };
+            let normed = flat.along(1, per, |line| {
+                let mean = line.iter().sum::<f64>() / per as f64;
+                let var = line.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / per as f64;
+                line.iter()
+                    .map(|v| (v - mean) / (var + 1e-5).sqrt())
+                    .collect()
+            });
+            let cpu = Cpu {
+                shape: x.cpu.shape.clone(),
+                data: normed.data,
+            };
+            pair(x.gpu.group_norm(groups, None, None, 1e-5)?, cpu)
         }
         20 if r > 0 => {
             // RMSNorm or LayerNorm over the last dim, weight 1.5.
