@@ -692,6 +692,22 @@ fn a_model_built_from_a_config_trains_and_saves_for_transformers() {
     assert_eq!(a.to_vec().unwrap(), b.to_vec().unwrap());
 }
 
+#[test]
+fn token_ids_past_the_vocabulary_are_an_error_naming_the_largest() {
+    let mut config = wgrad::models::LlamaConfig::small(48);
+    config.num_hidden_layers = 1;
+    let model = Llama::new(config, device()).unwrap();
+    for (id, needle) in [
+        (48, "token ids reach 48 but the vocabulary has 48"),
+        (u32::MAX, "token ids reach 4294967295 but"),
+    ] {
+        let tokens = Tensor::from_vec_u32(vec![3, id, 0, 1], &[2, 2], device()).unwrap();
+        let err = model.forward(&tokens).unwrap_err();
+        assert!(matches!(err, wgrad::Error::Index { .. }), "{err:?}");
+        assert!(err.to_string().contains(needle), "{err}");
+    }
+}
+
 /// Each model after one training step, saved for transformers with the logits wgrad then
 /// computes: `tools/hf_fixtures.py --check target/hf_saved` loads every directory with
 /// `AutoModelForCausalLM.from_pretrained` and compares its logits with wgrad's.

@@ -10,6 +10,7 @@ use rand::{Rng, SeedableRng};
 use crate::autograd::NoGradGuard;
 use crate::error::{Error, Result};
 use crate::ops::attention::SdpaOptions;
+use crate::ops::index::expect_indices_below;
 use crate::tensor::{DType, Tensor};
 
 /// How [`Llama::generate`](crate::models::Llama::generate) and
@@ -244,16 +245,12 @@ fn check_tokens(
         });
     }
     let (b, t) = (tokens.shape()[0], tokens.shape()[1]);
-    if let Some(bound) = tokens.index_bound().filter(|&n| n as usize > shape.vocab) {
-        return Err(Error::Index {
-            op,
-            msg: format!(
-                "token ids reach {} but the vocabulary has {} (vocab_size)",
-                bound - 1,
-                shape.vocab
-            ),
-        });
-    }
+    expect_indices_below(op, tokens, shape.vocab, |id| {
+        format!(
+            "token ids reach {id} but the vocabulary has {} (vocab_size)",
+            shape.vocab
+        )
+    })?;
     if first + t > shape.max_positions {
         return Err(Error::Shape {
             op,
