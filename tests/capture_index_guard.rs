@@ -175,6 +175,13 @@ fn an_index_past_the_plans_bound_is_the_eager_error() {
     assert_eq!(step.stats().replays, 2);
     // Class 3 does not: the eager step's error, not a replay.
     let err = step.run(&[x.clone(), labels(vec![3, 0])]).unwrap_err();
+    expect_loss_index_error(&err);
+    assert_eq!(step.stats().replays, 2);
+    assert_eq!(step.stats().plans, 1);
+}
+
+/// `err` is the loss's error for a label out of range, as the eager step gives it.
+fn expect_loss_index_error(err: &Error) {
     assert!(
         matches!(
             err,
@@ -185,8 +192,6 @@ fn an_index_past_the_plans_bound_is_the_eager_error() {
         ),
         "{err}"
     );
-    assert_eq!(step.stats().replays, 2);
-    assert_eq!(step.stats().plans, 1);
 }
 
 #[test]
@@ -234,8 +239,28 @@ fn labels_the_step_derives_are_bounded_by_their_inputs_at_capture() {
     assert!(matches!(err, Error::Index { .. }), "{err}");
 }
 
-/// A step whose loss ignores targets holding `IGNORE_INDEX` (torch's -100): with SGD at lr 0,
-/// so that every call's loss can be compared with the eager loss.
+/// A loss that ignores targets holding `IGNORE_INDEX` (torch's -100).
+const IGNORING: CrossEntropyOptions = CrossEntropyOptions {
+    ignore_index: Some(IGNORE_INDEX),
+    label_smoothing: 0.0,
+    weight: None,
+    reduction: wgrad::nn::loss::Reduction::Mean,
+};
+
+/// SGD at a rate of 0: the model stays as it is, so every call's loss can be compared with the
+/// eager loss.
+fn frozen(model: &nn::Linear) -> Sgd {
+    Sgd::new(
+        model.parameters(),
+        SgdConfig {
+            lr: 0.0,
+            ..Default::default()
+        },
+    )
+}
+
+/// A step whose loss ignores targets holding `IGNORE_INDEX`, on labels `derive` makes of the
+/// inputs.
 fn ignoring_step<'a>(
     model: &'a nn::Linear,
     opt: &'a mut Sgd,
@@ -243,11 +268,7 @@ fn ignoring_step<'a>(
 ) -> Step<impl FnMut(&[Tensor]) -> Result<Tensor> + 'a> {
     Step::new(move |b: &[Tensor]| {
         opt.zero_grad();
-        let opts = CrossEntropyOptions {
-            ignore_index: Some(IGNORE_INDEX),
-            ..Default::default()
-        };
-        let loss = cross_entropy_with(&model.forward(&b[0])?, &derive(b)?, &opts)?;
+        let loss = cross_entropy_with(&model.forward(&b[0])?, &derive(b)?, &IGNORING)?;
         loss.backward()?;
         opt.step()?;
         Ok(loss)
@@ -258,21 +279,11 @@ fn ignoring_step<'a>(
 fn labels_holding_the_ignore_marker_replay_and_a_label_past_the_classes_is_the_eager_error() {
     let dev = Device::new().unwrap();
     let model = nn::Linear::new(4, 3, true, &dev).unwrap();
-    let mut opt = Sgd::new(
-        model.parameters(),
-        SgdConfig {
-            lr: 0.0,
-            ..Default::default()
-        },
-    );
+    let mut opt = frozen(&model);
     let x = Tensor::randn(&[2, 4], 5, &dev).unwrap();
     let labels = |v: Vec<u32>| Tensor::from_vec_u32(v, &[2], &dev).unwrap();
     let eager = |y: &Tensor| {
-        let opts = CrossEntropyOptions {
-            ignore_index: Some(IGNORE_INDEX),
-            ..Default::default()
-        };
-        cross_entropy_with(&model.forward(&x).unwrap(), y, &opts)
+        cross_entropy_with(&model.forward(&x).unwrap(), y, &IGNORING)
             .unwrap()
             .item()
             .unwrap()
@@ -301,16 +312,7 @@ fn labels_holding_the_ignore_marker_replay_and_a_label_past_the_classes_is_the_e
     let err = step
         .run(&[x.clone(), labels(vec![3, IGNORE_INDEX])])
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Index {
-                op: "cross_entropy",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    expect_loss_index_error(&err);
     assert_eq!(step.stats().replays, 3);
 }
 
@@ -318,13 +320,7 @@ fn labels_holding_the_ignore_marker_replay_and_a_label_past_the_classes_is_the_e
 fn derived_labels_holding_the_ignore_marker_replay() {
     let dev = Device::new().unwrap();
     let model = nn::Linear::new(4, 3, true, &dev).unwrap();
-    let mut opt = Sgd::new(
-        model.parameters(),
-        SgdConfig {
-            lr: 0.0,
-            ..Default::default()
-        },
-    );
+    let mut opt = frozen(&model);
     let x = Tensor::randn(&[2, 4], 6, &dev).unwrap();
     let label = |v: u32| Tensor::from_vec_u32(vec![v], &[1], &dev).unwrap();
     let mut step = ignoring_step(&model, &mut opt, |b| {
