@@ -40,9 +40,9 @@ impl InputSignature {
 /// on a u32 tensor the step derived (a copy, a `cat`) cannot be traced to one input; since a
 /// derived tensor's bound never exceeds its sources', such a check bounds every index input by
 /// its bound at capture, which is still valid, if narrower (see [`derived_limit`] for a loss's
-/// ignore_index marker). (Checks on tensors the step
-/// uploads with the same bytes at every replay never reach the guard: `draft.rs` drops them.)
-/// Bounds are known where a tensor is created, so the guard reads nothing back.
+/// ignore_index marker). Checks on tensors the step uploads with the same bytes at every
+/// replay never reach the guard: `draft.rs` drops them. Ranges are known where a tensor is
+/// created, so the guard reads nothing back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct IndexGuard {
     limits: Vec<Option<IndexRange>>,
