@@ -19,6 +19,49 @@ fn softmax_rows(data: &[f32], rows: usize, cols: usize) -> Vec<f64> {
 }
 
 #[test]
+fn index_select_gather_and_flip_move_u32_values_exactly_and_keep_them_indices() {
+    let dev = device();
+    // Word patterns that are f32 NaNs, infinities and subnormals must come through as they are.
+    let words = [
+        0,
+        1,
+        7,
+        0x7FC0_0001,
+        0x7F80_0000,
+        0x8000_0000,
+        0xFFFF_FFFF,
+        0x0040_0000,
+    ];
+    let table = Tensor::from_vec_u32(words.to_vec(), &[4, 2], dev).unwrap();
+    let rows = Tensor::from_labels(vec![3, 0, 3, 1], dev).unwrap();
+    let picked = table.index_select(0, &rows).unwrap();
+    assert_eq!(picked.dtype(), wgrad::DType::U32);
+    let want: Vec<u32> = [3, 0, 3, 1]
+        .iter()
+        .flat_map(|&r| [words[2 * r], words[2 * r + 1]])
+        .collect();
+    assert_eq!(picked.to_vec_u32().unwrap(), want);
+    let columns = Tensor::from_vec_u32(vec![1, 1, 0, 0, 1, 0, 0, 1], &[4, 2], dev).unwrap();
+    let gathered = table.gather(1, &columns).unwrap();
+    let want: Vec<u32> = (0..8)
+        .map(|i| words[2 * (i / 2) + [1, 1, 0, 0, 1, 0, 0, 1][i]])
+        .collect();
+    assert_eq!(gathered.to_vec_u32().unwrap(), want);
+    let flipped = table.flip(&[0, 1]).unwrap();
+    let want: Vec<u32> = words.iter().rev().copied().collect();
+    assert_eq!(flipped.to_vec_u32().unwrap(), want);
+    // A batch of token rows picked on the device feeds an embedding: the picks keep the
+    // table's range.
+    let tokens = Tensor::from_vec_u32((0..40).map(|i| i % 10).collect(), &[5, 8], dev).unwrap();
+    let batch = tokens.index_select(0, &rows).unwrap();
+    let embedding = nn::Embedding::new(10, 3, dev).unwrap();
+    use nn::Module;
+    assert_eq!(embedding.forward(&batch).unwrap().shape(), &[4, 8, 3]);
+    let too_small = nn::Embedding::new(9, 3, dev).unwrap();
+    assert!(too_small.forward(&batch).is_err());
+}
+
+#[test]
 fn softmax_along_a_leading_dim() {
     let (t, data) = random_tensor(&[4, 3], 2);
     let got = t.softmax(0).unwrap();

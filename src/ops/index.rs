@@ -315,7 +315,9 @@ impl Tensor {
     }
 
     /// The slices `indices[j]` of `dim`, in order: `out` has `dim` of size `indices.len()`.
-    /// Its grad adds each slice's grad back at its index (repeated indices add up).
+    /// Its grad adds each slice's grad back at its index (repeated indices add up). A U32
+    /// tensor (a batch of token rows) is picked from exactly, and its picks stay valid
+    /// indices wherever its values were.
     pub fn index_select(&self, dim: impl Dim, indices: &Tensor) -> Result<Tensor> {
         let dim = dim.resolve("index_select", self.rank())?;
         if let Some(out) =
@@ -335,7 +337,8 @@ impl Tensor {
 
     /// PyTorch's `gather`: `out[i][j] = self[i][indices[i][j]]` for `dim = 1`, and so on.
     /// `indices` has the rank of `self` and no larger size than `self` in the other dims.
-    /// Its grad adds each element's grad back at its index.
+    /// Its grad adds each element's grad back at its index. U32 tensors too, as
+    /// [`Tensor::index_select`].
     pub fn gather(&self, dim: impl Dim, indices: &Tensor) -> Result<Tensor> {
         let dim = dim.resolve("gather", self.rank())?;
         if let Some(out) = cast::through_f32("gather", &[self], |w| w[0].gather(dim, indices))? {
@@ -399,10 +402,19 @@ impl Tensor {
     }
 }
 
+/// Errors unless `t` is F32 or U32: the selecting kernels move 32-bit words, whatever they
+/// hold (16-bit tensors go through F32 before they get here).
+fn expect_word_dtype(op: &'static str, t: &Tensor) -> Result<()> {
+    match t.dtype() {
+        DType::F32 | DType::U32 => Ok(()),
+        _ => t.expect_dtype(op, DType::F32),
+    }
+}
+
 fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor> {
     const OP: &str = "index_select";
     this.expect_same_device(OP, indices)?;
-    this.expect_dtype(OP, DType::F32)?;
+    expect_word_dtype(OP, this)?;
     this.layout().check_dim(OP, dim)?;
     if indices.rank() != 1 {
         return Err(Error::Shape {
@@ -413,7 +425,9 @@ fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<T
     check_bound(OP, indices, this.shape()[dim], this, dim)?;
     let mut shape = this.shape().to_vec();
     shape[dim] = indices.numel();
-    let out = Tensor::empty(OP, &shape, DType::F32, this.device())?;
+    // A u32 input's picks hold a subset of its values.
+    let out = Tensor::empty(OP, &shape, this.dtype(), this.device())?
+        .with_index_range(this.index_range());
     let n = out.numel();
     if n == 0 {
         return Ok(out);
@@ -436,7 +450,7 @@ fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<T
 fn gather_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor> {
     const OP: &str = "gather";
     this.expect_same_device(OP, indices)?;
-    this.expect_dtype(OP, DType::F32)?;
+    expect_word_dtype(OP, this)?;
     this.layout().check_dim(OP, dim)?;
     let fits = indices.rank() == this.rank()
         && indices
@@ -456,7 +470,8 @@ fn gather_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor>
         });
     }
     check_bound(OP, indices, this.shape()[dim], this, dim)?;
-    let out = Tensor::empty(OP, indices.shape(), DType::F32, this.device())?;
+    let out = Tensor::empty(OP, indices.shape(), this.dtype(), this.device())?
+        .with_index_range(this.index_range());
     let n = out.numel();
     if n == 0 {
         return Ok(out);
