@@ -5,7 +5,8 @@
 mod common;
 use common::*;
 use wgrad::nn::loss::{
-    cross_entropy, cross_entropy_with, CrossEntropyOptions, Reduction, IGNORE_INDEX,
+    cross_entropy, cross_entropy_with, nll_with, CrossEntropyOptions, NllOptions, Reduction,
+    IGNORE_INDEX,
 };
 use wgrad::{Device, Error, KernelFlavor, Tensor};
 
@@ -260,6 +261,84 @@ fn labels_joined_or_sliced_keep_their_ignore_marker() {
         ..opts
     };
     expect_error(cross_entropy_with(&x, &joined, &other), "ignore_index 7");
+}
+
+/// `nll_with` of a `log_softmax` is `cross_entropy_with`, option for option (smoothing
+/// aside), values and grads: for `[N, C]` and `[N, C, d]` logits, a class or a marker
+/// ignored, class weights or none, each reduction.
+#[test]
+fn nll_with_options_of_a_log_softmax_is_cross_entropy_with_them() {
+    let dev = device();
+    let w = Tensor::from_slice(&weights(5), &[5], dev).unwrap();
+    for (shape, labels) in [
+        (vec![6, 5], vec![4, 0, IGNORE_INDEX, 2, 2, 1]),
+        (vec![2, 5, 3], vec![1, IGNORE_INDEX, 4, 0, 3, 3]),
+    ] {
+        let target_shape: Vec<usize> = [shape[0]].into_iter().chain(shape[2..].to_vec()).collect();
+        for ignore_index in [None, Some(IGNORE_INDEX), Some(3)] {
+            // The marker where it is ignored, else class 3 in its place.
+            let marked: Vec<u32> = labels
+                .iter()
+                .map(|&l| match (l, ignore_index) {
+                    (IGNORE_INDEX, Some(IGNORE_INDEX)) => l,
+                    (IGNORE_INDEX, _) => 3,
+                    _ => l,
+                })
+                .collect();
+            let y = Tensor::from_vec_u32(marked, &target_shape, dev).unwrap();
+            for weight in [None, Some(&w)] {
+                for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+                    let what = format!(
+                        "{shape:?} {ignore_index:?} weighted {} {reduction:?}",
+                        weight.is_some()
+                    );
+                    let grads = |use_nll: bool| {
+                        let x = Tensor::from_slice(&random_vec(30, 21), &shape, dev)
+                            .unwrap()
+                            .requires_grad_(true);
+                        let loss = if use_nll {
+                            let opts = NllOptions {
+                                ignore_index,
+                                weight,
+                                reduction,
+                            };
+                            nll_with(&x.log_softmax(1).unwrap(), &y, &opts).unwrap()
+                        } else {
+                            let opts = CrossEntropyOptions {
+                                ignore_index,
+                                weight,
+                                reduction,
+                                ..Default::default()
+                            };
+                            cross_entropy_with(&x, &y, &opts).unwrap()
+                        };
+                        let values = loss.to_vec().unwrap();
+                        loss.sum().unwrap().backward().unwrap();
+                        (values, x.grad().unwrap().to_vec().unwrap())
+                    };
+                    let ((nll_values, nll_grad), (ce_values, ce_grad)) =
+                        (grads(true), grads(false));
+                    let as_f64 = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+                    assert_close(
+                        &nll_values,
+                        &as_f64(&ce_values),
+                        1e-5,
+                        &format!("loss, {what}"),
+                    );
+                    assert_close(&nll_grad, &as_f64(&ce_grad), 1e-5, &format!("grad, {what}"));
+                }
+            }
+        }
+    }
+    // A marker that is not the ignore_index is a target out of range.
+    let marked = Tensor::from_labels(vec![1, IGNORE_INDEX], dev).unwrap();
+    let log_probs = Tensor::zeros(&[2, 5], dev).unwrap();
+    let err = nll_with(&log_probs, &marked, &NllOptions::default()).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("nll: ") && msg.contains("target 4294967295"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -2,10 +2,10 @@
 
 use crate::error::{Error, Result};
 use crate::ops::autocast::for_f32_op;
-use crate::ops::index::expect_indices_below;
+use crate::ops::index::expect_indices_in;
 use crate::ops::softmax::RowLoss;
 use crate::tensor::grad_mode::NoGradGuard;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, IndexRange, Tensor};
 
 /// Mean over the batch of the negative log-likelihood of `labels` under
 /// `log_softmax(logits)`: `logits` is `[N, C]` f32, `labels` a `[N]` u32 tensor
@@ -116,24 +116,7 @@ pub fn cross_entropy_with(
         });
     }
     if let Some(w) = opts.weight {
-        logits.expect_same_device(OP, w)?;
-        w.expect_dtype(OP, DType::F32)?;
-        if w.shape() != [c] {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "weight must be [C] = [{c}], got {:?} (logits {:?})",
-                    w.shape(),
-                    logits.shape()
-                ),
-            });
-        }
-        if w.requires_grad() {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                msg: "weight takes no grad: pass weight.detach()".into(),
-            });
-        }
+        check_class_weight(OP, w, c, logits)?;
     }
     // Rows [M, C] with the classes last, and their targets [M].
     let m = targets.numel();
@@ -244,29 +227,150 @@ pub fn binary_cross_entropy_with_logits(logits: &Tensor, targets: &Tensor) -> Re
 }
 
 /// Mean over the batch of `-log_probs[i, targets[i]]`, as torch's `nll_loss`: `log_probs`
-/// `[N, C]` (a `log_softmax`), `targets` a `[N]` u32 tensor below `C`.
+/// `[N, C]` (a `log_softmax`), `targets` a `[N]` u32 tensor below `C`. [`nll_with`] takes
+/// torch's options.
 pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    nll_with(log_probs, targets, &NllOptions::default())
+}
+
+/// The options of [`nll_with`], as torch's `nll_loss` arguments.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NllOptions<'a> {
+    /// As [`CrossEntropyOptions::ignore_index`]: a class, or a marker past the classes such
+    /// as [`IGNORE_INDEX`] (torch's -100).
+    pub ignore_index: Option<u32>,
+    /// F32 `[C]` weights per class (no grad); the mean divides by the targets' weights.
+    pub weight: Option<&'a Tensor>,
+    /// Mean (default), sum or none.
+    pub reduction: Reduction,
+}
+
+/// torch's `nll_loss` with its options: `log_probs` `[N, C]` or `[N, C, d1, ..]`, `targets`
+/// u32 `[N]` or `[N, d1, ..]` below C (or the ignore_index). Per element `-w[y] x[y]`, 0 for
+/// an ignored target, reduced as `reduction` says (the mean divides by the sum of `w[y]` over
+/// targets not ignored). Composed: a gather of each target's log-probability and the
+/// reductions.
+///
+/// ```
+/// # fn main() -> wgrad::Result<()> {
+/// use wgrad::nn::loss::{nll_with, NllOptions, IGNORE_INDEX};
+/// use wgrad::{Device, Tensor};
+/// let dev = Device::new()?;
+/// let log_probs = Tensor::randn(&[3, 5], 0, &dev)?.log_softmax(1)?;
+/// let targets = Tensor::from_labels(vec![4, IGNORE_INDEX, 0], &dev)?;
+/// let opts = NllOptions { ignore_index: Some(IGNORE_INDEX), ..Default::default() };
+/// let loss = nll_with(&log_probs, &targets, &opts)?; // the mean over rows 0 and 2
+/// assert_eq!(loss.shape(), &[] as &[usize]);
+/// # Ok(())
+/// # }
+/// ```
+pub fn nll_with(log_probs: &Tensor, targets: &Tensor, opts: &NllOptions) -> Result<Tensor> {
     const OP: &str = "nll";
     let log_probs = &for_f32_op(log_probs)?;
-    if log_probs.rank() != 2 || targets.rank() != 1 || targets.shape()[0] != log_probs.shape()[0] {
+    let r = log_probs.rank();
+    let mut want_targets = log_probs.shape().to_vec();
+    if r >= 2 {
+        want_targets.remove(1);
+    }
+    if r < 2 || targets.shape() != want_targets {
         return Err(Error::Shape {
             op: OP,
             msg: format!(
-                "needs log_probs [N, C] and targets [N], got {:?} and {:?}",
+                "needs log_probs [N, C] or [N, C, d1, ..] and targets [N] or [N, d1, ..], got \
+                 {:?} and {:?}",
                 log_probs.shape(),
                 targets.shape()
             ),
         });
     }
-    let classes = log_probs.shape()[1];
-    expect_indices_below(OP, targets, classes, |target| {
+    let c = log_probs.shape()[1];
+    let allowed = IndexRange {
+        below: u32::try_from(c).unwrap_or(u32::MAX),
+        except: opts.ignore_index,
+    };
+    expect_indices_in(OP, targets, allowed, |target| {
         format!(
-            "target {target} is out of range for {classes} classes (log_probs {:?})",
+            "target {target} is out of range for {c} classes (log_probs {:?})",
             log_probs.shape()
         )
     })?;
-    let picked = log_probs.gather(1, &targets.unsqueeze(1)?)?;
-    picked.mean()?.neg()
+    if opts.ignore_index.is_some() && c > 1 << 24 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!("ignore_index supports up to 2^24 classes, got {c}"),
+        });
+    }
+    if let Some(w) = opts.weight {
+        check_class_weight(OP, w, c, log_probs)?;
+    }
+    // Rows [M, C] with the classes last, and their targets [M].
+    let m = targets.numel();
+    let rows = if r == 2 {
+        log_probs.clone()
+    } else {
+        let mut order: Vec<usize> = (0..r).filter(|&d| d != 1).collect();
+        order.push(1);
+        log_probs.permute(&order)?.reshape(&[m, c])?
+    };
+    let flat_targets = targets.reshape(&[m])?;
+    // Each target's weight, 0 where ignored; ignored targets pick a class they then weigh 0.
+    let (weights, picks) = {
+        let _no_grad = NoGradGuard::new();
+        let picks = targets_in_classes(&flat_targets, c, opts.ignore_index)?;
+        let mut weights = match opts.weight {
+            Some(w) => class_weights_of(w, &flat_targets, opts.ignore_index)?,
+            None => Tensor::ones(&[m], log_probs.device())?,
+        };
+        if let Some(ignore) = opts.ignore_index {
+            let ignored = flat_targets
+                .to_dtype(DType::F32)?
+                .eq_scalar(ignore as f32)?;
+            weights = weights.masked_fill(&ignored, 0.0)?;
+        }
+        (weights, picks)
+    };
+    let picked = rows.gather(1, &picks.reshape(&[m, 1])?)?.reshape(&[m])?;
+    let losses = picked.mul(&weights)?.neg()?;
+    match opts.reduction {
+        Reduction::None => losses.reshape(targets.shape()),
+        Reduction::Sum => losses.sum(),
+        Reduction::Mean => losses.sum()?.div(&weights.sum()?),
+    }
+}
+
+/// `targets` `[M]` with a marker past the `c` classes (an ignore_index) replaced by class
+/// `c - 1`, so that every value indexes a class: the caller weighs those targets 0.
+fn targets_in_classes(targets: &Tensor, c: usize, ignore: Option<u32>) -> Result<Tensor> {
+    match ignore {
+        Some(marker) if marker as usize >= c && c > 0 => Ok((targets.to_dtype(DType::F32)?)
+            .clamp(0.0, (c - 1) as f32)?
+            .to_dtype(DType::U32)?
+            .with_index_bound(Some(c as u32))),
+        _ => Ok(targets.clone()),
+    }
+}
+
+/// Checks a loss's class weights: F32 `[C]` on the input's device, taking no grad.
+fn check_class_weight(op: &'static str, w: &Tensor, c: usize, input: &Tensor) -> Result<()> {
+    input.expect_same_device(op, w)?;
+    w.expect_dtype(op, DType::F32)?;
+    if w.shape() != [c] {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "weight must be [C] = [{c}], got {:?} (input {:?})",
+                w.shape(),
+                input.shape()
+            ),
+        });
+    }
+    if w.requires_grad() {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: "weight takes no grad: pass weight.detach()".into(),
+        });
+    }
+    Ok(())
 }
 
 fn same_shapes(op: &'static str, prediction: &Tensor, target: &Tensor) -> Result<()> {
