@@ -330,6 +330,23 @@ fn nll_with_options_of_a_log_softmax_is_cross_entropy_with_them() {
             }
         }
     }
+    // 16-bit log-probabilities give a loss of their dtype, computed in f32.
+    let x = Tensor::from_slice(&random_vec(10, 22), &[2, 5], dev).unwrap();
+    let y = Tensor::from_labels(vec![4, IGNORE_INDEX], dev).unwrap();
+    let opts = NllOptions {
+        ignore_index: Some(IGNORE_INDEX),
+        ..Default::default()
+    };
+    let log_probs = x.log_softmax(1).unwrap();
+    let wide = nll_with(&log_probs, &y, &opts).unwrap().item().unwrap();
+    let half = log_probs.to_dtype(wgrad::DType::BF16).unwrap();
+    let narrow = nll_with(&half, &y, &opts).unwrap();
+    assert_eq!(narrow.dtype(), wgrad::DType::BF16);
+    let narrow = narrow.to_dtype(wgrad::DType::F32).unwrap().item().unwrap();
+    assert!(
+        (narrow - wide).abs() <= 0.02 * wide.abs(),
+        "{narrow} vs {wide}"
+    );
     // A marker that is not the ignore_index is a target out of range.
     let marked = Tensor::from_labels(vec![1, IGNORE_INDEX], dev).unwrap();
     let log_probs = Tensor::zeros(&[2, 5], dev).unwrap();

@@ -1,5 +1,6 @@
 //! Loss functions.
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ops::autocast::for_f32_op;
 use crate::ops::index::expect_indices_in;
@@ -83,23 +84,14 @@ pub fn cross_entropy_with(
     })? {
         return Ok(loss);
     }
-    let r = logits.rank();
-    let mut want_targets = logits.shape().to_vec();
-    if r >= 2 {
-        want_targets.remove(1);
-    }
-    if r < 2 || targets.shape() != want_targets {
-        return Err(Error::Shape {
-            op: OP,
-            msg: format!(
-                "needs logits [N, C] or [N, C, d1, ..] and targets [N] or [N, d1, ..], got {:?} \
-                 and {:?}",
-                logits.shape(),
-                targets.shape()
-            ),
-        });
-    }
-    let c = logits.shape()[1];
+    let (rows, flat_targets) = class_rows(
+        OP,
+        "logits",
+        logits,
+        targets,
+        opts.ignore_index,
+        opts.weight,
+    )?;
     let s = opts.label_smoothing;
     if !(0.0..=1.0).contains(&s) {
         return Err(Error::InvalidArgument {
@@ -107,27 +99,6 @@ pub fn cross_entropy_with(
             msg: format!("label_smoothing must be in [0, 1], got {s}"),
         });
     }
-    // The mean's count compares targets as f32s, exact below 2^24 (a marker past the classes
-    // rounds, but no class rounds to it).
-    if opts.ignore_index.is_some() && c > 1 << 24 {
-        return Err(Error::InvalidArgument {
-            op: OP,
-            msg: format!("ignore_index supports up to 2^24 classes, got {c}"),
-        });
-    }
-    if let Some(w) = opts.weight {
-        check_class_weight(OP, w, c, logits)?;
-    }
-    // Rows [M, C] with the classes last, and their targets [M].
-    let m = targets.numel();
-    let rows = if r == 2 {
-        logits.clone()
-    } else {
-        let mut order: Vec<usize> = (0..r).filter(|&d| d != 1).collect();
-        order.push(1);
-        logits.permute(&order)?.reshape(&[m, c])?
-    };
-    let flat_targets = targets.reshape(&[m])?;
     let losses = crate::ops::softmax::cross_entropy_rows(
         &rows,
         &flat_targets,
@@ -145,39 +116,48 @@ pub fn cross_entropy_with(
             // Divided by the weight of the targets that count (their number unweighted).
             let denominator = {
                 let _no_grad = NoGradGuard::new();
-                let mut counted = match opts.weight {
-                    Some(w) => class_weights_of(w, &flat_targets, opts.ignore_index)?,
-                    None => Tensor::ones(&[m], logits.device())?,
-                };
-                if let Some(ignore) = opts.ignore_index {
-                    let ignored = flat_targets
-                        .to_dtype(DType::F32)?
-                        .eq_scalar(ignore as f32)?;
-                    counted = counted.masked_fill(&ignored, 0.0)?;
-                }
-                counted.sum()?
+                target_weights(
+                    &flat_targets,
+                    opts.weight,
+                    opts.ignore_index,
+                    logits.device(),
+                )?
+                .sum()?
             };
             losses.sum()?.div(&denominator)
         }
     }
 }
 
-/// `weight[t]` for each target `t` (F32 `[M]`), 0 for a target equal to an `ignore` marker
-/// past the classes, which `index_select` would refuse: such targets read a zero appended at
-/// index C.
-fn class_weights_of(weight: &Tensor, targets: &Tensor, ignore: Option<u32>) -> Result<Tensor> {
-    let c = weight.numel();
-    match ignore {
-        Some(marker) if marker as usize >= c => {
-            let padded = Tensor::cat(&[weight.clone(), Tensor::zeros(&[1], weight.device())?], 0)?;
+/// Each target's weight, F32 `[M]` for targets `[M]`: `weight[t]` (1 without class weights),
+/// 0 for a target equal to `ignore`. A marker past the classes, which `index_select` would
+/// refuse, reads a zero appended at index C.
+fn target_weights(
+    targets: &Tensor,
+    weight: Option<&Tensor>,
+    ignore: Option<u32>,
+    device: &Device,
+) -> Result<Tensor> {
+    let weights = match (weight, ignore) {
+        (None, _) => Tensor::ones(&[targets.numel()], device)?,
+        (Some(w), Some(marker)) if marker as usize >= w.numel() => {
+            let c = w.numel();
+            let padded = Tensor::cat(&[w.clone(), Tensor::zeros(&[1], device)?], 0)?;
             // Targets are below C or the marker; C < 2^24, so the f32 round trip is exact.
             let clamped = (targets.to_dtype(DType::F32)?)
                 .clamp(0.0, c as f32)?
                 .to_dtype(DType::U32)?
                 .with_index_bound(Some(c as u32 + 1));
-            padded.index_select(0, &clamped)
+            padded.index_select(0, &clamped)?
         }
-        _ => weight.index_select(0, targets),
+        (Some(w), _) => w.index_select(0, targets)?,
+    };
+    match ignore {
+        Some(ignore) => {
+            let ignored = targets.to_dtype(DType::F32)?.eq_scalar(ignore as f32)?;
+            weights.masked_fill(&ignored, 0.0)
+        }
+        None => Ok(weights),
     }
 }
 
@@ -267,23 +247,20 @@ pub struct NllOptions<'a> {
 pub fn nll_with(log_probs: &Tensor, targets: &Tensor, opts: &NllOptions) -> Result<Tensor> {
     const OP: &str = "nll";
     let log_probs = &for_f32_op(log_probs)?;
-    let r = log_probs.rank();
-    let mut want_targets = log_probs.shape().to_vec();
-    if r >= 2 {
-        want_targets.remove(1);
+    if let Some(loss) =
+        crate::ops::cast::through_f32(OP, &[log_probs, targets], |w| nll_with(&w[0], &w[1], opts))?
+    {
+        return Ok(loss);
     }
-    if r < 2 || targets.shape() != want_targets {
-        return Err(Error::Shape {
-            op: OP,
-            msg: format!(
-                "needs log_probs [N, C] or [N, C, d1, ..] and targets [N] or [N, d1, ..], got \
-                 {:?} and {:?}",
-                log_probs.shape(),
-                targets.shape()
-            ),
-        });
-    }
-    let c = log_probs.shape()[1];
+    let (rows, flat_targets) = class_rows(
+        OP,
+        "log_probs",
+        log_probs,
+        targets,
+        opts.ignore_index,
+        opts.weight,
+    )?;
+    let (m, c) = (rows.shape()[0], rows.shape()[1]);
     let allowed = IndexRange {
         below: u32::try_from(c).unwrap_or(u32::MAX),
         except: opts.ignore_index,
@@ -294,40 +271,19 @@ pub fn nll_with(log_probs: &Tensor, targets: &Tensor, opts: &NllOptions) -> Resu
             log_probs.shape()
         )
     })?;
-    if opts.ignore_index.is_some() && c > 1 << 24 {
-        return Err(Error::InvalidArgument {
-            op: OP,
-            msg: format!("ignore_index supports up to 2^24 classes, got {c}"),
-        });
-    }
-    if let Some(w) = opts.weight {
-        check_class_weight(OP, w, c, log_probs)?;
-    }
-    // Rows [M, C] with the classes last, and their targets [M].
-    let m = targets.numel();
-    let rows = if r == 2 {
-        log_probs.clone()
-    } else {
-        let mut order: Vec<usize> = (0..r).filter(|&d| d != 1).collect();
-        order.push(1);
-        log_probs.permute(&order)?.reshape(&[m, c])?
-    };
-    let flat_targets = targets.reshape(&[m])?;
     // Each target's weight, 0 where ignored; ignored targets pick a class they then weigh 0.
     let (weights, picks) = {
         let _no_grad = NoGradGuard::new();
-        let picks = targets_in_classes(&flat_targets, c, opts.ignore_index)?;
-        let mut weights = match opts.weight {
-            Some(w) => class_weights_of(w, &flat_targets, opts.ignore_index)?,
-            None => Tensor::ones(&[m], log_probs.device())?,
-        };
-        if let Some(ignore) = opts.ignore_index {
-            let ignored = flat_targets
-                .to_dtype(DType::F32)?
-                .eq_scalar(ignore as f32)?;
-            weights = weights.masked_fill(&ignored, 0.0)?;
-        }
-        (weights, picks)
+        let weights = target_weights(
+            &flat_targets,
+            opts.weight,
+            opts.ignore_index,
+            log_probs.device(),
+        )?;
+        (
+            weights,
+            targets_in_classes(&flat_targets, c, opts.ignore_index)?,
+        )
     };
     let picked = rows.gather(1, &picks.reshape(&[m, 1])?)?.reshape(&[m])?;
     let losses = picked.mul(&weights)?.neg()?;
@@ -348,6 +304,56 @@ fn targets_in_classes(targets: &Tensor, c: usize, ignore: Option<u32>) -> Result
             .with_index_bound(Some(c as u32))),
         _ => Ok(targets.clone()),
     }
+}
+
+/// A class loss's `input` (named `input_name` in errors) as `[M, C]` rows with the classes
+/// last, and its targets as `[M]`, after the checks the class losses share: `input` `[N, C]`
+/// or `[N, C, d1, ..]` with `targets` `[N]` or `[N, d1, ..]`; at most 2^24 classes with an
+/// ignore_index (the mean's count compares targets as f32s, exact below 2^24: a marker past the
+/// classes rounds, but no class rounds to it); class weights as [`check_class_weight`] says.
+fn class_rows(
+    op: &'static str,
+    input_name: &str,
+    input: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+    weight: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let r = input.rank();
+    let mut want_targets = input.shape().to_vec();
+    if r >= 2 {
+        want_targets.remove(1);
+    }
+    if r < 2 || targets.shape() != want_targets {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "needs {input_name} [N, C] or [N, C, d1, ..] and targets [N] or [N, d1, ..], \
+                 got {:?} and {:?}",
+                input.shape(),
+                targets.shape()
+            ),
+        });
+    }
+    let c = input.shape()[1];
+    if ignore_index.is_some() && c > 1 << 24 {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!("ignore_index supports up to 2^24 classes, got {c}"),
+        });
+    }
+    if let Some(w) = weight {
+        check_class_weight(op, w, c, input)?;
+    }
+    let m = targets.numel();
+    let rows = if r == 2 {
+        input.clone()
+    } else {
+        let mut order: Vec<usize> = (0..r).filter(|&d| d != 1).collect();
+        order.push(1);
+        input.permute(&order)?.reshape(&[m, c])?
+    };
+    Ok((rows, targets.reshape(&[m])?))
 }
 
 /// Checks a loss's class weights: F32 `[C]` on the input's device, taking no grad.
