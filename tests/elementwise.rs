@@ -584,6 +584,45 @@ fn scalar_comparisons_match_the_tensor_forms() {
 }
 
 #[test]
+fn scalar_comparisons_of_u32_token_ids_are_exact_and_refuse_values_past_2_pow_24() {
+    let dev = device();
+    // Ids up to 2^24 - 1, a marker past them (IGNORE_INDEX), the pad 0.
+    let ids: Vec<u32> = vec![0, 7, (1 << 24) - 1, u32::MAX, 0, 1 << 23];
+    let tokens = Tensor::from_vec_u32(ids.clone(), &[2, 3], dev).unwrap();
+    let cases: [CompareCase<CompareScalar>; 6] = [
+        ("eq_scalar", Tensor::eq_scalar, |a, b| a == b),
+        ("ne_scalar", Tensor::ne_scalar, |a, b| a != b),
+        ("lt_scalar", Tensor::lt_scalar, |a, b| a < b),
+        ("le_scalar", Tensor::le_scalar, |a, b| a <= b),
+        ("gt_scalar", Tensor::gt_scalar, |a, b| a > b),
+        ("ge_scalar", Tensor::ge_scalar, |a, b| a >= b),
+    ];
+    for s in [0.0, 7.0, ((1 << 24) - 1) as f32, (1 << 23) as f32] {
+        for (name, op, reference) in cases {
+            let want: Vec<u32> = ids
+                .iter()
+                .map(|&v| reference(v as f64 as f32, s) as u32)
+                .collect();
+            let mask = op(&tokens, s).unwrap();
+            assert_eq!(mask.to_vec_u32().unwrap(), want, "{name} {s}");
+        }
+    }
+    // A mask of real tokens, as transformers' `input_ids != pad`.
+    let mask = tokens.ne_scalar(0.0).unwrap();
+    assert_eq!(mask.to_vec_u32().unwrap(), vec![0, 1, 1, 1, 0, 1]);
+    // Values past 2^24 other than the largest, or of unknown range, do not compare exactly.
+    let wide = Tensor::from_vec_u32(vec![1 << 25, 3, u32::MAX], &[3], dev).unwrap();
+    let err = wide.eq_scalar(3.0).unwrap_err();
+    assert!(err.to_string().contains("exact below 2^24"), "{err}");
+    let unknown = Tensor::ones(&[2], dev)
+        .unwrap()
+        .to_dtype(DType::U32)
+        .unwrap();
+    let err = unknown.ne_scalar(0.0).unwrap_err();
+    assert!(err.to_string().contains("unknown range"), "{err}");
+}
+
+#[test]
 fn where_cond_picks_by_mask_and_keeps_nan_out_of_the_branch_not_taken() {
     let dev = device();
     let mask = Tensor::from_vec_u32(vec![1, 0, 1], &[3], dev).unwrap();

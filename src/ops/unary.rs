@@ -1,7 +1,7 @@
 //! Elementwise unary ops and ops with a scalar operand. One WGSL template
 //! (`shaders/unary.wgsl`) is specialised with each op's expression.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernel::{
     groups, windows, Elementwise, Fusion, Kernel, KernelParams, Launch, ShaderFamily,
     CONTIGUOUS_PER_GROUP, ELEMENTWISE_STORES_WGSL, SIXTEEN_BIT_WGSL,
@@ -618,7 +618,20 @@ impl Tensor {
         unary(self, op, 0.0)
     }
 
-    /// `self == s` elementwise, as a u32 mask of 0/1 (NaN equals nothing).
+    /// `self == s` elementwise, as a u32 mask of 0/1 (NaN equals nothing). This and the other
+    /// `_scalar` comparisons also take U32 tensors of values below 2^24 (token ids), and a
+    /// marker past them such as `IGNORE_INDEX`:
+    ///
+    /// ```
+    /// # fn main() -> wgrad::Result<()> {
+    /// use wgrad::{Device, Tensor};
+    /// let dev = Device::new()?;
+    /// let tokens = Tensor::from_vec_u32(vec![5, 9, 0, 0], &[1, 4], &dev)?; // 0 pads
+    /// let attention_mask = tokens.ne_scalar(0.0)?; // as transformers' input_ids != pad
+    /// assert_eq!(attention_mask.to_vec_u32()?, vec![1, 1, 0, 0]);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn eq_scalar(&self, s: f32) -> Result<Tensor> {
         compare_scalar(self, UnaryOp::EqScalar, s)
     }
@@ -655,6 +668,27 @@ pub(crate) fn mask_not(mask: &Tensor) -> Result<Tensor> {
 }
 
 /// A comparison with a scalar: a u32 mask (bound 2, so it may index) that records no grad.
+/// U32 values (token ids: `tokens.ne_scalar(pad)` is an attention mask) compare as f32s, which
+/// is exact while every value but a marker past them (an ignore_index) is below 2^24, as the
+/// tensor's index range says; past that, or of unknown range, an error.
 fn compare_scalar(x: &Tensor, op: UnaryOp, s: f32) -> Result<Tensor> {
+    if x.dtype() == DType::U32 && op.dtypes().0 == DType::F32 {
+        const EXACT: u32 = 1 << 24;
+        return match x.index_range() {
+            Some(range) if range.below <= EXACT => compare_scalar(&x.to_dtype(DType::F32)?, op, s),
+            range => Err(Error::InvalidArgument {
+                op: op.name(),
+                msg: format!(
+                    "compares u32 values as f32s, exact below 2^24, but the u32 tensor of shape \
+                     {:?} holds values {}",
+                    x.shape(),
+                    match range {
+                        Some(r) => format!("up to {}", r.below - 1),
+                        None => "of unknown range".into(),
+                    }
+                ),
+            }),
+        };
+    }
     Ok(unary(x, op, s)?.with_index_bound(Some(2)))
 }
