@@ -901,6 +901,7 @@ fn group_norm_matches_torchs_formula() {
         // Groups of 17,000: past the fused row kernels, the composed ops.
         (vec![1, 2, 8500], 1),
         (vec![0, 4, 3], 2),
+        (vec![2, 4, 0], 2),
     ] {
         let c = shape[1];
         let rest: usize = shape[2..].iter().product();
@@ -931,6 +932,21 @@ fn group_norm_matches_torchs_formula() {
             "GroupNorm",
         );
         assert_eq!(module.parameters().len(), 2);
+    }
+}
+
+#[test]
+fn group_norm_of_empty_inputs_has_empty_grads() {
+    let _s = serial();
+    for shape in [[0, 4, 3], [2, 4, 0]] {
+        let x = Tensor::zeros(&shape, device())
+            .unwrap()
+            .requires_grad_(true);
+        let w = Tensor::ones(&[4], device()).unwrap().requires_grad_(true);
+        let y = x.group_norm(2, Some(&w), None, 1e-5).unwrap();
+        y.sum().unwrap().backward().unwrap();
+        assert_eq!(x.grad().unwrap().shape(), &shape);
+        assert_eq!(w.grad().unwrap().to_vec().unwrap(), vec![0.0; 4]);
     }
 }
 
