@@ -110,6 +110,44 @@ fn rms_norm(c: &mut Criterion, dev: &Device) {
     group.finish();
 }
 
+/// GroupNorm forward + backward over a U-Net activation `[8, 64, 32, 32]` in 32 groups, each
+/// group a row of LayerNorm's fused kernels, against the same math composed of reductions and
+/// elementwise ops (how group_norm ran before).
+fn group_norm(c: &mut Criterion, dev: &Device) {
+    let (n, ch, hw, groups) = (8, 64, 32, 32);
+    let x = Tensor::randn(&[n, ch, hw, hw], 7, dev)
+        .unwrap()
+        .requires_grad_(true);
+    let w = Tensor::ones(&[ch], dev).unwrap().requires_grad_(true);
+    let b = Tensor::zeros(&[ch], dev).unwrap().requires_grad_(true);
+    let mut group = c.benchmark_group("group_norm_fwd_bwd_8x64x32x32_g32");
+    let run = |f: &dyn Fn() -> wgrad::Result<Tensor>| {
+        for t in [&x, &w, &b] {
+            t.zero_grad();
+        }
+        f().unwrap().sum().unwrap().backward().unwrap();
+        dev.synchronize().unwrap();
+    };
+    group.bench_function("fused_rows", |bench| {
+        bench.iter(|| run(&|| x.group_norm(groups, Some(&w), Some(&b), 1e-5)))
+    });
+    group.bench_function("composed", |bench| {
+        bench.iter(|| {
+            run(&|| {
+                let rows = x.reshape(&[n, groups, ch / groups * hw * hw])?;
+                let centred = rows.sub(&rows.mean_dims(&[2], true)?)?;
+                let var = centred.mul(&centred)?.mean_dims(&[2], true)?;
+                let normed = centred.mul(&var.add_scalar(1e-5)?.rsqrt()?)?;
+                let normed = normed.reshape(&[n, ch, hw, hw])?;
+                normed
+                    .mul(&w.reshape(&[1, ch, 1, 1])?)?
+                    .add(&b.reshape(&[1, ch, 1, 1])?)
+            })
+        })
+    });
+    group.finish();
+}
+
 /// Rotary embeddings forward + backward over a Llama-sized q `[B 4, H 8, T 256, D 64]`, the
 /// fused kernel against the same math composed as Hugging Face writes it, `x cos +
 /// rotate_half(x) sin` with host-free tables (the ops issue's bar: fused at most 0.5x).
@@ -199,6 +237,7 @@ fn benches(c: &mut Criterion) {
     matmul(c, &dev);
     memory_bound(c, &dev);
     rms_norm(c, &dev);
+    group_norm(c, &dev);
     rope(c, &dev);
     f16_reads(c, &dev);
 }
