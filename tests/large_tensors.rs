@@ -179,6 +179,21 @@ fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
         .unwrap();
     let err = wide.add(&row).unwrap_err();
     assert!(matches!(err, Error::TooLarge { op: "add", .. }), "{err}");
+    // The error counts the output's bytes, which are past the limit (it gave the row's 4000).
+    let Error::TooLarge { bytes, limit, .. } = err else {
+        unreachable!()
+    };
+    assert!(bytes > limit, "{bytes} bytes, limit {limit}");
+    // So does BatchNorm's, whose composed form past one binding broadcasts its statistics.
+    let x = Tensor::zeros(&[2, 1, past_binding() / 2 + 1], dev).unwrap();
+    let err = nn::BatchNorm1d::new(1, dev)
+        .unwrap()
+        .forward(&x)
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::TooLarge { bytes, limit, .. } if bytes > limit),
+        "{err}"
+    );
     // Nor is a strided view of a big tensor read into a new one.
     let err = wide.t().unwrap().contiguous().unwrap_err();
     assert!(

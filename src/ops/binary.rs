@@ -323,7 +323,9 @@ pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> 
         // Past one binding: a launch per window of two dense operands of the output's shape.
         for t in [a, b] {
             if t.shape() != shape.as_slice() || !t.is_contiguous() {
-                return Err(too_large_view(name, t));
+                // A broadcast operand is small: the output is what is past the limit.
+                let large = if t.exceeds_binding() { t } else { &out };
+                return Err(too_large_view(name, large));
             }
         }
         for (start, len) in windows(a.device(), out.numel()) {
