@@ -118,6 +118,41 @@ fn var_and_std_take_a_correction() {
 /// torch divides by `max(0, count - correction)`: a count not above the correction gives inf
 /// (or NaN where the squares sum to 0), never a negative variance.
 #[test]
+fn var_of_values_far_from_zero_is_exact_to_f32() {
+    // The f32 mean of values near 1000 lands an ulp (6e-5) off theirs, and squares taken about
+    // it add that error squared: 3.6e-4 of a variance of 1e-5. The corrected two-pass
+    // algorithm takes it back out.
+    for (base, spread, n) in [
+        (1000.0f32, 0.01f32, 1000),
+        (-37.5, 0.003, 5),
+        (1e4, 0.1, 7000),
+    ] {
+        let data: Vec<f32> = (0..n)
+            .map(|i| base + spread * ((i * 7 % 11) as f32 / 10.0 - 0.5))
+            .collect();
+        let mean = data.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+        let want = data.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+        let x = Tensor::from_slice(&data, &[1, n], device()).unwrap();
+        let got = x.var_dims(&[1], 1, false).unwrap().item().unwrap() as f64;
+        assert!(
+            (got - want).abs() <= 1e-5 * want,
+            "{n} values at {base}: {got} vs {want}"
+        );
+    }
+    // Equal values: a variance of 0 (not a rounding error below it, whose std is NaN).
+    for value in [0.7f32, 1000.1, -3.3e7] {
+        for n in [3, 1000, 70_001] {
+            let x = Tensor::full(&[n], value, device()).unwrap();
+            let std = x.std_dims(&[0], 1, false).unwrap().item().unwrap();
+            assert!(
+                (0.0..=1e-6 * value.abs()).contains(&std),
+                "{n} x {value}: std {std}"
+            );
+        }
+    }
+}
+
+#[test]
 fn var_with_a_count_not_above_the_correction_is_inf_or_nan() {
     let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 4.0, 4.0], &[2, 3], device()).unwrap();
     for correction in [3usize, 5] {

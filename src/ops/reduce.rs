@@ -599,8 +599,15 @@ impl Tensor {
             self.layout().check_dim("var_dims", d)?;
         }
         let count: usize = dims.iter().map(|&d| self.shape()[d]).product();
-        let centred = self.sub(&self.mean_dims(dims, true)?)?;
-        let squares = centred.mul(&centred)?.sum_dims(dims, keepdim)?;
+        let deviations = self.sub(&self.mean_dims(dims, true)?)?;
+        let squares = deviations.mul(&deviations)?.sum_dims(dims, keepdim)?;
+        // The corrected two-pass algorithm: the f32 mean of values far from 0 lands an ulp off,
+        // which adds its square to every squared deviation (3.6e-4 of the variance of values
+        // near 1000 spread by 0.01); the deviations' own sum measures it and takes it out.
+        let drift = deviations.sum_dims(dims, keepdim)?;
+        // Equal values leave the two equal up to rounding: never below 0 (a NaN std).
+        let squares = (squares.sub(&drift.mul(&drift)?.div_scalar(count as f32)?)?)
+            .clamp(0.0, f32::INFINITY)?;
         squares.div_scalar(count.saturating_sub(correction) as f32)
     }
 
