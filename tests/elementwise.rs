@@ -565,17 +565,22 @@ fn comparisons_give_u32_masks_that_broadcast() {
     }
 }
 
-#[test]
-fn scalar_comparisons_match_the_tensor_forms() {
-    let (x, data) = random_tensor(&[70001], 310);
-    let cases: [CompareCase<CompareScalar>; 6] = [
+/// The six comparisons with a scalar and their host references.
+fn scalar_comparisons() -> [CompareCase<CompareScalar>; 6] {
+    [
         ("eq_scalar", Tensor::eq_scalar, |a, b| a == b),
         ("ne_scalar", Tensor::ne_scalar, |a, b| a != b),
         ("lt_scalar", Tensor::lt_scalar, |a, b| a < b),
         ("le_scalar", Tensor::le_scalar, |a, b| a <= b),
         ("gt_scalar", Tensor::gt_scalar, |a, b| a > b),
         ("ge_scalar", Tensor::ge_scalar, |a, b| a >= b),
-    ];
+    ]
+}
+
+#[test]
+fn scalar_comparisons_match_the_tensor_forms() {
+    let (x, data) = random_tensor(&[70001], 310);
+    let cases = scalar_comparisons();
     let s = data[17];
     for (name, op, reference) in cases {
         let want: Vec<u32> = data.iter().map(|&x| reference(x, s) as u32).collect();
@@ -589,14 +594,7 @@ fn scalar_comparisons_of_u32_token_ids_are_exact_and_refuse_values_past_2_pow_24
     // Ids up to 2^24 - 1, a marker past them (IGNORE_INDEX), the pad 0.
     let ids: Vec<u32> = vec![0, 7, (1 << 24) - 1, u32::MAX, 0, 1 << 23];
     let tokens = Tensor::from_vec_u32(ids.clone(), &[2, 3], dev).unwrap();
-    let cases: [CompareCase<CompareScalar>; 6] = [
-        ("eq_scalar", Tensor::eq_scalar, |a, b| a == b),
-        ("ne_scalar", Tensor::ne_scalar, |a, b| a != b),
-        ("lt_scalar", Tensor::lt_scalar, |a, b| a < b),
-        ("le_scalar", Tensor::le_scalar, |a, b| a <= b),
-        ("gt_scalar", Tensor::gt_scalar, |a, b| a > b),
-        ("ge_scalar", Tensor::ge_scalar, |a, b| a >= b),
-    ];
+    let cases = scalar_comparisons();
     for s in [0.0, 7.0, ((1 << 24) - 1) as f32, (1 << 23) as f32] {
         for (name, op, reference) in cases {
             let want: Vec<u32> = ids
