@@ -457,11 +457,36 @@ fn embedding_looks_up_rows_and_adds_grads_of_repeated_indices() {
         g,
         vec![1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0]
     );
+    // An id past the table is an error naming the Embedding and its rows (it named the
+    // index_select it runs on).
     let bad = Tensor::from_vec_u32(vec![5], &[1], device()).unwrap();
-    assert!(matches!(
-        emb.forward(&bad).unwrap_err(),
-        Error::Index { .. }
-    ));
+    let err = emb.forward(&bad).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Index {
+                op: "Embedding",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("id 5") && err.to_string().contains("5 rows"),
+        "{err}"
+    );
+    let floats = Tensor::zeros(&[2], device()).unwrap();
+    let err = emb.forward(&floats).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::DType {
+                op: "Embedding",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }
 
 #[test]

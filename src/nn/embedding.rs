@@ -3,6 +3,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::Module;
+use crate::ops::index::expect_indices_below;
 use crate::seed::next_seed;
 use crate::tensor::{DType, Tensor};
 
@@ -54,6 +55,15 @@ impl Embedding {
 
 impl Module for Embedding {
     fn forward(&self, indices: &Tensor) -> Result<Tensor> {
+        let table_rows = self.weight.shape()[0];
+        expect_indices_below("Embedding", indices, table_rows, |id| {
+            format!(
+                "id {id} is out of range for an embedding of {table_rows} rows (weight {:?}, ids \
+                 {:?})",
+                self.weight.shape(),
+                indices.shape()
+            )
+        })?;
         let flat = indices.reshape(&[indices.numel()])?;
         let mut rows = self.weight.index_select(0, &flat)?;
         if let Some(padding) = self.padding_idx {
