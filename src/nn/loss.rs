@@ -130,33 +130,21 @@ pub fn cross_entropy_with(
 }
 
 /// Each target's weight, F32 `[M]` for targets `[M]`: `weight[t]` (1 without class weights),
-/// 0 for a target equal to `ignore`. A marker past the classes, which `index_select` would
-/// refuse, reads a zero appended at index C.
+/// 0 for a target equal to `ignore` (a marker past the classes reads a class's weight through
+/// [`targets_in_classes`], then 0 like any ignored target).
 fn target_weights(
     targets: &Tensor,
     weight: Option<&Tensor>,
     ignore: Option<u32>,
     device: &Device,
 ) -> Result<Tensor> {
-    let weights = match (weight, ignore) {
-        (None, _) => Tensor::ones(&[targets.numel()], device)?,
-        (Some(w), Some(marker)) if marker as usize >= w.numel() => {
-            let c = w.numel();
-            let padded = Tensor::cat(&[w.clone(), Tensor::zeros(&[1], device)?], 0)?;
-            // Targets are below C or the marker; C < 2^24, so the f32 round trip is exact.
-            let clamped = (targets.to_dtype(DType::F32)?)
-                .clamp(0.0, c as f32)?
-                .to_dtype(DType::U32)?
-                .with_index_bound(Some(c as u32 + 1));
-            padded.index_select(0, &clamped)?
-        }
-        (Some(w), _) => w.index_select(0, targets)?,
+    let weights = match weight {
+        None => Tensor::ones(&[targets.numel()], device)?,
+        Some(w) => w.index_select(0, &targets_in_classes(targets, w.numel(), ignore)?)?,
     };
     match ignore {
-        Some(ignore) => {
-            let ignored = targets.to_dtype(DType::F32)?.eq_scalar(ignore as f32)?;
-            weights.masked_fill(&ignored, 0.0)
-        }
+        // The caller's range check left every target below 2^24 but the marker: exact.
+        Some(ignore) => weights.masked_fill(&targets.eq_scalar(ignore as f32)?, 0.0),
         None => Ok(weights),
     }
 }
@@ -261,10 +249,7 @@ pub fn nll_with(log_probs: &Tensor, targets: &Tensor, opts: &NllOptions) -> Resu
         opts.weight,
     )?;
     let (m, c) = (rows.shape()[0], rows.shape()[1]);
-    let allowed = IndexRange {
-        below: u32::try_from(c).unwrap_or(u32::MAX),
-        except: opts.ignore_index,
-    };
+    let allowed = IndexRange::of_size(c, opts.ignore_index);
     expect_indices_in(OP, targets, allowed, |target| {
         format!(
             "target {target} is out of range for {c} classes (log_probs {:?})",

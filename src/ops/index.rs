@@ -201,8 +201,7 @@ pub(crate) fn expect_indices_below(
     size: usize,
     out_of_range: impl FnOnce(u32) -> String,
 ) -> Result<()> {
-    let size = u32::try_from(size).unwrap_or(u32::MAX);
-    expect_indices_in(op, indices, IndexRange::below(size), out_of_range)
+    expect_indices_in(op, indices, IndexRange::of_size(size, None), out_of_range)
 }
 
 /// Errors unless every value of the u32 `indices` lies in `limit` (below a size, or a loss's

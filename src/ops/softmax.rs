@@ -270,10 +270,7 @@ pub(crate) fn cross_entropy_rows(
         });
     }
     // A label may also be the ignore_index, past the classes (torch's -100).
-    let allowed = IndexRange {
-        below: u32::try_from(c).unwrap_or(u32::MAX),
-        except: loss.ignore_index,
-    };
+    let allowed = IndexRange::of_size(c, loss.ignore_index);
     expect_indices_in(OP, labels, allowed, |label| {
         let ignore = match loss.ignore_index {
             Some(i) if i as usize >= c => format!(" and is not the ignore_index {i}"),

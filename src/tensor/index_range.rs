@@ -20,6 +20,15 @@ impl IndexRange {
         }
     }
 
+    /// Indices into `size` entries (saturating at `u32::MAX`), and `except`: what an index
+    /// check admits (a loss's classes and its ignore_index).
+    pub fn of_size(size: usize, except: Option<u32>) -> IndexRange {
+        IndexRange {
+            below: u32::try_from(size).unwrap_or(u32::MAX),
+            except,
+        }
+    }
+
     /// The range of `values`: the largest is the exception, the others bound `below`.
     pub fn of(values: &[u32]) -> IndexRange {
         let Some(&top) = values.iter().max() else {
