@@ -1,6 +1,8 @@
 // BatchNorm in training mode, fused: per-channel statistics of x `[batch, channels, pixels]`
 // (contiguous) over the batch and the pixels, the normalised output with the affine weight
-// and bias, and the backward. Params: `BatchNormParams` (src/ops/batch_norm.rs).
+// and bias, and the backward. Params: `BatchNormParams` (src/ops/batch_norm.rs). An x past
+// one binding is bound as windows of whole images, a launch each: `batch` counts the
+// window's images, `count` the channel's values over the whole batch.
 // A channel's `batch * pixels` values are split into parts of at most PER_PART; a workgroup
 // sums one (channel, part) and a second kernel merges a channel's parts, so that no
 // invocation loops more than 3 * PER_PART / 256 times plus its reductions (llvmpipe ends an
@@ -11,7 +13,7 @@
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> weight: array<f32>;
 @group(0) @binding(3) var<storage, read> bias: array<f32>;
-// forward: the output; backward: the input grad.
+// forward: the output; backward: the input grad (from `out_offset`).
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 // forward, [channels, parts, 4]: each part's count, scale, mean and sum of squared deviations
 // (both of x / scale); backward, [channels, parts, 3]: its sums of the out grad, of
@@ -35,8 +37,14 @@ fn workgroup_reduce(lid: u32, v: f32, largest: bool) -> f32 {
     return WORKGROUP_REDUCE(lid, v, largest, 256u);
 }
 
+// A channel's values in the bound window of x.
 fn values_per_channel() -> u32 {
     return pu(BATCH_NORM_BATCH) * pu(BATCH_NORM_PIXELS);
+}
+
+// A channel's values over the whole batch, which its statistics are of.
+fn channel_count() -> f32 {
+    return f32(pu(BATCH_NORM_COUNT));
 }
 
 // Where the values j, j + 256, j + 512, .. of `channel` lie (past the tensor's own offset):
@@ -256,7 +264,7 @@ fn normalise(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
                 loaded = c;
             }
             let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - channel.x) * channel.y;
-            out[i] = xhat * channel.z + channel.w;
+            out[pu(BATCH_NORM_OUT_OFFSET) + i] = xhat * channel.z + channel.w;
         }
         walk = channel_walk_next(walk);
     }
@@ -322,7 +330,7 @@ fn channel_grad_sums(@builtin(global_invocation_id) gid: vec3<u32>) {
         sum_xhat = sum_xhat + partials[at + 2u];
     }
     sums[channel * 2u] = sum_g;
-    sums[channel * 2u + 1u] = sum_g_xhat - sum_g * (sum_xhat / f32(values_per_channel()));
+    sums[channel * 2u + 1u] = sum_g_xhat - sum_g * (sum_xhat / channel_count());
 }
 
 // Contiguous over every element: the input grad
@@ -331,7 +339,7 @@ fn channel_grad_sums(@builtin(global_invocation_id) gid: vec3<u32>) {
 fn input_grad(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let n = pu(BATCH_NORM_NUMEL);
-    let count = f32(values_per_channel());
+    let count = channel_count();
     var walk = channel_walk(contiguous_item(wid, nwg, lid, 0u, CONTIGUOUS_PER_GROUP));
     // The channel's mean and rstd, its means of g and of g xhat, and its weight, loaded when
     // the walk enters a channel (as in normalise).
@@ -351,7 +359,8 @@ fn input_grad(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             let rstd = channel.y;
             let xhat = (x[pu(BATCH_NORM_X_OFFSET) + i] - channel.x) * rstd;
             let g = grad[pu(BATCH_NORM_GRAD_OFFSET) + i];
-            out[i] = weight_c * rstd * (g - channel.z - xhat * channel.w);
+            let grad_x = weight_c * rstd * (g - channel.z - xhat * channel.w);
+            out[pu(BATCH_NORM_OUT_OFFSET) + i] = grad_x;
         }
         walk = channel_walk_next(walk);
     }

@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use wgrad::nn::{self, Module};
 use wgrad::optim::{Adam, AdamConfig, Optimizer};
-use wgrad::{Error, Tensor};
+use wgrad::{DType, Error, Tensor};
 
 /// Elements of an f32 tensor a little larger than one binding.
 fn past_binding() -> usize {
@@ -167,34 +167,179 @@ fn matmul_past_one_binding_splits_the_outer_dimension() {
 }
 
 #[test]
+fn a_small_broadcast_operand_of_an_output_past_one_binding_is_copied_dense() {
+    let dev = device();
+    // A bias row over [rows, 1000], and a per-row scale [rows, 1]: each copied dense first.
+    let rows = past_binding() / 1000 + 1;
+    let x = Tensor::arange(rows * 1000, dev)
+        .unwrap()
+        .reshape(&[rows, 1000])
+        .unwrap();
+    let row = Tensor::arange(1000, dev).unwrap();
+    let scale = Tensor::arange(rows, dev)
+        .unwrap()
+        .reshape(&[rows, 1])
+        .unwrap();
+    let y = row.add(&x).unwrap().mul(&scale).unwrap();
+    let probes = [0, 999, 1000, 500_123, rows * 1000 - 1];
+    let want: Vec<f32> = probes
+        .iter()
+        .map(|&i| ((i + i % 1000) * (i / 1000)) as f32)
+        .collect();
+    assert_eq!(at(&y, &probes), want);
+}
+
+#[test]
+fn casts_past_one_binding_convert_every_window() {
+    let dev = device();
+    // Integers below 2048 are exact in F16; an odd length ends inside a 16-bit word.
+    let n = past_binding() | 1;
+    let x = Tensor::from_vec((0..n).map(|i| (i % 2048) as f32).collect(), &[n], dev).unwrap();
+    let half = x.to_dtype(DType::F16).unwrap();
+    // A 16-bit binary op past one binding reads its operands as F32 copies, then casts back.
+    let doubled = half.add(&half).unwrap().to_dtype(DType::F32).unwrap();
+    let probes = [0, 1, 2047, 2048, n / 2, n - 2, n - 1];
+    let want: Vec<f32> = probes.iter().map(|&i| (i % 2048) as f32).collect();
+    assert_eq!(at(&half.to_dtype(DType::F32).unwrap(), &probes), want);
+    let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+    assert_eq!(at(&doubled, &probes), twice);
+}
+
+/// `[images, channels, pixels]` values that differ per channel in mean and spread.
+fn channel_values(images: usize, channels: usize, pixels: usize) -> Vec<f32> {
+    (0..images * channels * pixels)
+        .map(|i| {
+            let c = (i / pixels) % channels;
+            ((i * 7919) % 1009) as f32 / 100.0 * (c + 1) as f32 + 3.0 * c as f32
+        })
+        .collect()
+}
+
+#[test]
+fn batch_norm_past_one_binding_trains_over_windows_of_whole_images() {
+    let dev = device();
+    // Three images of two channels, each image within a binding and the three past it: two
+    // windows, the second starting where a binding cannot (an odd number of pixels).
+    let (images, channels) = (3, 2);
+    let pixels = (past_binding() / (images * channels)) | 1;
+    let host = channel_values(images, channels, pixels);
+    let x = Tensor::from_vec(host.clone(), &[images, channels, pixels], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let bn = nn::BatchNorm1d::new(channels, dev).unwrap();
+    let out = bn.forward(&x).unwrap();
+    // The loss weighs each output by a pattern, so the input grad is not the trivial 0.
+    let pattern: Vec<f32> = (0..host.len()).map(|i| (i % 7) as f32 - 3.0).collect();
+    let r = Tensor::from_vec(pattern.clone(), x.shape(), dev).unwrap();
+    out.mul(&r).unwrap().sum().unwrap().backward().unwrap();
+
+    // The CPU reference, in f64: per channel mean, biased variance, xhat, and the grads.
+    let count = (images * pixels) as f64;
+    let of_channel = |c: usize| {
+        (0..images).flat_map(move |n| {
+            let first = (n * channels + c) * pixels;
+            first..first + pixels
+        })
+    };
+    let got = out.to_vec().unwrap();
+    let grad = x.grad().unwrap().to_vec().unwrap();
+    let (weight_grad, bias_grad) = (
+        bn.weight.grad().unwrap().to_vec().unwrap(),
+        bn.bias.grad().unwrap().to_vec().unwrap(),
+    );
+    let running_var = bn.running_var.to_vec().unwrap();
+    for c in 0..channels {
+        let mean = of_channel(c).map(|i| host[i] as f64).sum::<f64>() / count;
+        let var = of_channel(c)
+            .map(|i| (host[i] as f64 - mean).powi(2))
+            .sum::<f64>()
+            / count;
+        let rstd = 1.0 / (var + 1e-5).sqrt();
+        let xhat = |i: usize| (host[i] as f64 - mean) * rstd;
+        let mean_g = of_channel(c).map(|i| pattern[i] as f64).sum::<f64>() / count;
+        let mean_g_xhat = of_channel(c)
+            .map(|i| pattern[i] as f64 * xhat(i))
+            .sum::<f64>()
+            / count;
+        for i in of_channel(c) {
+            assert!(
+                (got[i] as f64 - xhat(i)).abs() < 1e-4,
+                "out[{i}]: {}",
+                got[i]
+            );
+            let want = rstd * (pattern[i] as f64 - mean_g - xhat(i) * mean_g_xhat);
+            assert!(
+                (grad[i] as f64 - want).abs() < 1e-4,
+                "grad[{i}]: {}",
+                grad[i]
+            );
+        }
+        // Sums over the channel's values: within f32 rounding of the sum of their magnitudes.
+        let close = |got: f32, want: f64, magnitudes: f64, what: &str| {
+            assert!(
+                (got as f64 - want).abs() < 1e-6 * magnitudes,
+                "channel {c}'s {what}: {got}, want {want}"
+            );
+        };
+        let magnitudes = |f: &dyn Fn(usize) -> f64| of_channel(c).map(|i| f(i).abs()).sum();
+        let g_xhat = |i: usize| pattern[i] as f64 * xhat(i);
+        let g = |i: usize| pattern[i] as f64;
+        close(
+            weight_grad[c],
+            mean_g_xhat * count,
+            magnitudes(&g_xhat),
+            "weight grad",
+        );
+        close(bias_grad[c], mean_g * count, magnitudes(&g), "bias grad");
+        let want_var = 0.9 + 0.1 * var * count / (count - 1.0);
+        close(running_var[c], want_var, want_var, "running var");
+    }
+
+    // In evaluation mode it reads the running statistics through broadcasting ops.
+    bn.set_training(false);
+    let eval = bn.forward(&x.detach()).unwrap();
+    let mean = bn.running_mean.to_vec().unwrap();
+    let probes = [0, pixels, host.len() - 1];
+    for (&i, got) in probes.iter().zip(at(&eval, &probes)) {
+        let c = (i / pixels) % channels;
+        let want = (host[i] - mean[c]) / (running_var[c] + 1e-5).sqrt();
+        assert!((got - want).abs() < 1e-4, "eval[{i}]: {got}, want {want}");
+    }
+}
+
+#[test]
 fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
     let dev = device();
     let big = Tensor::zeros(&[past_binding()], dev).unwrap();
-    // A broadcast operand of a big output is not windowed.
-    let row = Tensor::ones(&[1000], dev).unwrap();
-    let wide = big
-        .narrow(0, 0, 1000 * (past_binding() / 1000))
+    // A broadcast operand past one binding is not windowed.
+    let two = Tensor::zeros(&[2, 1], dev).unwrap();
+    let err = big
+        .reshape(&[1, past_binding()])
         .unwrap()
-        .reshape(&[past_binding() / 1000, 1000])
-        .unwrap();
-    let err = wide.add(&row).unwrap_err();
+        .add(&two)
+        .unwrap_err();
     assert!(matches!(err, Error::TooLarge { op: "add", .. }), "{err}");
-    // The error counts the output's bytes, which are past the limit (it gave the row's 4000).
+    // The error counts the broadcast operand's bytes, which are past the limit.
     let Error::TooLarge { bytes, limit, .. } = err else {
         unreachable!()
     };
     assert!(bytes > limit, "{bytes} bytes, limit {limit}");
-    // So does BatchNorm's, whose composed form past one binding broadcasts its statistics.
-    let x = Tensor::zeros(&[2, 1, past_binding() / 2 + 1], dev).unwrap();
+    // BatchNorm binds whole images: one image past a binding is too large.
+    let x = Tensor::zeros(&[1, 1, past_binding()], dev).unwrap();
     let err = nn::BatchNorm1d::new(1, dev)
         .unwrap()
         .forward(&x)
         .unwrap_err();
     assert!(
-        matches!(err, Error::TooLarge { bytes, limit, .. } if bytes > limit),
+        matches!(err, Error::TooLarge { op: "BatchNorm1d", bytes, limit } if bytes > limit),
         "{err}"
     );
     // Nor is a strided view of a big tensor read into a new one.
+    let wide = big
+        .narrow(0, 0, 1000 * (past_binding() / 1000))
+        .unwrap()
+        .reshape(&[past_binding() / 1000, 1000])
+        .unwrap();
     let err = wide.t().unwrap().contiguous().unwrap_err();
     assert!(
         matches!(

@@ -7,8 +7,8 @@ use crate::autograd::no_grad;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::{Module, TrainingFlag};
-use crate::ops::batch_norm::{batch_norm_training, fused_applies};
-use crate::ops::norm::{check_eps, scaled_for_statistics};
+use crate::ops::batch_norm::batch_norm_training;
+use crate::ops::norm::check_eps;
 use crate::tensor::{DType, Tensor};
 
 /// The inputs a [`BatchNorm`] takes: channels on dim 1, statistics over every other dim.
@@ -184,16 +184,10 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
                 ),
             });
         }
-        // Every dim but the channels'.
-        let dims: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
-        let mut channel_shape = vec![1; x.rank()];
-        channel_shape[1] = c;
-        let per_channel = |t: &Tensor| t.reshape(&channel_shape);
         let tracking = self.options.track_running_stats;
         let eps = self.options.eps;
-        let normed = if self.training.get() || !tracking {
-            let count = x.numel() / c;
-            if count < 2 {
+        if self.training.get() || !tracking {
+            if x.numel() / c < 2 {
                 return Err(Error::Shape {
                     op: Input::NAME,
                     msg: format!(
@@ -202,35 +196,21 @@ impl<Input: BatchNormInput> Module for BatchNorm<Input> {
                     ),
                 });
             }
-            let update_running = tracking && self.training.get();
-            if fused_applies(x) {
-                let affine = self.options.affine.then_some((&self.weight, &self.bias));
-                let (out, batch) = batch_norm_training(Input::NAME, x, affine, eps)?;
-                if update_running {
-                    self.update(&batch.mean, &batch.unbiased_var)?;
-                }
-                return Ok(out);
+            let affine = self.options.affine.then_some((&self.weight, &self.bias));
+            let (out, batch) = batch_norm_training(Input::NAME, x, affine, eps)?;
+            if tracking && self.training.get() {
+                self.update(&batch.mean, &batch.unbiased_var)?;
             }
-            // The statistics of x over its per-channel magnitude, which cannot overflow.
-            let (u, divisor, eps_scaled) = scaled_for_statistics(x, &dims, eps)?;
-            let mean = u.mean_dims(&dims, true)?;
-            let centred = u.sub(&mean)?;
-            let var = centred.mul(&centred)?.mean_dims(&dims, true)?;
-            if update_running {
-                no_grad(|| {
-                    let batch_mean = mean.mul(&divisor)?.reshape(&[c])?;
-                    let unbiased = var
-                        .mul(&divisor.mul(&divisor)?)?
-                        .mul_scalar(count as f32 / (count - 1) as f32)?;
-                    self.update(&batch_mean, &unbiased.reshape(&[c])?)
-                })?;
-            }
-            centred.mul(&var.add(&eps_scaled)?.rsqrt()?)?
-        } else {
-            let mean = per_channel(&self.running_mean)?;
-            let var = per_channel(&self.running_var)?;
-            x.sub(&mean)?.div(&var.add_scalar(eps)?.sqrt()?)?
-        };
+            return Ok(out);
+        }
+        // Evaluation: the running statistics, composed of broadcasting ops (their grads flow
+        // to x and to the affine parameters, as when fine-tuning with frozen statistics).
+        let mut channel_shape = vec![1; x.rank()];
+        channel_shape[1] = c;
+        let per_channel = |t: &Tensor| t.reshape(&channel_shape);
+        let mean = per_channel(&self.running_mean)?;
+        let var = per_channel(&self.running_var)?;
+        let normed = x.sub(&mean)?.div(&var.add_scalar(eps)?.sqrt()?)?;
         if !self.options.affine {
             return Ok(normed);
         }

@@ -2,33 +2,36 @@
 //! per-channel statistics over the batch and the pixels in two launches, the normalised and
 //! scaled output in one, and beside it the backward rule (two launches for the per-channel
 //! grad sums, one for the input grad). `nn::BatchNorm1d`/`BatchNorm2d` call it in training
-//! mode; the composed form ([`standardised`](crate::ops::norm::standardised)) stays for
-//! inputs larger than one binding.
+//! mode. An input past one binding is bound as windows of whole images, a launch per window
+//! for each kernel that reads the values.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, reduces_in_subgroups, with_subgroup_section, Kernel, KernelParams, Launch,
-    ShaderFamily, CONTIGUOUS_PER_GROUP, WORKGROUP_REDUCE_WGSL,
+    groups, reduces_in_subgroups, rows_per_window, with_subgroup_section, Kernel, KernelParams,
+    Launch, ShaderFamily, CONTIGUOUS_PER_GROUP, WORKGROUP_REDUCE_WGSL,
 };
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
 crate::kernel_params! {
-    /// x `[batch, channels, pixels]` (contiguous from `x_offset`) with each channel's
-    /// `batch * pixels` values in `parts` parts of `PER_PART`; `affine` 1 where weight and
-    /// bias are bound.
+    /// x `[batch, channels, pixels]` (contiguous from `x_offset`): the launch's window of whole
+    /// images (every image when x fits one binding), each channel's `batch * pixels` values
+    /// there in `parts` parts of `PER_PART`; `count` a channel's values over the whole batch;
+    /// `affine` 1 where weight and bias are bound.
     pub(crate) struct BatchNormParams {
         batch: u32,
         channels: u32,
         pixels: u32,
         parts: u32,
         numel: u32,
+        count: u32,
         eps: f32,
         affine: u32,
         x_offset: u32,
         weight_offset: u32,
         bias_offset: u32,
+        out_offset: u32,
         grad_offset: u32,
     }
 }
@@ -92,9 +95,87 @@ pub(crate) struct BatchStatistics {
     pub unbiased_var: Tensor,
 }
 
-/// True when [`batch_norm_training`] runs `x` fused: x within one binding.
-pub(crate) fn fused_applies(x: &Tensor) -> bool {
-    (x.numel() * 4) as u64 <= x.device().max_binding_bytes()
+/// A run of whole images of x, and of the tensors shaped like it, that one launch of the
+/// per-value kernels binds: every image when they all fit one binding, else as many as one
+/// window holds (a BatchNorm at ResNet's first layer, `[64, 64, 112, 112]`, is 205 MB; lavapipe
+/// binds 128 MiB).
+#[derive(Clone, Copy)]
+struct ImageRun {
+    first: usize,
+    images: usize,
+    image_len: usize,
+    pixels: usize,
+    every_image: bool,
+}
+
+impl ImageRun {
+    /// The runs that cover `batch` images of `channels * pixels` values, windowed when any of
+    /// `tensors` (contiguous, shaped like x) is past one binding. One image past a binding is a
+    /// `TooLarge` error: its channels are not split.
+    fn cover(
+        op: &'static str,
+        tensors: &[&Tensor],
+        batch: usize,
+        channels: usize,
+        pixels: usize,
+    ) -> Result<Vec<ImageRun>> {
+        let image_len = channels * pixels;
+        let run = |first, images, every_image| ImageRun {
+            first,
+            images,
+            image_len,
+            pixels,
+            every_image,
+        };
+        if !tensors.iter().any(|t| t.exceeds_binding()) {
+            return Ok(vec![run(0, batch, true)]);
+        }
+        let dev = tensors[0].device();
+        let per = rows_per_window(dev, image_len);
+        if per == 0 {
+            return Err(Error::TooLarge {
+                op,
+                bytes: (image_len * 4) as u64,
+                limit: dev.max_binding_bytes(),
+            });
+        }
+        Ok((0..batch)
+            .step_by(per)
+            .map(|first| run(first, per.min(batch - first), false))
+            .collect())
+    }
+
+    /// `t` over this run's images: `t` itself when the run is every image.
+    fn of(&self, t: &Tensor) -> Tensor {
+        match self.every_image {
+            true => t.clone(),
+            false => t.window(self.first * self.image_len, self.images * self.image_len),
+        }
+    }
+
+    /// The parts of at most `PER_PART` that a channel's values in this run split into.
+    fn parts(&self) -> usize {
+        (self.images * self.pixels).div_ceil(PER_PART).max(1)
+    }
+
+    /// `params` for a launch over this run's window `x` of x.
+    fn params(&self, params: &BatchNormParams, x: &Tensor) -> BatchNormParams {
+        BatchNormParams {
+            batch: self.images as u32,
+            parts: self.parts() as u32,
+            numel: (self.images * self.image_len) as u32,
+            x_offset: x.layout().offset as u32,
+            ..*params
+        }
+    }
+}
+
+/// The runs' partial sums `[channels, parts, k]` as one tensor of every part.
+fn every_part(partials: Vec<Tensor>) -> Result<Tensor> {
+    match partials.len() {
+        1 => Ok(partials.into_iter().next().expect("one run")),
+        _ => Tensor::cat(&partials, 1),
+    }
 }
 
 /// `x` (`[N, C, ..]`, at least two values per channel: the caller checks) normalised per
@@ -109,7 +190,6 @@ pub(crate) fn batch_norm_training(
     let dev = x.device();
     let (batch, channels) = (x.shape()[0], x.shape()[1]);
     let pixels = x.numel() / (batch * channels).max(1);
-    let parts = (batch * pixels).div_ceil(PER_PART).max(1);
     let (x_c, weight_c, bias_c) = {
         let _no_grad = NoGradGuard::new();
         let (w, b) = match affine {
@@ -118,44 +198,61 @@ pub(crate) fn batch_norm_training(
         };
         (x.contiguous()?, w, b)
     };
+    let out = Tensor::empty(op, x.shape(), DType::F32, dev)?;
+    let stats = Tensor::empty(op, &[channels, 3], DType::F32, dev)?;
+    let runs = ImageRun::cover(op, &[&x_c, &out], batch, channels, pixels)?;
     let params = BatchNormParams {
         batch: batch as u32,
         channels: channels as u32,
         pixels: pixels as u32,
-        parts: parts as u32,
+        parts: runs.iter().map(ImageRun::parts).sum::<usize>() as u32,
         numel: x.numel() as u32,
+        count: (batch * pixels) as u32,
         eps,
         affine: affine.is_some() as u32,
-        x_offset: x_c.layout().offset as u32,
+        x_offset: 0,
         weight_offset: weight_c.as_ref().map_or(0, |w| w.layout().offset as u32),
         bias_offset: bias_c.as_ref().map_or(0, |b| b.layout().offset as u32),
+        out_offset: 0,
         grad_offset: 0,
     };
     // Without affine parameters the kernels read none: x stands in for both bindings.
     let weight_bound = weight_c.clone().unwrap_or_else(|| x_c.clone());
     let bias_bound = bias_c.unwrap_or_else(|| x_c.clone());
 
-    let partials = Tensor::empty(op, &[channels, parts, 4], DType::F32, dev)?;
-    let stats = Tensor::empty(op, &[channels, 3], DType::F32, dev)?;
-    let out = Tensor::empty(op, x.shape(), DType::F32, dev)?;
     let subgroups = reduces_in_subgroups(dev);
     if x.numel() > 0 {
-        let kernel = kernel_of("partial_stats", subgroups);
-        let bound = [(1, &x_c), (5, &partials)];
-        Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
+        let mut partials = Vec::new();
+        for run in &runs {
+            let x_w = run.of(&x_c);
+            let part = Tensor::empty(op, &[channels, run.parts(), 4], DType::F32, dev)?;
+            let kernel = kernel_of("partial_stats", subgroups);
+            let bound = [(1, &x_w), (5, &part)];
+            let workgroups = (channels * run.parts()) as u32;
+            Launch::new(op, &kernel, &bound, &run.params(&params, &x_w)).record(workgroups)?;
+            partials.push(part);
+        }
+        let partials = every_part(partials)?;
         let kernel = kernel_of("channel_stats", subgroups);
         let bound = [(5, &partials), (6, &stats)];
         Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
-        let kernel = kernel_of("normalise", subgroups);
-        let bound = [
-            (1, &x_c),
-            (2, &weight_bound),
-            (3, &bias_bound),
-            (4, &out),
-            (6, &stats),
-        ];
-        let workgroups = groups(x.numel(), CONTIGUOUS_PER_GROUP);
-        Launch::new(op, &kernel, &bound, &params).record(workgroups)?;
+        for run in &runs {
+            let (x_w, out_w) = (run.of(&x_c), run.of(&out));
+            let params = BatchNormParams {
+                out_offset: out_w.layout().offset as u32,
+                ..run.params(&params, &x_w)
+            };
+            let kernel = kernel_of("normalise", subgroups);
+            let bound = [
+                (1, &x_w),
+                (2, &weight_bound),
+                (3, &bias_bound),
+                (4, &out_w),
+                (6, &stats),
+            ];
+            let workgroups = groups(x_w.numel(), CONTIGUOUS_PER_GROUP);
+            Launch::new(op, &kernel, &bound, &params).record(workgroups)?;
+        }
     }
     let statistics = BatchStatistics {
         mean: stats.narrow(1, 0, 1)?.reshape(&[channels])?,
@@ -172,31 +269,51 @@ pub(crate) fn batch_norm_training(
         move |g: &Tensor| {
             let g = g.contiguous()?;
             let dev = g.device();
-            let params = BatchNormParams {
-                grad_offset: g.layout().offset as u32,
-                ..params
-            };
-            let partials = Tensor::empty(op, &[channels, parts, 3], DType::F32, dev)?;
-            let sums = Tensor::empty(op, &[channels, 2], DType::F32, dev)?;
             let grad_x = Tensor::empty(op, x_c.shape(), DType::F32, dev)?;
+            let sums = Tensor::empty(op, &[channels, 2], DType::F32, dev)?;
             if x_c.numel() > 0 {
-                let kernel = kernel_of("partial_grad_sums", subgroups);
-                let bound = [(1, &x_c), (5, &partials), (6, &stats), (7, &g)];
-                Launch::new(op, &kernel, &bound, &params).record((channels * parts) as u32)?;
+                let runs = ImageRun::cover(op, &[&x_c, &g, &grad_x], batch, channels, pixels)?;
+                let mut partials = Vec::new();
+                for run in &runs {
+                    let (x_w, g_w) = (run.of(&x_c), run.of(&g));
+                    let params = BatchNormParams {
+                        grad_offset: g_w.layout().offset as u32,
+                        ..run.params(&params, &x_w)
+                    };
+                    let part = Tensor::empty(op, &[channels, run.parts(), 3], DType::F32, dev)?;
+                    let kernel = kernel_of("partial_grad_sums", subgroups);
+                    let bound = [(1, &x_w), (5, &part), (6, &stats), (7, &g_w)];
+                    let workgroups = (channels * run.parts()) as u32;
+                    Launch::new(op, &kernel, &bound, &params).record(workgroups)?;
+                    partials.push(part);
+                }
+                let every = BatchNormParams {
+                    parts: partials.iter().map(|p| p.shape()[1]).sum::<usize>() as u32,
+                    ..params
+                };
+                let partials = every_part(partials)?;
                 let kernel = kernel_of("channel_grad_sums", subgroups);
                 let bound = [(5, &partials), (8, &sums)];
-                Launch::new(op, &kernel, &bound, &params).record(groups(channels, 64))?;
-                let kernel = kernel_of("input_grad", subgroups);
-                let bound = [
-                    (1, &x_c),
-                    (2, &weight_bound),
-                    (4, &grad_x),
-                    (6, &stats),
-                    (7, &g),
-                    (8, &sums),
-                ];
-                let workgroups = groups(x_c.numel(), CONTIGUOUS_PER_GROUP);
-                Launch::new(op, &kernel, &bound, &params).record(workgroups)?;
+                Launch::new(op, &kernel, &bound, &every).record(groups(channels, 64))?;
+                for run in &runs {
+                    let (x_w, g_w, grad_w) = (run.of(&x_c), run.of(&g), run.of(&grad_x));
+                    let params = BatchNormParams {
+                        grad_offset: g_w.layout().offset as u32,
+                        out_offset: grad_w.layout().offset as u32,
+                        ..run.params(&params, &x_w)
+                    };
+                    let kernel = kernel_of("input_grad", subgroups);
+                    let bound = [
+                        (1, &x_w),
+                        (2, &weight_bound),
+                        (4, &grad_w),
+                        (6, &stats),
+                        (7, &g_w),
+                        (8, &sums),
+                    ];
+                    let workgroups = groups(x_w.numel(), CONTIGUOUS_PER_GROUP);
+                    Launch::new(op, &kernel, &bound, &params).record(workgroups)?;
+                }
             }
             let mut grads = vec![Some(grad_x)];
             if has_affine {

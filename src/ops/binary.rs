@@ -320,23 +320,42 @@ pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> 
         return Ok(out);
     }
     if out.exceeds_binding() || a.exceeds_binding() || b.exceeds_binding() {
-        // Past one binding: a launch per window of two dense operands of the output's shape.
-        for t in [a, b] {
-            if t.shape() != shape.as_slice() || !t.is_contiguous() {
-                // A broadcast operand is small: the output is what is past the limit.
-                let large = if t.exceeds_binding() { t } else { &out };
-                return Err(too_large_view(name, large));
-            }
-        }
-        for (start, len) in windows(a.device(), out.numel()) {
-            let (aw, bw) = (a.window(start, len), b.window(start, len));
-            launch_binary(op, &aw, &bw, &out.window(start, len), scalar)?;
-        }
+        launch_binary_windows(op, a, b, &out, scalar)?;
         return Ok(out);
     }
     let (a, b) = (readable_operand(a, &shape)?, readable_operand(b, &shape)?);
     launch_binary(op, &a, &b, &out, scalar)?;
     Ok(out)
+}
+
+/// [`binary_with`]'s launches where a tensor is past one binding: a launch per window of the
+/// flat output. An operand past the limit must be dense at the output's shape, and is windowed
+/// with it; a small one that is not (a bias, BatchNorm's per-channel statistics) is first
+/// copied dense at the output's shape (the copy windows its destination). A broadcast operand
+/// past the limit is a `TooLarge` error.
+fn launch_binary_windows(
+    op: BinaryOp,
+    a: &Tensor,
+    b: &Tensor,
+    out: &Tensor,
+    scalar: f32,
+) -> Result<()> {
+    let name = op.name();
+    let dense_at_output = |t: &Tensor| -> Result<Tensor> {
+        if t.shape() == out.shape() && t.is_contiguous() {
+            return Ok(t.clone());
+        }
+        if t.exceeds_binding() {
+            return Err(too_large_view(name, t));
+        }
+        t.detach().expand(out.shape())?.contiguous()
+    };
+    let (a, b) = (dense_at_output(a)?, dense_at_output(b)?);
+    for (start, len) in windows(out.device(), out.numel()) {
+        let (aw, bw) = (a.window(start, len), b.window(start, len));
+        launch_binary(op, &aw, &bw, &out.window(start, len), scalar)?;
+    }
+    Ok(())
 }
 
 /// `t` as the binary kernels read it at the output's `shape`: itself where it is dense or a

@@ -3,7 +3,9 @@
 //! 16-bit elements); and `through_f32`, how ops without 16-bit kernels take 16-bit tensors.
 
 use crate::error::{Error, Result};
-use crate::kernel::{strided_dims, Kernel, KernelParams, Launch, ShaderFamily, SIXTEEN_BIT_WGSL};
+use crate::kernel::{
+    strided_dims, windows, Kernel, KernelParams, Launch, ShaderFamily, SIXTEEN_BIT_WGSL,
+};
 use crate::ops::too_large_view;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Layout, Tensor};
@@ -34,12 +36,17 @@ static CAST: ShaderFamily = ShaderFamily {
 pub(crate) fn cast(op: &'static str, x: &Tensor, dtype: DType) -> Result<Tensor> {
     let out = Tensor::empty(op, x.shape(), dtype, x.device())?;
     let n = x.numel();
-    if n > 0 {
-        for t in [x, &out] {
-            if t.exceeds_binding() {
-                return Err(too_large_view(op, t));
-            }
+    if n > 0 && (x.exceeds_binding() || out.exceeds_binding()) {
+        // Past one binding: a launch per window of a dense x and of the output. Windows start
+        // 64 elements apart, so no word of a 16-bit output straddles two.
+        if !x.is_contiguous() {
+            return Err(too_large_view(op, x));
         }
+        for (start, len) in windows(x.device(), n) {
+            let target = out.window(start, len);
+            launch_cast(op, &x.window(start, len), &target, target.layout().offset)?;
+        }
+    } else if n > 0 {
         launch_cast(op, x, &out, 0)?;
     }
     if x.dtype() == DType::U32 || dtype == DType::U32 {

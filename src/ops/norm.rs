@@ -133,8 +133,8 @@ pub(crate) fn check_eps(op: &'static str, eps: f32) -> Result<()> {
     Ok(())
 }
 
-/// `x` divided by its largest magnitude over `dims` (kept as size 1; 1 where that is 0), the
-/// divisor, and `eps` over the divisor squared: a norm's statistics of the quotient cannot overflow for
+/// `x` divided by its largest magnitude over `dims` (kept as size 1; 1 where that is 0), and
+/// `eps` over the divisor squared: a norm's statistics of the quotient cannot overflow for
 /// finite `x` (squares of 1e20 would), and `(u - mean(u)) / sqrt(var(u) + eps / s^2)` is the
 /// same function of `x` as the unscaled form, so the divisor takes no grad and the grads are
 /// the same.
@@ -142,7 +142,7 @@ pub(crate) fn scaled_for_statistics(
     x: &Tensor,
     dims: &[usize],
     eps: f32,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<(Tensor, Tensor)> {
     let divisor = {
         let _no_grad = NoGradGuard::new();
         let largest = x.abs()?.max_dims(dims, true)?;
@@ -151,7 +151,7 @@ pub(crate) fn scaled_for_statistics(
         largest.eq_scalar(0.0)?.where_cond(&ones, &largest)?
     };
     let eps_scaled = divisor.powf(-2.0)?.mul_scalar(eps)?;
-    Ok((x.div(&divisor)?, divisor, eps_scaled))
+    Ok((x.div(&divisor)?, eps_scaled))
 }
 
 /// `x` normalised over `dims` to zero mean and unit (biased) variance, `eps` added to the
@@ -164,7 +164,7 @@ pub(crate) fn scaled_for_statistics(
 /// summed outputs, 0, read 10 for values of 1000 +- 0.005). The second pass's mean is of the
 /// deviations, exact to their own rounding.
 pub(crate) fn standardised(x: &Tensor, dims: &[usize], eps: f32) -> Result<Tensor> {
-    let (u, _, eps_scaled) = scaled_for_statistics(x, dims, eps)?;
+    let (u, eps_scaled) = scaled_for_statistics(x, dims, eps)?;
     let once = u.sub(&u.mean_dims(dims, true)?)?;
     let centred = once.sub(&once.mean_dims(dims, true)?)?;
     let var = centred.mul(&centred)?.mean_dims(dims, true)?;
@@ -181,7 +181,7 @@ fn composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tens
 /// [`standardised`]).
 fn composed_rms(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let last = x.rank() - 1;
-    let (u, _, eps_scaled) = scaled_for_statistics(x, &[last], eps)?;
+    let (u, eps_scaled) = scaled_for_statistics(x, &[last], eps)?;
     let mean_square = u.mul(&u)?.mean_dims(&[last], true)?;
     u.mul(&mean_square.add(&eps_scaled)?.rsqrt()?)?.mul(weight)
 }
