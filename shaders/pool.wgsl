@@ -1,5 +1,6 @@
 // 2-d max and average pooling over NCHW planes (no padding), and their backward passes.
-// Params: `PoolParams` (src/ops/pool.rs). All tensors are contiguous.
+// Params: `PoolParams` (src/ops/pool.rs). All tensors are contiguous; src may start past its
+// buffer's first element (a view of part of a batch).
 //
 // Backward passes give each run of input elements of a row one invocation, which sums each
 // element's grad over the few windows containing it, so overlapping windows need no atomics;
@@ -10,6 +11,11 @@
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 // max_forward writes, and max_backward reads, the window position of each maximum.
 @group(0) @binding(3) var<storage, read_write> argmax: array<u32>;
+
+// Element i of src, which starts `src_offset` elements into its buffer (a view).
+fn src_at(i: u32) -> f32 {
+    return src[pu(POOL_SRC_OFFSET) + i];
+}
 
 // A run of outputs of one output row, [ox0, ox1): forward passes give each run one invocation,
 // so the divisions that place an output are paid once per run (CPU adapters divide lane by
@@ -48,12 +54,12 @@ fn max_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let s = pu(POOL_STRIDE);
     for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
         let at = r.in_at + ox * s;
-        var best = src[at];
+        var best = src_at(at);
         var best_at = 0u;
         // Row by row, so no tap divides (the first tap compares with itself: no change).
         for (var ty = 0u; ty < k; ty = ty + 1u) {
             for (var tx = 0u; tx < k; tx = tx + 1u) {
-                let v = src[at + ty * w + tx];
+                let v = src_at(at + ty * w + tx);
                 if (v > best || (is_nan(v) && !is_nan(best))) {
                     best = v;
                     best_at = ty * k + tx;
@@ -81,7 +87,7 @@ fn avg_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         var sum = 0.0;
         for (var ty = 0u; ty < k; ty = ty + 1u) {
             for (var tx = 0u; tx < k; tx = tx + 1u) {
-                sum = sum + src[at + ty * w + tx];
+                sum = sum + src_at(at + ty * w + tx);
             }
         }
         dst[r.out_at + ox] = sum / f32(k * k);
@@ -160,7 +166,7 @@ fn max_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             for (var ox = cols.x; ox < cols.y; ox = ox + 1u) {
                 let o = (out_plane + oy) * ow + ox;
                 if (argmax[o] == (r.y - oy * s) * k + (x - ox * s)) {
-                    sum = sum + src[o];
+                    sum = sum + src_at(o);
                 }
             }
         }
@@ -189,7 +195,7 @@ fn avg_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         var sum = 0.0;
         for (var oy = r.rows.x; oy < r.rows.y; oy = oy + 1u) {
             for (var ox = cols.x; ox < cols.y; ox = ox + 1u) {
-                sum = sum + src[(out_plane + oy) * ow + ox];
+                sum = sum + src_at((out_plane + oy) * ow + ox);
             }
         }
         dst[in_row + x] = sum / f32(k * k);
@@ -212,7 +218,7 @@ fn max_backward_tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let w = pu(POOL_WIDTH);
     let k = pu(POOL_KERNEL);
     for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
-        let g = src[r.out_at + ox];
+        let g = src_at(r.out_at + ox);
         let best = argmax[r.out_at + ox];
         let at = r.in_at + ox * k;
         for (var ty = 0u; ty < k; ty = ty + 1u) {
@@ -234,7 +240,7 @@ fn avg_backward_tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let w = pu(POOL_WIDTH);
     let k = pu(POOL_KERNEL);
     for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
-        let g = src[r.out_at + ox] / f32(k * k);
+        let g = src_at(r.out_at + ox) / f32(k * k);
         let at = r.in_at + ox * k;
         for (var ty = 0u; ty < k; ty = ty + 1u) {
             for (var tx = 0u; tx < k; tx = tx + 1u) {

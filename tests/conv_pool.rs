@@ -330,6 +330,23 @@ fn pools_match_cpu_reference() {
     }
 }
 
+#[test]
+fn pools_of_a_view_of_part_of_a_batch_read_that_part() {
+    // Images 1 and 2 of three: a view that starts 2 * 8 * 8 elements into its buffer (the
+    // kernels read from the buffer's start, so both pools gave image 0's windows).
+    let (x, xv) = random_tensor(&[3, 2, 8, 8], 5);
+    let part = x.narrow(0, 1, 2).unwrap();
+    let part_values = &xv[2 * 8 * 8..];
+    for (k, s) in [(2, 2), (3, 1)] {
+        let want = pool_reference(part_values, [2, 2, 8, 8], k, s, true);
+        let got = part.max_pool2d(k, s).unwrap().to_vec().unwrap();
+        assert_close(&got, &want, 1e-6, &format!("max_pool2d of a view, {k} {s}"));
+        let want = pool_reference(part_values, [2, 2, 8, 8], k, s, false);
+        let got = part.avg_pool2d(k, s).unwrap().to_vec().unwrap();
+        assert_close(&got, &want, 1e-5, &format!("avg_pool2d of a view, {k} {s}"));
+    }
+}
+
 /// The input grads of both pools for an out grad `g`, on the CPU: each window's grad to its
 /// first maximum, or spread evenly over it.
 fn pool_backward_reference(

@@ -14,9 +14,11 @@ crate::kernel_params! {
     /// `n` counts the entry's invocations: runs of `segment` elements of a row (`segments`
     /// runs per row) of the output forward and where windows tile the input backward, else of
     /// the input backward. Planes are
-    /// `height x width` in, `out_h x out_w` out.
+    /// `height x width` in, `out_h x out_w` out. The source starts `src_offset` elements
+    /// into its buffer.
     pub(crate) struct PoolParams {
         n: u32,
+        src_offset: u32,
         height: u32,
         width: u32,
         out_h: u32,
@@ -83,6 +85,7 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
     }
     Ok(PoolParams {
         n: 0,
+        src_offset: 0,
         height: height as u32,
         width: width as u32,
         out_h: ((height - kernel) / stride + 1) as u32,
@@ -133,6 +136,7 @@ fn run(
     bound.extend(argmax.map(|a| (3, a)));
     let params = PoolParams {
         n: n as u32,
+        src_offset: src.layout().offset as u32,
         ..params
     };
     let kernel = Kernel::plain(&POOL, entry);
