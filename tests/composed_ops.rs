@@ -406,6 +406,54 @@ fn flip_and_repeat_move_elements_as_torch() {
     );
 }
 
+/// torch's `repeat` on the CPU: element `i` of the output reads the input at each
+/// coordinate modulo the input's size along that dim.
+fn repeat_reference(x: &[f32], shape: &[usize], repeats: &[usize]) -> Vec<f32> {
+    let out: Vec<usize> = shape.iter().zip(repeats).map(|(s, r)| s * r).collect();
+    let numel: usize = out.iter().product();
+    (0..numel)
+        .map(|mut i| {
+            let mut at = 0;
+            let mut stride = 1;
+            for d in (0..out.len()).rev() {
+                at += (i % out[d]) % shape[d] * stride;
+                stride *= shape[d];
+                i /= out[d];
+            }
+            x[at]
+        })
+        .collect()
+}
+
+#[test]
+fn repeat_tiles_tensors_of_every_rank_up_to_six() {
+    let dev = device();
+    // A rank-4 image batch repeated along channels (it went past six dims inside), and a
+    // rank-6 tensor repeated along three dims.
+    for (shape, repeats) in [
+        (vec![2, 3, 2, 2], vec![1, 2, 1, 1]),
+        (vec![2, 3, 2, 2], vec![2, 1, 3, 2]),
+        (vec![1, 2, 1, 2, 1, 2], vec![2, 1, 3, 1, 2, 1]),
+    ] {
+        let n: usize = shape.iter().product();
+        let values = values_in(n, -1.0, 1.0, 13);
+        let x = Tensor::from_vec(values.clone(), &shape, dev).unwrap();
+        let got = x.repeat(&repeats).unwrap();
+        let want_shape: Vec<usize> = shape.iter().zip(&repeats).map(|(s, r)| s * r).collect();
+        assert_eq!(got.shape(), want_shape.as_slice());
+        assert_eq!(
+            got.to_vec().unwrap(),
+            repeat_reference(&values, &shape, &repeats),
+            "repeat {shape:?} by {repeats:?}"
+        );
+    }
+    gradcheck(
+        "repeat of a rank-4 tensor",
+        &[(vec![1, 2, 2, 2], values_in(8, -1.0, 1.0, 14))],
+        |t| t[0].repeat(&[2, 1, 1, 3]),
+    );
+}
+
 #[test]
 fn one_hot_and_index_add_scatter_by_index() {
     let dev = device();

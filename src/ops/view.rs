@@ -322,15 +322,23 @@ impl Tensor {
         let shape: Vec<usize> = std::iter::repeat_n(1, lead)
             .chain(self.shape().iter().copied())
             .collect();
-        // [.., 1, s, ..] expanded to [.., r, s, ..], then merged to [.., r s, ..].
-        let paired: Vec<usize> = shape.iter().flat_map(|&s| [1, s]).collect();
-        let expanded: Vec<usize> = shape
-            .iter()
-            .zip(repeats)
-            .flat_map(|(&s, &r)| [r, s])
-            .collect();
         let out: Vec<usize> = shape.iter().zip(repeats).map(|(&s, &r)| s * r).collect();
         checked_numel("repeat", &out)?;
-        self.reshape(&paired)?.expand(&expanded)?.reshape(&out)
+        // A dim at a time, as [before, 1, s, after] expanded to [before, r, s, after] and
+        // merged: four dims whatever the rank (pairing every dim with a new one went past the
+        // six dims a tensor has, so a rank-4 tensor could not repeat).
+        let mut tiled = self.reshape(&shape)?;
+        for (d, &r) in repeats.iter().enumerate().filter(|(_, &r)| r != 1) {
+            let now = tiled.shape().to_vec();
+            let before: usize = now[..d].iter().product();
+            let after: usize = now[d + 1..].iter().product();
+            let mut merged = now.clone();
+            merged[d] *= r;
+            tiled = tiled
+                .reshape(&[before, 1, now[d], after])?
+                .expand(&[before, r, now[d], after])?
+                .reshape(&merged)?;
+        }
+        Ok(tiled)
     }
 }
