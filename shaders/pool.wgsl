@@ -1,6 +1,5 @@
 // 2-d max and average pooling over NCHW planes (no padding), and their backward passes.
-// Params: `PoolParams` (src/ops/pool.rs). All tensors are contiguous; src may start past its
-// buffer's first element (a view of part of a batch).
+// Params: `PoolParams` (src/ops/pool.rs). All tensors are contiguous.
 //
 // Backward passes give each run of input elements of a row one invocation, which sums each
 // element's grad over the few windows containing it, so overlapping windows need no atomics;
@@ -12,9 +11,22 @@
 // max_forward writes, and max_backward reads, the window position of each maximum.
 @group(0) @binding(3) var<storage, read_write> argmax: array<u32>;
 
-// Element i of src, which starts `src_offset` elements into its buffer (a view).
+// Each tensor starts its offset's elements into its buffer: src may be a view of part of a
+// batch, and a tensor past one binding is bound a window of whole planes at a time.
 fn src_at(i: u32) -> f32 {
     return src[pu(POOL_SRC_OFFSET) + i];
+}
+
+fn store(i: u32, v: f32) {
+    dst[pu(POOL_DST_OFFSET) + i] = v;
+}
+
+fn argmax_at(i: u32) -> u32 {
+    return argmax[pu(POOL_ARGMAX_OFFSET) + i];
+}
+
+fn store_argmax(i: u32, v: u32) {
+    argmax[pu(POOL_ARGMAX_OFFSET) + i] = v;
 }
 
 // A run of outputs of one output row, [ox0, ox1): forward passes give each run one invocation,
@@ -66,8 +78,8 @@ fn max_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                 }
             }
         }
-        dst[r.out_at + ox] = best;
-        argmax[r.out_at + ox] = best_at;
+        store(r.out_at + ox, best);
+        store_argmax(r.out_at + ox, best_at);
     }
 }
 
@@ -90,7 +102,7 @@ fn avg_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                 sum = sum + src_at(at + ty * w + tx);
             }
         }
-        dst[r.out_at + ox] = sum / f32(k * k);
+        store(r.out_at + ox, sum / f32(k * k));
     }
 }
 
@@ -165,12 +177,12 @@ fn max_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         for (var oy = r.rows.x; oy < r.rows.y; oy = oy + 1u) {
             for (var ox = cols.x; ox < cols.y; ox = ox + 1u) {
                 let o = (out_plane + oy) * ow + ox;
-                if (argmax[o] == (r.y - oy * s) * k + (x - ox * s)) {
+                if (argmax_at(o) == (r.y - oy * s) * k + (x - ox * s)) {
                     sum = sum + src_at(o);
                 }
             }
         }
-        dst[in_row + x] = sum;
+        store(in_row + x, sum);
     }
 }
 
@@ -198,7 +210,7 @@ fn avg_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
                 sum = sum + src_at((out_plane + oy) * ow + ox);
             }
         }
-        dst[in_row + x] = sum / f32(k * k);
+        store(in_row + x, sum / f32(k * k));
     }
 }
 
@@ -219,11 +231,11 @@ fn max_backward_tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let k = pu(POOL_KERNEL);
     for (var ox = r.ox0; ox < r.ox1; ox = ox + 1u) {
         let g = src_at(r.out_at + ox);
-        let best = argmax[r.out_at + ox];
+        let best = argmax_at(r.out_at + ox);
         let at = r.in_at + ox * k;
         for (var ty = 0u; ty < k; ty = ty + 1u) {
             for (var tx = 0u; tx < k; tx = tx + 1u) {
-                dst[at + ty * w + tx] = select(0.0, g, ty * k + tx == best);
+                store(at + ty * w + tx, select(0.0, g, ty * k + tx == best));
             }
         }
     }
@@ -244,7 +256,7 @@ fn avg_backward_tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
         let at = r.in_at + ox * k;
         for (var ty = 0u; ty < k; ty = ty + 1u) {
             for (var tx = 0u; tx < k; tx = tx + 1u) {
-                dst[at + ty * w + tx] = g;
+                store(at + ty * w + tx, g);
             }
         }
     }

@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use wgrad::nn::{self, Module};
 use wgrad::optim::{Adam, AdamConfig, Optimizer};
-use wgrad::{DType, Error, Tensor};
+use wgrad::{DType, Error, Pool2dOptions, Tensor};
 
 /// Elements of an f32 tensor a little larger than one binding.
 fn past_binding() -> usize {
@@ -307,6 +307,91 @@ fn batch_norm_past_one_binding_trains_over_windows_of_whole_images() {
     }
 }
 
+/// A conv, ReLU and padded max pool of `x` with `w`, and the grads of `sum(out * pattern)`
+/// for `x` and `w`: (out, x grad, w grad).
+fn conv_relu_pool_and_grads(x: &Tensor, w: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let x = x.detach().requires_grad_(true);
+    let w = w.detach().requires_grad_(true);
+    let pool = Pool2dOptions {
+        padding: 1,
+        ..Pool2dOptions::new(3, 2)
+    };
+    let out = x
+        .conv2d(&w, None, 1, 1)
+        .unwrap()
+        .relu()
+        .unwrap()
+        .max_pool2d_with(&pool)
+        .unwrap();
+    // The same weights for every image.
+    let per_image = out.numel() / out.shape()[0];
+    let pattern: Vec<f32> = (0..out.numel())
+        .map(|i| ((i % per_image * 31) % 11) as f32 - 5.0)
+        .collect();
+    let pattern = Tensor::from_vec(pattern, out.shape(), x.device()).unwrap();
+    out.mul(&pattern)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    (out, x.grad().unwrap(), w.grad().unwrap())
+}
+
+#[test]
+fn a_conv_relu_pool_past_one_binding_matches_its_images_one_at_a_time() {
+    let dev = device();
+    // The conv's output for both images is past one binding, each image's within one: the
+    // batch runs windowed (pool planes, the padded image's strided interior, conv chunks)
+    // and each image alone runs as any small tensor does. Small integers keep every sum
+    // exact, so the two agree bit for bit whatever order their kernels add in (the batch's
+    // conv takes another kernel than one image's; rounding would break the pool's ties
+    // differently).
+    let side = 1030;
+    let (images, channels) = (2, 16);
+    assert!(images * channels * side * side * 4 > dev.max_binding_bytes() as usize);
+    let n = images * 3 * side * side;
+    let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 9) as f32 - 4.0).collect();
+    let x = Tensor::from_vec(x, &[images, 3, side, side], dev).unwrap();
+    let w: Vec<f32> = (0..channels * 27)
+        .map(|i| ((i * 13) % 5) as f32 - 2.0)
+        .collect();
+    let w = Tensor::from_vec(w, &[channels, 3, 3, 3], dev).unwrap();
+    let (out, x_grad, w_grad) = conv_relu_pool_and_grads(&x, &w);
+
+    let mut w_grad_sum = vec![0.0f64; channels * 27];
+    for i in 0..images {
+        let (out_i, x_grad_i, w_grad_i) = conv_relu_pool_and_grads(&x.narrow(0, i, 1).unwrap(), &w);
+        let per_image = |t: &Tensor| {
+            t.narrow(0, i, 1)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .to_vec()
+                .unwrap()
+        };
+        assert_eq!(
+            per_image(&out),
+            out_i.to_vec().unwrap(),
+            "image {i}'s output"
+        );
+        assert_eq!(
+            per_image(&x_grad),
+            x_grad_i.to_vec().unwrap(),
+            "image {i}'s input grad"
+        );
+        for (sum, g) in w_grad_sum.iter_mut().zip(w_grad_i.to_vec().unwrap()) {
+            *sum += g as f64;
+        }
+    }
+    for (j, (got, want)) in w_grad.to_vec().unwrap().iter().zip(&w_grad_sum).enumerate() {
+        assert!(
+            (*got as f64 - want).abs() < 1e-4 * want.abs().max(1.0),
+            "weight grad {j}: {got}, want {want}"
+        );
+    }
+}
+
 #[test]
 fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
     let dev = device();
@@ -334,13 +419,11 @@ fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
         matches!(err, Error::TooLarge { op: "BatchNorm1d", bytes, limit } if bytes > limit),
         "{err}"
     );
-    // Nor is a strided view of a big tensor read into a new one.
-    let wide = big
-        .narrow(0, 0, 1000 * (past_binding() / 1000))
-        .unwrap()
-        .reshape(&[past_binding() / 1000, 1000])
-        .unwrap();
-    let err = wide.t().unwrap().contiguous().unwrap_err();
+    // Nor a strided view of a big tensor whose one slice spans more than a binding: each
+    // column of [n / 8, 8] spans the whole buffer.
+    assert_eq!(past_binding() % 8, 0);
+    let narrow_columns = big.reshape(&[past_binding() / 8, 8]).unwrap();
+    let err = narrow_columns.t().unwrap().contiguous().unwrap_err();
     assert!(
         matches!(
             err,
@@ -351,4 +434,41 @@ fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
         ),
         "{err}"
     );
+}
+
+#[test]
+fn a_strided_view_past_one_binding_copies_a_run_of_slices_at_a_time() {
+    let dev = device();
+    // The transpose of [rows, 1000]: each of its 1000 slices spans just under a binding.
+    let rows = past_binding() / 1000;
+    let x = Tensor::arange(rows * 1000, dev)
+        .unwrap()
+        .reshape(&[rows, 1000])
+        .unwrap();
+    let xt = x.t().unwrap().contiguous().unwrap();
+    assert_eq!(xt.shape(), &[1000, rows]);
+    // xt[c][r] = x[r][c] = r * 1000 + c.
+    let probes = [
+        (0, 0),
+        (0, rows - 1),
+        (999, 0),
+        (517, rows / 2),
+        (999, rows - 1),
+    ];
+    let flat: Vec<usize> = probes.iter().map(|&(c, r)| c * rows + r).collect();
+    let want: Vec<f32> = probes.iter().map(|&(c, r)| (r * 1000 + c) as f32).collect();
+    assert_eq!(at(&xt, &flat), want);
+    // A padded image's interior, written into a buffer past one binding.
+    let images = Tensor::ones(&[2, 2, 2900, 2900], dev).unwrap();
+    let padded = images.pad2d((1, 2, 3, 4), -1.0).unwrap();
+    let (h, w) = (2907, 2903);
+    let at_pixel = |n: usize, c: usize, y: usize, x: usize| ((n * 2 + c) * h + y) * w + x;
+    let probes = [
+        at_pixel(0, 0, 0, 0),
+        at_pixel(0, 0, 3, 1),
+        at_pixel(1, 1, 2902, 2900),
+        at_pixel(1, 1, 2903, 2900),
+        at_pixel(1, 1, 2902, 2901),
+    ];
+    assert_eq!(at(&padded, &probes), vec![-1.0, 1.0, 1.0, -1.0, -1.0]);
 }

@@ -329,10 +329,9 @@ pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> 
 }
 
 /// [`binary_with`]'s launches where a tensor is past one binding: a launch per window of the
-/// flat output. An operand past the limit must be dense at the output's shape, and is windowed
-/// with it; a small one that is not (a bias, BatchNorm's per-channel statistics) is first
-/// copied dense at the output's shape (the copy windows its destination). A broadcast operand
-/// past the limit is a `TooLarge` error.
+/// flat output. An operand dense at the output's shape is windowed with it; any other (a bias,
+/// BatchNorm's per-channel statistics, a strided view) is first copied dense at the output's
+/// shape (the copy windows it). A broadcast operand past the limit is a `TooLarge` error.
 fn launch_binary_windows(
     op: BinaryOp,
     a: &Tensor,
@@ -345,9 +344,11 @@ fn launch_binary_windows(
         if t.shape() == out.shape() && t.is_contiguous() {
             return Ok(t.clone());
         }
-        if t.exceeds_binding() {
+        if t.exceeds_binding() && t.shape() != out.shape() {
             return Err(too_large_view(name, t));
         }
+        // A strided view at the output's shape (the grad of a padded image's interior) is
+        // copied a run of slices at a time.
         t.detach().expand(out.shape())?.contiguous()
     };
     let (a, b) = (dense_at_output(a)?, dense_at_output(b)?);

@@ -396,7 +396,11 @@ fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     let out_rest = [geo.c_out, geo.cols.out_h, geo.cols.out_w];
     by_chunks(x, geo, out_rest, |start, count| {
         let group = images_per_group(count, geo.cols.pixels());
-        let cols = im2col(&x.narrow(0, start, count)?.contiguous()?, geo, group)?;
+        let cols = im2col(
+            &x.narrow(0, start, count)?.contiguous()?.bindable(),
+            geo,
+            group,
+        )?;
         let shape = [count, geo.c_out, geo.cols.out_h, geo.cols.out_w];
         ungrouped(&w_mat.matmul(&cols)?, group, shape)
     })
@@ -460,7 +464,7 @@ fn input_grad(g: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     let in_rest = [geo.cols.c_in, geo.cols.height, geo.cols.width];
     by_chunks(g, geo, in_rest, |start, count| {
         let group = images_per_group(count, geo.cols.pixels());
-        let g_groups = grouped(&g.narrow(0, start, count)?, group)?;
+        let g_groups = grouped(&g.narrow(0, start, count)?.bindable(), group)?;
         col2im(&w_mat.t()?.matmul(&g_groups)?, geo, group)
     })
 }
@@ -491,8 +495,9 @@ fn flipped_taps_outer(w: &Tensor, geo: &Geometry) -> Result<Tensor> {
 fn weight_grad(x: &Tensor, g: &Tensor, geo: &Geometry, w_shape: &[usize]) -> Result<Tensor> {
     let part = |start, count| {
         let group = images_per_group(count, geo.cols.pixels());
-        let images = x.narrow(0, start, count)?.contiguous()?;
-        let g_groups = grouped(&g.narrow(0, start, count)?, group)?;
+        // Chunks of a batch past one binding are bound as windows of their own images.
+        let images = x.narrow(0, start, count)?.contiguous()?.bindable();
+        let g_groups = grouped(&g.narrow(0, start, count)?.bindable(), group)?;
         let partials =
             if conv_weight_product_applies(x.device(), geo.c_out, count, group, &geo.cols) {
                 conv_weight_product(&g_groups.contiguous()?, &images, &geo.cols, group)?

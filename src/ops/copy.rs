@@ -4,10 +4,10 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, strided_dims, windows, Elementwise, Fusion, Kernel, KernelParams, Launch, ShaderFamily,
-    CONTIGUOUS_PER_GROUP,
+    groups, rows_per_window, strided_dims, windows, Elementwise, Fusion, Kernel, KernelParams,
+    Launch, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
-use crate::ops::cast;
+use crate::ops::{cast, too_large_view};
 use crate::tensor::dim::Dim;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, IndexRange, Layout, Tensor};
@@ -111,6 +111,15 @@ fn copy_described(
     if n == 0 {
         return Ok(());
     }
+    // Past one binding, the flat windows below take a dense destination and a source bound
+    // whole, and a buffer copy takes two dense tensors; anything else goes a run of slices
+    // at a time.
+    let flat_windows = !src.dtype().is_16_bit()
+        && dst_layout.is_contiguous()
+        && (!src.exceeds_binding() || src.is_contiguous() && src.storage_id() != dst.storage_id());
+    if (src.exceeds_binding() || dst.exceeds_binding()) && !flat_windows {
+        return copy_in_slice_runs(op, src, dst, dst_layout);
+    }
     // 16-bit elements share words: the cast kernels move them (into contiguous runs).
     if src.dtype().is_16_bit() {
         return crate::ops::cast::cast_into(op, src, dst, dst_layout);
@@ -163,6 +172,77 @@ fn copy_described(
             .record(groups(len, CONTIGUOUS_PER_GROUP))?;
     }
     Ok(())
+}
+
+/// [`copy_into`] where a side past one binding is strided (a padded image's interior, a
+/// permuted view of large activations) or 16-bit: a copy per run of slices along the first
+/// dim, each side bound as the window of its storage those slices span (or whole, where it
+/// fits one binding). One slice whose span is past a binding is a `TooLarge` error.
+fn copy_in_slice_runs(
+    op: &'static str,
+    src: &Tensor,
+    dst: &Tensor,
+    dst_layout: &Layout,
+) -> Result<()> {
+    if src.rank() == 0 {
+        // One element: as a run of one slice.
+        let one = |l: &Layout| Layout {
+            offset: l.offset,
+            ..Layout::contiguous(&[1])
+        };
+        let dst_one = one(dst_layout);
+        return copy_in_slice_runs(op, &src.view(one(src.layout())), dst, &dst_one);
+    }
+    let rows = src.shape()[0];
+    let per_window = rows_per_window(dst.device(), 1);
+    // The slices one window of `t`'s storage holds at `layout`: all where it fits a binding.
+    let slices_per_window = |t: &Tensor, layout: &Layout| -> Result<usize> {
+        let first = layout.narrow(op, 0, 0, 1)?;
+        match (t.exceeds_binding(), layout.strides[0]) {
+            (false, _) => Ok(rows),
+            (true, _) if span(&first) > per_window => Err(too_large_view(op, t)),
+            (true, 0) => Ok(rows),
+            (true, stride) => Ok((per_window - span(&first)) / stride + 1),
+        }
+    };
+    let per = slices_per_window(src, src.layout())?.min(slices_per_window(dst, dst_layout)?);
+    for start in (0..rows).step_by(per) {
+        let count = per.min(rows - start);
+        let (src_store, src_run) = slice_run(op, src, src.layout(), start, count)?;
+        let (dst_store, dst_run) = slice_run(op, dst, dst_layout, start, count)?;
+        copy_described(op, &src_store.view(src_run), &dst_store, &dst_run, None)?;
+    }
+    Ok(())
+}
+
+/// Slices `start .. start + count` along the first dim of `layout`, a view of `t`'s storage:
+/// the storage to bind (`t`'s own where it fits one binding, else the window those slices
+/// span) and the slices' layout within it.
+fn slice_run(
+    op: &'static str,
+    t: &Tensor,
+    layout: &Layout,
+    start: usize,
+    count: usize,
+) -> Result<(Tensor, Layout)> {
+    let run = layout.narrow(op, 0, start, count)?;
+    if !t.exceeds_binding() {
+        return Ok((t.clone(), run));
+    }
+    let elements = (t.storage().bytes() / t.dtype().size() as u64) as usize;
+    let window = t
+        .view(Layout::contiguous(&[elements]))
+        .window(run.offset, span(&run));
+    let offset = window.layout().offset;
+    Ok((window, Layout { offset, ..run }))
+}
+
+/// The elements from a layout's first to its last, inclusive.
+fn span(layout: &Layout) -> usize {
+    let reach: usize = (layout.shape.iter().zip(&layout.strides))
+        .map(|(&size, &stride)| (size.max(1) - 1) * stride)
+        .sum();
+    reach + 1
 }
 
 /// `params` counted in four-word groups (the `vec4` copy kernel), where the innermost dim is

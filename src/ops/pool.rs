@@ -5,7 +5,10 @@
 //! whose grads come through the products.
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::kernel::{
+    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP,
+};
+use crate::ops::too_large_view;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -14,11 +17,13 @@ crate::kernel_params! {
     /// `n` counts the entry's invocations: runs of `segment` elements of a row (`segments`
     /// runs per row) of the output forward and where windows tile the input backward, else of
     /// the input backward. Planes are
-    /// `height x width` in, `out_h x out_w` out. The source starts `src_offset` elements
-    /// into its buffer.
+    /// `height x width` in, `out_h x out_w` out. Each bound tensor starts its offset's
+    /// elements into its binding.
     pub(crate) struct PoolParams {
         n: u32,
         src_offset: u32,
+        dst_offset: u32,
+        argmax_offset: u32,
         height: u32,
         width: u32,
         out_h: u32,
@@ -86,6 +91,8 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
     Ok(PoolParams {
         n: 0,
         src_offset: 0,
+        dst_offset: 0,
+        argmax_offset: 0,
         height: height as u32,
         width: width as u32,
         out_h: ((height - kernel) / stride + 1) as u32,
@@ -101,7 +108,7 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
 /// row of `row_len`, each element costing `loops` loop iterations (a forward output reads
 /// `k * k` taps; a backward input element visits at most `ceil(k / s)` squared windows): runs
 /// shorten so that an invocation's loops stay within [`MAX_LOOP_LEN`]. Returns the params and
-/// the number of runs over `rows` rows.
+/// the number of runs over a plane's `rows` rows.
 fn in_runs(params: PoolParams, rows: usize, row_len: usize, loops: usize) -> (PoolParams, usize) {
     let segment = (MAX_LOOP_LEN / loops.max(1)).clamp(1, RUN_LEN);
     let segments = row_len.div_ceil(segment);
@@ -117,8 +124,10 @@ fn in_runs(params: PoolParams, rows: usize, row_len: usize, loops: usize) -> (Po
 /// 64 elements.
 const RUN_LEN: usize = 64;
 
-/// Runs `entry` from `src` (any layout) into `dst` over `n` invocations (see `PoolParams`);
-/// max pooling's arg-max is bound beside them.
+/// Runs `entry` from `src` (any layout) into `dst` (`[N, C, ..]`), `per_plane` invocations
+/// per plane (see `PoolParams`); max pooling's arg-max is bound beside them. Planes are
+/// independent: where a tensor is past one binding, each launch binds windows of whole
+/// planes (a ResNet's first pool at 224 pixels and batch 64 reads 205 MB).
 fn run(
     kind: Pool,
     entry: &'static str,
@@ -126,21 +135,55 @@ fn run(
     dst: &Tensor,
     argmax: Option<&Tensor>,
     params: PoolParams,
-    n: usize,
+    per_plane: usize,
 ) -> Result<()> {
     if dst.numel() == 0 {
         return Ok(());
     }
     let src = src.contiguous()?;
-    let mut bound = vec![(1, &src), (2, dst)];
-    bound.extend(argmax.map(|a| (3, a)));
-    let params = PoolParams {
-        n: n as u32,
-        src_offset: src.layout().offset as u32,
-        ..params
+    let planes = dst.shape()[0] * dst.shape()[1];
+    let tensors: Vec<&Tensor> = [Some(&src), Some(dst), argmax]
+        .into_iter()
+        .flatten()
+        .collect();
+    let per_window = match tensors.iter().find(|t| t.exceeds_binding()) {
+        None => planes,
+        Some(large) => {
+            let per = tensors
+                .iter()
+                .map(|t| rows_per_window(dst.device(), t.numel() / planes))
+                .min()
+                .unwrap_or(0);
+            if per == 0 {
+                return Err(too_large_view(kind.name(), large));
+            }
+            per
+        }
     };
     let kernel = Kernel::plain(&POOL, entry);
-    Launch::new(kind.name(), &kernel, &bound, &params).record(groups(n, WORKGROUP))
+    for first in (0..planes).step_by(per_window) {
+        let count = per_window.min(planes - first);
+        let part = |t: &Tensor| match per_window == planes {
+            true => t.clone(),
+            false => {
+                let plane = t.numel() / planes;
+                t.window(first * plane, count * plane)
+            }
+        };
+        let (src, dst, argmax) = (part(&src), part(dst), argmax.map(part));
+        let n = count * per_plane;
+        let params = PoolParams {
+            n: n as u32,
+            src_offset: src.layout().offset as u32,
+            dst_offset: dst.layout().offset as u32,
+            argmax_offset: argmax.as_ref().map_or(0, |a| a.layout().offset as u32),
+            ..params
+        };
+        let mut bound = vec![(1, &src), (2, &dst)];
+        bound.extend(argmax.as_ref().map(|a| (3, a)));
+        Launch::new(kind.name(), &kernel, &bound, &params).record(groups(n, WORKGROUP))?;
+    }
+    Ok(())
 }
 
 fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> {
@@ -165,8 +208,7 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
         Pool::Max => "max_forward",
         Pool::Avg => "avg_forward",
     };
-    let out_rows = shape[0] * shape[1] * shape[2];
-    let (forward, runs) = in_runs(params, out_rows, shape[3], kernel * kernel);
+    let (forward, runs) = in_runs(params, shape[2], shape[3], kernel * kernel);
     run(kind, entry, x, &out, argmax.as_ref(), forward, runs)?;
     Ok(record(op, out, &[x], |_| {
         let in_shape = x.shape().to_vec();
@@ -181,9 +223,12 @@ fn pool(x: &Tensor, kind: Pool, kernel: usize, stride: usize) -> Result<Tensor> 
                 (Pool::Max, true) => ("max_backward_tiles", forward, runs),
                 (Pool::Avg, true) => ("avg_backward_tiles", forward, runs),
                 (_, false) => {
-                    let rows = in_shape[0] * in_shape[1] * in_shape[2];
-                    let (backward, runs) =
-                        in_runs(params, rows, in_shape[3], kernel.div_ceil(stride).pow(2));
+                    let (backward, runs) = in_runs(
+                        params,
+                        in_shape[2],
+                        in_shape[3],
+                        kernel.div_ceil(stride).pow(2),
+                    );
                     let entry = match kind {
                         Pool::Max => "max_backward",
                         Pool::Avg => "avg_backward",

@@ -197,6 +197,24 @@ impl Tensor {
         self.storage().bytes() > self.device().inner.max_binding_bytes()
     }
 
+    /// This tensor as a kernel can bind it: itself, or, where it is a contiguous part of a
+    /// buffer past one binding (a chunk of a large batch) and its own elements fit one, a
+    /// window of just its elements, with no graph (as [`Tensor::window`]).
+    pub(crate) fn bindable(&self) -> Tensor {
+        if !self.exceeds_binding() || !self.is_contiguous() {
+            return self.clone();
+        }
+        let window = self.window(0, self.numel());
+        match window.exceeds_binding() {
+            true => self.clone(),
+            false => window.view(Layout {
+                shape: self.shape().to_vec(),
+                strides: self.layout().strides.clone(),
+                offset: window.layout().offset,
+            }),
+        }
+    }
+
     /// An exclusive bound on every value of this u32 tensor, where known.
     pub(crate) fn index_bound(&self) -> Option<u32> {
         self.inner.index_range.map(IndexRange::bound)
