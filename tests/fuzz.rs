@@ -2,7 +2,7 @@
 //! matmul, softmax, index_select with repeats, cat, and the ops of today's models: sin, cos,
 //! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm,
 //! LayerNorm and GroupNorm, conv_transpose2d, cumsum, flip, logsumexp, var, gather with
-//! repeats) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must
+//! repeats, max and average pools with padding and ceil mode) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must
 //! be an error) run on wgrad and on an f64 CPU interpreter. Values must agree; for programs
 //! of smooth ops, finite differences must agree with the grad of the first input; nothing may
 //! panic.
@@ -273,7 +273,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(24) {
+    match rng.below(25) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -584,8 +584,87 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
                 .along(dim, k, |line| picks.iter().map(|&p| line[p]).collect());
             pair(x.gpu.gather(dim, &indices)?, cpu)
         }
+        24 if r == 4 && x.cpu.shape.iter().all(|&n| n > 0) && x.cpu.data.len() <= 2048 => {
+            // A 2-d max or average pool, any window that fits, with padding, ceil mode and
+            // count_include_pad drawn (of a view too, where an earlier step narrowed).
+            let side = x.cpu.shape[2].min(x.cpu.shape[3]);
+            let kernel = 1 + rng.below(side.min(3));
+            let o = wgrad::Pool2dOptions {
+                kernel,
+                stride: 1 + rng.below(2),
+                padding: rng.below(kernel / 2 + 1),
+                ceil_mode: rng.below(2) == 0,
+                count_include_pad: rng.below(2) == 0,
+            };
+            let max = rng.below(2) == 0;
+            *smooth &= !max;
+            // Half the time, of all images but the first: a view that starts past its
+            // buffer's first element (the pools once read from the buffer's start).
+            let n = x.cpu.shape[0];
+            let (gpu_in, cpu_in) = match n >= 2 && rng.below(2) == 0 {
+                true => (x.gpu.narrow(0, 1, n - 1)?, x.cpu.narrow(0, 1, n - 1)),
+                false => (x.gpu.clone(), x.cpu.clone()),
+            };
+            let gpu = match max {
+                true => gpu_in.max_pool2d_with(&o)?,
+                false => gpu_in.avg_pool2d_with(&o)?,
+            };
+            pair(gpu, pool_2d(&cpu_in, &o, max))
+        }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
+}
+
+/// torch's 2-d max or average pool of `x` `[n, c, h, w]` (its output sides, padding and
+/// divisors: an average divides by the window clipped to the padded input, or, without
+/// `count_include_pad`, by the input elements it covers).
+fn pool_2d(x: &Cpu, o: &wgrad::Pool2dOptions, max: bool) -> Cpu {
+    let [n, c, h, w] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
+    let (k, s, p) = (o.kernel as i64, o.stride as i64, o.padding as i64);
+    let out_len = |size: i64| {
+        let span = size + 2 * p - k;
+        match o.ceil_mode {
+            false => span / s + 1,
+            true => {
+                let out = (span + s - 1) / s + 1;
+                // The last window must start inside the input or its left padding.
+                if (out - 1) * s >= size + p {
+                    out - 1
+                } else {
+                    out
+                }
+            }
+        }
+    };
+    let (out_h, out_w) = (out_len(h as i64), out_len(w as i64));
+    let shape = vec![n, c, out_h as usize, out_w as usize];
+    let mut data = Vec::with_capacity(Cpu::numel(&shape));
+    for plane in 0..n * c {
+        for oy in 0..out_h {
+            for ox in 0..out_w {
+                let (y0, x0) = (oy * s - p, ox * s - p);
+                let (y1, x1) = ((y0 + k).min(h as i64 + p), (x0 + k).min(w as i64 + p));
+                let padded_count = (y1 - y0) * (x1 - x0);
+                let (ya, yb) = (y0.max(0), y1.min(h as i64));
+                let (xa, xb) = (x0.max(0), x1.min(w as i64));
+                let values: Vec<f64> = (ya..yb)
+                    .flat_map(|y| (xa..xb).map(move |xx| (y, xx)))
+                    .map(|(y, xx)| x.data[(plane * h + y as usize) * w + xx as usize])
+                    .collect();
+                data.push(match max {
+                    true => values.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+                    false => {
+                        let divisor = match o.count_include_pad {
+                            true => padded_count,
+                            false => values.len() as i64,
+                        };
+                        values.iter().sum::<f64>() / divisor as f64
+                    }
+                });
+            }
+        }
+    }
+    Cpu { shape, data }
 }
 
 /// conv_transpose2d of `x` `[n, c, h, w]` with weight `[c, o, 2, 2]`, stride 2 (the kernel
