@@ -882,3 +882,38 @@ fn composed_ops_step(
 fn replayed_steps_through_composed_reductions_indexing_and_losses_equal_eager_steps() {
     assert_replays_equal_eager(composed_ops_step, 650);
 }
+
+#[test]
+fn a_replay_compares_and_picks_u32_words_as_eager_does() {
+    let dev = device();
+    // Words whose f32 patterns are a NaN, a denormal or past 2^24: the fused kernels carry
+    // u32 operands through f32 variables, which must keep their bits.
+    let words = |seed: u32| -> Vec<u32> {
+        [0x7F80_0001u32, 1, 16_777_217, u32::MAX, 7, 16_777_216]
+            .iter()
+            .map(|w| w.rotate_left(seed % 3).wrapping_add(seed % 2))
+            .collect()
+    };
+    let batch = |seed: u32| -> Vec<Tensor> {
+        let mask: Vec<u32> = (0..6).map(|i| (i + seed) % 2).collect();
+        vec![
+            Tensor::from_vec_u32(words(seed), &[6], dev).unwrap(),
+            Tensor::from_vec_u32(words(seed + 1), &[6], dev).unwrap(),
+            Tensor::from_vec_u32(mask, &[6], dev).unwrap(),
+        ]
+    };
+    let program = |b: &[Tensor]| -> Result<Tensor> {
+        let picked = b[2].where_cond(&b[0], &b[1])?;
+        let below = picked.lt(&b[1])?.to_dtype(wgrad::DType::F32)?;
+        let equal = picked.eq(&b[0])?.to_dtype(wgrad::DType::F32)?;
+        below.mul_scalar(2.0)?.add(&equal)?.sum()
+    };
+    let mut step = Step::new(program);
+    for seed in 0..5 {
+        let inputs = batch(seed);
+        let replayed = step.run(&inputs).unwrap().item().unwrap();
+        let eager = program(&inputs).unwrap().item().unwrap();
+        assert_eq!(replayed, eager, "batch {seed}");
+    }
+    assert_eq!(step.stats().replays, 3);
+}

@@ -712,3 +712,115 @@ fn minimum_propagates_nan_as_torch() {
     assert!(got[0].is_nan() && got[1].is_nan());
     assert_eq!(got[2], -1.0);
 }
+
+/// Words whose f32 bit patterns are awkward (a denormal, a NaN, infinity) and values past
+/// 2^24, where an f32 comparison of the values would round.
+const AWKWARD_WORDS: [u32; 8] = [
+    0,
+    1,
+    16_777_216,
+    16_777_217,
+    0x7F80_0000,
+    0x7F80_0001,
+    0xFFFF_FFFE,
+    u32::MAX,
+];
+
+#[test]
+fn comparisons_of_two_u32_tensors_compare_their_values_exactly() {
+    let dev = device();
+    // Every pair of awkward words: a column against a row, broadcast.
+    let n = AWKWARD_WORDS.len();
+    let a = Tensor::from_vec_u32(AWKWARD_WORDS.to_vec(), &[n, 1], dev).unwrap();
+    let b = Tensor::from_vec_u32(AWKWARD_WORDS.to_vec(), &[1, n], dev).unwrap();
+    type Compare = fn(&Tensor, &Tensor) -> wgrad::Result<Tensor>;
+    type Reference = fn(u32, u32) -> bool;
+    let cases: [(&str, Compare, Reference); 6] = [
+        ("eq", Tensor::eq, |x, y| x == y),
+        ("ne", Tensor::ne, |x, y| x != y),
+        ("lt", Tensor::lt, |x, y| x < y),
+        ("le", Tensor::le, |x, y| x <= y),
+        ("gt", Tensor::gt, |x, y| x > y),
+        ("ge", Tensor::ge, |x, y| x >= y),
+    ];
+    for (name, op, reference) in cases {
+        let mask = op(&a, &b).unwrap();
+        assert_eq!(mask.dtype(), DType::U32);
+        let want: Vec<u32> = AWKWARD_WORDS
+            .iter()
+            .flat_map(|&x| AWKWARD_WORDS.iter().map(move |&y| reference(x, y) as u32))
+            .collect();
+        assert_eq!(mask.to_vec_u32().unwrap(), want, "{name}");
+    }
+}
+
+#[test]
+fn accuracy_is_predicted_classes_equal_to_labels() {
+    let dev = device();
+    let logits = Tensor::from_vec(vec![0.1, 0.9, 0.8, 0.2, 0.3, 0.7], &[3, 2], dev).unwrap();
+    let labels = Tensor::from_vec_u32(vec![1, 0, 0], &[3], dev).unwrap();
+    let hits = logits.argmax(1, false).unwrap().eq(&labels).unwrap();
+    assert_eq!(hits.to_vec_u32().unwrap(), vec![1, 1, 0]);
+    let accuracy = hits.to_dtype(DType::F32).unwrap().mean().unwrap();
+    assert!((accuracy.item().unwrap() - 2.0 / 3.0).abs() < 1e-6);
+}
+
+#[test]
+fn a_u32_tensor_compared_with_a_float_one_is_an_error_naming_both() {
+    let dev = device();
+    let labels = Tensor::from_vec_u32(vec![1, 0], &[2], dev).unwrap();
+    let x = Tensor::zeros(&[2], dev).unwrap();
+    for err in [labels.lt(&x).unwrap_err(), x.lt(&labels).unwrap_err()] {
+        let msg = err.to_string();
+        assert!(
+            matches!(err, Error::InvalidArgument { op: "lt", .. }),
+            "{msg}"
+        );
+        assert!(msg.contains("U32") && msg.contains("F32"), "{msg}");
+    }
+}
+
+#[test]
+fn where_cond_of_u32_branches_picks_their_words_exactly() {
+    let dev = device();
+    let n = AWKWARD_WORDS.len();
+    let mask = Tensor::from_vec_u32((0..n as u32).map(|i| i % 2).collect(), &[n], dev).unwrap();
+    let a = Tensor::from_vec_u32(AWKWARD_WORDS.to_vec(), &[n], dev).unwrap();
+    let reversed: Vec<u32> = AWKWARD_WORDS.iter().rev().copied().collect();
+    let b = Tensor::from_vec_u32(reversed.clone(), &[n], dev).unwrap();
+    let got = mask.where_cond(&a, &b).unwrap();
+    assert_eq!(got.dtype(), DType::U32);
+    let want: Vec<u32> = (0..n)
+        .map(|i| match i % 2 {
+            1 => AWKWARD_WORDS[i],
+            _ => reversed[i],
+        })
+        .collect();
+    assert_eq!(got.to_vec_u32().unwrap(), want);
+    // Labels with padding marked for the loss to ignore (torch.where(mask, labels, -100)):
+    // the result's range is both branches', so the loss's check admits the marker.
+    let labels = Tensor::from_vec_u32(vec![2, 0, 1], &[3], dev).unwrap();
+    let keep = Tensor::from_vec_u32(vec![1, 1, 0], &[3], dev).unwrap();
+    let ignore = Tensor::from_vec_u32(vec![wgrad::nn::loss::IGNORE_INDEX], &[1], dev).unwrap();
+    let marked = keep.where_cond(&labels, &ignore).unwrap();
+    assert_eq!(
+        marked.to_vec_u32().unwrap(),
+        vec![2, 0, wgrad::nn::loss::IGNORE_INDEX]
+    );
+    let logits = Tensor::zeros(&[3, 3], dev).unwrap();
+    let options = wgrad::nn::loss::CrossEntropyOptions {
+        ignore_index: Some(wgrad::nn::loss::IGNORE_INDEX),
+        ..Default::default()
+    };
+    let loss = wgrad::nn::loss::cross_entropy_with(&logits, &marked, &options).unwrap();
+    assert!((loss.item().unwrap() - 3f32.ln()).abs() < 1e-6);
+    // A u32 branch with a float one is an error.
+    let x = Tensor::zeros(&[3], dev).unwrap();
+    assert!(matches!(
+        keep.where_cond(&labels, &x),
+        Err(Error::DType {
+            op: "where_cond",
+            ..
+        })
+    ));
+}

@@ -86,11 +86,23 @@ pub(crate) enum BinaryOp {
     SiluBackward,
     SoftplusBackward,
     LeakyReluBackward,
+    /// Comparisons of two u32 tensors, on their values (exact at any size; an f32 comparison
+    /// is exact only below 2^24): u32 masks of 0/1.
+    EqU32,
+    NeU32,
+    LtU32,
+    LeU32,
+    GtU32,
+    GeU32,
+    /// `a` (u32), or 0 where the u32 mask `b` is nonzero: a u32 `where_cond`'s branches.
+    ZeroWhereU32,
+    /// The bitwise or of two u32 tensors: joins a u32 `where_cond`'s two zero-filled branches.
+    OrU32,
 }
 
 impl BinaryOp {
     #[cfg(test)]
-    const ALL: [BinaryOp; 30] = [
+    const ALL: [BinaryOp; 38] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -121,6 +133,14 @@ impl BinaryOp {
         BinaryOp::SiluBackward,
         BinaryOp::SoftplusBackward,
         BinaryOp::LeakyReluBackward,
+        BinaryOp::EqU32,
+        BinaryOp::NeU32,
+        BinaryOp::LtU32,
+        BinaryOp::LeU32,
+        BinaryOp::GtU32,
+        BinaryOp::GeU32,
+        BinaryOp::ZeroWhereU32,
+        BinaryOp::OrU32,
     ];
 
     fn name(self) -> &'static str {
@@ -155,6 +175,14 @@ impl BinaryOp {
             BinaryOp::SiluBackward => "silu_backward",
             BinaryOp::SoftplusBackward => "softplus_backward",
             BinaryOp::LeakyReluBackward => "leaky_relu_backward",
+            BinaryOp::EqU32 => "eq",
+            BinaryOp::NeU32 => "ne",
+            BinaryOp::LtU32 => "lt",
+            BinaryOp::LeU32 => "le",
+            BinaryOp::GtU32 => "gt",
+            BinaryOp::GeU32 => "ge",
+            BinaryOp::ZeroWhereU32 => "where_cond",
+            BinaryOp::OrU32 => "where_cond",
         }
     }
 
@@ -201,6 +229,15 @@ impl BinaryOp {
             }
             BinaryOp::SoftplusBackward => "select(a / (1.0 + exp(-b)), a, b > 20.0)",
             BinaryOp::LeakyReluBackward => "select(a * s, a, b > 0.0)",
+            // u32 operands reach the expression as f32s of the same bits, unchanged.
+            BinaryOp::EqU32 => "mask_bits(bitcast<u32>(a) == bitcast<u32>(b))",
+            BinaryOp::NeU32 => "mask_bits(bitcast<u32>(a) != bitcast<u32>(b))",
+            BinaryOp::LtU32 => "mask_bits(bitcast<u32>(a) < bitcast<u32>(b))",
+            BinaryOp::LeU32 => "mask_bits(bitcast<u32>(a) <= bitcast<u32>(b))",
+            BinaryOp::GtU32 => "mask_bits(bitcast<u32>(a) > bitcast<u32>(b))",
+            BinaryOp::GeU32 => "mask_bits(bitcast<u32>(a) >= bitcast<u32>(b))",
+            BinaryOp::ZeroWhereU32 => "bitcast<f32>(select(bitcast<u32>(a), 0u, bitcast<u32>(b) != 0u))",
+            BinaryOp::OrU32 => "bitcast<f32>(bitcast<u32>(a) | bitcast<u32>(b))",
         }
     }
 
@@ -214,17 +251,55 @@ impl BinaryOp {
         ])
     }
 
-    /// The dtype of the op's operand `b` and of its output (`a` is always f32).
-    fn dtypes(self) -> (DType, DType) {
+    /// The dtypes of the op's operands `a` and `b` and of its output (F32 operands take any
+    /// float dtype).
+    fn dtypes(self) -> [DType; 3] {
         match self {
-            BinaryOp::MaskedFill => (DType::U32, DType::F32),
+            BinaryOp::MaskedFill => [DType::F32, DType::U32, DType::F32],
             BinaryOp::Eq
             | BinaryOp::Ne
             | BinaryOp::Lt
             | BinaryOp::Le
             | BinaryOp::Gt
-            | BinaryOp::Ge => (DType::F32, DType::U32),
-            _ => (DType::F32, DType::F32),
+            | BinaryOp::Ge => [DType::F32, DType::F32, DType::U32],
+            BinaryOp::EqU32
+            | BinaryOp::NeU32
+            | BinaryOp::LtU32
+            | BinaryOp::LeU32
+            | BinaryOp::GtU32
+            | BinaryOp::GeU32
+            | BinaryOp::ZeroWhereU32
+            | BinaryOp::OrU32 => [DType::U32; 3],
+            _ => [DType::F32; 3],
+        }
+    }
+
+    /// Names the op's specialisation in pipeline keys: its name, but for the u32 ops, which
+    /// share their names with the f32 ones in errors.
+    fn variant(self) -> &'static str {
+        match self {
+            BinaryOp::EqU32 => "eq_u32",
+            BinaryOp::NeU32 => "ne_u32",
+            BinaryOp::LtU32 => "lt_u32",
+            BinaryOp::LeU32 => "le_u32",
+            BinaryOp::GtU32 => "gt_u32",
+            BinaryOp::GeU32 => "ge_u32",
+            BinaryOp::ZeroWhereU32 => "zero_where_u32",
+            BinaryOp::OrU32 => "or_u32",
+            _ => self.name(),
+        }
+    }
+
+    /// The comparison of u32 values that this f32 comparison stands for.
+    fn on_u32(self) -> BinaryOp {
+        match self {
+            BinaryOp::Eq => BinaryOp::EqU32,
+            BinaryOp::Ne => BinaryOp::NeU32,
+            BinaryOp::Lt => BinaryOp::LtU32,
+            BinaryOp::Le => BinaryOp::LeU32,
+            BinaryOp::Gt => BinaryOp::GtU32,
+            BinaryOp::Ge => BinaryOp::GeU32,
+            other => other,
         }
     }
 }
@@ -233,13 +308,7 @@ impl BinaryOp {
 pub(crate) fn kernel_sources() -> Vec<(String, String)> {
     let mut all: Vec<(String, String)> = BinaryOp::ALL
         .iter()
-        .map(|op| {
-            let (b, out) = op.dtypes();
-            (
-                format!("binary/{}", op.name()),
-                op.source([DType::F32, b, out]),
-            )
-        })
+        .map(|op| (format!("binary/{}", op.variant()), op.source(op.dtypes())))
         .collect();
     for (op, dtypes) in [
         (BinaryOp::Add, [DType::F16, DType::F16, DType::F16]),
@@ -247,7 +316,7 @@ pub(crate) fn kernel_sources() -> Vec<(String, String)> {
         (BinaryOp::MaskedFill, [DType::BF16, DType::U32, DType::BF16]),
         (BinaryOp::Lt, [DType::F16, DType::F16, DType::U32]),
     ] {
-        let name = format!("binary/{}_{dtypes:?}", op.name());
+        let name = format!("binary/{}_{dtypes:?}", op.variant());
         all.push((name, op.source(dtypes)));
     }
     all
@@ -287,11 +356,12 @@ pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> 
     a.expect_same_device(name, b)?;
     // 16-bit operands are read as they are, and a float result takes their dtype (F32 for two
     // float dtypes under autocast).
-    let (b_dtype, mut out_dtype) = op.dtypes();
-    let floats: Vec<&Tensor> = match b_dtype {
-        DType::F32 => vec![a, b],
-        _ => vec![a],
-    };
+    let [a_dtype, b_dtype, mut out_dtype] = op.dtypes();
+    let floats: Vec<&Tensor> = [(a, a_dtype), (b, b_dtype)]
+        .into_iter()
+        .filter(|(_, want)| *want == DType::F32)
+        .map(|(t, _)| t)
+        .collect();
     if let Some(dtype) = cast::result_dtype(name, &floats)? {
         if a.exceeds_binding() || b.exceeds_binding() {
             // Windows of a tensor past one binding are read as F32 copies.
@@ -302,7 +372,7 @@ pub(crate) fn binary_with(a: &Tensor, b: &Tensor, op: BinaryOp, scalar: f32) -> 
             out_dtype = dtype;
         }
     }
-    for (t, want) in [(a, DType::F32), (b, b_dtype)] {
+    for (t, want) in [(a, a_dtype), (b, b_dtype)] {
         if !(want == DType::F32 && t.dtype().is_float()) {
             t.expect_dtype(name, want)?;
         }
@@ -416,7 +486,7 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
     if dtypes.iter().any(|d| d.is_16_bit()) {
         // Read or written as 16-bit elements: a module of its own, which a captured step
         // runs as it is (the fuser's elementwise kernels read and write 32-bit elements).
-        let variant = format!("{name}_{dtypes:?}");
+        let variant = format!("{}_{dtypes:?}", op.variant());
         let [lhs, rhs, dst] = dtypes;
         let kernel = Kernel::specialised(&BINARY, entry, &variant, &source).with_dtypes(&[
             (1, lhs),
@@ -426,7 +496,7 @@ fn launch_binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, scalar: f32
         let bound = [(1, a), (2, b), (3, out)];
         return Launch::new(name, &kernel, &bound, &params).record(groups(n, CONTIGUOUS_PER_GROUP));
     }
-    let kernel = Kernel::specialised(&BINARY, entry, name, &source);
+    let kernel = Kernel::specialised(&BINARY, entry, op.variant(), &source);
     let describe = || Elementwise {
         params: "a: f32, b: f32, s: f32",
         expr: op.expr().to_string(),
@@ -629,9 +699,23 @@ impl Tensor {
                     b.shape()
                 ),
             })?;
+        let unset = crate::ops::unary::mask_not(self)?;
+        if a.dtype() == DType::U32 || b.dtype() == DType::U32 {
+            // u32 values (labels, token ids): each branch not taken zeroed, then the two
+            // or-ed, bit for bit. The result keeps what both branches' index ranges allow.
+            for t in [a, b] {
+                t.expect_dtype(OP, DType::U32)?;
+            }
+            let a_taken = binary(&a.expand(&shape)?, &unset, BinaryOp::ZeroWhereU32)?;
+            let b_taken = binary(&b.expand(&shape)?, self, BinaryOp::ZeroWhereU32)?;
+            let range = a
+                .index_range()
+                .zip(b.index_range())
+                .map(|(x, y)| x.union(y));
+            return Ok(binary(&a_taken, &b_taken, BinaryOp::OrU32)?.with_index_range(range));
+        }
         // Two masked fills and an add: elementwise, so a captured step fuses them into one
         // kernel. Each fill replaces the branch not taken (NaN included) with 0.
-        let unset = crate::ops::unary::mask_not(self)?;
         let taken_a = a.expand(&shape)?.masked_fill(&unset, 0.0)?;
         let taken_b = b.expand(&shape)?.masked_fill(self, 0.0)?;
         taken_a.add(&taken_b)
@@ -639,7 +723,26 @@ impl Tensor {
 }
 
 /// A broadcasting comparison: a u32 mask (bound 2, so it may index) that records no grad.
+/// Two u32 tensors compare their values (predicted classes with labels); a u32 tensor with
+/// a float one is an error, as the f32 comparison is exact only below 2^24.
 fn compare(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
+    let op = match (a.dtype(), b.dtype()) {
+        (DType::U32, DType::U32) => op.on_u32(),
+        (DType::U32, _) | (_, DType::U32) => {
+            return Err(Error::InvalidArgument {
+                op: op.name(),
+                msg: format!(
+                    "compares two u32 tensors or two float tensors, got {:?} {:?} and {:?} {:?} \
+                     (convert one with to_dtype, or compare u32 values with a `_scalar` op)",
+                    a.dtype(),
+                    a.shape(),
+                    b.dtype(),
+                    b.shape()
+                ),
+            })
+        }
+        _ => op,
+    };
     Ok(binary(a, b, op)?.with_index_bound(Some(2)))
 }
 
