@@ -461,12 +461,10 @@ fn accuracy(model: &dyn Module, data: &io::Dataset, dev: &Device) -> wgrad::Resu
     for chunk in indices.chunks(1024) {
         let (inputs, labels) = data.batch(chunk);
         let x = Tensor::from_vec(inputs, &[chunk.len(), data.features], dev)?;
-        let predicted = model.forward(&x)?.argmax(1, false)?.to_vec_u32()?;
-        correct += predicted
-            .iter()
-            .zip(&labels)
-            .filter(|(p, l)| p == l)
-            .count();
+        let labels = Tensor::from_vec_u32(labels, &[chunk.len()], dev)?;
+        // The hits counted on the device: one number read back per chunk.
+        let hits = model.forward(&x)?.argmax(1, false)?.eq(&labels)?;
+        correct += hits.to_dtype(wgrad::DType::F32)?.sum()?.item()? as usize;
     }
     Ok(correct as f32 / data.len() as f32)
 }
