@@ -61,6 +61,50 @@ fn linear_init_is_kaiming_uniform_and_repeats_under_manual_seed() {
 }
 
 #[test]
+fn a_linear_layer_with_no_inputs_or_no_outputs_works_as_torch() {
+    let dev = device();
+    // No inputs: weight [3, 0], bias 0 (torch draws it from [0, 0]); the output is the bias.
+    let empty_in = nn::Linear::new(0, 3, true, dev).unwrap();
+    assert_eq!(empty_in.weight.shape(), &[3, 0]);
+    let x = Tensor::zeros(&[2, 0], dev).unwrap();
+    let y = empty_in.forward(&x).unwrap();
+    assert_eq!(y.to_vec().unwrap(), vec![0.0; 6]);
+    y.sum().unwrap().backward().unwrap();
+    assert_eq!(
+        empty_in
+            .bias
+            .as_ref()
+            .unwrap()
+            .grad()
+            .unwrap()
+            .to_vec()
+            .unwrap(),
+        vec![2.0; 3]
+    );
+    // An optimizer steps the empty weight beside the bias.
+    use wgrad::optim::Optimizer;
+    let mut opt = wgrad::optim::AdamW::new(
+        empty_in.parameters(),
+        wgrad::optim::AdamConfig {
+            lr: 0.5,
+            ..Default::default()
+        },
+    );
+    opt.step().unwrap();
+    assert_eq!(
+        empty_in.bias.as_ref().unwrap().to_vec().unwrap(),
+        vec![-0.5; 3]
+    );
+    // No outputs: an empty result, and the input's grad is zeros.
+    let empty_out = nn::Linear::new(4, 0, true, dev).unwrap();
+    let x = Tensor::ones(&[2, 4], dev).unwrap().requires_grad_(true);
+    let y = empty_out.forward(&x).unwrap();
+    assert_eq!(y.shape(), &[2, 0]);
+    y.sum().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec().unwrap(), vec![0.0; 8]);
+}
+
+#[test]
 fn parameters_are_the_handles_themselves_weight_first() {
     let _s = serial();
     let lin = nn::Linear::new(2, 2, true, device()).unwrap();

@@ -1,7 +1,7 @@
 //! `Linear`: `x W^T + b`, with PyTorch's default initialisation.
 
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::nn::Module;
 use crate::ops::autocast::for_16_bit_op;
 use crate::seed::next_seed;
@@ -43,20 +43,20 @@ pub(crate) fn uniform_parameter(shape: &[usize], bound: f32, device: &Device) ->
 }
 
 impl Linear {
-    /// A layer from `in_features` to `out_features`, with a bias when `bias`.
+    /// A layer from `in_features` to `out_features`, with a bias when `bias`. Either may be
+    /// 0, as torch's (a layer of no inputs outputs its bias).
     pub fn new(
         in_features: usize,
         out_features: usize,
         bias: bool,
         device: &Device,
     ) -> Result<Linear> {
-        if in_features == 0 || out_features == 0 {
-            return Err(Error::InvalidArgument {
-                op: "Linear::new",
-                msg: format!("needs positive sizes, got {in_features} -> {out_features}"),
-            });
-        }
-        let bound = 1.0 / (in_features as f32).sqrt();
+        // torch's bound, 1 / sqrt(fan_in); an empty layer (no inputs) starts at 0, as torch's
+        // init leaves a zero-element weight and draws its bias from [0, 0].
+        let bound = match in_features {
+            0 => 0.0,
+            n => 1.0 / (n as f32).sqrt(),
+        };
         let weight = uniform_parameter(&[out_features, in_features], bound, device)?;
         let bias = if bias {
             Some(uniform_parameter(&[out_features], bound, device)?)
