@@ -31,7 +31,8 @@ fn grad_at(i: u32) -> f32 {
 }
 
 fn set_dst(i: u32, v: f32) {
-    dst[i / 4u][i % 4u] = v;
+    let at = pu(SOFTMAX_DST_OFFSET) + i;
+    dst[at / 4u][at % 4u] = v;
 }
 
 // The value softmax (or log_softmax) writes for x, given the row's max and log-sum-exp.
@@ -145,7 +146,7 @@ fn softmax_serial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             let x = src[(base + k) / 4u];
             let v = vec4<f32>(softmax_value(x.x, stats), softmax_value(x.y, stats),
                               softmax_value(x.z, stats), softmax_value(x.w, stats));
-            dst[(row * k_len + k) / 4u] = v;
+            dst[(pu(SOFTMAX_DST_OFFSET) + row * k_len + k) / 4u] = v;
         }
         return;
     }

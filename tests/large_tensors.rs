@@ -472,3 +472,93 @@ fn a_strided_view_past_one_binding_copies_a_run_of_slices_at_a_time() {
     ];
     assert_eq!(at(&padded, &probes), vec![-1.0, 1.0, 1.0, -1.0, -1.0]);
 }
+
+/// A language model's head over a real vocabulary, with its loss: `h @ w^T` and the mean
+/// cross-entropy against `labels`, scaled by `scale`; returns the loss after its backward.
+fn lm_head_loss(h: &Tensor, w: &Tensor, labels: &[u32], scale: f32) -> f32 {
+    let labels = Tensor::from_vec_u32(labels.to_vec(), &[labels.len()], h.device()).unwrap();
+    let logits = h.matmul(&w.t().unwrap()).unwrap();
+    let loss = nn::loss::cross_entropy(&logits, &labels)
+        .unwrap()
+        .mul_scalar(scale)
+        .unwrap();
+    loss.backward().unwrap();
+    loss.item().unwrap()
+}
+
+#[test]
+fn a_language_model_head_past_one_binding_trains_as_its_halves_do() {
+    let dev = device();
+    // Logits [1100, 32000] are past one binding; each half's are within one. The product
+    // runs in runs of rows, its grads as runs of the logits' rows (h's) and of k (w's), the
+    // loss and its grad in windows of rows.
+    let (rows, vocab, width) = (1100, 32_000, 16);
+    assert!(rows * vocab * 4 > dev.max_binding_bytes() as usize);
+    let values = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i + seed) * 7919) % 1013) as f32 / 1013.0 - 0.5)
+            .collect()
+    };
+    let labels: Vec<u32> = (0..rows as u32).map(|i| i * 7919 % vocab as u32).collect();
+    let h_values = values(rows * width, 1);
+    let w = Tensor::from_vec(values(vocab * width, 2), &[vocab, width], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let h = Tensor::from_vec(h_values.clone(), &[rows, width], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let whole = lm_head_loss(&h, &w, &labels, 1.0);
+    let (h_grad, w_grad) = (h.grad().unwrap().to_vec().unwrap(), w.grad().unwrap());
+
+    // The same mean as the sum of the halves' means, each weighed by its share of the rows.
+    let w_halves = w.detach().requires_grad_(true);
+    let half = rows / 2;
+    let mut halves_loss = 0.0;
+    let mut h_grad_halves = Vec::new();
+    for (first, count) in [(0, half), (half, rows - half)] {
+        let h_half = Tensor::from_vec(
+            h_values[first * width..(first + count) * width].to_vec(),
+            &[count, width],
+            dev,
+        )
+        .unwrap()
+        .requires_grad_(true);
+        let share = count as f32 / rows as f32;
+        let labels_half = &labels[first..first + count];
+        halves_loss += lm_head_loss(&h_half, &w_halves, labels_half, share);
+        h_grad_halves.extend(h_half.grad().unwrap().to_vec().unwrap());
+    }
+    assert!(
+        (whole - halves_loss).abs() < 1e-5 * whole.abs(),
+        "{whole} vs {halves_loss}"
+    );
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= 1e-4 * scale, "{what}[{i}]: {g} vs {w}");
+        }
+    };
+    close(&h_grad, &h_grad_halves, "h grad");
+    let w_grad_halves = w_halves.grad().unwrap().to_vec().unwrap();
+    close(&w_grad.to_vec().unwrap(), &w_grad_halves, "w grad");
+}
+
+#[test]
+fn argmax_of_logits_past_one_binding_matches_the_cpu() {
+    let dev = device();
+    let (rows, vocab) = (1100, 32_000);
+    let values: Vec<f32> = (0..rows * vocab)
+        .map(|i| ((i * 7919) % 100_003) as f32)
+        .collect();
+    let logits = Tensor::from_vec(values.clone(), &[rows, vocab], dev).unwrap();
+    let picked = logits.argmax(-1, false).unwrap().to_vec_u32().unwrap();
+    let want: Vec<u32> = values
+        .chunks(vocab)
+        .map(|row| {
+            // The first maximum, as torch.
+            let best = row.iter().cloned().fold(f32::MIN, f32::max);
+            row.iter().position(|&v| v == best).unwrap() as u32
+        })
+        .collect();
+    assert_eq!(picked, want);
+}

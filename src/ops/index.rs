@@ -636,6 +636,28 @@ fn extremum_index(op: &'static str, x: &Tensor, dim: usize, keepdim: bool) -> Re
             ),
         });
     }
+    if x.exceeds_binding() && dim > 0 && x.is_contiguous() {
+        // Past one binding: windows of whole slices along the first dim, each its own
+        // launch, the indices laid end to end (the argmax of a batch's logits over a real
+        // vocabulary).
+        let rows = x.shape()[0];
+        let inner = x.numel() / rows;
+        let per = rows_per_window(x.device(), inner);
+        if per == 0 {
+            return Err(crate::ops::too_large_view(op, x));
+        }
+        let parts: Vec<Tensor> = (0..rows)
+            .step_by(per)
+            .map(|first| {
+                let count = per.min(rows - first);
+                let mut shape = x.shape().to_vec();
+                shape[0] = count;
+                let slices = x.window(first * inner, count * inner).reshape(&shape)?;
+                extremum_index(op, &slices, dim, keepdim)
+            })
+            .collect::<Result<_>>()?;
+        return Ok(Tensor::cat(&parts, 0)?.with_index_bound(Some(k as u32)));
+    }
     let mat = as_matrix(x, &[dim])?;
     let out = Tensor::empty(op, &[mat.m], DType::U32, x.device())?.with_index_bound(Some(k as u32));
     let chunks = mat.k.div_ceil(ARGMAX_CHUNK).max(1);

@@ -661,6 +661,12 @@ fn product(this: &Tensor, other: &Tensor, out_dtype: DType) -> Result<Tensor> {
     }
     let a = a.expand(&[batch.as_slice(), &[m, k]].concat())?;
     let b = b.expand(&[batch.as_slice(), &[k, n]].concat())?;
+    let out_len: usize = batch.iter().product::<usize>() * m * n;
+    if (out_len * 4) as u64 > this.device().max_binding_bytes() {
+        let out = product_in_runs(&a, &b)?;
+        let mut out_shape = out.shape().to_vec();
+        return finish(out, this, other, &mut out_shape);
+    }
     // Batch dims that do not merge into one stride are made dense.
     let (a, a_batch_stride) = with_batch_stride(a)?;
     let (b, b_batch_stride) = with_batch_stride(b)?;
@@ -1040,38 +1046,114 @@ fn launch_product(
 /// (the output's columns side by side). Anything else is a `TooLarge` error.
 fn matmul_windows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
+    let big = if a.exceeds_binding() { a } else { b };
     if a.rank() != 2 || b.rank() != 2 || a.shape()[1] != b.shape()[0] {
-        let big = if a.exceeds_binding() { a } else { b };
         return Err(crate::ops::too_large_view(OP, big));
     }
     let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
-    if a.exceeds_binding() {
-        let per = rows_per_window(a.device(), k);
-        if !a.is_contiguous() || per == 0 || b.exceeds_binding() {
+    let dev = a.device();
+    // Rows `first .. first + count` of the contiguous `t` (rows of `len`), as a window.
+    let rows = |t: &Tensor, first: usize, count: usize, len: usize| {
+        t.window(first * len, count * len).reshape(&[count, len])
+    };
+    let (a_t, b_t) = (transposed(a)?, transposed(b)?);
+    let dense = |t: &Tensor| !t.exceeds_binding() || t.is_contiguous();
+    if a.exceeds_binding() && a.is_contiguous() && !b.exceeds_binding() {
+        // Runs of A's rows, the products laid end to end.
+        let per = rows_per_window(dev, k);
+        if per == 0 {
             return Err(crate::ops::too_large_view(OP, a));
         }
         let parts: Vec<Tensor> = (0..m)
             .step_by(per)
-            .map(|r| {
-                let count = per.min(m - r);
-                a.window(r * k, count * k).reshape(&[count, k])?.matmul(b)
-            })
+            .map(|r| rows(a, r, per.min(m - r), k)?.matmul(b))
             .collect::<Result<_>>()?;
         return Tensor::cat(&parts, 0);
     }
-    let w = transposed(b)?; // [N, K]
-    let per = rows_per_window(a.device(), k);
-    if !w.is_contiguous() || per == 0 {
-        return Err(crate::ops::too_large_view(OP, b));
+    if b.exceeds_binding() && b_t.is_contiguous() && !a.exceeds_binding() {
+        // Runs of B's columns (rows of the table B^T: a tied output layer), end to end.
+        let per = rows_per_window(dev, k);
+        if per == 0 {
+            return Err(crate::ops::too_large_view(OP, b));
+        }
+        let parts: Vec<Tensor> = (0..n)
+            .step_by(per)
+            .map(|r| a.matmul(&rows(&b_t, r, per.min(n - r), k)?.t()?))
+            .collect::<Result<_>>()?;
+        return Tensor::cat(&parts, 1);
     }
-    let parts: Vec<Tensor> = (0..n)
+    // Runs of k, the products summed: A transposed dense (an out grad's transpose, as in a
+    // weight's grad g^T x) and B dense, each windowed where past a binding.
+    let a_rows_of_k = a.exceeds_binding() && a_t.is_contiguous();
+    let b_rows_of_k = b.exceeds_binding() && b.is_contiguous();
+    if !(a_rows_of_k || b_rows_of_k) || !dense(&a_t) || !dense(b) {
+        return Err(crate::ops::too_large_view(OP, big));
+    }
+    let per = [(a_rows_of_k, m), (b_rows_of_k, n)]
+        .iter()
+        .filter(|(windowed, _)| *windowed)
+        .map(|&(_, len)| rows_per_window(dev, len))
+        .min()
+        .unwrap_or(0);
+    if per == 0 {
+        return Err(crate::ops::too_large_view(OP, big));
+    }
+    let mut sum: Option<Tensor> = None;
+    for first in (0..k).step_by(per) {
+        let count = per.min(k - first);
+        let a_part = match a_rows_of_k {
+            true => rows(&a_t, first, count, m)?.t()?,
+            false => a.narrow(1, first, count)?,
+        };
+        let b_part = match b_rows_of_k {
+            true => rows(b, first, count, n)?,
+            false => b.narrow(0, first, count)?,
+        };
+        let part = a_part.matmul(&b_part)?;
+        sum = Some(match sum {
+            None => part,
+            Some(total) => total.add(&part)?,
+        });
+    }
+    sum.map_or_else(|| Tensor::zeros(&[m, n], dev), Ok)
+}
+
+/// The product of `a` `[batch.., m, k]` and `b` `[batch.., k, n]` (expanded to one batch)
+/// whose output is past one binding, though its operands are not (a language model's logits
+/// over a real vocabulary): runs of the output's slices along its first dim whose slices fit
+/// a binding (a batch dim, or the rows), each a product of its own, joined along that dim.
+fn product_in_runs(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    let r = a.rank();
+    let mut out_shape = a.shape()[..r - 1].to_vec();
+    out_shape.push(b.shape()[r - 1]);
+    let split = (0..r - 1).find_map(|d| {
+        let inner: usize = out_shape[d + 1..].iter().product();
+        let per = rows_per_window(a.device(), inner);
+        (per > 0).then_some((d, per))
+    });
+    let Some((d, per)) = split else {
+        return Err(Error::TooLarge {
+            op: OP,
+            bytes: (out_shape[r - 1] * 4) as u64,
+            limit: a.device().max_binding_bytes(),
+        });
+    };
+    let parts: Vec<Tensor> = (0..out_shape[d])
         .step_by(per)
-        .map(|r| {
-            let count = per.min(n - r);
-            a.matmul(&w.window(r * k, count * k).reshape(&[count, k])?.t()?)
+        .map(|first| {
+            let count = per.min(out_shape[d] - first);
+            let a_part = a.narrow(d, first, count)?;
+            // B is shared by every row; a batch dim splits both.
+            let b_part = match d < r - 2 {
+                true => b.narrow(d, first, count)?,
+                false => b.clone(),
+            };
+            // F32 runs, so that they join whatever each stored (the caller narrows).
+            product(&a_part, &b_part, DType::F32)
         })
         .collect::<Result<_>>()?;
-    Tensor::cat(&parts, 1)
+    Tensor::cat(&parts, d)
 }
 
 /// Removes the dims that 1-D operands were promoted with.

@@ -4,8 +4,8 @@
 use crate::device::KernelFlavor;
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, Kernel, KernelParams, Launch, RowLanes, ShaderFamily, MAX_LOOP_LEN, ROW_GROUP_WGSL,
-    WORKGROUP_REDUCE_WGSL,
+    groups, rows_per_window, Kernel, KernelParams, Launch, RowLanes, ShaderFamily, MAX_LOOP_LEN,
+    ROW_GROUP_WGSL, WORKGROUP_REDUCE_WGSL,
 };
 use crate::ops::index::expect_indices_in;
 use crate::tensor::dim::Dim;
@@ -14,13 +14,15 @@ use crate::tensor::graph::record;
 use crate::tensor::{DType, IndexRange, Tensor};
 
 crate::kernel_params! {
-    /// Every row kernel: `rows` rows of `len` elements from `offset`. `log`: 1 for
-    /// log_softmax. `vec4` (`serial` only): four-wide reads. The cross-entropy entries: the
-    /// options of [`RowLoss`], and `grad_stride`, the distance between rows' grads.
+    /// Every row kernel: `rows` rows of `len` elements from `offset`, written from
+    /// `dst_offset`. `log`: 1 for log_softmax. `vec4` (`serial` only): four-wide reads. The
+    /// cross-entropy entries: the options of [`RowLoss`], and `grad_stride`, the distance
+    /// between rows' grads.
     pub(crate) struct SoftmaxParams {
         rows: u32,
         len: u32,
         offset: u32,
+        dst_offset: u32,
         labels_offset: u32,
         log: u32,
         vec4: u32,
@@ -117,10 +119,38 @@ const SERIAL_MAX_LEN: usize = MAX_LOOP_LEN;
 /// Longest row a workgroup of 64 walks, each invocation taking one element in 64.
 const ROWS_MAX_LEN: usize = 64 * SERIAL_MAX_LEN;
 
-/// Runs `pass`. Software adapters give each row one invocation (no barriers; four-wide reads
-/// when aligned) once there are enough rows to fill a workgroup and the rows are not too
-/// long for one invocation; otherwise, and on GPUs, each row gets a group of lanes
-/// ([`RowLanes`]).
+impl RowPass<'_> {
+    /// Rows `first .. first + count` of this pass's `m`: windows of the tensors with a row's
+    /// worth per row (the rows, their softmax or grads), views of the per-row ones (labels,
+    /// the cross-entropy's losses and grads).
+    fn rows(&self, first: usize, count: usize, m: usize, k: usize) -> Result<RowWindows> {
+        let rows_of = |t: &Tensor| -> Result<Tensor> {
+            if t.numel() == m * k && t.is_contiguous() {
+                return Ok(t.window(first * k, count * k));
+            }
+            // One value a row (its stride 0 where a mean's grad is broadcast).
+            Ok(t.view(t.layout().narrow("rows", 0, first, count)?))
+        };
+        Ok(RowWindows {
+            src: rows_of(self.src)?,
+            dst: rows_of(self.dst)?,
+            labels: self.labels.map(rows_of).transpose()?,
+            grad: self.grad.map(rows_of).transpose()?,
+        })
+    }
+}
+
+/// A run of rows of a [`RowPass`]'s tensors (see [`RowPass::rows`]).
+struct RowWindows {
+    src: Tensor,
+    dst: Tensor,
+    labels: Option<Tensor>,
+    grad: Option<Tensor>,
+}
+
+/// Runs `pass` over `m` rows of `k`: one launch, or, where a tensor is past one binding
+/// (the logits of a language model's batch over a real vocabulary), one per window of whole
+/// rows.
 fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     if k > ROWS_MAX_LEN {
         return Err(Error::Shape {
@@ -131,16 +161,51 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
             ),
         });
     }
-    let offset = pass.src.layout().offset;
-    let cpu_flavor = pass.src.device().kernel_flavor() == KernelFlavor::Cpu;
+    let tensors = [Some(pass.src), Some(pass.dst), pass.labels, pass.grad];
+    let Some(large) = tensors.into_iter().flatten().find(|t| t.exceeds_binding()) else {
+        let rows = RowWindows {
+            src: pass.src.clone(),
+            dst: pass.dst.clone(),
+            labels: pass.labels.cloned(),
+            grad: pass.grad.cloned(),
+        };
+        return launch_rows(op, &pass, &rows, m, k);
+    };
+    let per_window = rows_per_window(pass.src.device(), k);
+    if per_window == 0 {
+        return Err(crate::ops::too_large_view(op, large));
+    }
+    for first in (0..m).step_by(per_window) {
+        let count = per_window.min(m - first);
+        launch_rows(op, &pass, &pass.rows(first, count, m, k)?, count, k)?;
+    }
+    Ok(())
+}
+
+/// One launch of `pass`'s kernel over `rows`, `m` rows of `k`. Software adapters give each
+/// row one invocation (no barriers; four-wide reads when aligned) once there are enough rows
+/// to fill a workgroup and the rows are not too long for one invocation; otherwise, and on
+/// GPUs, each row gets a group of lanes ([`RowLanes`]).
+fn launch_rows(
+    op: &'static str,
+    pass: &RowPass,
+    rows: &RowWindows,
+    m: usize,
+    k: usize,
+) -> Result<()> {
+    let offset = rows.src.layout().offset;
+    let dst_offset = rows.dst.layout().offset;
+    let cpu_flavor = rows.src.device().kernel_flavor() == KernelFlavor::Cpu;
     let serial = cpu_flavor && m >= SERIAL_ROWS_PER_GROUP && k <= SERIAL_MAX_LEN;
-    let vec4 = serial && k.is_multiple_of(4) && offset.is_multiple_of(4);
-    let labels_offset = pass.labels.map_or(0, |l| l.layout().offset);
-    let grad_offset = pass.grad.map_or(0, |g| g.layout().offset);
+    let vec4 =
+        serial && k.is_multiple_of(4) && offset.is_multiple_of(4) && dst_offset.is_multiple_of(4);
+    let labels_offset = rows.labels.as_ref().map_or(0, |l| l.layout().offset);
+    let grad_offset = rows.grad.as_ref().map_or(0, |g| g.layout().offset);
     let params = SoftmaxParams {
         rows: m as u32,
         len: k as u32,
         offset: offset as u32,
+        dst_offset: dst_offset as u32,
         labels_offset: labels_offset as u32,
         log: pass.log as u32,
         vec4: vec4 as u32,
@@ -151,7 +216,7 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
         weighted: pass.loss.weight.is_some() as u32,
         smoothing: pass.loss.label_smoothing,
     };
-    let device = pass.src.device();
+    let device = rows.src.device();
     let lanes = RowLanes::of(device, k <= SUBGROUP_ROW_MAX_LEN);
     let workgroups = if serial {
         groups(m, SERIAL_ROWS_PER_GROUP)
@@ -160,12 +225,12 @@ fn run_rows(op: &'static str, pass: RowPass, m: usize, k: usize) -> Result<()> {
     };
     let source = move || softmax_source(lanes);
     let kernel = Kernel::specialised(&SOFTMAX, pass.family.entry(serial), lanes.name(), &source);
-    let mut bindings = vec![(1, pass.src), (2, pass.dst)];
-    bindings.extend(pass.labels.map(|l| (3, l)));
-    bindings.extend(pass.grad.map(|g| (4, g)));
-    if pass.labels.is_some() {
+    let mut bindings = vec![(1, &rows.src), (2, &rows.dst)];
+    bindings.extend(rows.labels.as_ref().map(|l| (3, l)));
+    bindings.extend(rows.grad.as_ref().map(|g| (4, g)));
+    if rows.labels.is_some() {
         // The class weights' binding needs a buffer when there are none: the logits.
-        bindings.push((5, pass.loss.weight.as_ref().unwrap_or(pass.src)));
+        bindings.push((5, pass.loss.weight.as_ref().unwrap_or(&rows.src)));
     }
     Launch::new(op, &kernel, &bindings, &params).record(workgroups)
 }
