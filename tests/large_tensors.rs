@@ -562,3 +562,41 @@ fn argmax_of_logits_past_one_binding_matches_the_cpu() {
         .collect();
     assert_eq!(picked, want);
 }
+
+#[test]
+fn nll_of_log_probs_past_one_binding_equals_the_cross_entropy() {
+    let dev = device();
+    // log_softmax then nll (gather of each row's label, and its backward) against the fused
+    // cross-entropy, over logits past one binding.
+    let (rows, vocab) = (1100, 32_000);
+    let values: Vec<f32> = (0..rows * vocab)
+        .map(|i| ((i * 7919) % 1009) as f32 / 100.0)
+        .collect();
+    let labels: Vec<u32> = (0..rows as u32).map(|i| i * 7919 % vocab as u32).collect();
+    let labels = Tensor::from_vec_u32(labels, &[rows], dev).unwrap();
+    let loss_and_grad = |fused: bool| {
+        let logits = Tensor::from_vec(values.clone(), &[rows, vocab], dev)
+            .unwrap()
+            .requires_grad_(true);
+        let loss = match fused {
+            true => nn::loss::cross_entropy(&logits, &labels).unwrap(),
+            false => nn::loss::nll(&logits.log_softmax(-1).unwrap(), &labels).unwrap(),
+        };
+        loss.backward().unwrap();
+        let grad = logits.grad().unwrap();
+        let probes: Vec<usize> = [0, 1, vocab, rows * vocab / 2, rows * vocab - 1]
+            .into_iter()
+            .chain((0..rows).map(|r| r * vocab + (r * 7919) % vocab))
+            .collect();
+        (loss.item().unwrap(), at(&grad, &probes))
+    };
+    let (fused, fused_grad) = loss_and_grad(true);
+    let (composed, composed_grad) = loss_and_grad(false);
+    assert!(
+        (fused - composed).abs() < 1e-5 * fused.abs(),
+        "{fused} vs {composed}"
+    );
+    for (i, (a, b)) in fused_grad.iter().zip(&composed_grad).enumerate() {
+        assert!((a - b).abs() < 1e-7, "grad probe {i}: {a} vs {b}");
+    }
+}

@@ -469,6 +469,15 @@ fn gather_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<Tensor>
         });
     }
     check_bound(OP, indices, this.shape()[dim], this, dim)?;
+    if this.exceeds_binding() && dim > 0 && this.is_contiguous() {
+        // Past one binding: runs of whole slices along the first dim (a batch's log-probs
+        // over a real vocabulary), each slice's lookups within it, laid end to end.
+        let rows = indices.shape()[0];
+        let parts = in_first_dim_runs(OP, this, rows, |first, count, slices| {
+            gather_forward(slices, dim, &indices.narrow(0, first, count)?)
+        })?;
+        return Ok(Tensor::cat(&parts, 0)?.with_index_range(this.index_range()));
+    }
     let out = Tensor::empty(OP, indices.shape(), this.dtype(), this.device())?
         .with_index_range(this.index_range());
     let n = out.numel();
@@ -547,8 +556,68 @@ fn index_select_backward(
 /// The grad of `gather` for an input of `shape` (and `scatter_add`'s sum): per input element
 /// a sum over the lookups along `dim`, or, where that work (input x lookups along `dim`)
 /// passes [`GATHER_MAX_WORK`], each lookup's grad added in atomically.
+/// `f(first, count, slices)` over runs of `x`'s (contiguous, past one binding) whole slices
+/// along its first dim, `rows` of them from the start, each run bound as a window of them.
+fn in_first_dim_runs(
+    op: &'static str,
+    x: &Tensor,
+    rows: usize,
+    f: impl Fn(usize, usize, &Tensor) -> Result<Tensor>,
+) -> Result<Vec<Tensor>> {
+    let inner = x.numel() / x.shape()[0].max(1);
+    let per = rows_per_window(x.device(), inner);
+    if per == 0 {
+        return Err(crate::ops::too_large_view(op, x));
+    }
+    (0..rows)
+        .step_by(per)
+        .map(|first| {
+            let count = per.min(rows - first);
+            let shape = [&[count], &x.shape()[1..]].concat();
+            f(
+                first,
+                count,
+                &x.window(first * inner, count * inner).reshape(&shape)?,
+            )
+        })
+        .collect()
+}
+
 fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let extent = indices.shape()[dim];
+    let out_bytes = shape.iter().product::<usize>() * 4;
+    if out_bytes as u64 > grad.device().max_binding_bytes() && dim > 0 {
+        // An input past one binding: its grad in runs of whole slices along the first dim,
+        // each from the lookups of its own slices (none past the indices' rows), end to end.
+        let (rows, lookup_rows) = (shape[0], indices.shape()[0]);
+        let inner: usize = shape[1..].iter().product();
+        let per = rows_per_window(grad.device(), inner);
+        if per == 0 {
+            return Err(Error::TooLarge {
+                op: "gather",
+                bytes: (inner * 4) as u64,
+                limit: grad.device().max_binding_bytes(),
+            });
+        }
+        let parts: Vec<Tensor> = (0..rows)
+            .step_by(per)
+            .map(|first| {
+                let count = per.min(rows - first);
+                let part_shape = [&[count], &shape[1..]].concat();
+                let looked_up = lookup_rows.saturating_sub(first).min(count);
+                match looked_up {
+                    0 => Tensor::zeros(&part_shape, grad.device()),
+                    n => gather_backward(
+                        &grad.narrow(0, first, n)?,
+                        dim,
+                        &indices.narrow(0, first, n)?,
+                        &part_shape,
+                    ),
+                }
+            })
+            .collect::<Result<_>>()?;
+        return Tensor::cat(&parts, 0);
+    }
     if shape.iter().product::<usize>() * extent > GATHER_MAX_WORK {
         return gather_scatter(grad, dim, indices, shape);
     }
@@ -640,22 +709,9 @@ fn extremum_index(op: &'static str, x: &Tensor, dim: usize, keepdim: bool) -> Re
         // Past one binding: windows of whole slices along the first dim, each its own
         // launch, the indices laid end to end (the argmax of a batch's logits over a real
         // vocabulary).
-        let rows = x.shape()[0];
-        let inner = x.numel() / rows;
-        let per = rows_per_window(x.device(), inner);
-        if per == 0 {
-            return Err(crate::ops::too_large_view(op, x));
-        }
-        let parts: Vec<Tensor> = (0..rows)
-            .step_by(per)
-            .map(|first| {
-                let count = per.min(rows - first);
-                let mut shape = x.shape().to_vec();
-                shape[0] = count;
-                let slices = x.window(first * inner, count * inner).reshape(&shape)?;
-                extremum_index(op, &slices, dim, keepdim)
-            })
-            .collect::<Result<_>>()?;
+        let parts = in_first_dim_runs(op, x, x.shape()[0], |_, _, slices| {
+            extremum_index(op, slices, dim, keepdim)
+        })?;
         return Ok(Tensor::cat(&parts, 0)?.with_index_bound(Some(k as u32)));
     }
     let mat = as_matrix(x, &[dim])?;
