@@ -600,3 +600,94 @@ fn nll_of_log_probs_past_one_binding_equals_the_cross_entropy() {
         assert!((a - b).abs() < 1e-7, "grad probe {i}: {a} vs {b}");
     }
 }
+
+#[test]
+fn layer_norm_and_rms_norm_past_one_binding_match_their_halves() {
+    let dev = device();
+    // Rows of 1024 features, 33,000 of them past one binding: the composed ops (which bind
+    // windows) stand in for the fused kernels (which bind the rows whole).
+    let (rows, width) = (33_000, 1024);
+    assert!(rows * width * 4 > dev.max_binding_bytes() as usize);
+    let values: Vec<f32> = (0..rows * width)
+        .map(|i| ((i * 7919) % 1009) as f32 / 100.0 - 5.0)
+        .collect();
+    let weight: Vec<f32> = (0..width).map(|j| 0.5 + (j % 7) as f32 / 7.0).collect();
+    let weight = Tensor::from_vec(weight, &[width], dev).unwrap();
+    let bias = Tensor::full(&[width], 0.25, dev).unwrap();
+    for rms in [false, true] {
+        let norm = |x: &Tensor| match rms {
+            true => x.rms_norm(&weight, 1e-5),
+            false => x.layer_norm(&weight, &bias, 1e-5),
+        };
+        let x = Tensor::from_vec(values.clone(), &[rows, width], dev)
+            .unwrap()
+            .requires_grad_(true);
+        let y = norm(&x).unwrap();
+        // Weighs each output by its column, so each row's grad is not the trivial 0.
+        let pattern: Vec<f32> = (0..width).map(|j| (j % 5) as f32 - 2.0).collect();
+        let pattern = Tensor::from_vec(pattern, &[width], dev).unwrap();
+        y.mul(&pattern).unwrap().sum().unwrap().backward().unwrap();
+        let probes = [0, 1, width + 3, rows * width / 2 + 17, rows * width - 1];
+        let (y_probes, grad_probes) = (at(&y, &probes), at(&x.grad().unwrap(), &probes));
+        // The same rows, each half alone (within one binding: the fused kernels).
+        let half = rows / 2;
+        for (first, count) in [(0, half), (half, rows - half)] {
+            let part = &values[first * width..(first + count) * width];
+            let x_half = Tensor::from_vec(part.to_vec(), &[count, width], dev)
+                .unwrap()
+                .requires_grad_(true);
+            let y_half = norm(&x_half).unwrap();
+            y_half
+                .mul(&pattern)
+                .unwrap()
+                .sum()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grad_half = x_half.grad().unwrap();
+            for (i, &p) in probes.iter().enumerate() {
+                if (first * width..(first + count) * width).contains(&p) {
+                    let local = [p - first * width];
+                    let (want_y, want_g) = (at(&y_half, &local)[0], at(&grad_half, &local)[0]);
+                    assert!((y_probes[i] - want_y).abs() < 1e-4, "rms {rms} y[{p}]");
+                    assert!(
+                        (grad_probes[i] - want_g).abs() < 1e-4,
+                        "rms {rms} grad[{p}]"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn an_embedding_whose_output_is_past_one_binding_looks_up_and_trains() {
+    let dev = device();
+    // 33,000 lookups of rows of 1024: the output is past one binding, the table is not.
+    let (lookups, vocab, width) = (33_000, 100, 1024);
+    let emb = nn::Embedding::new(vocab, width, dev).unwrap();
+    let ids: Vec<u32> = (0..lookups as u32).map(|i| i * 7 % vocab as u32).collect();
+    let ids_tensor = Tensor::from_vec_u32(ids.clone(), &[lookups], dev).unwrap();
+    let y = emb.forward(&ids_tensor).unwrap();
+    assert_eq!(y.shape(), &[lookups, width]);
+    let table = emb.weight.to_vec().unwrap();
+    let probes = [
+        0,
+        width + 5,
+        (lookups / 2) * width + 1000,
+        lookups * width - 1,
+    ];
+    let want: Vec<f32> = probes
+        .iter()
+        .map(|&p| table[ids[p / width] as usize * width + p % width])
+        .collect();
+    assert_eq!(at(&y, &probes), want);
+    // The sum's grad counts each row's lookups, in every column.
+    y.sum().unwrap().backward().unwrap();
+    let grad = emb.weight.grad().unwrap().to_vec().unwrap();
+    for row in [0, 1, 57, vocab - 1] {
+        let count = ids.iter().filter(|&&id| id as usize == row).count() as f32;
+        assert_eq!(grad[row * width], count, "row {row}");
+        assert_eq!(grad[row * width + width - 1], count, "row {row}");
+    }
+}

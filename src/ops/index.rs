@@ -107,12 +107,33 @@ fn index_select_scatter(
     let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
     let inner: usize = shape[dim + 1..].iter().product();
     let kernel = Kernel::plain(&INDEX, "index_select_scatter");
-    for (rows, table) in row_windows(OP, &out, dim, shape[dim], inner)? {
-        // Each launch adds the lookups whose rows its window of the table holds.
-        let (src, at) = (g.layout().offset, table.layout().offset);
-        let params = IndexSelectParams::new(n, &idx, (inner, shape[dim]), src, rows, at);
-        let bound = [(1, &g), (3, &idx), (4, &table)];
-        Launch::new(OP, &kernel, &bound, &params).record(groups(n, WORKGROUP))?;
+    // An incoming grad past one binding (an embedding's, over a long batch of tokens) is
+    // bound a run of lookups at a time.
+    let lookups = idx.numel();
+    let per = match g.exceeds_binding() && dim == 0 {
+        true => rows_per_window(g.device(), inner),
+        false => lookups,
+    };
+    if per == 0 {
+        return Err(crate::ops::too_large_view(OP, &g));
+    }
+    for first in (0..lookups).step_by(per) {
+        let count = per.min(lookups - first);
+        let (g, idx) = match per == lookups {
+            true => (g.clone(), idx.clone()),
+            false => (
+                g.window(first * inner, count * inner),
+                idx.view(idx.layout().narrow(OP, 0, first, count)?),
+            ),
+        };
+        let n = g.numel();
+        for (rows, table) in row_windows(OP, &out, dim, shape[dim], inner)? {
+            // Each launch adds the lookups whose rows its window of the table holds.
+            let (src, at) = (g.layout().offset, table.layout().offset);
+            let params = IndexSelectParams::new(n, &idx, (inner, shape[dim]), src, rows, at);
+            let bound = [(1, &g), (3, &idx), (4, &table)];
+            Launch::new(OP, &kernel, &bound, &params).record(groups(n, WORKGROUP))?;
+        }
     }
     Ok(out)
 }
@@ -424,6 +445,28 @@ fn index_select_forward(this: &Tensor, dim: usize, indices: &Tensor) -> Result<T
     check_bound(OP, indices, this.shape()[dim], this, dim)?;
     let mut shape = this.shape().to_vec();
     shape[dim] = indices.numel();
+    let out_bytes = shape.iter().product::<usize>() * 4;
+    if out_bytes as u64 > this.device().max_binding_bytes() && dim == 0 {
+        // An output past one binding (a long batch of token rows through an embedding): runs
+        // of the lookups whose picked rows fit one, laid end to end.
+        let per = rows_per_window(this.device(), this.numel() / this.shape()[0]);
+        if per == 0 {
+            return Err(Error::TooLarge {
+                op: OP,
+                bytes: out_bytes as u64,
+                limit: this.device().max_binding_bytes(),
+            });
+        }
+        let lookups = indices.numel();
+        let parts: Vec<Tensor> = (0..lookups)
+            .step_by(per)
+            .map(|first| {
+                let part = indices.narrow(0, first, per.min(lookups - first))?;
+                index_select_forward(this, dim, &part)
+            })
+            .collect::<Result<_>>()?;
+        return Ok(Tensor::cat(&parts, 0)?.with_index_range(this.index_range()));
+    }
     // A u32 input's picks hold a subset of its values.
     let out = Tensor::empty(OP, &shape, this.dtype(), this.device())?
         .with_index_range(this.index_range());
@@ -536,7 +579,8 @@ fn index_select_backward(
     if n == 0 {
         return Ok(out);
     }
-    let (g, idx) = (grad.contiguous()?, indices.contiguous()?);
+    // A chunk of a larger grad is bound as a window of itself.
+    let (g, idx) = (grad.contiguous()?.bindable(), indices.contiguous()?);
     let inner: usize = shape[dim + 1..].iter().product();
     let all_rows = 0..shape[dim];
     let src = g.layout().offset;

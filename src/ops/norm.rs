@@ -1,7 +1,8 @@
 //! LayerNorm and RMSNorm over the last dim, each one fused row kernel forward and one backward
 //! (`shaders/norm.wgsl`, one family: RMSNorm is LayerNorm without the mean and the bias),
 //! saving each row's mean and inverse deviation. Rows longer than [`FUSED_MAX_LEN`] (whose
-//! loops would pass llvmpipe's iteration limit) are normalised by the composed ops instead.
+//! loops would pass llvmpipe's iteration limit), and inputs past one binding, are normalised
+//! by the composed ops instead.
 
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
@@ -64,6 +65,13 @@ fn norm_variant(aligned: bool, lanes: RowLanes) -> String {
 
 /// Longest row the fused kernels take (each walks a row in three passes at most).
 const FUSED_MAX_LEN: usize = MAX_LOOP_LEN;
+
+/// True when the fused kernels take `x` in rows of `len`: rows no longer than
+/// [`FUSED_MAX_LEN`], and `x` within one binding (they bind it, and their output, whole;
+/// past that the composed ops, which bind windows, take it).
+fn fused_applies(x: &Tensor, len: usize) -> bool {
+    len <= FUSED_MAX_LEN && (x.numel() * 4) as u64 <= x.device().max_binding_bytes()
+}
 
 const NORM_WORKGROUP: usize = 64;
 
@@ -227,7 +235,7 @@ impl Tensor {
             return Ok(out);
         }
         let len = check(Norm::Layer, self, weight, Some(bias), eps)?;
-        if len > FUSED_MAX_LEN {
+        if !fused_applies(self, len) {
             return composed(self, weight, bias, eps);
         }
         fused_norm(Norm::Layer, self, weight, Some(bias), eps, len)
@@ -258,7 +266,7 @@ impl Tensor {
             return Ok(out);
         }
         let len = check(Norm::Rms, self, weight, None, eps)?;
-        if len > FUSED_MAX_LEN {
+        if !fused_applies(self, len) {
             return composed_rms(self, weight, eps);
         }
         fused_norm(Norm::Rms, self, weight, None, eps, len)
@@ -302,7 +310,7 @@ impl Tensor {
         check_channel_param(OP, self, bias, c, "bias")?;
         let per_group = self.numel().checked_div(shape[0] * groups).unwrap_or(0);
         let rows = self.reshape(&[shape[0] * groups, per_group])?;
-        let normed = if per_group <= FUSED_MAX_LEN {
+        let normed = if fused_applies(self, per_group) {
             // Each group a row of LayerNorm's fused kernels, without its affine (a U-Net's
             // groups ran 5-6x faster than through the composed ops).
             let ones = Tensor::ones(&[per_group], self.device())?;
@@ -346,7 +354,8 @@ fn fused_norm(
             Some(b) => b.contiguous()?,
             None => weight_c.clone(),
         };
-        (input.contiguous()?, weight_c, bias_c)
+        // A part of a larger buffer (a chunk of a batch) is bound as a window of itself.
+        (input.contiguous()?.bindable(), weight_c, bias_c)
     };
     let out = Tensor::empty(op, input.shape(), DType::F32, dev)?;
     let stats = Tensor::empty(op, &[rows, 2], DType::F32, dev)?;

@@ -8,7 +8,6 @@ use crate::kernel::{
 };
 use crate::ops::binary::{binary, binary_with, BinaryOp};
 use crate::ops::cast;
-use crate::ops::too_large_view;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
 
@@ -274,10 +273,13 @@ fn unary_with(x: &Tensor, op: UnaryOp, scalar: f32, scalar2: f32) -> Result<Tens
         return Ok(out);
     }
     if out.exceeds_binding() || x.exceeds_binding() {
-        // Past one binding: a launch per window of a dense input and of the output.
-        if !x.is_contiguous() {
-            return Err(too_large_view(name, x));
-        }
+        // Past one binding: a launch per window of a dense input and of the output. A view
+        // (a reduction's grad broadcast back, a transpose) is first copied dense: the copy
+        // windows it.
+        let x = &match x.is_contiguous() {
+            true => x.clone(),
+            false => x.detach().contiguous()?,
+        };
         for (start, len) in windows(x.device(), x.numel()) {
             launch_unary(
                 op,
