@@ -237,12 +237,9 @@ fn slice_run(
     Ok((window, Layout { offset, ..run }))
 }
 
-/// The elements from a layout's first to its last, inclusive.
+/// The elements from a (non-empty) layout's first to its last, inclusive.
 fn span(layout: &Layout) -> usize {
-    let reach: usize = (layout.shape.iter().zip(&layout.strides))
-        .map(|(&size, &stride)| (size.max(1) - 1) * stride)
-        .sum();
-    reach + 1
+    layout.span() - layout.offset
 }
 
 /// `params` counted in four-word groups (the `vec4` copy kernel), where the innermost dim is
