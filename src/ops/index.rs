@@ -597,9 +597,6 @@ fn index_select_backward(
     Ok(out)
 }
 
-/// The grad of `gather` for an input of `shape` (and `scatter_add`'s sum): per input element
-/// a sum over the lookups along `dim`, or, where that work (input x lookups along `dim`)
-/// passes [`GATHER_MAX_WORK`], each lookup's grad added in atomically.
 /// `f(first, count, slices)` over runs of `x`'s (contiguous, past one binding) whole slices
 /// along its first dim, `rows` of them from the start, each run bound as a window of them.
 fn in_first_dim_runs(
@@ -627,6 +624,9 @@ fn in_first_dim_runs(
         .collect()
 }
 
+/// The grad of `gather` for an input of `shape` (and `scatter_add`'s sum): per input element
+/// a sum over the lookups along `dim`, or, where that work (input x lookups along `dim`)
+/// passes [`GATHER_MAX_WORK`], each lookup's grad added in atomically.
 fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let extent = indices.shape()[dim];
     let out_bytes = shape.iter().product::<usize>() * 4;
