@@ -1,6 +1,8 @@
 //! Tensors larger than one kernel binding (`Device::max_binding_bytes`, 128 MiB on lavapipe):
 //! ops that bind windows of them give the values they give on small tensors, and the others
 //! are a `TooLarge` error naming the op. Its own binary: each test holds several hundred MB.
+//! Shapes follow the binding size, so under `WGRAD_MAX_BINDING_BYTES=1048576` (CI) the same
+//! tests run the same windowed paths on tensors of a few MB.
 
 mod common;
 use common::*;
@@ -38,7 +40,7 @@ fn elementwise_ops_and_fills_past_one_binding_are_right_at_both_ends() {
     let a = Tensor::arange(n, dev).unwrap();
     let b = Tensor::full(&[n], 2.0, dev).unwrap();
     let y = a.mul(&b).unwrap().sub_scalar(3.0).unwrap().relu().unwrap();
-    let probes = [0, 1, 2, 1 << 20, n / 2, n - 2, n - 1];
+    let probes = [0, 1, 2, n / 3, n / 2, n - 2, n - 1];
     let want: Vec<f32> = probes
         .iter()
         .map(|&i| (2.0 * i as f32 - 3.0).max(0.0))
@@ -181,10 +183,11 @@ fn a_small_broadcast_operand_of_an_output_past_one_binding_is_copied_dense() {
         .reshape(&[rows, 1])
         .unwrap();
     let y = row.add(&x).unwrap().mul(&scale).unwrap();
-    let probes = [0, 999, 1000, 500_123, rows * 1000 - 1];
+    let probes = [0, 999, 1000, rows * 500 + 123, rows * 1000 - 1];
+    // In f32, as the kernels add and multiply (the values pass 2^24).
     let want: Vec<f32> = probes
         .iter()
-        .map(|&i| ((i + i % 1000) * (i / 1000)) as f32)
+        .map(|&i| (i as f32 + (i % 1000) as f32) * (i / 1000) as f32)
         .collect();
     assert_eq!(at(&y, &probes), want);
 }
@@ -347,9 +350,11 @@ fn a_conv_relu_pool_past_one_binding_matches_its_images_one_at_a_time() {
     // exact, so the two agree bit for bit whatever order their kernels add in (the batch's
     // conv takes another kernel than one image's; rounding would break the pool's ties
     // differently).
-    let side = 1030;
+    let side = (dev.max_binding_bytes() as f64 / 128.0).sqrt() as usize + 6;
     let (images, channels) = (2, 16);
-    assert!(images * channels * side * side * 4 > dev.max_binding_bytes() as usize);
+    let binding = dev.max_binding_bytes() as usize;
+    assert!(images * channels * side * side * 4 > binding);
+    assert!(channels * side * side * 4 <= binding);
     let n = images * 3 * side * side;
     let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 9) as f32 - 4.0).collect();
     let x = Tensor::from_vec(x, &[images, 3, side, side], dev).unwrap();
@@ -459,18 +464,37 @@ fn a_strided_view_past_one_binding_copies_a_run_of_slices_at_a_time() {
     let want: Vec<f32> = probes.iter().map(|&(c, r)| (r * 1000 + c) as f32).collect();
     assert_eq!(at(&xt, &flat), want);
     // A padded image's interior, written into a buffer past one binding.
-    let images = Tensor::ones(&[2, 2, 2900, 2900], dev).unwrap();
+    let side = (dev.max_binding_bytes() as f64 / 16.0).sqrt() as usize + 4;
+    let images = Tensor::ones(&[2, 2, side, side], dev).unwrap();
+    assert!(images.numel() * 4 > dev.max_binding_bytes() as usize);
     let padded = images.pad2d((1, 2, 3, 4), -1.0).unwrap();
-    let (h, w) = (2907, 2903);
+    let (h, w) = (side + 7, side + 3);
     let at_pixel = |n: usize, c: usize, y: usize, x: usize| ((n * 2 + c) * h + y) * w + x;
     let probes = [
         at_pixel(0, 0, 0, 0),
         at_pixel(0, 0, 3, 1),
-        at_pixel(1, 1, 2902, 2900),
-        at_pixel(1, 1, 2903, 2900),
-        at_pixel(1, 1, 2902, 2901),
+        at_pixel(1, 1, side + 2, side),
+        at_pixel(1, 1, side + 3, side),
+        at_pixel(1, 1, side + 2, side + 1),
     ];
     assert_eq!(at(&padded, &probes), vec![-1.0, 1.0, 1.0, -1.0, -1.0]);
+}
+
+/// Rows and vocabulary of logits a little past one binding, each half within one: a real
+/// vocabulary (32,000) where one binding holds 40 of its rows.
+fn lm_head_shape() -> (usize, usize) {
+    let floats = (device().max_binding_bytes() / 4) as usize;
+    let vocab = (floats / 40).min(32_000);
+    let rows = floats / vocab * 21 / 20 + 2;
+    assert!(rows * vocab > floats && (rows - rows / 2) * vocab <= floats);
+    (rows, vocab)
+}
+
+/// `n` values in [-0.5, 0.5), a different run of them per `seed`.
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i + seed) * 7919) % 1013) as f32 / 1013.0 - 0.5)
+        .collect()
 }
 
 /// A language model's head over a real vocabulary, with its loss: `h @ w^T` and the mean
@@ -489,16 +513,11 @@ fn lm_head_loss(h: &Tensor, w: &Tensor, labels: &[u32], scale: f32) -> f32 {
 #[test]
 fn a_language_model_head_past_one_binding_trains_as_its_halves_do() {
     let dev = device();
-    // Logits [1100, 32000] are past one binding; each half's are within one. The product
-    // runs in runs of rows, its grads as runs of the logits' rows (h's) and of k (w's), the
-    // loss and its grad in windows of rows.
-    let (rows, vocab, width) = (1100, 32_000, 16);
-    assert!(rows * vocab * 4 > dev.max_binding_bytes() as usize);
-    let values = |n: usize, seed: usize| -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i + seed) * 7919) % 1013) as f32 / 1013.0 - 0.5)
-            .collect()
-    };
+    // Logits [rows, vocab] are past one binding ([1102, 32000] at 128 MiB); each half's are
+    // within one. The product runs in runs of rows, its grads as runs of the logits' rows
+    // (h's) and of k (w's), the loss and its grad in windows of rows.
+    let (rows, vocab) = lm_head_shape();
+    let width = 16;
     let labels: Vec<u32> = (0..rows as u32).map(|i| i * 7919 % vocab as u32).collect();
     let h_values = values(rows * width, 1);
     let w = Tensor::from_vec(values(vocab * width, 2), &[vocab, width], dev)
@@ -689,5 +708,63 @@ fn an_embedding_whose_output_is_past_one_binding_looks_up_and_trains() {
         let count = ids.iter().filter(|&&id| id as usize == row).count() as f32;
         assert_eq!(grad[row * width], count, "row {row}");
         assert_eq!(grad[row * width + width - 1], count, "row {row}");
+    }
+}
+
+/// One training step of a language model's head: the cross-entropy of `h @ w^T` against
+/// `labels`, its backward, and an Adam step of `w`; returns the loss.
+fn lm_head_step(h: &Tensor, labels: &Tensor, w: &Tensor, opt: &mut Adam) -> wgrad::Result<Tensor> {
+    opt.zero_grad();
+    let logits = h.matmul(&w.t()?)?;
+    let loss = nn::loss::cross_entropy(&logits, labels)?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+#[test]
+fn a_captured_step_past_one_binding_replays_as_it_ran_eagerly() {
+    let dev = device();
+    // Logits, their softmax and grad are past one binding: every op on them binds windows,
+    // which the plan binds as the same ranges of its own buffers.
+    let (rows, vocab) = lm_head_shape();
+    let width = 16;
+    let w_eager = Tensor::from_vec(values(vocab * width, 2), &[vocab, width], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let w_captured = Tensor::from_vec(values(vocab * width, 2), &[vocab, width], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let config = AdamConfig {
+        lr: 0.01,
+        ..AdamConfig::default()
+    };
+    let mut eager_opt = Adam::new(vec![w_eager.clone()], config);
+    let mut opt = Adam::new(vec![w_captured.clone()], config);
+    let mut step =
+        wgrad::capture::Step::new(|b: &[Tensor]| lm_head_step(&b[0], &b[1], &w_captured, &mut opt));
+    for call in 0..4 {
+        let h = Tensor::from_vec(values(rows * width, 10 + call), &[rows, width], dev).unwrap();
+        let labels: Vec<u32> = (0..rows as u32)
+            .map(|i| (i * 7919 + call as u32 * 13) % vocab as u32)
+            .collect();
+        let labels = Tensor::from_vec_u32(labels, &[rows], dev).unwrap();
+        let want = lm_head_step(&h, &labels, &w_eager, &mut eager_opt)
+            .unwrap()
+            .item()
+            .unwrap();
+        let got = step.run(&[h, labels]).unwrap().item().unwrap();
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs(),
+            "call {call}: loss {got} vs {want}"
+        );
+    }
+    assert_eq!(step.stats().replays, 2, "{:?}", step.stats());
+    let (got, want) = (w_captured.to_vec().unwrap(), w_eager.to_vec().unwrap());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "w[{i}]: {g} vs {w}"
+        );
     }
 }

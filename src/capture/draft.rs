@@ -114,7 +114,8 @@ impl Values {
     }
 }
 
-/// Input `i`'s storage id to `i`; inputs on another device, or two sharing a buffer, refuse.
+/// Input `i`'s storage id to `i`; inputs on another device, windows, or two sharing a buffer,
+/// refuse.
 fn input_values(
     inputs: &[Tensor],
     device: &Device,
@@ -123,6 +124,10 @@ fn input_values(
     for (i, input) in inputs.iter().enumerate() {
         if !Device::same(input.device(), device) {
             return Err(format!("input {i} lives on another device than the step's"));
+        }
+        // The tape names a window by its root; a replay binds the input's storage whole.
+        if input.storage().is_window() {
+            return Err(format!("input {i} is a window of a larger buffer"));
         }
         if ids.insert(input.storage_id(), i).is_some() {
             return Err("two inputs share one buffer".into());

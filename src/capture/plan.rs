@@ -12,7 +12,7 @@ use super::guard::{IndexGuard, InputSignature};
 use super::ir::{Command, Draft, Kind, Launch, Loss, Shell, Slot};
 use super::memory;
 use super::replay::Prepared;
-use crate::device::{BufferSlice, CachedPipeline, Device, PARAMS_BYTES};
+use crate::device::{BufferSlice, Device, PARAMS_BYTES};
 use crate::error::Result;
 use crate::tensor::command::{EncodedLaunch, Upload};
 use crate::tensor::{Storage, TensorInner};
@@ -196,17 +196,7 @@ fn encoded_launch(
             _ => None,
         })
         .collect();
-    let bind_group = fixed.map(|buffers| {
-        bind_group(
-            device,
-            &l.pipeline,
-            params,
-            params_offset,
-            &l.bindings,
-            &buffers,
-            l.op,
-        )
-    });
+    let bind_group = fixed.map(|buffers| bind_group(device, l, params, params_offset, &buffers));
     EncodedLaunch {
         params_offset,
         bind_group,
@@ -274,24 +264,25 @@ fn place_intermediates(
     Ok(values)
 }
 
+/// The bind group of launch `l` over `buffers` (one per binding, in order): each bound whole,
+/// or as the window the launch bound of it at capture.
 pub(super) fn bind_group(
     device: &Device,
-    pipeline: &CachedPipeline,
+    l: &Launch,
     params: &wgpu::Buffer,
     params_offset: u64,
-    bindings: &[(u32, usize)],
     buffers: &[&wgpu::Buffer],
-    op: &'static str,
 ) -> wgpu::BindGroup {
-    let whole: Vec<(u32, BufferSlice)> = (bindings.iter().zip(buffers))
+    let slices: Vec<(u32, BufferSlice)> = (l.bindings.iter().zip(buffers))
         .map(|(&(binding, _), buffer)| {
+            let range = l.range(binding, buffer.size());
             let slice = BufferSlice {
                 buffer,
-                offset: 0,
-                size: buffer.size(),
+                offset: range.offset,
+                size: range.bytes,
             };
             (binding, slice)
         })
         .collect();
-    (device.inner).bind_group(op, pipeline, (params, params_offset), &whole)
+    (device.inner).bind_group(l.op, &l.pipeline, (params, params_offset), &slices)
 }

@@ -359,15 +359,8 @@ impl Plan {
             return hit.1.clone();
         }
         let refs: Vec<&wgpu::Buffer> = buffers.iter().collect();
-        let group = bind_group(
-            &self.device,
-            &l.pipeline,
-            self.params_buffer.as_ref().expect("launches"),
-            encoded.params_offset,
-            &l.bindings,
-            &refs,
-            l.op,
-        );
+        let params = self.params_buffer.as_ref().expect("launches");
+        let group = bind_group(&self.device, l, params, encoded.params_offset, &refs);
         if recent.len() == 2 {
             recent.remove(0);
         }

@@ -96,6 +96,21 @@ impl Device {
             limits.max_compute_workgroup_storage_size =
                 limits.max_compute_workgroup_storage_size.min(cap);
         }
+        if let Some(cap) = binding_bytes_from_env()? {
+            let least = LEAST_WINDOWS * limits.min_storage_buffer_offset_alignment as u64;
+            if cap < least {
+                return Err(Error::InvalidArgument {
+                    op: "Device::new",
+                    msg: format!(
+                        "WGRAD_MAX_BINDING_BYTES={cap} is under {least}, {LEAST_WINDOWS} times \
+                         {}'s offset alignment of a bound window",
+                        adapter_info.name
+                    ),
+                });
+            }
+            limits.max_storage_buffer_binding_size =
+                limits.max_storage_buffer_binding_size.min(cap);
+        }
         // Subgroup operations, where the adapter has them, let kernels share loads across a
         // subgroup (matmul on llvmpipe); WGSL's f16 lets them bind F16 tensors as such.
         let wanted = match subgroups_from_env()? {
@@ -233,6 +248,39 @@ pub(super) fn workgroup_storage_from(setting: Option<String>) -> Result<Option<u
         }),
     }
 }
+
+/// `WGRAD_MAX_BINDING_BYTES=<bytes>`: the most bytes the device lets one kernel bind, below
+/// what the adapter offers (unset: all of it). Ops on larger tensors then bind windows of
+/// them, as on an adapter that offers less: how CI runs the windowed paths, which lavapipe
+/// needs tensors past 128 MiB to reach, on small tensors (the fuzzer's, a captured step's).
+fn binding_bytes_from_env() -> Result<Option<u64>> {
+    binding_bytes_from(std::env::var("WGRAD_MAX_BINDING_BYTES").ok())
+}
+
+pub(super) fn binding_bytes_from(setting: Option<String>) -> Result<Option<u64>> {
+    let Some(v) = setting else {
+        return Ok(None);
+    };
+    match v.trim().parse::<u64>() {
+        Ok(bytes) if bytes >= LEAST_BINDING_BYTES && bytes % 4 == 0 => Ok(Some(bytes)),
+        _ => Err(Error::InvalidArgument {
+            op: "Device::new",
+            msg: format!(
+                "WGRAD_MAX_BINDING_BYTES={v:?}: use a number of bytes, a multiple of 4 and at \
+                 least {LEAST_BINDING_BYTES} (and {LEAST_WINDOWS} times the adapter's offset \
+                 alignment), or unset it"
+            ),
+        }),
+    }
+}
+
+/// The smallest binding cap `WGRAD_MAX_BINDING_BYTES` takes, on any adapter: small enough
+/// that the fuzzer's tensors (a few hundred elements) take several windows.
+const LEAST_BINDING_BYTES: u64 = 256;
+
+/// The fewest windows of the adapter's offset alignment a capped binding must hold, so that
+/// a window starting at the alignment boundary before its first element still holds some.
+const LEAST_WINDOWS: u64 = 8;
 
 /// The workgroup storage every WebGPU adapter offers (its default limit), which wgrad's
 /// kernels may take without asking.

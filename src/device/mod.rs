@@ -468,7 +468,8 @@ impl DeviceInner {
 #[cfg(test)]
 mod tests {
     use super::adapter::{
-        backends_from, f16_reads_from, kernel_flavor_from, subgroups_from, workgroup_storage_from,
+        backends_from, binding_bytes_from, f16_reads_from, kernel_flavor_from, subgroups_from,
+        workgroup_storage_from,
     };
     use super::{Device, F16Reads, KernelFlavor};
 
@@ -521,6 +522,21 @@ mod tests {
             let err = cap(bad).unwrap_err().to_string();
             assert!(
                 err.contains("WGRAD_WORKGROUP_STORAGE") && err.contains(&format!("{bad:?}")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn wgrad_max_binding_bytes_caps_it_at_256_or_more_in_4s_or_is_an_error() {
+        let cap = |v: &str| binding_bytes_from(Some(v.into()));
+        assert_eq!(cap("256").unwrap(), Some(256));
+        assert_eq!(cap(" 1048576 ").unwrap(), Some(1 << 20));
+        assert_eq!(binding_bytes_from(None).unwrap(), None);
+        for bad in ["4k", "252", "4098", "0", "-4096"] {
+            let err = cap(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("WGRAD_MAX_BINDING_BYTES") && err.contains(&format!("{bad:?}")),
                 "{err}"
             );
         }

@@ -13,6 +13,7 @@
 //! bound each column matrix (at most `COLS_LIMIT` elements) whatever the batch. Bias is a
 //! broadcast add; groups are one convolution per channel group.
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
 use crate::ops::autocast::in_f32;
@@ -198,9 +199,21 @@ struct Geometry {
 
 impl Geometry {
     /// Images per chunk, so that one chunk's column matrix holds at most [`COLS_LIMIT`]
-    /// elements (at least one image).
-    fn images_per_chunk(&self) -> usize {
-        (COLS_LIMIT / (self.cols.k() * self.cols.pixels()).max(1)).max(1)
+    /// elements and its images, columns and outputs each fit one binding of `device` (at
+    /// least one image: one past a binding is then the `TooLarge` of the op that binds it).
+    fn images_per_chunk(&self, device: &Device) -> usize {
+        let c = &self.cols;
+        let binding = (device.inner.max_binding_bytes() / 4) as usize;
+        let per_image = [
+            (c.k() * c.pixels(), COLS_LIMIT.min(binding)),
+            (c.c_in * c.height * c.width, binding),
+            (self.c_out * c.pixels(), binding),
+        ];
+        (per_image.iter())
+            .map(|&(elements, limit)| limit / elements.max(1))
+            .min()
+            .expect("three limits")
+            .max(1)
     }
 
     fn params(&self, n: usize, src: &Tensor, group: usize) -> ConvParams {
@@ -370,7 +383,7 @@ fn by_chunks(
     rest: [usize; 3],
     f: impl Fn(usize, usize) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let step = geo.images_per_chunk();
+    let step = geo.images_per_chunk(x.device());
     let parts = (0..geo.batch)
         .step_by(step)
         .map(|start| f(start, step.min(geo.batch - start)))
@@ -506,7 +519,7 @@ fn weight_grad(x: &Tensor, g: &Tensor, geo: &Geometry, w_shape: &[usize]) -> Res
             };
         partials.sum_dims(&[0], false)
     };
-    let sum = match sum_over_chunks(geo.batch, geo.images_per_chunk(), part)? {
+    let sum = match sum_over_chunks(geo.batch, geo.images_per_chunk(x.device()), part)? {
         Some(s) => s,
         None => Tensor::zeros(&[geo.c_out, geo.cols.k()], x.device())?,
     };

@@ -11,6 +11,9 @@ use crate::tensor::fusion::Fusion;
 use crate::tensor::tape::{HostBytes, ReplayHook};
 
 /// One thing a step does to the device.
+// Launches are nearly every command: boxing them to shrink the rare uploads and copies would
+// cost an allocation per launch.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Command<N> {
     Launch(Launch<N>),
     /// Host data copied into a buffer.
@@ -26,6 +29,9 @@ pub(crate) struct Launch<N> {
     pub op: &'static str,
     pub pipeline: Arc<CachedPipeline>,
     pub bindings: Vec<(u32, N)>,
+    /// The bindings that bind a byte range of their buffer rather than all of it (windows of
+    /// a tensor larger than one binding); most launches have none.
+    pub windows: Vec<(u32, ByteRange)>,
     /// The params as they were at capture.
     pub params: Vec<u8>,
     /// Recomputes the params at each replay, for params that change per step.
@@ -35,6 +41,13 @@ pub(crate) struct Launch<N> {
     pub fusion: Option<Fusion<N>>,
     /// Set when the plan is laid out.
     pub encoded: Option<EncodedLaunch>,
+}
+
+/// A byte range of a buffer: what a launch binds of a tensor larger than one binding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ByteRange {
+    pub offset: u64,
+    pub bytes: u64,
 }
 
 /// What laying out a plan makes once for a launch.
@@ -75,6 +88,7 @@ impl<N> Command<N> {
                 bindings: (l.bindings.into_iter())
                     .map(|(b, n)| (b, name(n)))
                     .collect(),
+                windows: l.windows,
                 params: l.params,
                 dynamic_params: l.dynamic_params,
                 workgroups: l.workgroups,
@@ -118,6 +132,17 @@ impl<N> Command<N> {
 }
 
 impl<N> Launch<N> {
+    /// The range of its buffer that `binding` binds: a window's, or all of `whole` bytes.
+    pub fn range(&self, binding: u32, whole: u64) -> ByteRange {
+        (self.windows.iter()).find(|(b, _)| *b == binding).map_or(
+            ByteRange {
+                offset: 0,
+                bytes: whole,
+            },
+            |(_, range)| *range,
+        )
+    }
+
     /// The buffers it may write: those bound where its module declares `read_write`.
     pub fn written(&self) -> impl Iterator<Item = &N> {
         (self.bindings.iter())

@@ -72,6 +72,14 @@ impl Storage {
         self.window.is_some()
     }
 
+    /// The storage that owns the buffer: a window's root, or the storage itself.
+    pub fn root(self: &Arc<Storage>) -> Arc<Storage> {
+        match &self.window {
+            Some((root, _, _)) => root.clone(),
+            None => self.clone(),
+        }
+    }
+
     /// The range a kernel binds.
     pub fn slice(&self) -> BufferSlice<'_> {
         BufferSlice {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 
 use crate::device::{CachedPipeline, Device};
 use crate::error::{Error, Result};
-use crate::tensor::command::{BufferCopy, Command, Launch, Upload};
+use crate::tensor::command::{BufferCopy, ByteRange, Command, Launch, Upload};
 use crate::tensor::fusion::Fusion;
 use crate::tensor::{IndexRange, Layout, Storage, Tensor, TensorInner};
 
@@ -146,17 +146,21 @@ pub(crate) fn note_release(id: u64) {
     });
 }
 
-/// How a tape names `storage`.
-fn taped(tape: &mut Tape, storage: &Arc<Storage>) -> TapedStorage {
-    if storage.is_window() && tape.refused.is_none() {
-        tape.refused = Some("the step binds windows of a tensor larger than one binding".into());
-    }
-    let id = storage.id();
-    TapedStorage {
+/// How a tape names `storage`: as the storage that owns its buffer (a window's root, so a
+/// plan sees one value per buffer), with the byte range a window binds of it.
+fn taped(tape: &Tape, storage: &Arc<Storage>) -> (TapedStorage, Option<ByteRange>) {
+    let root = storage.root();
+    let id = root.id();
+    let taped = TapedStorage {
         id,
-        bytes: storage.buffer().size(),
-        external: (!tape.created.contains(&id)).then(|| storage.clone()),
-    }
+        bytes: root.buffer().size(),
+        external: (!tape.created.contains(&id)).then(|| root.clone()),
+    };
+    let range = storage.is_window().then(|| ByteRange {
+        offset: storage.base(),
+        bytes: storage.bytes(),
+    });
+    (taped, range)
 }
 
 fn check_device(tape: &mut Tape, op: &'static str, device: &Device) {
@@ -178,9 +182,13 @@ pub(crate) fn record_launch(
     with_tape(|tape| {
         check_device(tape, op, tensors[0].1.device());
         let mut bindings = Vec::with_capacity(tensors.len());
+        let mut windows = Vec::new();
         for (binding, tensor) in tensors {
             let storage = tensor.storage();
-            let entry = taped(&mut *tape, &storage);
+            let (entry, range) = taped(tape, &storage);
+            if let Some(range) = range {
+                windows.push((*binding, range));
+            }
             if entry.external.is_some() {
                 let known = tape
                     .requires_grad
@@ -193,8 +201,9 @@ pub(crate) fn record_launch(
             }
             bindings.push((*binding, entry));
         }
-        // The fuser's descriptor names the launch's storages, as its bindings do.
-        let fusion = fusion.map(|f| {
+        // The fuser's descriptor names the launch's storages, as its bindings do. The fuser's
+        // kernels bind whole buffers, so a launch that binds windows keeps its own kernel.
+        let fusion = fusion.filter(|_| windows.is_empty()).map(|f| {
             f.named(|binding| {
                 let (_, storage) = (bindings.iter())
                     .find(|(b, _)| *b == binding)
@@ -206,6 +215,7 @@ pub(crate) fn record_launch(
             op,
             pipeline: pipeline.clone(),
             bindings,
+            windows,
             params: params.to_vec(),
             dynamic_params,
             workgroups,
@@ -218,7 +228,10 @@ pub(crate) fn record_launch(
 /// Writes down an upload of `data` into `target`.
 pub(crate) fn record_upload(target: &Arc<Storage>, data: &[u8], dynamic: Option<HostBytes>) {
     with_tape(|tape| {
-        let target = taped(tape, target);
+        let (target, range) = taped(tape, target);
+        if range.is_some() && tape.refused.is_none() {
+            tape.refused = Some("the step uploads host data into a window of a buffer".into());
+        }
         tape.commands.push(Command::Upload(Upload {
             target,
             data: data.to_vec(),
@@ -228,12 +241,14 @@ pub(crate) fn record_upload(target: &Arc<Storage>, data: &[u8], dynamic: Option<
     });
 }
 
-/// Writes down a copy of `bytes` bytes from `src` to `dst` (storages and byte offsets).
+/// Writes down a copy of `bytes` bytes from `src` to `dst` (storages and byte offsets in
+/// their buffers).
 pub(crate) fn record_copy(src: (&Arc<Storage>, u64), dst: (&Arc<Storage>, u64), bytes: u64) {
     with_tape(|tape| {
+        // The offsets are in the buffer, which a window shares with its root.
         let copy = BufferCopy {
-            src: (taped(tape, src.0), src.1),
-            dst: (taped(tape, dst.0), dst.1),
+            src: (taped(tape, src.0).0, src.1),
+            dst: (taped(tape, dst.0).0, dst.1),
             bytes,
         };
         tape.commands.push(Command::Copy(copy));

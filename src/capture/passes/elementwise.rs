@@ -232,6 +232,9 @@ fn fused_launch(
         fusion: None,
         pipeline,
         bindings,
+        // Generated kernels bind whole buffers: a launch that binds windows is never
+        // fused (`tape::record_launch`).
+        windows: Vec::new(),
         params: bytemuck::bytes_of(&(n as u32)).to_vec(),
         dynamic_params: None,
         workgroups: groups(n, CONTIGUOUS_PER_GROUP),

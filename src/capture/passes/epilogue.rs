@@ -176,6 +176,9 @@ fn epilogue_launch(
         fusion: None,
         pipeline,
         bindings,
+        // Generated kernels bind whole buffers: a launch that binds windows is never
+        // fused (`tape::record_launch`).
+        windows: Vec::new(),
         params: producer.params.clone(),
         dynamic_params: producer.dynamic_params.clone(),
         workgroups: producer.workgroups,

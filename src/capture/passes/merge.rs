@@ -138,6 +138,9 @@ fn merged(run: Vec<Launch>, device: &Device) -> Vec<Command> {
         fusion: None,
         pipeline,
         bindings,
+        // Generated kernels bind whole buffers: a launch that binds windows is never
+        // fused (`tape::record_launch`).
+        windows: Vec::new(),
         params,
         dynamic_params,
         workgroups,
