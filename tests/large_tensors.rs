@@ -332,12 +332,7 @@ fn conv_relu_pool_and_grads(x: &Tensor, w: &Tensor) -> (Tensor, Tensor, Tensor) 
         .map(|i| ((i % per_image * 31) % 11) as f32 - 5.0)
         .collect();
     let pattern = Tensor::from_vec(pattern, out.shape(), x.device()).unwrap();
-    out.mul(&pattern)
-        .unwrap()
-        .sum()
-        .unwrap()
-        .backward()
-        .unwrap();
+    weighted_sum_backward(&out, &pattern);
     (out, x.grad().unwrap(), w.grad().unwrap())
 }
 
@@ -424,21 +419,29 @@ fn ops_that_cannot_window_a_tensor_past_one_binding_are_too_large_errors() {
         matches!(err, Error::TooLarge { op: "BatchNorm1d", bytes, limit } if bytes > limit),
         "{err}"
     );
-    // Nor a strided view of a big tensor whose one slice spans more than a binding: each
-    // column of [n / 8, 8] spans the whole buffer.
-    assert_eq!(past_binding() % 8, 0);
-    let narrow_columns = big.reshape(&[past_binding() / 8, 8]).unwrap();
-    let err = narrow_columns.t().unwrap().contiguous().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::TooLarge {
-                op: "contiguous",
-                ..
-            }
-        ),
-        "{err}"
-    );
+}
+
+#[test]
+fn a_strided_view_whose_one_slice_spans_past_one_binding_copies_runs_within_it() {
+    let dev = device();
+    // Each column of [n / 8, 8] spans the whole buffer: the transpose copies a column at a
+    // time, in runs of its elements.
+    let n = past_binding();
+    assert_eq!(n % 8, 0);
+    let x = Tensor::arange(n, dev).unwrap();
+    let xt = x
+        .reshape(&[n / 8, 8])
+        .unwrap()
+        .t()
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    assert_eq!(xt.shape(), &[8, n / 8]);
+    // xt[c][r] = x[r * 8 + c].
+    let cells = [(0, 0), (0, n / 8 - 1), (3, n / 16), (7, 0), (7, n / 8 - 1)];
+    let got: Vec<usize> = cells.iter().map(|&(c, r)| c * (n / 8) + r).collect();
+    let want: Vec<usize> = cells.iter().map(|&(c, r)| r * 8 + c).collect();
+    assert_eq!(at(&xt, &got), at(&x, &want));
 }
 
 #[test]
@@ -765,6 +768,93 @@ fn a_captured_step_past_one_binding_replays_as_it_ran_eagerly() {
         assert!(
             (g - w).abs() <= 1e-6 * w.abs().max(1.0),
             "w[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+/// `sum(sdpa(q, k, v) * pattern)` backward with a padding mask and causal, returning the
+/// output (q, k and v are made leaves requiring grad).
+fn attention_and_grads(q: &Tensor, k: &Tensor, v: &Tensor, keep: &Tensor) -> Tensor {
+    let opts = wgrad::SdpaOptions {
+        causal: true,
+        mask: Some(keep),
+        scale: None,
+    };
+    let out = q.scaled_dot_product_attention_with(k, v, &opts).unwrap();
+    let (t, d) = (out.shape()[2], out.shape()[3]);
+    let pattern: Vec<f32> = (0..t * d).map(|i| ((i * 13) % 7) as f32 - 3.0).collect();
+    let pattern = Tensor::from_vec(pattern, &[1, 1, t, d], q.device()).unwrap();
+    weighted_sum_backward(&out, &pattern);
+    out
+}
+
+/// Runs the backward of `sum(out * pattern)`.
+fn weighted_sum_backward(out: &Tensor, pattern: &Tensor) {
+    (out.mul(pattern).unwrap().sum().unwrap())
+        .backward()
+        .unwrap();
+}
+
+#[test]
+fn attention_past_one_binding_matches_its_heads_alone() {
+    let dev = device();
+    // q [2, heads, 32, 8] with each batch row past one binding: attention splits the batch,
+    // then each row's heads in whole groups of grouped-query heads (2 per k/v head).
+    let (t, d) = (32, 8);
+    let heads = (dev.max_binding_bytes() as usize / (t * d * 4) + 8).next_multiple_of(2);
+    let leaf = |shape: &[usize], seed: usize| {
+        let n = shape.iter().product();
+        Tensor::from_vec(values(n, seed), shape, dev)
+            .unwrap()
+            .requires_grad_(true)
+    };
+    let q = leaf(&[2, heads, t, d], 1);
+    let k = leaf(&[2, heads / 2, t, d], 2);
+    let v = leaf(&[2, heads / 2, t, d], 3);
+    // Row 1's last 5 keys are padding.
+    let keep: Vec<u32> = (0..2 * t).map(|i| u32::from(i < 2 * t - 5)).collect();
+    let keep = Tensor::from_vec_u32(keep, &[2, 1, 1, t], dev).unwrap();
+    let out = attention_and_grads(&q, &k, &v, &keep);
+    let slice = |x: &Tensor, b: usize, h: usize, n: usize| {
+        x.narrow(0, b, 1)
+            .unwrap()
+            .narrow(1, h, n)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    for (b, h) in [(0, 0), (1, heads / 2), (1, heads - 2)] {
+        // Copies in buffers of their own, so the references bind no window.
+        let part = |x: &Tensor, h, n| {
+            let s = slice(x, b, h, n);
+            (Tensor::from_vec(s.to_vec().unwrap(), s.shape(), dev).unwrap()).requires_grad_(true)
+        };
+        let (q_s, k_s, v_s) = (part(&q, h, 2), part(&k, h / 2, 1), part(&v, h / 2, 1));
+        let out_s = attention_and_grads(&q_s, &k_s, &v_s, &keep.narrow(0, b, 1).unwrap());
+        let close = |got: &Tensor, want: &Tensor, what: &str| {
+            let (got, want) = (got.to_vec().unwrap(), want.to_vec().unwrap());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "{what} ({b}, {h})[{i}]: {g} vs {w}"
+                );
+            }
+        };
+        close(&slice(&out, b, h, 2), &out_s, "out");
+        close(
+            &slice(&q.grad().unwrap(), b, h, 2),
+            &q_s.grad().unwrap(),
+            "q grad",
+        );
+        close(
+            &slice(&k.grad().unwrap(), b, h / 2, 1),
+            &k_s.grad().unwrap(),
+            "k grad",
+        );
+        close(
+            &slice(&v.grad().unwrap(), b, h / 2, 1),
+            &v_s.grad().unwrap(),
+            "v grad",
         );
     }
 }

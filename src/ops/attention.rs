@@ -627,6 +627,130 @@ fn mask_operand(mask: Option<&Tensor>, q: &Tensor, t_k: usize) -> Result<MaskOpe
     })
 }
 
+/// Whether one call's kernels bind each of their tensors whole: q, k, v and the mask (as
+/// f32: 16-bit operands are read through f32 copies of their spans; F32 ones and the mask
+/// in place, so their buffers must fit too, unless `windowed` says they will be bound as
+/// windows of their spans), and the output of `out_rows` rows with the forward's partial
+/// outputs (one per split of the keys).
+fn fits_one_binding(
+    [q, k, v]: [&Tensor; 3],
+    mask: Option<&Tensor>,
+    s: &Shape,
+    out_rows: usize,
+    windowed: bool,
+) -> bool {
+    let dev = q.device();
+    let limit = dev.inner.max_binding_bytes();
+    // A window starts at the alignment boundary before its first element, in 16-byte groups.
+    let slack = dev.inner.binding_alignment() + 16;
+    let spans = |t: &Tensor| {
+        let l = t.layout();
+        let bytes = (l.span() - l.offset) as u64 * 4;
+        let bound_whole = !t.dtype().is_16_bit() && !windowed;
+        bytes + slack <= limit && !(bound_whole && t.exceeds_binding())
+    };
+    let (_, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
+    let out_bytes = (out_rows * s.dv * 4 * (splits + 1)) as u64;
+    [q, k, v].into_iter().chain(mask).all(spans) && out_bytes + slack <= limit
+}
+
+/// Attention whose tensors are past one binding ([`fits_one_binding`]): where they are views
+/// of part of a larger buffer that fit one binding each, one call on windows of their spans;
+/// else attention over chunks of q's outermost batch dim that can be split (the heads, on dim
+/// -3, in whole groups of grouped-query heads), each chunk's q, k, v and mask (where the mask
+/// is not broadcast along that dim) so, the outputs joined with `cat`. A chunk still past a
+/// binding splits its next dim, and so on; a single head past one is a `TooLarge` error. Each
+/// chunk is an attention node of its own; `split` joins their grads.
+fn in_chunks(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions, s: &Shape) -> Result<Tensor> {
+    let rows = q.numel() / s.d.max(1);
+    if fits_one_binding([q, k, v], opts.mask, s, rows, true) {
+        return attend_in_windows([q, k, v], opts.mask.cloned(), opts);
+    }
+    let r = q.rank();
+    let least = |d: usize| if d + 3 == r { s.group } else { 1 };
+    let Some(dim) = (0..r - 2).find(|&d| q.shape()[d] > least(d)) else {
+        let bytes = [q, k, v].map(|t| t.storage().bytes()).into_iter().max();
+        return Err(Error::TooLarge {
+            op: OP,
+            bytes: bytes.unwrap_or(0),
+            limit: q.device().max_binding_bytes(),
+        });
+    };
+    let (n, per_kv) = (q.shape()[dim], least(dim));
+    // The mask's dim that lines up with `dim`, unless the mask is broadcast along it.
+    let mask_dim = opts.mask.and_then(|m| {
+        let at = (dim + m.rank()).checked_sub(r)?;
+        (m.shape()[at] > 1).then_some(at)
+    });
+    let piece = |start: usize, count: usize| -> Result<[Option<Tensor>; 4]> {
+        let mask = match (opts.mask, mask_dim) {
+            (Some(m), Some(at)) => Some(m.narrow(at, start, count)?),
+            (m, _) => m.cloned(),
+        };
+        Ok([
+            Some(q.narrow(dim, start, count)?),
+            Some(k.narrow(dim, start / per_kv, count / per_kv)?),
+            Some(v.narrow(dim, start / per_kv, count / per_kv)?),
+            mask,
+        ])
+    };
+    let fits = |count: usize| -> Result<bool> {
+        let [q, k, v, mask] = piece(0, count)?;
+        let (q, k, v) = (q.expect("q"), k.expect("k"), v.expect("v"));
+        let rows = q.numel() / s.d.max(1);
+        Ok(fits_one_binding([&q, &k, &v], mask.as_ref(), s, rows, true))
+    };
+    // The most q slices (whole groups of them) a chunk takes; one group where none fit.
+    let mut count = per_kv;
+    for c in (per_kv..=n).rev().step_by(per_kv) {
+        if fits(c)? {
+            count = c;
+            break;
+        }
+    }
+    let sizes: Vec<usize> = (0..n)
+        .step_by(count)
+        .map(|start| count.min(n - start))
+        .collect();
+    let kv_sizes: Vec<usize> = sizes.iter().map(|c| c / per_kv).collect();
+    let (qs, ks, vs) = (
+        q.split(&sizes, dim)?,
+        k.split(&kv_sizes, dim)?,
+        v.split(&kv_sizes, dim)?,
+    );
+    let mut outs = Vec::with_capacity(sizes.len());
+    let mut start = 0;
+    for (i, &len) in sizes.iter().enumerate() {
+        let mask = match (opts.mask, mask_dim) {
+            (Some(m), Some(at)) => Some(m.narrow(at, start, len)?),
+            (m, _) => m.cloned(),
+        };
+        outs.push(attend_in_windows([&qs[i], &ks[i], &vs[i]], mask, opts)?);
+        start += len;
+    }
+    Tensor::cat(&outs, dim)
+}
+
+/// Attention of q, k and v each bound as a window of its span (an op whose grad passes
+/// through), and the mask so (it has no grad).
+fn attend_in_windows(
+    qkv: [&Tensor; 3],
+    mask: Option<Tensor>,
+    opts: &SdpaOptions,
+) -> Result<Tensor> {
+    let [q, k, v] = qkv.map(|t| {
+        record(OP, t.bindable(), &[t], |_| {
+            move |g: &Tensor| Ok(vec![Some(g.clone())])
+        })
+    });
+    let mask = mask.as_ref().map(Tensor::bindable);
+    let opts = SdpaOptions {
+        mask: mask.as_ref(),
+        ..*opts
+    };
+    q.scaled_dot_product_attention_with(&k, &v, &opts)
+}
+
 /// The forward: `(out [.., Tq, Dv], stats [heads Tq, 2])` with the log-sum-exp of each row
 /// in `stats[.., 0]`; `out` laid out in q's order (see [`empty_in_order_of`]).
 /// `ops.tensors[3]` is unused (any tensor); `mask` is bound at the mask's binding.
@@ -1015,6 +1139,10 @@ impl Tensor {
                 }
             }));
         }
+        let rows = q.numel() / shape.d.max(1);
+        if !fits_one_binding([&q, &k, &v], opts.mask, &shape, rows, false) {
+            return in_chunks(&q, &k, &v, opts, &shape);
+        }
         let wide = [&q, &k, &v].map(|t| as_f32(t, narrow));
         let [wq, wk, wv] = wide;
         let (wq, wk, wv) = (wq?, wk?, wv?);
@@ -1035,6 +1163,8 @@ impl Tensor {
             let mask = mask.tensor.clone();
             let out = out.detach();
             move |g: &Tensor| {
+                // A chunk's grad is a view of the whole output's (see `in_chunks`).
+                let g = &g.bindable();
                 let [q, k, v] = [&saved[0], &saved[1], &saved[2]].map(|t| as_f32(t, narrow));
                 let (q, k, v) = (q?, k?, v?);
                 let (out, g) = (as_f32(&out, narrow)?, as_f32(g, narrow)?);

@@ -7,7 +7,7 @@ use crate::kernel::{
     groups, rows_per_window, strided_dims, windows, Elementwise, Fusion, Kernel, KernelParams,
     Launch, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
-use crate::ops::{cast, too_large_view};
+use crate::ops::cast;
 use crate::tensor::dim::Dim;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, IndexRange, Layout, Tensor};
@@ -177,7 +177,8 @@ fn copy_described(
 /// [`copy_into`] where a side past one binding is strided (a padded image's interior, a
 /// permuted view of large activations) or 16-bit: a copy per run of slices along the first
 /// dim, each side bound as the window of its storage those slices span (or whole, where it
-/// fits one binding). One slice whose span is past a binding is a `TooLarge` error.
+/// fits one binding). Where one slice spans past a binding, each slice is copied so in turn,
+/// by runs along its own first dim, down to runs of single elements.
 fn copy_in_slice_runs(
     op: &'static str,
     src: &Tensor,
@@ -195,17 +196,26 @@ fn copy_in_slice_runs(
     }
     let rows = src.shape()[0];
     let per_window = rows_per_window(dst.device(), 1);
-    // The slices one window of `t`'s storage holds at `layout`: all where it fits a binding.
+    // The slices one window of `t`'s storage holds at `layout`: all where it fits a binding,
+    // none where one slice spans past it.
     let slices_per_window = |t: &Tensor, layout: &Layout| -> Result<usize> {
         let first = layout.narrow(op, 0, 0, 1)?;
-        match (t.exceeds_binding(), layout.strides[0]) {
-            (false, _) => Ok(rows),
-            (true, _) if span(&first) > per_window => Err(too_large_view(op, t)),
-            (true, 0) => Ok(rows),
-            (true, stride) => Ok((per_window - span(&first)) / stride + 1),
-        }
+        Ok(match (t.exceeds_binding(), layout.strides[0]) {
+            (false, _) => rows,
+            (true, _) if span(&first) > per_window => 0,
+            (true, 0) => rows,
+            (true, stride) => (per_window - span(&first)) / stride + 1,
+        })
     };
     let per = slices_per_window(src, src.layout())?.min(slices_per_window(dst, dst_layout)?);
+    if per == 0 {
+        // A rank-1 slice is one element, which always fits: only wider slices get here.
+        for i in 0..rows {
+            let (src_i, dst_i) = (slice_of(src.layout(), i), slice_of(dst_layout, i));
+            copy_in_slice_runs(op, &src.view(src_i), dst, &dst_i)?;
+        }
+        return Ok(());
+    }
     for start in (0..rows).step_by(per) {
         let count = per.min(rows - start);
         let (src_store, src_run) = slice_run(op, src, src.layout(), start, count)?;
@@ -235,6 +245,15 @@ fn slice_run(
         .window(run.offset, span(&run));
     let offset = window.layout().offset;
     Ok((window, Layout { offset, ..run }))
+}
+
+/// Slice `i` along the first dim of `layout`, that dim dropped.
+fn slice_of(layout: &Layout, i: usize) -> Layout {
+    Layout {
+        shape: layout.shape[1..].to_vec(),
+        strides: layout.strides[1..].to_vec(),
+        offset: layout.offset + i * layout.strides[0],
+    }
 }
 
 /// The elements from a (non-empty) layout's first to its last, inclusive.

@@ -1,6 +1,7 @@
 //! Ops that produce or consume u32 indices: `argmax`, `index_select`, `gather`. Indices are
 //! checked against the bound each u32 tensor carries, so no data is read back to validate.
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernel::{
     groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP,
@@ -606,14 +607,8 @@ fn in_first_dim_runs(
     f: impl Fn(usize, usize, &Tensor) -> Result<Tensor>,
 ) -> Result<Vec<Tensor>> {
     let inner = x.numel() / x.shape()[0].max(1);
-    let per = rows_per_window(x.device(), inner);
-    if per == 0 {
-        return Err(crate::ops::too_large_view(op, x));
-    }
-    (0..rows)
-        .step_by(per)
-        .map(|first| {
-            let count = per.min(rows - first);
+    (first_dim_runs(op, x.device(), rows, inner)?.into_iter())
+        .map(|(first, count)| {
             let shape = [&[count], &x.shape()[1..]].concat();
             f(
                 first,
@@ -622,6 +617,28 @@ fn in_first_dim_runs(
             )
         })
         .collect()
+}
+
+/// The runs `(first, count)` of whole slices of `inner` f32 elements along a first dim of
+/// `rows` that one binding holds each; a slice past one binding is `TooLarge`.
+fn first_dim_runs(
+    op: &'static str,
+    device: &Device,
+    rows: usize,
+    inner: usize,
+) -> Result<Vec<(usize, usize)>> {
+    let per = rows_per_window(device, inner);
+    if per == 0 {
+        return Err(Error::TooLarge {
+            op,
+            bytes: (rows * inner * 4) as u64,
+            limit: device.max_binding_bytes(),
+        });
+    }
+    Ok((0..rows)
+        .step_by(per)
+        .map(|first| (first, per.min(rows - first)))
+        .collect())
 }
 
 /// The grad of `gather` for an input of `shape` (and `scatter_add`'s sum): per input element
@@ -635,18 +652,9 @@ fn gather_backward(grad: &Tensor, dim: usize, indices: &Tensor, shape: &[usize])
         // each from the lookups of its own slices (none past the indices' rows), end to end.
         let (rows, lookup_rows) = (shape[0], indices.shape()[0]);
         let inner: usize = shape[1..].iter().product();
-        let per = rows_per_window(grad.device(), inner);
-        if per == 0 {
-            return Err(Error::TooLarge {
-                op: "gather",
-                bytes: (inner * 4) as u64,
-                limit: grad.device().max_binding_bytes(),
-            });
-        }
-        let parts: Vec<Tensor> = (0..rows)
-            .step_by(per)
-            .map(|first| {
-                let count = per.min(rows - first);
+        let parts: Vec<Tensor> = (first_dim_runs("gather", grad.device(), rows, inner)?)
+            .into_iter()
+            .map(|(first, count)| {
                 let part_shape = [&[count], &shape[1..]].concat();
                 let looked_up = lookup_rows.saturating_sub(first).min(count);
                 match looked_up {

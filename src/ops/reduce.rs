@@ -428,8 +428,9 @@ fn separated_runs<'a>(x: &Tensor, dims: &'a [usize]) -> Result<Option<(&'a [usiz
 
 /// [`reduce`] of a dense tensor larger than one binding: windows of whole slices along its
 /// first dim, each reduced on its own, then the partial results combined (added, or their
-/// maximum, when the first dim is reduced; laid end to end when it is not). The result keeps
-/// the reduced dims as size 1.
+/// maximum, when the first dim is reduced; laid end to end when it is not). The leading dims
+/// that are all reduced or all kept count as one first dim (a whole sum is over single
+/// elements). The result has the input's elements less the reduced ones.
 fn reduce_windows(
     op_name: &'static str,
     op: ReduceOp,
@@ -437,15 +438,17 @@ fn reduce_windows(
     dims: &[usize],
     mean: bool,
 ) -> Result<Tensor> {
-    let shape = if x.rank() == 0 {
-        vec![1]
-    } else {
-        x.shape().to_vec()
-    };
+    if !x.is_contiguous() {
+        return Err(crate::ops::too_large_view(op_name, x));
+    }
+    let k: usize = dims.iter().map(|&d| x.shape()[d]).product();
+    let (shape, dims) = leading_dims_merged(x.shape(), dims);
+    let x = &x.reshape(&shape)?;
+    let dims = dims.as_slice();
     let rows = shape[0];
     let inner: usize = shape[1..].iter().product();
     let per = rows_per_window(x.device(), inner);
-    if !x.is_contiguous() || per == 0 {
+    if per == 0 {
         return Err(crate::ops::too_large_view(op_name, x));
     }
     let mut parts = Vec::new();
@@ -469,10 +472,32 @@ fn reduce_windows(
         Tensor::cat(&parts, 0)?
     };
     if mean {
-        let k: usize = dims.iter().map(|&d| shape[d]).product();
         return combined.mul_scalar(1.0 / k as f32);
     }
     Ok(combined)
+}
+
+/// `shape` with its leading dims that are all reduced, or all kept, merged into one (dims of
+/// size 1 go with either; at least one dim: a scalar is `[1]`), and the reduced `dims`
+/// (sorted) renumbered to match.
+fn leading_dims_merged(shape: &[usize], dims: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    if shape.is_empty() {
+        return (vec![1], dims.to_vec());
+    }
+    let status = |d: usize| (shape[d] != 1).then(|| dims.contains(&d));
+    let lead = (0..shape.len()).find_map(status);
+    let merged = (0..shape.len())
+        .find(|&d| status(d).is_some_and(|s| Some(s) != lead))
+        .unwrap_or(shape.len());
+    let new_shape = [&[shape[..merged].iter().product()], &shape[merged..]].concat();
+    let new_dims = ((lead == Some(true)).then_some(0).into_iter())
+        .chain(
+            dims.iter()
+                .filter(|&&d| d >= merged)
+                .map(|&d| d + 1 - merged),
+        )
+        .collect();
+    (new_shape, new_dims)
 }
 
 /// `grad` of a reduction over `dims` (shaped like its output) broadcast back to the input's
@@ -615,5 +640,49 @@ impl Tensor {
     pub fn std_dims(&self, dims: &[impl Dim], correction: usize, keepdim: bool) -> Result<Tensor> {
         let dims = &resolve_dims("std", dims, self.rank())?[..];
         self.var_dims(dims, correction, keepdim)?.sqrt()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::leading_dims_merged;
+
+    #[test]
+    fn a_whole_reduction_merges_every_dim_into_one() {
+        assert_eq!(
+            leading_dims_merged(&[2, 3, 4], &[0, 1, 2]),
+            (vec![24], vec![0])
+        );
+    }
+
+    #[test]
+    fn leading_kept_dims_merge_and_the_reduced_ones_are_renumbered() {
+        assert_eq!(
+            leading_dims_merged(&[2, 3, 4, 5], &[3]),
+            (vec![24, 5], vec![1])
+        );
+        assert_eq!(
+            leading_dims_merged(&[2, 3, 4, 5], &[0, 1, 3]),
+            (vec![6, 4, 5], vec![0, 2])
+        );
+    }
+
+    #[test]
+    fn dims_of_size_one_go_with_either_side() {
+        // [1, H, T, D] summed over H, T, D: one dim of all its elements.
+        assert_eq!(
+            leading_dims_merged(&[1, 3, 4, 5], &[1, 2, 3]),
+            (vec![60], vec![0])
+        );
+        // A reduced dim of size 1 among kept ones is dropped.
+        assert_eq!(
+            leading_dims_merged(&[1, 3, 4], &[0, 2]),
+            (vec![3, 4], vec![1])
+        );
+    }
+
+    #[test]
+    fn a_scalar_is_one_dim_of_one() {
+        assert_eq!(leading_dims_merged(&[], &[]), (vec![1], vec![]));
     }
 }

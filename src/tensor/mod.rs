@@ -197,19 +197,23 @@ impl Tensor {
         self.storage().bytes() > self.device().inner.max_binding_bytes()
     }
 
-    /// This tensor as a kernel can bind it: itself, or, where it is a contiguous part of a
-    /// buffer past one binding (a chunk of a large batch) and its own elements fit one, a
-    /// window of just its elements, with no graph (as [`Tensor::window`]).
+    /// This tensor as a kernel can bind it: itself, or, where it is a view of part of a
+    /// buffer past one binding (a chunk of a large batch, a head of large activations) and
+    /// the elements from its first to its last fit one, the same view of a window of just
+    /// those, with no graph (as [`Tensor::window`]).
     pub(crate) fn bindable(&self) -> Tensor {
-        if !self.exceeds_binding() || !self.is_contiguous() {
+        if !self.exceeds_binding() || self.numel() == 0 {
             return self.clone();
         }
-        let window = self.window(0, self.numel());
+        let layout = self.layout();
+        let elements = (self.storage().bytes() / self.dtype().size() as u64) as usize;
+        let window = (self.view(Layout::contiguous(&[elements])))
+            .window(layout.offset, layout.span() - layout.offset);
         match window.exceeds_binding() {
             true => self.clone(),
             false => window.view(Layout {
                 shape: self.shape().to_vec(),
-                strides: self.layout().strides.clone(),
+                strides: layout.strides.clone(),
                 offset: window.layout().offset,
             }),
         }
