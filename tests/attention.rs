@@ -530,3 +530,14 @@ fn sdpa_with_no_rows_on_either_side_gives_empty_or_zero_results() {
         }
     }
 }
+
+/// An empty view past its buffer's start (no batch rows of a view at an offset) spans
+/// nothing: an empty result, not an overflow.
+#[test]
+fn sdpa_of_an_empty_view_at_an_offset_gives_an_empty_result() {
+    let dev = device();
+    let x = Tensor::ones(&[3, 5, 4], dev).unwrap();
+    let y = x.narrow(1, 2, 3).unwrap().narrow(0, 1, 0).unwrap();
+    let out = y.scaled_dot_product_attention(&y, &y, true).unwrap();
+    assert_eq!(out.shape(), &[0, 3, 4]);
+}

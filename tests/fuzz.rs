@@ -2,7 +2,8 @@
 //! matmul, softmax, index_select with repeats, cat, and the ops of today's models: sin, cos,
 //! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm,
 //! LayerNorm and GroupNorm, conv_transpose2d, cumsum, flip, logsumexp, var, gather with
-//! repeats, max and average pools with padding and ceil mode) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must
+//! repeats, max and average pools with padding and ceil mode, attention with causal masks and
+//! grouped-query heads) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must
 //! be an error) run on wgrad and on an f64 CPU interpreter. Values must agree; for programs
 //! of smooth ops, finite differences must agree with the grad of the first input; nothing may
 //! panic.
@@ -278,7 +279,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(25) {
+    match rng.below(26) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -616,8 +617,68 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
             };
             pair(gpu, pool_2d(&cpu_in, &o, max))
         }
+        25 if r >= 2 && x.cpu.shape[r - 1] > 0 => {
+            // x as the queries [.., Tq, D], keys and values of their own; half the time, where
+            // x has an even count of heads (dim -3), grouped-query: k and v have half as many.
+            let mut k_shape = x.cpu.shape.clone();
+            k_shape[r - 2] = [1, 2, 3, 5][rng.below(4)];
+            if r >= 3 && k_shape[r - 3].is_multiple_of(2) && rng.below(2) == 0 {
+                k_shape[r - 3] /= 2;
+            }
+            let mut v_shape = k_shape.clone();
+            v_shape[r - 1] = [1, 2, 3][rng.below(3)];
+            let (k, v) = (fresh(&k_shape, seed), fresh(&v_shape, seed + 1));
+            let causal = rng.below(2) == 0;
+            pair(
+                (x.gpu).scaled_dot_product_attention(&k.gpu, &v.gpu, causal)?,
+                attention(&x.cpu, &k.cpu, &v.cpu, causal),
+            )
+        }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
+}
+
+/// torch's `scaled_dot_product_attention(q, k, v, is_causal)` (causal aligned top-left),
+/// with each k/v head serving `q heads / k heads` consecutive q heads along dim -3.
+fn attention(q: &Cpu, k: &Cpu, v: &Cpu, causal: bool) -> Cpu {
+    let r = q.shape.len();
+    let (t_q, d, t_k, dv) = (
+        q.shape[r - 2],
+        q.shape[r - 1],
+        k.shape[r - 2],
+        v.shape[r - 1],
+    );
+    let heads = if r >= 3 { q.shape[r - 3] } else { 1 };
+    let kv_heads = if r >= 3 { k.shape[r - 3] } else { 1 };
+    let group = heads / kv_heads.max(1);
+    let all_heads = Cpu::numel(&q.shape[..r - 2]);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut data = vec![0.0; all_heads * t_q * dv];
+    for f in 0..all_heads {
+        let kv = f / heads.max(1) * kv_heads + f % heads.max(1) / group.max(1);
+        for i in 0..t_q {
+            let keys = if causal { t_k.min(i + 1) } else { t_k };
+            let scores: Vec<f64> = (0..keys)
+                .map(|j| {
+                    let dot: f64 = (0..d)
+                        .map(|l| q.data[(f * t_q + i) * d + l] * k.data[(kv * t_k + j) * d + l])
+                        .sum();
+                    dot * scale
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for c in 0..dv {
+                data[(f * t_q + i) * dv + c] = (0..keys)
+                    .map(|j| weights[j] / total * v.data[(kv * t_k + j) * dv + c])
+                    .sum();
+            }
+        }
+    }
+    let mut shape = q.shape.clone();
+    shape[r - 1] = dv;
+    Cpu { shape, data }
 }
 
 /// torch's 2-d max or average pool of `x` `[n, c, h, w]` (its output sides, padding and

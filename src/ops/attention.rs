@@ -643,9 +643,10 @@ fn fits_one_binding(
     let limit = dev.inner.max_binding_bytes();
     // A window starts at the alignment boundary before its first element, in 16-byte groups.
     let slack = dev.inner.binding_alignment() + 16;
+    // An empty tensor spans nothing (its offset may lie past its span).
     let spans = |t: &Tensor| {
         let l = t.layout();
-        let bytes = (l.span() - l.offset) as u64 * 4;
+        let bytes = l.span().saturating_sub(l.offset) as u64 * 4;
         let bound_whole = !t.dtype().is_16_bit() && !windowed;
         bytes + slack <= limit && !(bound_whole && t.exceeds_binding())
     };
