@@ -858,3 +858,52 @@ fn attention_past_one_binding_matches_its_heads_alone() {
         );
     }
 }
+
+/// `sum(p * x)`, its backward and an Adam step of `p`; returns the loss.
+fn dot_step(p: &Tensor, x: &Tensor, opt: &mut Adam) -> wgrad::Result<Tensor> {
+    opt.zero_grad();
+    let loss = p.mul(x)?.sum()?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+#[test]
+fn a_captured_adam_step_of_a_parameter_past_one_binding_replays_as_it_ran_eagerly() {
+    let dev = device();
+    // The parameter, its grad and Adam's two moments are each past one binding: the step's
+    // product, sum, grad and update all bind windows of buffers the plan holds or makes.
+    let n = past_binding();
+    let parameter = || {
+        Tensor::from_vec(values(n, 5), &[n], dev)
+            .unwrap()
+            .requires_grad_(true)
+    };
+    let (p_eager, p_captured) = (parameter(), parameter());
+    let config = AdamConfig {
+        lr: 0.01,
+        ..AdamConfig::default()
+    };
+    let mut eager_opt = Adam::new(vec![p_eager.clone()], config);
+    let mut opt = Adam::new(vec![p_captured.clone()], config);
+    let mut step = wgrad::capture::Step::new(|b: &[Tensor]| dot_step(&p_captured, &b[0], &mut opt));
+    for call in 0..4 {
+        let x = Tensor::from_vec(values(n, 20 + call), &[n], dev).unwrap();
+        let want = dot_step(&p_eager, &x, &mut eager_opt)
+            .unwrap()
+            .item()
+            .unwrap();
+        let got = step.run(&[x]).unwrap().item().unwrap();
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "call {call}: loss {got} vs {want}"
+        );
+    }
+    assert_eq!(step.stats().replays, 2, "{:?}", step.stats());
+    let (got, want) = (p_captured.to_vec().unwrap(), p_eager.to_vec().unwrap());
+    let differ = got.iter().zip(&want).position(|(g, w)| g != w);
+    assert_eq!(
+        differ, None,
+        "the parameters differ from element {differ:?} on"
+    );
+}
