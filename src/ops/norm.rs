@@ -7,8 +7,8 @@
 use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{
-    groups, EpilogueSite, Fusion, Kernel, KernelParams, Launch, RowLanes, ShaderFamily,
-    MAX_LOOP_LEN, ROW_GROUP_WGSL,
+    groups, rows_per_window, EpilogueSite, Fusion, Kernel, KernelParams, Launch, RowLanes,
+    ShaderFamily, MAX_LOOP_LEN, ROW_GROUP_WGSL,
 };
 use crate::ops::cast;
 use crate::tensor::grad_mode::NoGradGuard;
@@ -67,10 +67,42 @@ fn norm_variant(aligned: bool, lanes: RowLanes) -> String {
 const FUSED_MAX_LEN: usize = MAX_LOOP_LEN;
 
 /// True when the fused kernels take `x` in rows of `len`: rows no longer than
-/// [`FUSED_MAX_LEN`], and `x` within one binding (they bind it, and their output, whole;
-/// past that the composed ops, which bind windows, take it).
+/// [`FUSED_MAX_LEN`] that one binding holds (past one binding, [`fused_in_row_runs`] runs
+/// them a window of rows at a time).
 fn fused_applies(x: &Tensor, len: usize) -> bool {
-    len <= FUSED_MAX_LEN && (x.numel() * 4) as u64 <= x.device().max_binding_bytes()
+    len <= FUSED_MAX_LEN && rows_per_window(x.device(), len) > 0
+}
+
+/// `norm`'s fused kernels over `x` in rows of `len`, as [`fused_norm`] where `x` and its
+/// output fit one binding; past that in runs of whole rows that one binding holds, each a
+/// fused norm of its own bound as a window, the outputs joined with `cat` (`split` joins
+/// their grads; the weight's and bias's add up over the runs).
+fn fused_in_row_runs(
+    norm: Norm,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f32,
+    len: usize,
+) -> Result<Tensor> {
+    let dev = x.device();
+    if (x.numel() * 4) as u64 <= dev.max_binding_bytes() {
+        return fused_norm(norm, x, weight, bias, eps, len);
+    }
+    let rows = x.numel() / len;
+    let per = rows_per_window(dev, len);
+    let sizes: Vec<usize> = (0..rows)
+        .step_by(per)
+        .map(|first| per.min(rows - first))
+        .collect();
+    let parts = (x
+        .contiguous()?
+        .reshape(&[rows, len])?
+        .split(&sizes, 0)?
+        .iter())
+    .map(|run| fused_norm(norm, run, weight, bias, eps, len))
+    .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)?.reshape(x.shape())
 }
 
 const NORM_WORKGROUP: usize = 64;
@@ -238,7 +270,7 @@ impl Tensor {
         if !fused_applies(self, len) {
             return composed(self, weight, bias, eps);
         }
-        fused_norm(Norm::Layer, self, weight, Some(bias), eps, len)
+        fused_in_row_runs(Norm::Layer, self, weight, Some(bias), eps, len)
     }
 
     /// Scales the last dim to unit root mean square, `x / sqrt(mean(x^2) + eps) * weight`
@@ -269,7 +301,7 @@ impl Tensor {
         if !fused_applies(self, len) {
             return composed_rms(self, weight, eps);
         }
-        fused_norm(Norm::Rms, self, weight, None, eps, len)
+        fused_in_row_runs(Norm::Rms, self, weight, None, eps, len)
     }
 
     /// Normalises `[N, C, *]` over each of `groups` groups of channels (and every position),
@@ -315,7 +347,7 @@ impl Tensor {
             // groups ran 5-6x faster than through the composed ops).
             let ones = Tensor::ones(&[per_group], self.device())?;
             let zeros = Tensor::zeros(&[per_group], self.device())?;
-            fused_norm(Norm::Layer, &rows, &ones, Some(&zeros), eps, per_group)?
+            fused_in_row_runs(Norm::Layer, &rows, &ones, Some(&zeros), eps, per_group)?
         } else {
             standardised(&rows, &[1], eps)?
         }
@@ -391,7 +423,8 @@ fn fused_norm(
     Ok(record(op, out, &inputs, |_| {
         let (x, weight_c) = (x.detach(), weight_c.detach());
         move |g: &Tensor| {
-            let g = g.contiguous()?;
+            // A run's grad is a view of the whole output's (see `fused_in_row_runs`).
+            let g = g.contiguous()?.bindable();
             let aligned = aligned && g.layout().offset % 4 == 0;
             let params = NormParams {
                 grad_offset: g.layout().offset as u32,
