@@ -907,3 +907,65 @@ fn a_captured_adam_step_of_a_parameter_past_one_binding_replays_as_it_ran_eagerl
         "the parameters differ from element {differ:?} on"
     );
 }
+
+#[test]
+fn topk_and_sort_past_one_binding_match_the_host_in_runs_of_rows() {
+    let dev = device();
+    let len = 1000;
+    let rows = past_binding() / len + 1;
+    let host = values(rows * len, 7);
+    let x = Tensor::from_vec(host.clone(), &[rows, len], dev)
+        .unwrap()
+        .requires_grad_(true);
+    // Stable, largest first: ties in position order.
+    let ranked = |line: &[f32]| -> Vec<usize> {
+        let mut order: Vec<usize> = (0..line.len()).collect();
+        order.sort_by(|&a, &b| line[b].total_cmp(&line[a]));
+        order
+    };
+    let (top, positions) = x.topk(3, 1).unwrap();
+    assert_eq!(top.shape(), &[rows, 3]);
+    let c = Tensor::full(&[rows, 3], 2.0, dev).unwrap();
+    top.mul(&c).unwrap().sum().unwrap().backward().unwrap();
+    let grad = x.grad().unwrap();
+    for r in [0, rows / 2, rows - 1] {
+        let line = &host[r * len..(r + 1) * len];
+        let want: Vec<usize> = ranked(line)[..3].to_vec();
+        let got = positions.narrow(0, r, 1).unwrap().contiguous().unwrap();
+        let got: Vec<usize> = got
+            .to_vec_u32()
+            .unwrap()
+            .iter()
+            .map(|&i| i as usize)
+            .collect();
+        assert_eq!(got, want, "row {r}'s top 3");
+        let row_grad = grad
+            .narrow(0, r, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        for (i, g) in row_grad.iter().enumerate() {
+            assert_eq!(
+                *g,
+                if want.contains(&i) { 2.0 } else { 0.0 },
+                "row {r}, grad {i}"
+            );
+        }
+    }
+    // Along the first dim: each column sorted, ascending.
+    let (sorted, _) = x.detach().sort(0, false).unwrap();
+    for col in [0, 517, len - 1] {
+        let mut want: Vec<f32> = (0..rows).map(|r| host[r * len + col]).collect();
+        want.sort_by(f32::total_cmp);
+        let got = sorted
+            .narrow(1, col, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(got, want, "column {col}");
+    }
+}

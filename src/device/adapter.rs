@@ -262,11 +262,11 @@ pub(super) fn binding_bytes_from(setting: Option<String>) -> Result<Option<u64>>
         return Ok(None);
     };
     match v.trim().parse::<u64>() {
-        Ok(bytes) if bytes >= LEAST_BINDING_BYTES && bytes % 4 == 0 => Ok(Some(bytes)),
+        Ok(bytes) if bytes >= LEAST_BINDING_BYTES && bytes.is_multiple_of(16) => Ok(Some(bytes)),
         _ => Err(Error::InvalidArgument {
             op: "Device::new",
             msg: format!(
-                "WGRAD_MAX_BINDING_BYTES={v:?}: use a number of bytes, a multiple of 4 and at \
+                "WGRAD_MAX_BINDING_BYTES={v:?}: use a number of bytes, a multiple of 16 and at \
                  least {LEAST_BINDING_BYTES} (and {LEAST_WINDOWS} times the adapter's offset \
                  alignment), or unset it"
             ),

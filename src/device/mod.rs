@@ -528,12 +528,12 @@ mod tests {
     }
 
     #[test]
-    fn wgrad_max_binding_bytes_caps_it_at_256_or_more_in_4s_or_is_an_error() {
+    fn wgrad_max_binding_bytes_caps_it_at_256_or_more_in_16s_or_is_an_error() {
         let cap = |v: &str| binding_bytes_from(Some(v.into()));
         assert_eq!(cap("256").unwrap(), Some(256));
         assert_eq!(cap(" 1048576 ").unwrap(), Some(1 << 20));
         assert_eq!(binding_bytes_from(None).unwrap(), None);
-        for bad in ["4k", "252", "4098", "0", "-4096"] {
+        for bad in ["4k", "252", "4100", "0", "-4096"] {
             let err = cap(bad).unwrap_err().to_string();
             assert!(
                 err.contains("WGRAD_MAX_BINDING_BYTES") && err.contains(&format!("{bad:?}")),

@@ -6,8 +6,10 @@
 //! rank (0 past the k kept).
 
 use crate::error::{Error, Result};
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
-use crate::ops::{from_rows, rows_along};
+use crate::kernel::{
+    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP,
+};
+use crate::ops::{from_rows, rows_along, too_large_view};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -64,10 +66,15 @@ fn sorted(
     }
     let rows = x.numel().checked_div(len).unwrap_or(0);
     let dev = x.device();
-    // Rows [rows, len] with `dim` last; results [rows, keep] moved back.
+    // Each pass binds the rows' keys and positions, [rows, len] each, whole.
+    if (rows * len * 4) as u64 > dev.max_binding_bytes() {
+        return sorted_in_row_runs(op, x, dim, descending, keep);
+    }
+    // Rows [rows, len] with `dim` last (a window of them where they are part of a larger
+    // buffer: a run of rows); results [rows, keep] moved back.
     let (ranks, values, indices) = {
         let _no_grad = NoGradGuard::new();
-        let rows_t = rows_along(x, dim)?;
+        let rows_t = rows_along(x, dim)?.bindable();
         let ranks = Tensor::empty(op, &[rows, len], DType::U32, dev)?;
         let values = Tensor::empty(op, &[rows, keep], DType::F32, dev)?;
         let indices = Tensor::empty(op, &[rows, keep], DType::U32, dev)?;
@@ -152,6 +159,40 @@ fn sorted(
         }
     });
     Ok((from_rows(&values, x.shape(), dim)?, indices))
+}
+
+/// [`sorted`] of `x` past one binding: runs of whole rows along `dim` that one binding
+/// holds, each sorted as a tensor of its own, the values and positions joined with `cat`
+/// (`split` joins the runs' grads). A row past one binding is a `TooLarge` error.
+fn sorted_in_row_runs(
+    op: &'static str,
+    x: &Tensor,
+    dim: usize,
+    descending: bool,
+    keep: usize,
+) -> Result<(Tensor, Tensor)> {
+    let len = x.shape()[dim];
+    let rows = x.numel() / len;
+    let per = rows_per_window(x.device(), len);
+    if per == 0 {
+        return Err(too_large_view(op, x));
+    }
+    let sizes: Vec<usize> = (0..rows)
+        .step_by(per)
+        .map(|first| per.min(rows - first))
+        .collect();
+    let (mut values, mut positions) = (Vec::new(), Vec::new());
+    for run in rows_along(x, dim)?.split(&sizes, 0)? {
+        let (v, p) = sorted(op, &run, 1, descending, keep)?;
+        values.push(v);
+        positions.push(p);
+    }
+    let values = Tensor::cat(&values, 0)?;
+    let positions = Tensor::cat(&positions, 0)?.with_index_bound(Some(len as u32));
+    Ok((
+        from_rows(&values, x.shape(), dim)?,
+        from_rows(&positions, x.shape(), dim)?,
+    ))
 }
 
 impl Tensor {
