@@ -969,3 +969,16 @@ fn topk_and_sort_past_one_binding_match_the_host_in_runs_of_rows() {
         assert_eq!(got, want, "column {col}");
     }
 }
+
+#[test]
+fn attention_of_an_empty_view_of_a_buffer_past_one_binding_is_empty() {
+    let dev = device();
+    // No rows of a buffer past one binding: nothing to bind, so nothing to split.
+    let n = past_binding() / 64 * 64;
+    let big = Tensor::zeros(&[n / 64, 4, 16], dev).unwrap();
+    let none = big.narrow(0, 1, 0).unwrap();
+    let out = none
+        .scaled_dot_product_attention(&none, &none, true)
+        .unwrap();
+    assert_eq!(out.shape(), &[0, 4, 16]);
+}

@@ -643,10 +643,13 @@ fn fits_one_binding(
     let limit = dev.inner.max_binding_bytes();
     // A window starts at the alignment boundary before its first element, in 16-byte groups.
     let slack = dev.inner.binding_alignment() + 16;
-    // An empty tensor spans nothing (its offset may lie past its span).
+    // An empty tensor is never bound (no kernel runs over it).
     let spans = |t: &Tensor| {
+        if t.numel() == 0 {
+            return true;
+        }
         let l = t.layout();
-        let bytes = l.span().saturating_sub(l.offset) as u64 * 4;
+        let bytes = (l.span() - l.offset) as u64 * 4;
         let bound_whole = !t.dtype().is_16_bit() && !windowed;
         bytes + slack <= limit && !(bound_whole && t.exceeds_binding())
     };
@@ -683,23 +686,23 @@ fn in_chunks(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions, s: &Shape) 
         let at = (dim + m.rank()).checked_sub(r)?;
         (m.shape()[at] > 1).then_some(at)
     });
-    let piece = |start: usize, count: usize| -> Result<[Option<Tensor>; 4]> {
-        let mask = match (opts.mask, mask_dim) {
-            (Some(m), Some(at)) => Some(m.narrow(at, start, count)?),
-            (m, _) => m.cloned(),
-        };
-        Ok([
-            Some(q.narrow(dim, start, count)?),
-            Some(k.narrow(dim, start / per_kv, count / per_kv)?),
-            Some(v.narrow(dim, start / per_kv, count / per_kv)?),
-            mask,
-        ])
+    let mask_of = |start: usize, count: usize| -> Result<Option<Tensor>> {
+        match (opts.mask, mask_dim) {
+            (Some(m), Some(at)) => m.narrow(at, start, count).map(Some),
+            (m, _) => Ok(m.cloned()),
+        }
     };
     let fits = |count: usize| -> Result<bool> {
-        let [q, k, v, mask] = piece(0, count)?;
-        let (q, k, v) = (q.expect("q"), k.expect("k"), v.expect("v"));
+        let q = q.narrow(dim, 0, count)?;
+        let [k, v] = [k, v].map(|t| t.narrow(dim, 0, count / per_kv));
         let rows = q.numel() / s.d.max(1);
-        Ok(fits_one_binding([&q, &k, &v], mask.as_ref(), s, rows, true))
+        Ok(fits_one_binding(
+            [&q, &k?, &v?],
+            mask_of(0, count)?.as_ref(),
+            s,
+            rows,
+            true,
+        ))
     };
     // The most q slices (whole groups of them) a chunk takes; one group where none fit.
     let mut count = per_kv;
@@ -722,10 +725,7 @@ fn in_chunks(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions, s: &Shape) 
     let mut outs = Vec::with_capacity(sizes.len());
     let mut start = 0;
     for (i, &len) in sizes.iter().enumerate() {
-        let mask = match (opts.mask, mask_dim) {
-            (Some(m), Some(at)) => Some(m.narrow(at, start, len)?),
-            (m, _) => m.cloned(),
-        };
+        let mask = mask_of(start, len)?;
         outs.push(attend_in_windows([&qs[i], &ks[i], &vs[i]], mask, opts)?);
         start += len;
     }
