@@ -12,7 +12,7 @@ use crate::device::{Device, KernelFlavor};
 use crate::error::{Error, Result};
 use crate::kernel::{groups, with_subgroup_section, Kernel, KernelParams, Launch, ShaderFamily};
 use crate::ops::autocast::for_16_bit_op;
-use crate::ops::cast;
+use crate::ops::{cast, run_sizes};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::layout::{broadcast_shapes, inverse_permutation, merge_dims};
@@ -712,10 +712,7 @@ fn in_chunks(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions, s: &Shape) 
             break;
         }
     }
-    let sizes: Vec<usize> = (0..n)
-        .step_by(count)
-        .map(|start| count.min(n - start))
-        .collect();
+    let sizes = run_sizes(n, count);
     let kv_sizes: Vec<usize> = sizes.iter().map(|c| c / per_kv).collect();
     let (qs, ks, vs) = (
         q.split(&sizes, dim)?,

@@ -63,6 +63,15 @@ pub(crate) fn sum_over_chunks(
     Ok(sum)
 }
 
+/// The sizes of runs of at most `per` (> 0) items that cover `total` in order: what an op
+/// past one binding `split`s its input into.
+pub(crate) fn run_sizes(total: usize, per: usize) -> Vec<usize> {
+    (0..total)
+        .step_by(per)
+        .map(|first| per.min(total - first))
+        .collect()
+}
+
 /// The error for a strided or broadcast view of a tensor larger than one binding: ops bind
 /// windows of dense tensors only.
 pub(crate) fn too_large_view(op: &'static str, t: &crate::tensor::Tensor) -> crate::Error {

@@ -10,7 +10,7 @@ use crate::kernel::{
     groups, rows_per_window, EpilogueSite, Fusion, Kernel, KernelParams, Launch, RowLanes,
     ShaderFamily, MAX_LOOP_LEN, ROW_GROUP_WGSL,
 };
-use crate::ops::cast;
+use crate::ops::{cast, run_sizes};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -91,17 +91,10 @@ fn fused_in_row_runs(
     }
     let rows = x.numel() / len;
     let per = rows_per_window(dev, len);
-    let sizes: Vec<usize> = (0..rows)
-        .step_by(per)
-        .map(|first| per.min(rows - first))
-        .collect();
-    let parts = (x
-        .contiguous()?
-        .reshape(&[rows, len])?
-        .split(&sizes, 0)?
-        .iter())
-    .map(|run| fused_norm(norm, run, weight, bias, eps, len))
-    .collect::<Result<Vec<_>>>()?;
+    let runs = x.contiguous()?.reshape(&[rows, len])?;
+    let parts = (runs.split(&run_sizes(rows, per), 0)?.iter())
+        .map(|run| fused_norm(norm, run, weight, bias, eps, len))
+        .collect::<Result<Vec<_>>>()?;
     Tensor::cat(&parts, 0)?.reshape(x.shape())
 }
 

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP,
 };
-use crate::ops::{from_rows, rows_along, too_large_view};
+use crate::ops::{from_rows, rows_along, run_sizes, too_large_view};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -177,12 +177,8 @@ fn sorted_in_row_runs(
     if per == 0 {
         return Err(too_large_view(op, x));
     }
-    let sizes: Vec<usize> = (0..rows)
-        .step_by(per)
-        .map(|first| per.min(rows - first))
-        .collect();
     let (mut values, mut positions) = (Vec::new(), Vec::new());
-    for run in rows_along(x, dim)?.split(&sizes, 0)? {
+    for run in rows_along(x, dim)?.split(&run_sizes(rows, per), 0)? {
         let (v, p) = sorted(op, &run, 1, descending, keep)?;
         values.push(v);
         positions.push(p);
