@@ -982,3 +982,54 @@ fn attention_of_an_empty_view_of_a_buffer_past_one_binding_is_empty() {
         .unwrap();
     assert_eq!(out.shape(), &[0, 4, 16]);
 }
+
+#[test]
+fn a_product_of_two_operands_past_one_binding_matches_the_host() {
+    let dev = device();
+    // x [64, k] and w [64, k], each past one binding: x @ w^T takes runs of x's rows, each
+    // times runs of w's rows; the grads c @ w and c^T @ x take runs of k.
+    let k = (dev.max_binding_bytes() / 4 / 64) as usize + 1;
+    let (xs, ws) = (values(64 * k, 3), values(64 * k, 4));
+    let leaf = |v: &[f32]| {
+        Tensor::from_vec(v.to_vec(), &[64, k], dev)
+            .unwrap()
+            .requires_grad_(true)
+    };
+    let (x, w) = (leaf(&xs), leaf(&ws));
+    let out = x.matmul(&w.t().unwrap()).unwrap();
+    let cs: Vec<f32> = (0..64 * 64).map(|i| (i % 5) as f32 - 2.0).collect();
+    let c = Tensor::from_vec(cs.clone(), &[64, 64], dev).unwrap();
+    weighted_sum_backward(&out, &c);
+    let close = |got: f32, want: f64, what: &str| {
+        assert!(
+            (got as f64 - want).abs() <= 1e-4 * want.abs().max(1.0),
+            "{what}: {got} vs {want}"
+        );
+    };
+    let got = out.to_vec().unwrap();
+    for (i, j) in [(0, 0), (5, 63), (63, 17)] {
+        let want: f64 = (0..k)
+            .map(|l| xs[i * k + l] as f64 * ws[j * k + l] as f64)
+            .sum();
+        close(got[i * 64 + j], want, &format!("out[{i}][{j}]"));
+    }
+    // x's grad c @ w, and w's grad c^T @ x, at a few elements.
+    let probes = [0, 1, k / 2, k - 1];
+    let flat = |row: usize| probes.map(|l| row * k + l);
+    for row in [0, 63] {
+        let got = at(&x.grad().unwrap(), &flat(row));
+        for (p, &l) in probes.iter().enumerate() {
+            let want: f64 = (0..64)
+                .map(|j| cs[row * 64 + j] as f64 * ws[j * k + l] as f64)
+                .sum();
+            close(got[p], want, &format!("x grad[{row}][{l}]"));
+        }
+        let got = at(&w.grad().unwrap(), &flat(row));
+        for (p, &l) in probes.iter().enumerate() {
+            let want: f64 = (0..64)
+                .map(|i| cs[i * 64 + row] as f64 * xs[i * k + l] as f64)
+                .sum();
+            close(got[p], want, &format!("w grad[{row}][{l}]"));
+        }
+    }
+}

@@ -1040,10 +1040,11 @@ fn launch_product(
         .record(workgroups as u32)
 }
 
-/// A 2-D product with an operand larger than one binding, along the outer dimension: a
-/// dense `a` `[M, K]` a window of rows at a time (the output's rows laid end to end), or `b`
-/// the transpose of a dense `[N, K]` (a tied output layer) a window of its rows at a time
-/// (the output's columns side by side). Anything else is a `TooLarge` error.
+/// A 2-D product with an operand larger than one binding: a dense `a` `[M, K]` a window of
+/// rows at a time (the output's rows laid end to end; each run's product with a `b` past one
+/// binding too splits `b` in turn), `b` the transpose of a dense `[N, K]` (a tied output
+/// layer) a window of its rows at a time (the output's columns side by side), or runs of k,
+/// summed, where `a`'s transpose or `b` is dense. Anything else is a `TooLarge` error.
 fn matmul_windows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
     let big = if a.exceeds_binding() { a } else { b };
@@ -1058,8 +1059,9 @@ fn matmul_windows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     };
     let (a_t, b_t) = (transposed(a)?, transposed(b)?);
     let dense = |t: &Tensor| !t.exceeds_binding() || t.is_contiguous();
-    if a.exceeds_binding() && a.is_contiguous() && !b.exceeds_binding() {
-        // Runs of A's rows, the products laid end to end.
+    if a.exceeds_binding() && a.is_contiguous() {
+        // Runs of A's rows, the products laid end to end (each run's product with a B past
+        // one binding in turn takes runs of B's columns or of k).
         let per = rows_per_window(dev, k);
         if per == 0 {
             return Err(crate::ops::too_large_view(OP, a));
