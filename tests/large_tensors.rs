@@ -362,14 +362,7 @@ fn a_conv_relu_pool_past_one_binding_matches_its_images_one_at_a_time() {
     let mut w_grad_sum = vec![0.0f64; channels * 27];
     for i in 0..images {
         let (out_i, x_grad_i, w_grad_i) = conv_relu_pool_and_grads(&x.narrow(0, i, 1).unwrap(), &w);
-        let per_image = |t: &Tensor| {
-            t.narrow(0, i, 1)
-                .unwrap()
-                .contiguous()
-                .unwrap()
-                .to_vec()
-                .unwrap()
-        };
+        let per_image = |t: &Tensor| slice_values(t, 0, i);
         assert_eq!(
             per_image(&out),
             out_i.to_vec().unwrap(),
@@ -491,6 +484,16 @@ fn lm_head_shape() -> (usize, usize) {
     let rows = floats / vocab * 21 / 20 + 2;
     assert!(rows * vocab > floats && (rows - rows / 2) * vocab <= floats);
     (rows, vocab)
+}
+
+/// The values of slice `i` of `t` along `dim`.
+fn slice_values(t: &Tensor, dim: usize, i: usize) -> Vec<f32> {
+    t.narrow(dim, i, 1)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .to_vec()
+        .unwrap()
 }
 
 /// `n` values in [-0.5, 0.5), a different run of them per `seed`.
@@ -1030,6 +1033,140 @@ fn a_product_of_two_operands_past_one_binding_matches_the_host() {
                 .map(|i| cs[i * 64 + row] as f64 * xs[i * k + l] as f64)
                 .sum();
             close(got[p], want, &format!("w grad[{row}][{l}]"));
+        }
+    }
+}
+
+#[test]
+fn rotary_embeddings_past_one_binding_match_their_heads_alone() {
+    let dev = device();
+    // x [heads, 64, 32] past one binding: windows of whole sequences, each from position 3.
+    let (t, d) = (64, 32);
+    let heads = past_binding() / (t * d) + 1;
+    let host = values(heads * t * d, 9);
+    let x = Tensor::from_vec(host.clone(), &[heads, t, d], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let rope = nn::RotaryEmbedding::new(d, t + 3, 10_000.0, dev).unwrap();
+    let out = rope.apply(&x, 3).unwrap();
+    let c = Tensor::from_vec(values(t * d, 10), &[1, t, d], dev).unwrap();
+    weighted_sum_backward(&out, &c);
+    for h in [0, heads / 2, heads - 1] {
+        let head = &host[h * t * d..(h + 1) * t * d];
+        let alone = Tensor::from_vec(head.to_vec(), &[1, t, d], dev)
+            .unwrap()
+            .requires_grad_(true);
+        let out_alone = rope.apply(&alone, 3).unwrap();
+        weighted_sum_backward(&out_alone, &c);
+        let slice = |x: &Tensor| slice_values(x, 0, h);
+        assert_eq!(
+            slice(&out),
+            out_alone.to_vec().unwrap(),
+            "head {h}'s output"
+        );
+        assert_eq!(
+            slice(&x.grad().unwrap()),
+            alone.grad().unwrap().to_vec().unwrap(),
+            "head {h}'s grad"
+        );
+    }
+}
+
+#[test]
+fn a_small_table_looked_up_past_one_binding_takes_its_grad_in_runs() {
+    let dev = device();
+    // A table of 8 wide rows, looked up by more tokens than one binding holds rows of: the
+    // lookups and the scatter of their grad go in runs.
+    let width = 4096;
+    let tokens = (dev.max_binding_bytes() as usize) / (width * 4) + 1;
+    let emb = nn::Embedding::new(8, width, dev).unwrap();
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| i * 3 % 8).collect();
+    let ids = Tensor::from_vec_u32(ids, &[tokens], dev).unwrap();
+    let out = emb.forward(&ids).unwrap();
+    assert!(out.numel() * 4 > dev.max_binding_bytes() as usize);
+    out.sum().unwrap().backward().unwrap();
+    // Each row's grad is how often it was looked up, in every feature.
+    let grad = emb.weight.grad().unwrap().to_vec().unwrap();
+    for row in 0..8 {
+        let count = (0..tokens).filter(|i| i * 3 % 8 == row).count() as f32;
+        assert!(
+            grad[row * width..(row + 1) * width]
+                .iter()
+                .all(|&g| g == count),
+            "row {row}"
+        );
+    }
+}
+
+#[test]
+fn attention_over_heads_of_a_packed_projection_past_one_binding_copies_each_chunk() {
+    let dev = device();
+    // q, k and v are heads of one packed [1, T, 3 H D] projection past one binding: each head
+    // spans nearly all of it, so each chunk of heads is copied dense before it attends.
+    let (t, d) = (64, 8);
+    let heads = (dev.max_binding_bytes() as usize / 4 / (t - 1) / 3) / d + 1;
+    let width = heads * d;
+    let host = values(t * 3 * width, 11);
+    let qkv = Tensor::from_vec(host.clone(), &[1, t, 3 * width], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let part = |i: usize| {
+        (qkv.narrow(2, i * width, width).unwrap())
+            .reshape(&[1, t, heads, d])
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
+    let q = part(0);
+    // Row t - 1 of q's last head ends (t - 1) rows of 3 H D after row 0 of its first begins.
+    let span = (t - 1) * 3 * width + width;
+    assert!(
+        span * 4 > dev.max_binding_bytes() as usize,
+        "q spans past one binding"
+    );
+    let out = q
+        .scaled_dot_product_attention(&part(1), &part(2), true)
+        .unwrap();
+    let c = Tensor::from_vec(values(t * d, 12), &[1, 1, t, d], dev).unwrap();
+    weighted_sum_backward(&out, &c);
+    let grad = qkv.grad().unwrap().to_vec().unwrap();
+    for h in [0, heads / 2, heads - 1] {
+        // Head h's rows of q, k and v, as tensors of their own.
+        let head = |i: usize| -> Vec<f32> {
+            (0..t)
+                .flat_map(|r| {
+                    let at = r * 3 * width + i * width + h * d;
+                    host[at..at + d].to_vec()
+                })
+                .collect()
+        };
+        let alone: Vec<Tensor> = (0..3)
+            .map(|i| {
+                Tensor::from_vec(head(i), &[1, 1, t, d], dev)
+                    .unwrap()
+                    .requires_grad_(true)
+            })
+            .collect();
+        let out_alone =
+            (alone[0].scaled_dot_product_attention(&alone[1], &alone[2], true)).unwrap();
+        weighted_sum_backward(&out_alone, &c);
+        let got = out
+            .narrow(1, h, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(got, out_alone.to_vec().unwrap(), "head {h}'s output");
+        for (i, tensor) in alone.iter().enumerate() {
+            let want = tensor.grad().unwrap().to_vec().unwrap();
+            let got: Vec<f32> = (0..t)
+                .flat_map(|r| {
+                    let at = r * 3 * width + i * width + h * d;
+                    grad[at..at + d].to_vec()
+                })
+                .collect();
+            assert_eq!(got, want, "head {h}'s grad of part {i}");
         }
     }
 }

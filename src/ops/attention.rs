@@ -630,8 +630,9 @@ fn mask_operand(mask: Option<&Tensor>, q: &Tensor, t_k: usize) -> Result<MaskOpe
 /// Whether one call's kernels bind each of their tensors whole: q, k, v and the mask (as
 /// f32: 16-bit operands are read through f32 copies of their spans; F32 ones and the mask
 /// in place, so their buffers must fit too, unless `windowed` says they will be bound as
-/// windows of their spans), and the output of `out_rows` rows with the forward's partial
-/// outputs (one per split of the keys).
+/// windows of their spans, or copied dense where the span does not fit: a head of a packed
+/// projection), and the output of `out_rows` rows with the forward's partial outputs (one
+/// per split of the keys).
 fn fits_one_binding(
     [q, k, v]: [&Tensor; 3],
     mask: Option<&Tensor>,
@@ -649,7 +650,10 @@ fn fits_one_binding(
             return true;
         }
         let l = t.layout();
-        let bytes = (l.span() - l.offset) as u64 * 4;
+        let bytes = match windowed {
+            true => (l.span() - l.offset).min(t.numel()) as u64 * 4,
+            false => (l.span() - l.offset) as u64 * 4,
+        };
         let bound_whole = !t.dtype().is_16_bit() && !windowed;
         bytes + slack <= limit && !(bound_whole && t.exceeds_binding())
     };
@@ -730,18 +734,27 @@ fn in_chunks(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions, s: &Shape) 
 }
 
 /// Attention of q, k and v each bound as a window of its span (an op whose grad passes
-/// through), and the mask so (it has no grad).
+/// through), or copied dense where its span is past one binding (a head of a packed
+/// projection spans every row of it); the mask so too (it has no grad).
 fn attend_in_windows(
     qkv: [&Tensor; 3],
     mask: Option<Tensor>,
     opts: &SdpaOptions,
 ) -> Result<Tensor> {
-    let [q, k, v] = qkv.map(|t| {
-        record(OP, t.bindable(), &[t], |_| {
+    let in_window = |t: &Tensor| -> Result<Tensor> {
+        let window = t.bindable();
+        if window.exceeds_binding() {
+            return t.contiguous();
+        }
+        Ok(record(OP, window, &[t], |_| {
             move |g: &Tensor| Ok(vec![Some(g.clone())])
-        })
-    });
-    let mask = mask.as_ref().map(Tensor::bindable);
+        }))
+    };
+    let (q, k, v) = (in_window(qkv[0])?, in_window(qkv[1])?, in_window(qkv[2])?);
+    let mask = match mask.map(|m| m.bindable()) {
+        Some(m) if m.exceeds_binding() => Some(m.contiguous()?),
+        m => m,
+    };
     let opts = SdpaOptions {
         mask: mask.as_ref(),
         ..*opts

@@ -559,7 +559,10 @@ fn index_select_backward(
 ) -> Result<Tensor> {
     let selected = indices.numel();
     let table_bytes = shape.iter().product::<usize>() as u64 * 4;
-    let past_binding = table_bytes > grad.device().inner.max_binding_bytes();
+    let limit = grad.device().inner.max_binding_bytes();
+    // The scatter takes a table or an incoming grad past one binding (a byte-level model's
+    // small table, looked up by a long batch of tokens) in windows.
+    let past_binding = table_bytes > limit || (grad.numel() * 4) as u64 > limit;
     if shape[dim] * selected > GATHER_MAX_WORK || past_binding {
         return index_select_scatter(grad, dim, indices, shape);
     }

@@ -3,8 +3,10 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
-use crate::ops::cast;
+use crate::kernel::{
+    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP,
+};
+use crate::ops::{cast, run_sizes, too_large_view};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -132,13 +134,41 @@ impl RopeTable {
         }))
     }
 
-    /// One `apply` launch over `x` (made contiguous) into a new tensor.
+    /// One `apply` launch over `x` (made contiguous) into a new tensor; past one binding, one
+    /// per window of whole sequences (each turned from the same first position), the results
+    /// joined end to end.
     fn turn(&self, x: &Tensor, params: RopeParams) -> Result<Tensor> {
         const OP: &str = "rotary_embedding";
-        let x = {
-            let _no_grad = NoGradGuard::new();
-            x.contiguous()?
-        };
+        let _no_grad = NoGradGuard::new();
+        let x = x.contiguous()?;
+        let dim = 2 * params.half as usize;
+        if (x.numel() * 4) as u64 <= x.device().max_binding_bytes() {
+            return self.turn_within_binding(&x.bindable(), params);
+        }
+        let (rows, seq) = (params.rows as usize, params.seq as usize);
+        let per = rows_per_window(x.device(), dim) / seq * seq;
+        if per == 0 {
+            return Err(too_large_view(OP, &x));
+        }
+        let parts = (run_sizes(rows, per).into_iter())
+            .scan(0, |first, count| {
+                let run = x.window(*first * dim, count * dim).reshape(&[count, dim]);
+                *first += count;
+                Some(run.and_then(|run| {
+                    let params = RopeParams {
+                        rows: count as u32,
+                        ..params
+                    };
+                    self.turn_within_binding(&run, params)
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)?.reshape(x.shape())
+    }
+
+    /// One `apply` launch over the contiguous `x`, which fits one binding, into a new tensor.
+    fn turn_within_binding(&self, x: &Tensor, params: RopeParams) -> Result<Tensor> {
+        const OP: &str = "rotary_embedding";
         let out = Tensor::empty(OP, x.shape(), DType::F32, x.device())?;
         let pairs = params.rows as usize * params.half as usize;
         if pairs > 0 {
@@ -147,7 +177,7 @@ impl RopeTable {
                 ..params
             };
             let kernel = Kernel::plain(&ROPE, "apply");
-            let bound = [(1, &self.table), (2, &x), (3, &out)];
+            let bound = [(1, &self.table), (2, x), (3, &out)];
             Launch::new(OP, &kernel, &bound, &params).record(groups(pairs, WORKGROUP))?;
         }
         Ok(out)
