@@ -15,7 +15,9 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP};
+use crate::kernel::{
+    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP,
+};
 use crate::ops::autocast::in_f32;
 use crate::ops::matmul::{
     conv_product, conv_product_applies, conv_weight_product, conv_weight_product_applies,
@@ -203,7 +205,8 @@ impl Geometry {
     /// least one image: one past a binding is then the `TooLarge` of the op that binds it).
     fn images_per_chunk(&self, device: &Device) -> usize {
         let c = &self.cols;
-        let binding = (device.inner.max_binding_bytes() / 4) as usize;
+        // Elements one window holds (see `rows_per_window`).
+        let binding = rows_per_window(device, 1);
         let per_image = [
             (c.k() * c.pixels(), COLS_LIMIT.min(binding)),
             (c.c_in * c.height * c.width, binding),
@@ -397,23 +400,24 @@ fn by_chunks(
 
 /// One group's forward: where the matmul kernel can read the column matrix from the images
 /// itself, one implicit GEMM with the weight's taps laid out channels innermost; otherwise
-/// im2col a chunk at a time, each group of images' columns times the weight.
+/// a chunk at a time, each chunk's implicit GEMM where it applies to the chunk (a batch past
+/// one binding), else im2col, each group of images' columns times the weight.
 fn forward(x: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
     let columns = &geo.cols;
+    // [c_out, kh, kw, c_in]: taps outer, channels inner.
+    let w_taps_outer = w.permute(&[0, 2, 3, 1])?;
     if conv_product_applies(x.device(), geo.c_out, geo.batch, columns) {
-        // [c_out, kh, kw, c_in]: taps outer, channels inner.
-        let w_taps_outer = w.permute(&[0, 2, 3, 1])?;
         return implicit_gemm(&w_taps_outer, x, columns);
     }
     let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
     let out_rest = [geo.c_out, geo.cols.out_h, geo.cols.out_w];
     by_chunks(x, geo, out_rest, |start, count| {
+        let images = x.narrow(0, start, count)?.contiguous()?.bindable();
+        if conv_product_applies(x.device(), geo.c_out, count, columns) {
+            return implicit_gemm(&w_taps_outer, &images, columns);
+        }
         let group = images_per_group(count, geo.cols.pixels());
-        let cols = im2col(
-            &x.narrow(0, start, count)?.contiguous()?.bindable(),
-            geo,
-            group,
-        )?;
+        let cols = im2col(&images, geo, group)?;
         let shape = [count, geo.c_out, geo.cols.out_h, geo.cols.out_w];
         ungrouped(&w_mat.matmul(&cols)?, group, shape)
     })
@@ -465,17 +469,28 @@ fn adjoint_columns(geo: &Geometry) -> Option<ImageColumns> {
 /// ([`adjoint_columns`]); otherwise the cols grad `w^T g` summed back onto the input by
 /// col2im, a chunk of images at a time. It is also the forward of the transposed convolution.
 fn input_grad(g: &Tensor, w: &Tensor, geo: &Geometry) -> Result<Tensor> {
-    if let Some(columns) = adjoint_columns(geo) {
-        if conv_product_applies(g.device(), geo.cols.c_in, geo.batch, &columns) {
-            let w_taps_outer = flipped_taps_outer(w, geo)?;
-            return implicit_gemm(&w_taps_outer, g, &columns);
-        }
+    let adjoint = adjoint_columns(geo);
+    let applies = |images: usize| {
+        let columns = adjoint.as_ref()?;
+        conv_product_applies(g.device(), geo.cols.c_in, images, columns).then_some(columns)
+    };
+    if let Some(columns) = applies(geo.batch) {
+        return implicit_gemm(&flipped_taps_outer(w, geo)?, g, columns);
     }
+    let flipped = match applies(1) {
+        Some(_) => Some(flipped_taps_outer(w, geo)?),
+        None => None,
+    };
     // Contiguous once, so that each chunk below is a view of it.
     let g = &g.contiguous()?;
     let w_mat = w.reshape(&[geo.c_out, geo.cols.k()])?;
     let in_rest = [geo.cols.c_in, geo.cols.height, geo.cols.width];
     by_chunks(g, geo, in_rest, |start, count| {
+        // A chunk of a batch past one binding takes the implicit GEMM where it applies.
+        if let (Some(columns), Some(flipped)) = (applies(count), &flipped) {
+            let g_chunk = g.narrow(0, start, count)?.bindable();
+            return implicit_gemm(flipped, &g_chunk, columns);
+        }
         let group = images_per_group(count, geo.cols.pixels());
         let g_groups = grouped(&g.narrow(0, start, count)?.bindable(), group)?;
         col2im(&w_mat.t()?.matmul(&g_groups)?, geo, group)
