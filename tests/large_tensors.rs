@@ -1170,3 +1170,17 @@ fn attention_over_heads_of_a_packed_projection_past_one_binding_copies_each_chun
         }
     }
 }
+
+#[test]
+fn a_product_of_an_empty_view_of_a_buffer_past_one_binding_is_empty() {
+    let dev = device();
+    let n = past_binding() / 8 * 8;
+    let big = Tensor::zeros(&[n / 8, 8], dev).unwrap();
+    let w = Tensor::ones(&[8, 3], dev).unwrap();
+    let none = big.narrow(0, 1, 0).unwrap();
+    assert_eq!(none.matmul(&w).unwrap().shape(), &[0, 3]);
+    // No k: zeros.
+    let no_k = big.narrow(1, 0, 0).unwrap();
+    let zeros = no_k.matmul(&Tensor::zeros(&[0, 3], dev).unwrap()).unwrap();
+    assert_eq!(zeros.to_vec().unwrap(), vec![0.0; n / 8 * 3]);
+}

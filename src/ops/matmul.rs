@@ -1053,6 +1053,10 @@ fn matmul_windows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
     let dev = a.device();
+    // An empty view of a buffer past one binding: nothing to bind, no runs to join.
+    if m == 0 || n == 0 || k == 0 {
+        return Tensor::zeros(&[m, n], dev);
+    }
     // Rows `first .. first + count` of the contiguous `t` (rows of `len`), as a window.
     let rows = |t: &Tensor, first: usize, count: usize, len: usize| {
         t.window(first * len, count * len).reshape(&[count, len])
