@@ -82,9 +82,9 @@ fn kv_head(h: u32) -> u32 {
     return h / pu(ATTENTION_GROUP);
 }
 
-// 1 for the lanes of features i..i+4 inside a row of `len`, else 0.
-fn masked(i: u32, len: u32) -> vec4<f32> {
-    return select(vec4<f32>(0.0), vec4<f32>(1.0), vec4<u32>(i) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(len));
+// True for the lanes of features i..i+4 inside a row of `len`.
+fn inside(i: u32, len: u32) -> vec4<bool> {
+    return vec4<u32>(i) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(len);
 }
 
 // Where head `h`'s first row starts, for a tensor whose layout params start at `at` (offset,
@@ -119,7 +119,9 @@ fn row4(side: u32, at: u32, c: u32, len: u32) -> vec4<f32> {
     }
     let e = vec4<f32>(word(side, i / 4u)[i % 4u], word(side, (i + 1u) / 4u)[(i + 1u) % 4u],
                       word(side, (i + 2u) / 4u)[(i + 2u) % 4u], word(side, (i + 3u) / 4u)[(i + 3u) % 4u]);
-    return e * masked(4u * c, len);
+    // Selected, not multiplied by 0: the words past a row's end may hold anything (the next
+    // tensor's bytes, a pooled buffer's leftovers), NaN and infinity included.
+    return select(vec4<f32>(0.0), e, inside(4u * c, len));
 }
 
 fn q4(at: u32, c: u32, len: u32) -> vec4<f32> {

@@ -541,3 +541,63 @@ fn sdpa_of_an_empty_view_at_an_offset_gives_an_empty_result() {
     let out = y.scaled_dot_product_attention(&y, &y, true).unwrap();
     assert_eq!(out.shape(), &[0, 3, 4]);
 }
+
+/// Views whose rows are followed by NaN (the last feature of each row left out, holding NaN)
+/// give the values and grads of the same rows read dense: the kernels zero the features past
+/// a row's end by selecting, where multiplying by 0 would have turned NaN into NaN.
+#[test]
+fn sdpa_of_views_ignores_nan_past_the_end_of_each_row() {
+    let dev = device();
+    let (heads, tq, tk, d, dv) = (2, 3, 5, 3, 2);
+    // `rows` rows of `width` random features, each followed by one NaN; and the features.
+    let padded = |rows: usize, width: usize, seed| {
+        let values = random_vec(rows * width, seed);
+        let mut stored = Vec::new();
+        for row in values.chunks(width) {
+            stored.extend_from_slice(row);
+            stored.push(f32::NAN);
+        }
+        let t = Tensor::from_slice(&stored, &[heads, rows / heads, width + 1], dev).unwrap();
+        (t.requires_grad_(true), values)
+    };
+    let (q_stored, qv) = padded(heads * tq, d, 11);
+    let (k_stored, kv) = padded(heads * tk, d, 12);
+    let (v_stored, vv) = padded(heads * tk, dv, 13);
+    let (g_stored, gv) = padded(heads * tq, dv, 14);
+    let features = |t: &Tensor, n: usize| t.narrow(2, 0, n).unwrap();
+    let out = features(&q_stored, d)
+        .scaled_dot_product_attention(&features(&k_stored, d), &features(&v_stored, dv), true)
+        .unwrap();
+    out.backward_with(BackwardOptions {
+        grad_output: Some(features(&g_stored.detach(), dv)),
+        ..Default::default()
+    })
+    .unwrap();
+    // Each head's reference, and the grads padded as the stored tensors are (0 at the NaN).
+    let mut want: [Vec<f64>; 4] = Default::default();
+    for h in 0..heads {
+        let r = reference(
+            &qv[h * tq * d..(h + 1) * tq * d],
+            &kv[h * tk * d..(h + 1) * tk * d],
+            &vv[h * tk * dv..(h + 1) * tk * dv],
+            &gv[h * tq * dv..(h + 1) * tq * dv],
+            (tq, tk, d, dv),
+            true,
+        );
+        want[0].extend(r.0);
+        for (i, (grad, width)) in [(r.1, d), (r.2, d), (r.3, dv)].into_iter().enumerate() {
+            for row in grad.chunks(width) {
+                want[i + 1].extend_from_slice(row);
+                want[i + 1].push(0.0);
+            }
+        }
+    }
+    assert_close(&out.to_vec().unwrap(), &want[0], 1e-4, "out");
+    for (name, stored, want) in [
+        ("dq", &q_stored, &want[1]),
+        ("dk", &k_stored, &want[2]),
+        ("dv", &v_stored, &want[3]),
+    ] {
+        assert_close(&stored.grad().unwrap().to_vec().unwrap(), want, 1e-3, name);
+    }
+}

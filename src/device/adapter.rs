@@ -178,6 +178,7 @@ impl Device {
                 min_subgroup_size,
                 shader_f16,
                 f16_reads: AtomicU8::new(f16_reads.code()),
+                poison_buffers: AtomicBool::new(poison_buffers_from_env()?),
                 info,
                 device,
                 queue,
@@ -223,6 +224,23 @@ fn subgroups_from_env() -> Result<Option<bool>> {
 
 pub(super) fn subgroups_from(setting: Option<String>) -> Result<Option<bool>> {
     choice_from("WGRAD_SUBGROUPS", setting, &[("on", true), ("off", false)])
+}
+
+/// `WGRAD_POISON_BUFFERS=on` or `=off`: whether every buffer the device hands out is first
+/// filled with NaN (all bits set), fresh or from the pool (unset: off). A kernel that reads
+/// what no kernel wrote (the padding past a row, a pooled buffer's leftovers) then gives NaN
+/// or a wrong value every run, instead of a right one on most runs: how CI runs the fuzzer.
+fn poison_buffers_from_env() -> Result<bool> {
+    poison_buffers_from(std::env::var("WGRAD_POISON_BUFFERS").ok())
+}
+
+pub(super) fn poison_buffers_from(setting: Option<String>) -> Result<bool> {
+    Ok(choice_from(
+        "WGRAD_POISON_BUFFERS",
+        setting,
+        &[("on", true), ("off", false)],
+    )?
+    .unwrap_or(false))
 }
 
 /// `WGRAD_WORKGROUP_STORAGE=<bytes>`: the most workgroup storage the device requests, below

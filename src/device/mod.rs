@@ -212,6 +212,8 @@ pub(crate) struct DeviceInner {
     shader_f16: bool,
     /// How modules read F16 elements: an [`F16Reads`] code.
     f16_reads: AtomicU8,
+    /// True when every buffer handed out is filled with NaN first (`WGRAD_POISON_BUFFERS`).
+    poison_buffers: AtomicBool,
     submits: AtomicU64,
     dispatches: AtomicU64,
     next_storage_id: AtomicU64,
@@ -414,20 +416,34 @@ impl DeviceInner {
             return Err(Error::TooLarge { op, bytes, limit });
         }
         let class = size_class(bytes).min(limit.max(bytes));
-        if let Some(buffer) = lock(&self.pool).take(class) {
-            return Ok(buffer);
+        let pooled = lock(&self.pool).take(class);
+        let buffer = match pooled {
+            Some(buffer) => buffer,
+            None => {
+                let buffer = self.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(op),
+                    size: class,
+                    usage: wgpu::BufferUsages::STORAGE
+                        | wgpu::BufferUsages::COPY_SRC
+                        | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                self.take_error(op)?;
+                lock(&self.pool).note_created(class);
+                buffer
+            }
+        };
+        if self.poison_buffers.load(Ordering::Relaxed) {
+            // Recorded like any write, so it lands after the work that read the buffer last.
+            self.upload(op, &buffer, &vec![0xFF; class as usize])?;
         }
-        let buffer = self.create_buffer(&wgpu::BufferDescriptor {
-            label: Some(op),
-            size: class,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        self.take_error(op)?;
-        lock(&self.pool).note_created(class);
         Ok(buffer)
+    }
+
+    /// Turns `WGRAD_POISON_BUFFERS` on or off for this device (tests of it).
+    #[cfg(test)]
+    pub(crate) fn set_poison_buffers(&self, on: bool) {
+        self.poison_buffers.store(on, Ordering::Relaxed);
     }
 
     /// Takes back a buffer whose last tensor has dropped. Work already recorded that reads
@@ -468,8 +484,8 @@ impl DeviceInner {
 #[cfg(test)]
 mod tests {
     use super::adapter::{
-        backends_from, binding_bytes_from, f16_reads_from, kernel_flavor_from, subgroups_from,
-        workgroup_storage_from,
+        backends_from, binding_bytes_from, f16_reads_from, kernel_flavor_from, poison_buffers_from,
+        subgroups_from, workgroup_storage_from,
     };
     use super::{Device, F16Reads, KernelFlavor};
 
@@ -540,6 +556,52 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn wgrad_poison_buffers_turns_it_on_or_is_an_error() {
+        let poison = |v: &str| poison_buffers_from(Some(v.into()));
+        assert!(poison("on").unwrap());
+        assert!(!poison("OFF").unwrap());
+        assert!(!poison_buffers_from(None).unwrap());
+        let err = poison("1").unwrap_err().to_string();
+        assert!(
+            err.contains("WGRAD_POISON_BUFFERS") && err.contains("\"1\""),
+            "{err}"
+        );
+    }
+
+    /// With poisoning on, a buffer comes out all ones, whether created or taken back from the
+    /// pool after a tensor wrote zeros into it.
+    #[test]
+    fn poisoned_buffers_hold_nan_whether_fresh_or_pooled() {
+        let dev = Device::new().unwrap();
+        dev.inner.set_poison_buffers(true);
+        let bytes = 1 << 10;
+        let fresh = dev.inner.alloc("test", bytes).unwrap();
+        assert!(dev
+            .inner
+            .read("test", &fresh, 0, bytes)
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0xFF));
+        dev.inner
+            .upload("test", &fresh, &vec![0; bytes as usize])
+            .unwrap();
+        dev.inner.release(fresh);
+        let created = dev.stats().buffers_created;
+        let pooled = dev.inner.alloc("test", bytes).unwrap();
+        assert_eq!(
+            dev.stats().buffers_created,
+            created,
+            "the pool's buffer came back"
+        );
+        assert!(dev
+            .inner
+            .read("test", &pooled, 0, bytes)
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0xFF));
     }
 
     #[test]
