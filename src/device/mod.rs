@@ -385,6 +385,14 @@ impl DeviceInner {
             .min(self.limits.max_buffer_size)
     }
 
+    /// The most bytes of elements a window may cover and still fit one binding wherever they
+    /// start: a window begins at the alignment boundary before its first element
+    /// (`Tensor::window`), and the binding is a multiple of 16, so its rounding up to whole
+    /// 16-byte groups never passes it.
+    pub(crate) fn window_bytes(&self) -> u64 {
+        self.max_binding_bytes() - self.binding_alignment()
+    }
+
     /// Runs `f`, a wgpu call that takes the GL backend's context lock (a submission, a poll, a
     /// queue write, creating a pipeline or a buffer, unmapping or releasing one), under
     /// `context_lock`. wgpu's GL backend panics when a thread waits more than 6 s for its

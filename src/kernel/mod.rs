@@ -53,12 +53,11 @@ pub(crate) fn windows(device: &Device, n: usize) -> Vec<(usize, usize)> {
     (0..n).step_by(per).map(|s| (s, per.min(n - s))).collect()
 }
 
-/// How many rows of `row_len` elements (4 bytes each) one window holds, leaving room for a
-/// skip of less than one alignment at its front: 0 when one row is past a binding.
+/// How many rows of `row_len` elements (4 bytes each) one window holds
+/// ([`DeviceInner::window_bytes`](crate::device::DeviceInner::window_bytes)): 0 when one row
+/// is past a binding.
 pub(crate) fn rows_per_window(device: &Device, row_len: usize) -> usize {
-    let limit = device.inner.max_binding_bytes();
-    let align = device.inner.binding_alignment();
-    ((limit - align) / 4) as usize / row_len.max(1)
+    (device.inner.window_bytes() / 4) as usize / row_len.max(1)
 }
 
 /// Workgroups needed to cover `n` items, `per_group` per workgroup.

@@ -641,9 +641,7 @@ fn fits_one_binding(
     windowed: bool,
 ) -> bool {
     let dev = q.device();
-    let limit = dev.inner.max_binding_bytes();
-    // A window starts at the alignment boundary before its first element, in 16-byte groups.
-    let slack = dev.inner.binding_alignment() + 16;
+    let (limit, window_bytes) = (dev.inner.max_binding_bytes(), dev.inner.window_bytes());
     // An empty tensor is never bound (no kernel runs over it).
     let spans = |t: &Tensor| {
         if t.numel() == 0 {
@@ -655,11 +653,12 @@ fn fits_one_binding(
             false => (l.span() - l.offset) as u64 * 4,
         };
         let bound_whole = !t.dtype().is_16_bit() && !windowed;
-        bytes + slack <= limit && !(bound_whole && t.exceeds_binding())
+        bytes <= window_bytes && !(bound_whole && t.exceeds_binding())
     };
+    // The outputs (and the forward's partial sums) are new tensors, bound whole.
     let (_, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
     let out_bytes = (out_rows * s.dv * 4 * (splits + 1)) as u64;
-    [q, k, v].into_iter().chain(mask).all(spans) && out_bytes + slack <= limit
+    [q, k, v].into_iter().chain(mask).all(spans) && out_bytes <= limit
 }
 
 /// Attention whose tensors are past one binding ([`fits_one_binding`]): where they are views

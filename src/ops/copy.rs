@@ -218,33 +218,24 @@ fn copy_in_slice_runs(
     }
     for start in (0..rows).step_by(per) {
         let count = per.min(rows - start);
-        let (src_store, src_run) = slice_run(op, src, src.layout(), start, count)?;
-        let (dst_store, dst_run) = slice_run(op, dst, dst_layout, start, count)?;
-        copy_described(op, &src_store.view(src_run), &dst_store, &dst_run, None)?;
+        let src_run = slice_run(op, src, src.layout(), start, count)?;
+        let dst_run = slice_run(op, dst, dst_layout, start, count)?;
+        copy_described(op, &src_run, &dst_run, dst_run.layout(), None)?;
     }
     Ok(())
 }
 
-/// Slices `start .. start + count` along the first dim of `layout`, a view of `t`'s storage:
-/// the storage to bind (`t`'s own where it fits one binding, else the window those slices
-/// span) and the slices' layout within it.
+/// Slices `start .. start + count` along the first dim of `layout`, a view of `t`'s storage,
+/// as a kernel binds them: over the window of the storage they span where it is past one
+/// binding ([`Tensor::bindable`]).
 fn slice_run(
     op: &'static str,
     t: &Tensor,
     layout: &Layout,
     start: usize,
     count: usize,
-) -> Result<(Tensor, Layout)> {
-    let run = layout.narrow(op, 0, start, count)?;
-    if !t.exceeds_binding() {
-        return Ok((t.clone(), run));
-    }
-    let elements = (t.storage().bytes() / t.dtype().size() as u64) as usize;
-    let window = t
-        .view(Layout::contiguous(&[elements]))
-        .window(run.offset, span(&run));
-    let offset = window.layout().offset;
-    Ok((window, Layout { offset, ..run }))
+) -> Result<Tensor> {
+    Ok(t.view(layout.narrow(op, 0, start, count)?).bindable())
 }
 
 /// Slice `i` along the first dim of `layout`, that dim dropped.

@@ -72,6 +72,22 @@ pub(crate) fn run_sizes(total: usize, per: usize) -> Vec<usize> {
         .collect()
 }
 
+/// `f` over runs of whole rows of `rows` (`[n, len]`), as many as one binding holds each, in
+/// order: how a row kernel reaches a tensor past one binding. The caller joins the runs'
+/// outputs with `cat` (`split` joins their grads). A row past one binding is `TooLarge`.
+pub(crate) fn in_row_runs<T>(
+    op: &'static str,
+    rows: &crate::tensor::Tensor,
+    f: impl FnMut(&crate::tensor::Tensor) -> crate::Result<T>,
+) -> crate::Result<Vec<T>> {
+    let (n, len) = (rows.shape()[0], rows.shape()[1]);
+    let per = crate::kernel::rows_per_window(rows.device(), len);
+    if per == 0 {
+        return Err(too_large_view(op, rows));
+    }
+    rows.split(&run_sizes(n, per), 0)?.iter().map(f).collect()
+}
+
 /// The error for a strided or broadcast view of a tensor larger than one binding: ops bind
 /// windows of dense tensors only.
 pub(crate) fn too_large_view(op: &'static str, t: &crate::tensor::Tensor) -> crate::Error {

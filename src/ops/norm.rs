@@ -10,7 +10,7 @@ use crate::kernel::{
     groups, rows_per_window, EpilogueSite, Fusion, Kernel, KernelParams, Launch, RowLanes,
     ShaderFamily, MAX_LOOP_LEN, ROW_GROUP_WGSL,
 };
-use crate::ops::{cast, run_sizes};
+use crate::ops::{cast, in_row_runs};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -89,12 +89,10 @@ fn fused_in_row_runs(
     if (x.numel() * 4) as u64 <= dev.max_binding_bytes() {
         return fused_norm(norm, x, weight, bias, eps, len);
     }
-    let rows = x.numel() / len;
-    let per = rows_per_window(dev, len);
-    let runs = x.contiguous()?.reshape(&[rows, len])?;
-    let parts = (runs.split(&run_sizes(rows, per), 0)?.iter())
-        .map(|run| fused_norm(norm, run, weight, bias, eps, len))
-        .collect::<Result<Vec<_>>>()?;
+    let rows = x.contiguous()?.reshape(&[x.numel() / len, len])?;
+    let parts = in_row_runs(norm.op(), &rows, |run| {
+        fused_norm(norm, run, weight, bias, eps, len)
+    })?;
     Tensor::cat(&parts, 0)?.reshape(x.shape())
 }
 

@@ -6,10 +6,8 @@
 //! rank (0 past the k kept).
 
 use crate::error::{Error, Result};
-use crate::kernel::{
-    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP,
-};
-use crate::ops::{from_rows, rows_along, run_sizes, too_large_view};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
+use crate::ops::{from_rows, in_row_runs, rows_along};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -172,17 +170,10 @@ fn sorted_in_row_runs(
     keep: usize,
 ) -> Result<(Tensor, Tensor)> {
     let len = x.shape()[dim];
-    let rows = x.numel() / len;
-    let per = rows_per_window(x.device(), len);
-    if per == 0 {
-        return Err(too_large_view(op, x));
-    }
-    let (mut values, mut positions) = (Vec::new(), Vec::new());
-    for run in rows_along(x, dim)?.split(&run_sizes(rows, per), 0)? {
-        let (v, p) = sorted(op, &run, 1, descending, keep)?;
-        values.push(v);
-        positions.push(p);
-    }
+    let runs = in_row_runs(op, &rows_along(x, dim)?, |run| {
+        sorted(op, run, 1, descending, keep)
+    })?;
+    let (values, positions): (Vec<Tensor>, Vec<Tensor>) = runs.into_iter().unzip();
     let values = Tensor::cat(&values, 0)?;
     let positions = Tensor::cat(&positions, 0)?.with_index_bound(Some(len as u32));
     Ok((
