@@ -987,6 +987,59 @@ fn attention_of_an_empty_view_of_a_buffer_past_one_binding_is_empty() {
 }
 
 #[test]
+fn attention_of_strided_views_of_a_buffer_filling_one_binding_matches_dense_copies() {
+    let dev = device();
+    // Rows of 4 features in a buffer that fills one binding: q and k are their first 3, v
+    // their last. q's span, all of the buffer but its last element, is past what a window
+    // of it may cover, while the buffer binds whole. (The check for windows and the one for
+    // a call disagreed on it: attention chunked itself until the stack overflowed.)
+    let (t, d) = (8, 3);
+    let heads = dev.max_binding_bytes() as usize / (t * (d + 1) * 4);
+    let stored = Tensor::from_vec(values(heads * t * (d + 1), 1), &[1, heads, t, d + 1], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let (qk, v) = (
+        stored.narrow(3, 0, d).unwrap(),
+        stored.narrow(3, d, 1).unwrap(),
+    );
+    let dense = |x: &Tensor| {
+        let values = x.contiguous().unwrap().to_vec().unwrap();
+        (Tensor::from_vec(values, x.shape(), dev).unwrap()).requires_grad_(true)
+    };
+    let (dense_qk, dense_v) = (dense(&qk), dense(&v));
+    let pattern: Vec<f32> = (0..t).map(|i| ((i * 13) % 7) as f32 - 3.0).collect();
+    let pattern = Tensor::from_vec(pattern, &[1, 1, t, 1], dev).unwrap();
+    let out = qk.scaled_dot_product_attention(&qk, &v, true).unwrap();
+    weighted_sum_backward(&out, &pattern);
+    let want = (dense_qk.scaled_dot_product_attention(&dense_qk, &dense_v, true)).unwrap();
+    weighted_sum_backward(&want, &pattern);
+    assert_eq!(out.to_vec().unwrap(), want.to_vec().unwrap(), "out");
+    let grad = stored.grad().unwrap();
+    for (features, want, what) in [
+        (grad.narrow(3, 0, d).unwrap(), &dense_qk, "q and k grad"),
+        (grad.narrow(3, d, 1).unwrap(), &dense_v, "v grad"),
+    ] {
+        assert_eq!(
+            features.contiguous().unwrap().to_vec().unwrap(),
+            want.grad().unwrap().to_vec().unwrap(),
+            "{what}"
+        );
+    }
+}
+
+#[test]
+fn gather_and_argmax_of_an_empty_view_of_a_buffer_past_one_binding_are_empty() {
+    let dev = device();
+    // No slices of a buffer past one binding: one empty run, not none joined (an error).
+    let n = past_binding() / 64 * 64;
+    let big = Tensor::zeros(&[n / 64, 4, 16], dev).unwrap();
+    let none = big.narrow(0, 1, 0).unwrap();
+    let indices = Tensor::from_vec_u32(Vec::new(), &[0, 2, 16], dev).unwrap();
+    assert_eq!(none.gather(1, &indices).unwrap().shape(), &[0, 2, 16]);
+    assert_eq!(none.argmax(2, false).unwrap().shape(), &[0, 4]);
+}
+
+#[test]
 fn a_product_of_two_operands_past_one_binding_matches_the_host() {
     let dev = device();
     // x [64, k] and w [64, k], each past one binding: x @ w^T takes runs of x's rows, each

@@ -416,6 +416,12 @@ impl DeviceInner {
         self.in_context(|| self.device.create_buffer(desc))
     }
 
+    /// The size of the buffer [`DeviceInner::alloc`] gives a tensor of `bytes` bytes: its
+    /// size class (what a kernel binds when it binds the tensor whole).
+    pub(crate) fn buffer_bytes(&self, bytes: u64) -> u64 {
+        size_class(bytes).min(self.max_buffer_bytes().max(bytes))
+    }
+
     /// A storage buffer of at least `bytes` bytes, from the pool when it has one of that size
     /// class. Its contents are undefined.
     pub(crate) fn alloc(&self, op: &'static str, bytes: u64) -> Result<wgpu::Buffer> {
@@ -423,7 +429,7 @@ impl DeviceInner {
         if bytes > limit {
             return Err(Error::TooLarge { op, bytes, limit });
         }
-        let class = size_class(bytes).min(limit.max(bytes));
+        let class = self.buffer_bytes(bytes);
         let pooled = lock(&self.pool).take(class);
         let buffer = match pooled {
             Some(buffer) => buffer,

@@ -627,12 +627,13 @@ fn mask_operand(mask: Option<&Tensor>, q: &Tensor, t_k: usize) -> Result<MaskOpe
     })
 }
 
-/// Whether one call's kernels bind each of their tensors whole: q, k, v and the mask (as
-/// f32: 16-bit operands are read through f32 copies of their spans; F32 ones and the mask
-/// in place, so their buffers must fit too, unless `windowed` says they will be bound as
-/// windows of their spans, or copied dense where the span does not fit: a head of a packed
-/// projection), and the output of `out_rows` rows with the forward's partial outputs (one
-/// per split of the keys).
+/// Whether one call's kernels can bind what they bind, each whole: q, k and v (an F32 one in
+/// place, its whole buffer, or with `windowed` as [`attend_in_windows`] binds it, a window of
+/// its span or else a dense copy; a 16-bit one through a dense F32 copy) and the mask so too,
+/// and the new tensors: each input's grad and the output of `out_rows` rows, with the
+/// forward's partial outputs (one per split of the keys). The windowed answer is the plain
+/// one's for the tensors `attend_in_windows` makes, so that a chunk that fits one never
+/// chunks again.
 fn fits_one_binding(
     [q, k, v]: [&Tensor; 3],
     mask: Option<&Tensor>,
@@ -640,25 +641,27 @@ fn fits_one_binding(
     out_rows: usize,
     windowed: bool,
 ) -> bool {
-    let dev = q.device();
-    let (limit, window_bytes) = (dev.inner.max_binding_bytes(), dev.inner.window_bytes());
+    let inner = &q.device().inner;
+    let new_fits =
+        |elements: usize| inner.buffer_bytes(elements as u64 * 4) <= inner.max_binding_bytes();
     // An empty tensor is never bound (no kernel runs over it).
-    let spans = |t: &Tensor| {
-        if t.numel() == 0 {
-            return true;
-        }
-        let l = t.layout();
-        let bytes = match windowed {
-            true => (l.span() - l.offset).min(t.numel()) as u64 * 4,
-            false => (l.span() - l.offset) as u64 * 4,
-        };
-        let bound_whole = !t.dtype().is_16_bit() && !windowed;
-        bytes <= window_bytes && !(bound_whole && t.exceeds_binding())
+    let binds = |t: &Tensor| {
+        t.numel() == 0
+            || match (t.dtype().is_16_bit(), windowed) {
+                (true, _) => new_fits(t.numel()),
+                (false, false) => !t.exceeds_binding(),
+                (false, true) => !t.bindable().exceeds_binding() || new_fits(t.numel()),
+            }
     };
-    // The outputs (and the forward's partial sums) are new tensors, bound whole.
+    // The output and row statistics, and where the keys split, their partial sums.
     let (_, splits) = s.split(s.t_k, s.d.div_ceil(4) + s.dv.div_ceil(4) + 1);
-    let out_bytes = (out_rows * s.dv * 4 * (splits + 1)) as u64;
-    [q, k, v].into_iter().chain(mask).all(spans) && out_bytes <= limit
+    let per_row = s.dv.max(2);
+    [q, k, v]
+        .into_iter()
+        .all(|t| binds(t) && new_fits(t.numel()))
+        && mask.is_none_or(binds)
+        && new_fits(out_rows * per_row)
+        && (splits == 1 || new_fits(splits * out_rows * per_row))
 }
 
 /// Attention whose tensors are past one binding ([`fits_one_binding`]): where they are views
@@ -740,10 +743,12 @@ fn attend_in_windows(
     mask: Option<Tensor>,
     opts: &SdpaOptions,
 ) -> Result<Tensor> {
+    // A dense copy where the window is past one binding: a new buffer (`contiguous` would
+    // give a dense `t` back as it is).
     let in_window = |t: &Tensor| -> Result<Tensor> {
         let window = t.bindable();
         if window.exceeds_binding() {
-            return t.contiguous();
+            return t.deep_clone();
         }
         Ok(record(OP, window, &[t], |_| {
             move |g: &Tensor| Ok(vec![Some(g.clone())])
@@ -751,7 +756,7 @@ fn attend_in_windows(
     };
     let (q, k, v) = (in_window(qkv[0])?, in_window(qkv[1])?, in_window(qkv[2])?);
     let mask = match mask.map(|m| m.bindable()) {
-        Some(m) if m.exceeds_binding() => Some(m.contiguous()?),
+        Some(m) if m.exceeds_binding() => Some(m.deep_clone()?),
         m => m,
     };
     let opts = SdpaOptions {

@@ -623,7 +623,8 @@ fn in_first_dim_runs(
 }
 
 /// The runs `(first, count)` of whole slices of `inner` f32 elements along a first dim of
-/// `rows` that one binding holds each; a slice past one binding is `TooLarge`.
+/// `rows` that one binding holds each; a slice past one binding is `TooLarge`. No rows are
+/// one empty run, so that the caller has a part of the right trailing shape to join.
 fn first_dim_runs(
     op: &'static str,
     device: &Device,
@@ -637,6 +638,9 @@ fn first_dim_runs(
             bytes: (rows * inner * 4) as u64,
             limit: device.max_binding_bytes(),
         });
+    }
+    if rows == 0 {
+        return Ok(vec![(0, 0)]);
     }
     Ok((0..rows)
         .step_by(per)
