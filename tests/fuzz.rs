@@ -3,10 +3,10 @@
 //! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm,
 //! LayerNorm and GroupNorm, conv_transpose2d, cumsum, flip, logsumexp, var, gather with
 //! repeats, max and average pools with padding and ceil mode, attention with causal masks and
-//! grouped-query heads) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must
-//! be an error) run on wgrad and on an f64 CPU interpreter. Values must agree; for programs
-//! of smooth ops, finite differences must agree with the grad of the first input; nothing may
-//! panic.
+//! grouped-query heads, broadcast views) over random shapes (0- and 1-sized dims,
+//! broadcasting, ranks 0 to 6; rank 7 must be an error), on inputs dense or views followed by
+//! NaN, run on wgrad and on an f64 CPU interpreter. Values must agree; for programs of smooth
+//! ops, finite differences must agree with the grad of the first input; nothing may panic.
 //!
 //! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
 //! `WGRAD_FUZZ_SEED=S` starts from case S (each case is reproducible from its number alone).
@@ -294,7 +294,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(26) {
+    match rng.below(27) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -648,6 +648,23 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
                 (x.gpu).scaled_dot_product_attention(&k.gpu, &v.gpu, causal)?,
                 attention(&x.cpu, &k.cpu, &v.cpu, causal),
             )
+        }
+        26 if r < 6 => {
+            // A broadcast view of x along a new dim (stride 0), for the next op to read; its
+            // grad sums over the copies.
+            let dim = rng.below(r + 1);
+            let copies = [1, 2, 3][rng.below(3)];
+            let mut shape = x.cpu.shape.clone();
+            shape.insert(dim, copies);
+            let inner = Cpu::numel(&x.cpu.shape[dim..]);
+            let mut data = Vec::new();
+            for block in x.cpu.data.chunks(inner.max(1)) {
+                for _ in 0..copies {
+                    data.extend_from_slice(block);
+                }
+            }
+            let gpu = x.gpu.unsqueeze(dim)?.expand(&shape)?;
+            pair(gpu, Cpu { shape, data })
         }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
