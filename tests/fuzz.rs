@@ -5,7 +5,7 @@
 //! repeats, max and average pools with padding and ceil mode, attention with causal masks and
 //! grouped-query heads, broadcast views) over random shapes (0- and 1-sized dims,
 //! broadcasting, ranks 0 to 6; rank 7 must be an error), on inputs dense or views followed by
-//! NaN, run on wgrad and on an f64 CPU interpreter. Values must agree; for programs of smooth
+//! NaN, in F32 or (one case in four) F16 or BF16, run on wgrad and on an f64 CPU interpreter. Values must agree; for programs of smooth
 //! ops, finite differences must agree with the grad of the first input; nothing may panic.
 //!
 //! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
@@ -20,9 +20,10 @@
 
 mod common;
 use common::*;
+use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use wgrad::capture::Step;
-use wgrad::Tensor;
+use wgrad::{DType, Tensor};
 
 /// A tensor on the CPU: row-major f64 values.
 #[derive(Clone, Debug)]
@@ -257,27 +258,82 @@ struct Pair {
     cpu: Cpu,
 }
 
-/// Random values of `shape`: half the time dense, else a view whose rows, or whose whole
-/// span, are followed by NaN (the last dim or the first narrowed from one longer), which no
-/// kernel may let into a result (vec4 loads read past a row's end).
+thread_local! {
+    /// The float dtype of the tensors the running case makes (see [`case_dtype`]).
+    static DTYPE: Cell<DType> = const { Cell::new(DType::F32) };
+}
+
+/// The dtype of a case's tensors: F32 for six cases in eight, F16 and BF16 for one each
+/// (their kernels read two elements to a word: a view may start or end inside one). The
+/// reference rounds the inputs alike, and 16-bit cases take no finite differences.
+fn case_dtype(case: u64) -> DType {
+    match Rng(case ^ 0xD1B5_4A32_D192_ED03).below(8) {
+        0 => DType::F16,
+        1 => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
+/// Sets [`DTYPE`] for the life of the guard.
+struct DTypeGuard;
+
+impl DTypeGuard {
+    fn new(dtype: DType) -> DTypeGuard {
+        DTYPE.with(|d| d.set(dtype));
+        DTypeGuard
+    }
+}
+
+impl Drop for DTypeGuard {
+    fn drop(&mut self) {
+        DTYPE.with(|d| d.set(DType::F32));
+    }
+}
+
+/// `t` in the case's dtype.
+fn in_case_dtype(t: Tensor) -> Tensor {
+    match DTYPE.with(Cell::get) {
+        DType::F32 => t,
+        dtype => t.to_dtype(dtype).unwrap(),
+    }
+}
+
+/// `v` as the case's dtype holds it.
+fn rounded(v: f32) -> f32 {
+    match DTYPE.with(Cell::get) {
+        DType::F16 => half::f16::from_f32(v).to_f32(),
+        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+/// Random values of `shape` in the case's dtype: half the time dense, else a view whose rows,
+/// or whose whole span, are followed by NaN (the last dim or the first narrowed from one
+/// longer), which no kernel may let into a result (vec4 loads read past a row's end).
 fn fresh(shape: &[usize], seed: u64) -> Pair {
     let (dense, values) = random_tensor(shape, seed);
     let cpu = Cpu {
         shape: shape.to_vec(),
-        data: values.iter().map(|&x| x as f64).collect(),
+        data: values.iter().map(|&x| rounded(x) as f64).collect(),
     };
     let Some(dim) = (match seed % 4 {
         1 => shape.len().checked_sub(1),
         2 if !shape.is_empty() => Some(0),
         _ => None,
     }) else {
-        return Pair { gpu: dense, cpu };
+        return Pair {
+            gpu: in_case_dtype(dense),
+            cpu,
+        };
     };
+    // Filled in F32 and cast whole: 16-bit writes take a contiguous destination only.
     let mut padded_shape = shape.to_vec();
     padded_shape[dim] += 1;
-    let nan = Tensor::full(&padded_shape, f32::NAN, device()).unwrap();
-    let gpu = nan.narrow(dim, 0, shape[dim]).unwrap();
-    gpu.copy_(&dense).unwrap();
+    let padded = Tensor::full(&padded_shape, f32::NAN, device()).unwrap();
+    (padded.narrow(dim, 0, shape[dim]).unwrap())
+        .copy_(&dense)
+        .unwrap();
+    let gpu = in_case_dtype(padded).narrow(dim, 0, shape[dim]).unwrap();
     Pair { gpu, cpu }
 }
 
@@ -516,7 +572,7 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
         20 if r > 0 => {
             // RMSNorm or LayerNorm over the last dim, weight 1.5.
             let n = x.cpu.shape[r - 1];
-            let w = Tensor::full(&[n], 1.5, device())?;
+            let w = in_case_dtype(Tensor::full(&[n], 1.5, device())?);
             if rng.below(2) == 0 {
                 let cpu = x.cpu.along(r - 1, n, |line| {
                     let ms = line.iter().map(|v| v * v).sum::<f64>() / n as f64;
@@ -524,7 +580,7 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
                 });
                 pair(x.gpu.rms_norm(&w, 1e-6)?, cpu)
             } else {
-                let b = Tensor::full(&[n], 0.25, device())?;
+                let b = in_case_dtype(Tensor::full(&[n], 0.25, device())?);
                 let cpu = x.cpu.along(r - 1, n, |line| {
                     let mean = line.iter().sum::<f64>() / n as f64;
                     let var = line.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
@@ -792,6 +848,8 @@ fn conv_transpose_2x2(x: &Cpu, w: &Cpu) -> Cpu {
 
 /// What one case found, if anything.
 fn run_case(case: u64) -> Option<String> {
+    let dtype = case_dtype(case);
+    let _dtype = DTypeGuard::new(dtype);
     let mut rng = Rng(case);
     let shape = rng.shape(4);
     let input = fresh(&shape, case);
@@ -835,10 +893,16 @@ fn run_case(case: u64) -> Option<String> {
             ))
         }
     };
+    // The reference rounds only the inputs; each 16-bit op rounds its result once more.
+    let tolerance = match dtype {
+        DType::F16 => 1e-2,
+        DType::BF16 => 6e-2,
+        _ => 1e-4,
+    };
     for (i, (&g, &w)) in got.iter().zip(&y.cpu.data).enumerate() {
-        if (g as f64 - w).abs() > 1e-4 * w.abs().max(1.0) {
+        if (g as f64 - w).abs() > tolerance * w.abs().max(1.0) {
             return Some(format!(
-                "case {case}: element {i}: {g} vs {w} ({program:?})"
+                "case {case} ({dtype:?}): element {i}: {g} vs {w} ({program:?})"
             ));
         }
     }
@@ -846,7 +910,8 @@ fn run_case(case: u64) -> Option<String> {
     if rng.below(10) == 0 && Tensor::zeros(&[1; 7], device()).is_ok() {
         return Some(format!("case {case}: a rank-7 tensor was accepted"));
     }
-    if !smooth || x.cpu.data.len() > 40 || y.cpu.data.is_empty() {
+    // Finite differences in 16 bits would measure rounding.
+    if !smooth || dtype != DType::F32 || x.cpu.data.len() > 40 || y.cpu.data.is_empty() {
         return None;
     }
     // The grad of sum(y * probe) for the first input, against central differences.
@@ -912,6 +977,7 @@ fn run_case(case: u64) -> Option<String> {
 /// program and a backward pass as a step, whose replay must give the eager call's output and
 /// input grad.
 fn captured_case(case: u64) -> Result<bool, String> {
+    let _dtype = DTypeGuard::new(case_dtype(case));
     let mut rng = Rng(case);
     let shape = rng.shape(4);
     let x = fresh(&shape, case).gpu.requires_grad_(true);
