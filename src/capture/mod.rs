@@ -291,4 +291,42 @@ mod tests {
         dropper.join().unwrap();
         assert!(dropped.load(Ordering::SeqCst));
     }
+
+    /// Under `WGRAD_POISON_BUFFERS` each replay first fills the plan's arena with NaN, so a
+    /// kernel that read an intermediate before the step wrote it would read NaN, not what the
+    /// previous replay left: the bytes of the arena no kernel writes come out all ones, and
+    /// the step's loss is unchanged.
+    #[test]
+    fn a_poisoned_replay_fills_the_arena_with_nan_first() {
+        let dev = Device::new().unwrap();
+        let w = Tensor::randn(&[4, 4], 1, &dev)
+            .unwrap()
+            .requires_grad_(true);
+        let x = Tensor::randn(&[2, 4], 2, &dev).unwrap();
+        let mut step = Step::new(move |inputs: &[Tensor]| {
+            let loss = inputs[0].matmul(&w)?.tanh()?.sum()?;
+            loss.backward()?;
+            Ok(loss)
+        });
+        let mut losses = Vec::new();
+        for _ in 0..3 {
+            losses.push(step.run(std::slice::from_ref(&x)).unwrap().item().unwrap());
+        }
+        assert_eq!(step.stats().replays, 1);
+        // The bytes past the intermediates: every [2, 4] value takes 32 of its 256.
+        let unwritten = |plan: &super::plan::Plan| -> Vec<Vec<u8>> {
+            assert!(!plan.arena.is_empty(), "the step has intermediates");
+            (plan.arena.iter())
+                .map(|s| dev.inner.read("test", s.buffer(), 128, 128).unwrap())
+                .collect()
+        };
+        let before = unwritten(&step.plans[0]);
+        assert!(before.iter().all(|b| b.iter().any(|&x| x != 0xFF)));
+        dev.inner.set_poison_buffers(true);
+        losses.push(step.run(std::slice::from_ref(&x)).unwrap().item().unwrap());
+        assert_eq!(step.stats().replays, 2);
+        let after = unwritten(&step.plans[0]);
+        assert!(after.iter().all(|b| b.iter().all(|&x| x == 0xFF)));
+        assert_eq!(losses[3], losses[2]);
+    }
 }

@@ -40,6 +40,10 @@ pub(crate) struct Plan {
     pub(super) prepared: Option<Prepared>,
     /// Whether the latest replay submitted commands encoded ahead.
     pub(super) last_encoded_ahead: bool,
+    /// The arena's buffers (in `kinds` as `Kind::Fixed` too): filled with NaN before each
+    /// replay under `WGRAD_POISON_BUFFERS`, so that a kernel reading an intermediate before
+    /// the step writes it reads NaN, not the value the previous replay left there.
+    pub(super) arena: Vec<Arc<Storage>>,
 }
 
 impl Plan {
@@ -78,7 +82,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
     } = draft;
     let device = shell.device.clone();
 
-    let kinds = place_intermediates(&commands, values, &device)?;
+    let (kinds, arena) = place_intermediates(&commands, values, &device)?;
     let (params_buffer, launches) = encode_commands(&mut commands, &kinds, &device);
     let plan = Plan {
         device,
@@ -96,6 +100,7 @@ pub(crate) fn lay_out(draft: Draft, shell: Shell) -> Result<Plan> {
         last_to_submit: Duration::ZERO,
         prepared: None,
         last_encoded_ahead: false,
+        arena,
     };
     // A failed encoding drops the plan, which releases what it made (see `Drop for Plan`).
     plan.device.inner.take_error(OP)?;
@@ -231,12 +236,13 @@ pub(super) fn staging(upload: &Upload<usize>) -> &wgpu::Buffer {
 }
 
 /// `values` with every intermediate placed in an arena buffer (see `capture::memory`): one
-/// storage per arena buffer, shared by the intermediates whose lives do not meet.
+/// storage per arena buffer, shared by the intermediates whose lives do not meet; and those
+/// storages.
 fn place_intermediates(
     commands: &[Command],
     mut values: Vec<Kind>,
     device: &Device,
-) -> Result<Vec<Kind>> {
+) -> Result<(Vec<Kind>, Vec<Arc<Storage>>)> {
     let uses = commands.iter().enumerate().flat_map(|(at, command)| {
         let used: Vec<usize> = command.buffers().into_iter().copied().collect();
         used.into_iter().map(move |v| (at, v))
@@ -261,7 +267,7 @@ fn place_intermediates(
             values[v] = Kind::Fixed(buffers[*b].clone());
         }
     }
-    Ok(values)
+    Ok((values, buffers))
 }
 
 /// The bind group of launch `l` over `buffers` (one per binding, in order): each bound whole,

@@ -131,7 +131,13 @@ impl Plan {
         let commands = commands.unwrap_or_else(|| self.encode(&storages));
 
         let writes = self.host_writes()?;
-        let queue_writes: Vec<(&wgpu::Buffer, u64, &[u8])> = writes
+        let poison: Vec<(&wgpu::Buffer, Vec<u8>)> = match inner.poisons_buffers() {
+            true => (self.arena.iter())
+                .map(|s| (s.buffer(), vec![0xFF; s.buffer().size() as usize]))
+                .collect(),
+            false => Vec::new(),
+        };
+        let mut queue_writes: Vec<(&wgpu::Buffer, u64, &[u8])> = writes
             .iter()
             .map(|(i, data)| match &self.commands[*i] {
                 Command::Launch(l) => (
@@ -145,6 +151,11 @@ impl Plan {
                 }
             })
             .collect();
+        queue_writes.extend(
+            poison
+                .iter()
+                .map(|(buffer, nan)| (*buffer, 0, nan.as_slice())),
+        );
         self.last_to_submit = started.elapsed();
         inner.submit_commands(OP, &queue_writes, commands, self.dispatches)?;
 

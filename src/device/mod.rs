@@ -447,11 +447,17 @@ impl DeviceInner {
                 buffer
             }
         };
-        if self.poison_buffers.load(Ordering::Relaxed) {
+        if self.poisons_buffers() {
             // Recorded like any write, so it lands after the work that read the buffer last.
             self.upload(op, &buffer, &vec![0xFF; class as usize])?;
         }
         Ok(buffer)
+    }
+
+    /// Whether every buffer handed out is filled with NaN first (`WGRAD_POISON_BUFFERS`):
+    /// captured plans then fill their arenas so before each replay.
+    pub(crate) fn poisons_buffers(&self) -> bool {
+        self.poison_buffers.load(Ordering::Relaxed)
     }
 
     /// Turns `WGRAD_POISON_BUFFERS` on or off for this device (tests of it).
