@@ -11,7 +11,11 @@ const DST: u32 = DST_DTYPEu;
 
 // Element `i` (row-major over the shape) of the source, as f32.
 fn load(i: u32) -> f32 {
-    let at = pu(CAST_OFFSET) + strided_offset(i, pu(CAST_RANK), CAST_SHAPE, CAST_STRIDES);
+    return load_at(pu(CAST_OFFSET) + strided_offset(i, pu(CAST_RANK), CAST_SHAPE, CAST_STRIDES));
+}
+
+// The source's element at element offset `at`, as f32.
+fn load_at(at: u32) -> f32 {
     if (SRC == 0u) {
         return bitcast<f32>(src[at]);
     }
@@ -71,9 +75,62 @@ fn convert(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 
 // The 16 bits element `i` of the source is stored as in a 16-bit destination.
 fn element_bits(i: u32) -> u32 {
+    return bits_at(pu(CAST_OFFSET) + strided_offset(i, pu(CAST_RANK), CAST_SHAPE, CAST_STRIDES));
+}
+
+// The 16 bits the source's element at element offset `at` is stored as in a 16-bit
+// destination.
+fn bits_at(at: u32) -> u32 {
     if (SRC == DST) {
-        let at = pu(CAST_OFFSET) + strided_offset(i, pu(CAST_RANK), CAST_SHAPE, CAST_STRIDES);
         return half_of(src[at / 2u], at);
     }
-    return stored(load(i));
+    return stored(load_at(at));
+}
+
+// Params: `CastIntoViewParams`: a 16-bit destination that is a strided view (a slice of the
+// last dim, a transposed tensor), its dims ordered by stride, largest first, each stride at
+// least the next one's times its size (the host checks), so that an element's position in
+// the view's span names at most one index. One invocation per word of the span: of its two
+// elements, those the view holds take the source's element at their index, and the others
+// keep their bits (no two invocations write one word).
+@compute @workgroup_size(256)
+fn convert_into_view(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    let first = pu(CAST_INTO_VIEW_DST_OFFSET);
+    let end = first + pu(CAST_INTO_VIEW_SPAN);
+    let w = first / 2u + workgroup_index(wid, nwg) * 256u + lid;
+    if (2u * w >= end) {
+        return;
+    }
+    var word = 0u;
+    for (var h = 0u; h < 2u; h = h + 1u) {
+        let e = 2u * w + h;
+        var bits = half_of(dst[w], e);
+        if (e >= first && e < end) {
+            let at = source_of(e - first);
+            if (at != NOT_IN_VIEW) {
+                bits = bits_at(at);
+            }
+        }
+        word = word | (bits << (16u * h));
+    }
+    dst[w] = word;
+}
+
+const NOT_IN_VIEW: u32 = 0xffffffffu;
+
+// The source's element offset for the view's element at position `p` of its span, or
+// NOT_IN_VIEW where the view holds no element there.
+fn source_of(p: u32) -> u32 {
+    var rest = p;
+    var at = pu(CAST_INTO_VIEW_SRC_OFFSET);
+    for (var d = 0u; d < pu(CAST_INTO_VIEW_RANK); d = d + 1u) {
+        let i = rest / pu(CAST_INTO_VIEW_DST_STRIDES + d);
+        if (i >= pu(CAST_INTO_VIEW_SHAPE + d)) {
+            return NOT_IN_VIEW;
+        }
+        rest = rest - i * pu(CAST_INTO_VIEW_DST_STRIDES + d);
+        at = at + i * pu(CAST_INTO_VIEW_SRC_STRIDES + d);
+    }
+    return select(NOT_IN_VIEW, at, rest == 0u);
 }

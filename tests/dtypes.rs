@@ -145,6 +145,78 @@ fn views_of_16_bit_tensors_read_and_copy_at_odd_offsets() {
     );
 }
 
+/// `base` (a 16-bit `[rows, cols]` of `values`) with `view_of(base)` written from `src`'s
+/// values, read back as f32; and the host's answer, where `position(i)` is the flat index of
+/// the view's element `i` in `base`.
+fn write_into_view(
+    dtype: DType,
+    (rows, cols): (usize, usize),
+    view_of: impl Fn(&Tensor) -> Tensor,
+    position: impl Fn(usize) -> usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let values: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+    let base = Tensor::from_vec(values.clone(), &[rows, cols], device())
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    let view = view_of(&base);
+    let n = view.numel();
+    let incoming: Vec<f32> = (0..n).map(|i| -1.0 - i as f32).collect();
+    let src = Tensor::from_vec(incoming.clone(), view.shape(), device())
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    view.copy_(&src).unwrap();
+    let mut want = values;
+    for (i, v) in incoming.into_iter().enumerate() {
+        want[position(i)] = v;
+    }
+    (base.to_vec().unwrap(), want)
+}
+
+#[test]
+fn copy_into_a_strided_16_bit_view_writes_its_elements_and_keeps_the_others() {
+    for dtype in [DType::F16, DType::BF16] {
+        // Columns 1..4 of each row of 5: runs starting and ending inside words.
+        let (got, want) = write_into_view(
+            dtype,
+            (3, 5),
+            |b| b.narrow(1, 1, 3).unwrap(),
+            |i| (i / 3) * 5 + 1 + i % 3,
+        );
+        assert_eq!(got, want, "{dtype:?} narrow");
+        // The transpose of [4, 3]: every element a stride of 3 from the next.
+        let (got, want) =
+            write_into_view(dtype, (4, 3), |b| b.t().unwrap(), |i| (i % 4) * 3 + i / 4);
+        assert_eq!(got, want, "{dtype:?} transpose");
+        // Every other column of the transpose of a narrow: strides of 2 and 10.
+        let (got, want) = write_into_view(
+            dtype,
+            (5, 10),
+            |b| {
+                let v = b.narrow(0, 1, 3).unwrap().t().unwrap();
+                v.reshape(&[5, 2, 3]).unwrap().narrow(1, 0, 1).unwrap()
+            },
+            |i| (i % 3 + 1) * 10 + 2 * (i / 3),
+        );
+        assert_eq!(got, want, "{dtype:?} strided");
+    }
+}
+
+#[test]
+fn copy_into_a_strided_f16_view_keeps_its_neighbours_bits() {
+    // A signalling NaN beside the written element: a round trip through f32 would quiet it.
+    let nan = f16::from_bits(0x7C01);
+    let base = Tensor::from_vec_f16(vec![nan, f16::ONE, nan, f16::ONE], &[2, 2], device()).unwrap();
+    let column = base.narrow(1, 1, 1).unwrap();
+    let src = Tensor::from_vec_f16(vec![f16::from_f32(2.5); 2], &[2, 1], device()).unwrap();
+    column.copy_(&src).unwrap();
+    let bits: Vec<u16> = (base.to_vec_f16().unwrap().iter())
+        .map(|v| v.to_bits())
+        .collect();
+    assert_eq!(bits, [0x7C01, 0x4100, 0x7C01, 0x4100]);
+}
+
 #[test]
 fn casts_between_every_pair_of_dtypes() {
     let values = [0.0f32, 1.0, 2.5, 7.0, 300.0, 65504.0];

@@ -326,14 +326,11 @@ fn fresh(shape: &[usize], seed: u64) -> Pair {
             cpu,
         };
     };
-    // Filled in F32 and cast whole: 16-bit writes take a contiguous destination only.
     let mut padded_shape = shape.to_vec();
     padded_shape[dim] += 1;
-    let padded = Tensor::full(&padded_shape, f32::NAN, device()).unwrap();
-    (padded.narrow(dim, 0, shape[dim]).unwrap())
-        .copy_(&dense)
-        .unwrap();
-    let gpu = in_case_dtype(padded).narrow(dim, 0, shape[dim]).unwrap();
+    let padded = in_case_dtype(Tensor::full(&padded_shape, f32::NAN, device()).unwrap());
+    let gpu = padded.narrow(dim, 0, shape[dim]).unwrap();
+    gpu.copy_(&in_case_dtype(dense)).unwrap();
     Pair { gpu, cpu }
 }
 

@@ -23,10 +23,25 @@ crate::kernel_params! {
     }
 }
 
+crate::kernel_params! {
+    /// `convert_into_view`: a strided view of a 16-bit destination, its dims (size 1 left
+    /// out) ordered by stride, largest first, with the source's strides in the same order;
+    /// `span` elements from the view's first to its last.
+    pub(crate) struct CastIntoViewParams {
+        span: u32,
+        src_offset: u32,
+        dst_offset: u32,
+        rank: u32,
+        shape: [u32; 6],
+        dst_strides: [u32; 6],
+        src_strides: [u32; 6],
+    }
+}
+
 static CAST: ShaderFamily = ShaderFamily {
     name: "cast",
     wgsl: include_str!("../../shaders/cast.wgsl"),
-    params: &[&CastParams::LAYOUT],
+    params: &[&CastParams::LAYOUT, &CastIntoViewParams::LAYOUT],
     preludes: &[SIXTEEN_BIT_WGSL],
 };
 
@@ -179,27 +194,21 @@ fn source(from: DType, to: DType) -> String {
 }
 
 /// Writes `src`'s values, cast to `dst`'s dtype, into `dst`'s storage at `dst_layout` (`copy_`,
-/// a piece of `cat`): a contiguous run, at any offset (16-bit elements that share a word with
-/// the run's keep their bits).
+/// a piece of `cat`): a contiguous run at any offset, or a strided view of a 16-bit
+/// destination (16-bit elements that share a word with the written ones keep their bits).
 pub(crate) fn cast_into(
     op: &'static str,
     src: &Tensor,
     dst: &Tensor,
     dst_layout: &Layout,
 ) -> Result<()> {
-    if !dst_layout.is_contiguous() {
-        return Err(Error::InvalidArgument {
-            op,
-            msg: format!(
-                "writes into {:?} tensors need a contiguous destination, got a view of shape {:?}",
-                dst.dtype(),
-                dst.shape()
-            ),
-        });
-    }
     if src.numel() == 0 {
         return Ok(());
     }
+    let into_view = match dst_layout.is_contiguous() {
+        true => None,
+        false => Some(view_params(op, src, dst, dst_layout)?),
+    };
     for t in [src, dst] {
         if t.exceeds_binding() {
             return Err(too_large_view(op, t));
@@ -210,7 +219,73 @@ pub(crate) fn cast_into(
         true => cast(op, &src.detach(), src.dtype())?,
         false => src.clone(),
     };
-    launch_cast(op, &src, dst, dst_layout.offset)
+    let Some(params) = into_view else {
+        return launch_cast(op, &src, dst, dst_layout.offset);
+    };
+    let params = CastIntoViewParams {
+        src_offset: src.layout().offset as u32,
+        ..params
+    };
+    let (from, to) = (src.dtype(), dst.dtype());
+    let variant = format!("{from:?}_to_{to:?}");
+    let source = || source(from, to);
+    let kernel = Kernel::specialised(&CAST, "convert_into_view", &variant, &source)
+        .with_dtypes(&[(1, from), (2, to)]);
+    let first = params.dst_offset as usize;
+    let words = (first + params.span as usize).div_ceil(2) - first / 2;
+    Launch::new(op, &kernel, &[(1, &src), (2, dst)], &params).record(words.div_ceil(256) as u32)
+}
+
+/// The params of `convert_into_view` for writing `src` into the strided view `dst_layout` of
+/// a 16-bit `dst` (all but the source's offset, which a copy of the source may change): its
+/// dims by stride, largest first. Each stride must be at least the next one's times its size,
+/// as in any view of a dense tensor made by slicing and permuting.
+fn view_params(
+    op: &'static str,
+    src: &Tensor,
+    dst: &Tensor,
+    dst_layout: &Layout,
+) -> Result<CastIntoViewParams> {
+    let not_writable = |why: &str| Error::InvalidArgument {
+        op,
+        msg: format!(
+            "cannot write into a {:?} view of shape {:?} and strides {:?}: {why}",
+            dst.dtype(),
+            dst_layout.shape,
+            dst_layout.strides
+        ),
+    };
+    if !dst.dtype().is_16_bit() || src.shape() != dst_layout.shape.as_slice() {
+        return Err(not_writable(
+            "only a 16-bit one of the source's shape is written here",
+        ));
+    }
+    let src_strides = &src.layout().strides;
+    let mut dims: Vec<(usize, usize, usize)> = (0..dst_layout.shape.len())
+        .filter(|&d| dst_layout.shape[d] > 1)
+        .map(|d| (dst_layout.shape[d], dst_layout.strides[d], src_strides[d]))
+        .collect();
+    dims.sort_by_key(|&(_, stride, _)| std::cmp::Reverse(stride));
+    let nested = dims.windows(2).all(|p| p[0].1 >= p[1].1 * p[1].0);
+    if !nested || dims.iter().any(|&(_, stride, _)| stride == 0) {
+        return Err(not_writable("its elements overlap or interleave"));
+    }
+    let six = |f: &dyn Fn(&(usize, usize, usize)) -> usize| -> [u32; 6] {
+        let mut out = [0u32; 6];
+        for (slot, dim) in out.iter_mut().zip(&dims) {
+            *slot = f(dim) as u32;
+        }
+        out
+    };
+    Ok(CastIntoViewParams {
+        span: (dst_layout.span() - dst_layout.offset) as u32,
+        src_offset: 0,
+        dst_offset: dst_layout.offset as u32,
+        rank: dims.len() as u32,
+        shape: six(&|d| d.0),
+        dst_strides: six(&|d| d.1),
+        src_strides: six(&|d| d.2),
+    })
 }
 
 /// Casts `x` into the contiguous run of `out`'s storage from element `first`.
