@@ -1040,6 +1040,35 @@ fn gather_and_argmax_of_an_empty_view_of_a_buffer_past_one_binding_are_empty() {
 }
 
 #[test]
+fn copy_into_a_strided_f16_view_past_one_binding_writes_every_run() {
+    let dev = device();
+    // Columns 1..4 of rows of 5 halves, the buffer past one binding: runs of rows, each
+    // written into a window, every row's run starting inside a word.
+    let rows = (dev.max_binding_bytes() as usize / 10 + 1000) / 2 * 2 + 1;
+    let base = Tensor::zeros(&[rows, 5], dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let incoming: Vec<f32> = (0..rows * 3).map(|i| (i % 2000) as f32).collect();
+    let src = Tensor::from_vec(incoming, &[rows, 3], dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    base.narrow(1, 1, 3).unwrap().copy_(&src).unwrap();
+    let flat = base.to_dtype(DType::F32).unwrap();
+    for row in [0, 1, rows / 2, rows - 2, rows - 1] {
+        let want: Vec<f32> = (0..5)
+            .map(|c| match c {
+                1..=3 => ((row * 3 + c - 1) % 2000) as f32,
+                _ => 0.0,
+            })
+            .collect();
+        let positions: Vec<usize> = (0..5).map(|c| row * 5 + c).collect();
+        assert_eq!(at(&flat, &positions), want, "row {row}");
+    }
+}
+
+#[test]
 fn a_product_of_two_operands_past_one_binding_matches_the_host() {
     let dev = device();
     // x [64, k] and w [64, k], each past one binding: x @ w^T takes runs of x's rows, each
