@@ -204,6 +204,24 @@ fn copy_into_a_strided_16_bit_view_writes_its_elements_and_keeps_the_others() {
 }
 
 #[test]
+fn copy_into_a_strided_16_bit_view_of_its_own_source_reads_the_source_first() {
+    for dtype in [DType::F16, DType::BF16] {
+        // Columns 0..3 into columns 1..4 of the same rows: each row shifts right by one.
+        let values: Vec<f32> = (0..15).map(|i| i as f32).collect();
+        let x = Tensor::from_vec(values, &[3, 5], device())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let src = x.narrow(1, 0, 3).unwrap().t().unwrap();
+        x.narrow(1, 1, 3).unwrap().t().unwrap().copy_(&src).unwrap();
+        let want: Vec<f32> = (0..3)
+            .flat_map(|r| [0, 0, 1, 2, 4].map(|c| (r * 5 + c) as f32))
+            .collect();
+        assert_eq!(x.to_vec().unwrap(), want, "{dtype:?}");
+    }
+}
+
+#[test]
 fn copy_into_a_strided_f16_view_keeps_its_neighbours_bits() {
     // A signalling NaN beside the written element: a round trip through f32 would quiet it.
     let nan = f16::from_bits(0x7C01);

@@ -205,27 +205,25 @@ pub(crate) fn cast_into(
     if src.numel() == 0 {
         return Ok(());
     }
-    let into_view = match dst_layout.is_contiguous() {
-        true => None,
-        false => Some(view_params(op, src, dst, dst_layout)?),
-    };
+    if !dst_layout.is_contiguous() {
+        // Refused before any work is recorded.
+        view_params(op, src, dst, dst_layout)?;
+    }
     for t in [src, dst] {
         if t.exceeds_binding() {
             return Err(too_large_view(op, t));
         }
     }
-    // One dispatch may not read and write the same buffer through two bindings.
+    // One dispatch may not read and write the same buffer through two bindings: the source
+    // is read whole before any of it is written.
     let src = match src.storage_id() == dst.storage_id() {
         true => cast(op, &src.detach(), src.dtype())?,
         false => src.clone(),
     };
-    let Some(params) = into_view else {
+    if dst_layout.is_contiguous() {
         return launch_cast(op, &src, dst, dst_layout.offset);
-    };
-    let params = CastIntoViewParams {
-        src_offset: src.layout().offset as u32,
-        ..params
-    };
+    }
+    let params = view_params(op, &src, dst, dst_layout)?;
     let (from, to) = (src.dtype(), dst.dtype());
     let variant = format!("{from:?}_to_{to:?}");
     let source = || source(from, to);
@@ -237,8 +235,7 @@ pub(crate) fn cast_into(
 }
 
 /// The params of `convert_into_view` for writing `src` into the strided view `dst_layout` of
-/// a 16-bit `dst` (all but the source's offset, which a copy of the source may change): its
-/// dims by stride, largest first. Each stride must be at least the next one's times its size,
+/// a 16-bit `dst`: its dims by stride, largest first, with the source's strides in that order. Each stride must be at least the next one's times its size,
 /// as in any view of a dense tensor made by slicing and permuting.
 fn view_params(
     op: &'static str,
@@ -279,7 +276,7 @@ fn view_params(
     };
     Ok(CastIntoViewParams {
         span: (dst_layout.span() - dst_layout.offset) as u32,
-        src_offset: 0,
+        src_offset: src.layout().offset as u32,
         dst_offset: dst_layout.offset as u32,
         rank: dims.len() as u32,
         shape: six(&|d| d.0),
