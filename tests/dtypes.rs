@@ -222,6 +222,28 @@ fn copy_into_a_strided_16_bit_view_of_its_own_source_reads_the_source_first() {
 }
 
 #[test]
+fn the_grad_of_a_narrow_along_a_later_dim_of_a_16_bit_tensor_is_16_bit() {
+    for dtype in [DType::F16, DType::BF16] {
+        // The grad is written into the middle columns of zeros: a strided region.
+        let x = Tensor::from_vec((0..10).map(|i| i as f32).collect(), &[2, 5], device())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .requires_grad_(true);
+        x.narrow(1, 1, 3)
+            .unwrap()
+            .sum()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let grad = x.grad().unwrap();
+        assert_eq!(grad.dtype(), dtype);
+        let want = [0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0];
+        assert_eq!(grad.to_vec().unwrap(), want, "{dtype:?}");
+    }
+}
+
+#[test]
 fn copy_into_a_strided_f16_view_keeps_its_neighbours_bits() {
     // A signalling NaN beside the written element: a round trip through f32 would quiet it.
     let nan = f16::from_bits(0x7C01);

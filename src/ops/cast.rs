@@ -205,6 +205,11 @@ pub(crate) fn cast_into(
     if src.numel() == 0 {
         return Ok(());
     }
+    if !dst_layout.is_contiguous() && !dst.dtype().is_16_bit() {
+        // A strided 32-bit destination: the source cast, then a 32-bit strided copy.
+        let wide = cast(op, &src.detach(), dst.dtype())?;
+        return crate::ops::copy::copy_into(op, &wide, dst, dst_layout);
+    }
     if !dst_layout.is_contiguous() {
         // Refused before any work is recorded.
         view_params(op, src, dst, dst_layout)?;

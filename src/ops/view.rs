@@ -22,7 +22,7 @@ fn record_reshape(name: &'static str, out: Tensor, x: &Tensor) -> Tensor {
 
 /// Zeros of `shape` with `grad` written at `start..` along `dim`: the grad of a `narrow`.
 pub(crate) fn pad_into(grad: &Tensor, shape: &[usize], dim: usize, start: usize) -> Result<Tensor> {
-    let out = Tensor::zeros(shape, grad.device())?;
+    let out = Tensor::zeros(shape, grad.device())?.to_dtype(grad.dtype())?;
     let region = out
         .layout()
         .narrow("narrow", dim, start, grad.shape()[dim])?;
