@@ -1069,6 +1069,29 @@ fn copy_into_a_strided_f16_view_past_one_binding_writes_every_run() {
 }
 
 #[test]
+fn attention_of_a_small_leaf_with_keys_in_a_buffer_past_one_binding_leaves_it_a_leaf() {
+    let dev = device();
+    // q fits one binding; k and v are two heads of a buffer past it, bound as windows. q
+    // was given a node of its own (its own window was q itself), and the next backward
+    // through it failed: "trying to backward through the graph a second time".
+    let heads = past_binding() / (8 * 4) + 2;
+    let big = Tensor::from_vec(values(heads * 8 * 4, 2), &[heads, 8, 4], dev).unwrap();
+    let kv = big.narrow(0, heads - 2, 2).unwrap().unsqueeze(0).unwrap();
+    let q = Tensor::from_vec(values(2 * 8 * 4, 1), &[1, 2, 8, 4], dev)
+        .unwrap()
+        .requires_grad_(true);
+    let mut grads = Vec::new();
+    for _ in 0..2 {
+        q.zero_grad();
+        let out = q.scaled_dot_product_attention(&kv, &kv, true).unwrap();
+        out.sum().unwrap().backward().unwrap();
+        grads.push(q.grad().unwrap().to_vec().unwrap());
+    }
+    assert!(q.is_leaf());
+    assert_eq!(grads[0], grads[1]);
+}
+
+#[test]
 fn a_product_of_two_operands_past_one_binding_matches_the_host() {
     let dev = device();
     // x [64, k] and w [64, k], each past one binding: x @ w^T takes runs of x's rows, each

@@ -746,6 +746,11 @@ fn attend_in_windows(
     // A dense copy where the window is past one binding: a new buffer (`contiguous` would
     // give a dense `t` back as it is).
     let in_window = |t: &Tensor| -> Result<Tensor> {
+        // Bound as it is: `t` itself (a window of it would share its node, and a node
+        // recorded on it would make a leaf of the caller's into a node of its own graph).
+        if !t.exceeds_binding() {
+            return Ok(t.clone());
+        }
         let window = t.bindable();
         if window.exceeds_binding() {
             return t.deep_clone();
