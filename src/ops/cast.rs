@@ -240,8 +240,9 @@ pub(crate) fn cast_into(
 }
 
 /// The params of `convert_into_view` for writing `src` into the strided view `dst_layout` of
-/// a 16-bit `dst`: its dims by stride, largest first, with the source's strides in that order. Each stride must be at least the next one's times its size,
-/// as in any view of a dense tensor made by slicing and permuting.
+/// a 16-bit `dst`: its dims by stride, largest first, with the source's strides in that
+/// order. Each stride must be at least the next one's times its size, as in any view of a
+/// dense tensor made by slicing and permuting.
 fn view_params(
     op: &'static str,
     src: &Tensor,
