@@ -386,6 +386,9 @@ fn families_through_f32() -> Vec<(&'static str, &'static [&'static [usize]], Op)
             let at = Tensor::from_vec_u32(at, &[3, 4], device())?;
             t[0].scatter_add(1, &at, &t[1])
         }),
+        ("index_add", &[&[3, 5], &[4, 5]], |t| {
+            t[0].index_add(0, &indices()?, &t[1])
+        }),
         ("batch_norm", &[&[4, 3, 2, 2]], |t| {
             use wgrad::nn::Module;
             wgrad::nn::BatchNorm2d::new(3, device())?.forward(&t[0])

@@ -1,12 +1,14 @@
 //! A seeded fuzzer: random programs of ops (unary, broadcasting binary, reductions, views,
 //! matmul, softmax, index_select with repeats, cat, and the ops of today's models: sin, cos,
-//! silu, softplus, leaky_relu, minimum, comparison masks with where_cond, topk, sort, RMSNorm,
-//! LayerNorm and GroupNorm, conv_transpose2d, cumsum, flip, logsumexp, var, gather with
-//! repeats, max and average pools with padding and ceil mode, attention with causal masks and
-//! grouped-query heads, broadcast views) over random shapes (0- and 1-sized dims,
-//! broadcasting, ranks 0 to 6; rank 7 must be an error), on inputs dense or views followed by
-//! NaN, in F32 or (one case in four) F16 or BF16, run on wgrad and on an f64 CPU interpreter. Values must agree; for programs of smooth
-//! ops, finite differences must agree with the grad of the first input; nothing may panic.
+//! silu, softplus, leaky_relu, clamp, powf, minimum, comparison masks with where_cond, topk,
+//! sort, RMSNorm, LayerNorm and GroupNorm, conv2d with stride, padding, dilation and groups,
+//! conv_transpose2d, interpolate, pad2d, cumsum, flip, logsumexp, var, gather, index_add and
+//! scatter_add with repeats, max and average pools with padding and ceil mode, attention with
+//! causal masks and grouped-query heads, cross-entropy, broadcast views) over random shapes
+//! (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must be an error), on inputs
+//! dense or views followed by NaN, in F32 or (one case in four) F16 or BF16, run on wgrad and
+//! on an f64 CPU interpreter. Values must agree; for programs of smooth ops, finite
+//! differences must agree with the grad of the first input; nothing may panic.
 //!
 //! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
 //! `WGRAD_FUZZ_SEED=S` starts from case S (each case is reproducible from its number alone).
@@ -189,7 +191,6 @@ impl Cpu {
         Cpu { shape, data }
     }
 
-    /// Softmax (or log-softmax) along `dim`.
     /// `f` applied to every line along `dim` (each line's values in order), giving lines of
     /// `len` values: the op of a row kernel, on the CPU.
     fn along(&self, dim: usize, len: usize, f: impl Fn(&[f64]) -> Vec<f64>) -> Cpu {
@@ -211,6 +212,7 @@ impl Cpu {
         Cpu { shape, data }.permute(&back)
     }
 
+    /// Softmax (or log-softmax) along `dim`.
     fn softmax(&self, dim: usize, log: bool) -> Cpu {
         let max = self.reduce(&[dim], true, f64::NEG_INFINITY, f64::max);
         let shifted = self.binary(&max, |x, m| x - m);
@@ -347,7 +349,8 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(27) {
+    let op = rng.below(32);
+    match op {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -719,8 +722,217 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
             let gpu = x.gpu.unsqueeze(dim)?.expand(&shape)?;
             pair(gpu, Cpu { shape, data })
         }
+        27 if r == 4 && x.cpu.shape.iter().all(|&n| n > 0) && x.cpu.data.len() <= 1024 => {
+            // A 2-d convolution: kernel sides 1 to 3, stride, padding and dilation drawn per
+            // axis, one group, two or one per channel, a bias half the time.
+            let [c, h, w] = [x.cpu.shape[1], x.cpu.shape[2], x.cpu.shape[3]];
+            let groups = [1, c, if c % 2 == 0 { 2 } else { 1 }][rng.below(3)];
+            let c_out = groups * (1 + rng.below(2));
+            let o = wgrad::Conv2dOptions {
+                stride: (1 + rng.below(2), 1 + rng.below(2)),
+                padding: (rng.below(2), rng.below(2)),
+                dilation: (1 + rng.below(2), 1 + rng.below(2)),
+                groups,
+            };
+            // A side the dilated kernel does not fit (padded) is 1 wide.
+            let fit = |k: usize, side: usize, p: usize, d: usize| match side + 2 * p > d * (k - 1) {
+                true => k,
+                false => 1,
+            };
+            let kh = fit(1 + rng.below(3), h, o.padding.0, o.dilation.0);
+            let kw = fit(1 + rng.below(3), w, o.padding.1, o.dilation.1);
+            let weight = fresh(&[c_out, c / groups, kh, kw], seed);
+            let bias = (rng.below(2) == 0).then(|| fresh(&[c_out], seed + 1));
+            pair(
+                (x.gpu).conv2d_with(&weight.gpu, bias.as_ref().map(|b| &b.gpu), o)?,
+                conv_2d(&x.cpu, &weight.cpu, bias.as_ref().map(|b| &b.cpu), &o),
+            )
+        }
+        28 if r == 4 && x.cpu.shape.iter().all(|&n| n > 0) && rng.below(2) == 0 => {
+            // Images resampled (nearest or bilinear) to sides of 1 to 6.
+            let size = (1 + rng.below(6), 1 + rng.below(6));
+            let mode = [wgrad::Interpolate::Nearest, wgrad::Interpolate::Bilinear][rng.below(2)];
+            pair(
+                x.gpu.interpolate(size, mode)?,
+                interpolate_2d(&x.cpu, size, mode),
+            )
+        }
+        28 if r >= 2 => {
+            // The last two dims padded by 0 to 2 on each side with 0.5.
+            let sides = (rng.below(3), rng.below(3), rng.below(3), rng.below(3));
+            pair(x.gpu.pad2d(sides, 0.5)?, pad_2d(&x.cpu, sides, 0.5))
+        }
+        29 => match rng.below(2) {
+            0 => {
+                *smooth = false;
+                pair(x.gpu.clamp(-0.3, 0.4)?, x.cpu.map(|v| v.clamp(-0.3, 0.4)))
+            }
+            _ => {
+                let p = [2.0, 3.0][rng.below(2)];
+                pair(x.gpu.powf(p as f32)?, x.cpu.map(|v| v.powf(p)))
+            }
+        },
+        30 if r > 0 => {
+            // index_add or scatter_add along a dim: a source of x's shape but 0 to 3 long
+            // there, added at indices drawn with repeats (per slice or per element).
+            let dim = rng.below(r);
+            let n = x.cpu.shape[dim];
+            let k = if n == 0 { 0 } else { rng.below(4) };
+            let mut shape = x.cpu.shape.clone();
+            shape[dim] = k;
+            let source = fresh(&shape, seed);
+            let per_element = rng.below(2) == 0;
+            let count = match per_element {
+                true => Cpu::numel(&shape),
+                false => k,
+            };
+            let picks: Vec<u32> = (0..count).map(|_| rng.below(n) as u32).collect();
+            let mut cpu = x.cpu.clone();
+            let out_strides = strides(&x.cpu.shape);
+            for (i, &v) in source.cpu.data.iter().enumerate() {
+                let mut index = unravel(i, &shape);
+                index[dim] = picks[if per_element { i } else { index[dim] }] as usize;
+                let flat: usize = index.iter().zip(&out_strides).map(|(a, b)| a * b).sum();
+                cpu.data[flat] += v;
+            }
+            let gpu = match per_element {
+                true => {
+                    let indices = Tensor::from_vec_u32(picks, &shape, device())?;
+                    x.gpu.scatter_add(dim, &indices, &source.gpu)?
+                }
+                false => {
+                    let indices = Tensor::from_vec_u32(picks, &[k], device())?;
+                    x.gpu.index_add(dim, &indices, &source.gpu)?
+                }
+            };
+            pair(gpu, cpu)
+        }
+        31 if r == 2 && x.cpu.shape[0] > 0 && x.cpu.shape[1] > 0 => {
+            // Cross-entropy of x's rows as logits against labels drawn per row.
+            let [rows, classes] = [x.cpu.shape[0], x.cpu.shape[1]];
+            let labels: Vec<u32> = (0..rows).map(|_| rng.below(classes) as u32).collect();
+            let loss: f64 = (0..rows)
+                .map(|i| {
+                    let row = &x.cpu.data[i * classes..(i + 1) * classes];
+                    let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+                    lse - row[labels[i] as usize]
+                })
+                .sum::<f64>()
+                / rows as f64;
+            let labels = Tensor::from_vec_u32(labels, &[rows], device())?;
+            let cpu = Cpu {
+                shape: vec![],
+                data: vec![loss],
+            };
+            pair(wgrad::nn::loss::cross_entropy(&x.gpu, &labels)?, cpu)
+        }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
+}
+
+/// torch's `conv2d` of `x` `[n, c, h, w]` with `w` `[c_out, c / groups, kh, kw]` and `bias`.
+fn conv_2d(x: &Cpu, w: &Cpu, bias: Option<&Cpu>, o: &wgrad::Conv2dOptions) -> Cpu {
+    let [n, _, h, wd] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
+    let [c_out, c_in, kh, kw] = [w.shape[0], w.shape[1], w.shape[2], w.shape[3]];
+    let c = x.shape[1];
+    let out_len = |size: usize, k: usize, s: usize, p: usize, d: usize| {
+        (size + 2 * p - d * (k - 1) - 1) / s + 1
+    };
+    let oh = out_len(h, kh, o.stride.0, o.padding.0, o.dilation.0);
+    let ow = out_len(wd, kw, o.stride.1, o.padding.1, o.dilation.1);
+    let per_group = c_out / o.groups;
+    let shape = vec![n, c_out, oh, ow];
+    let mut data = Vec::with_capacity(Cpu::numel(&shape));
+    for b in 0..n {
+        for co in 0..c_out {
+            let first_in = co / per_group * c_in;
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut sum = bias.map_or(0.0, |bias| bias.data[co]);
+                    for ci in 0..c_in {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let y = (oy * o.stride.0 + ky * o.dilation.0) as i64
+                                    - o.padding.0 as i64;
+                                let xx = (ox * o.stride.1 + kx * o.dilation.1) as i64
+                                    - o.padding.1 as i64;
+                                if y < 0 || xx < 0 || y >= h as i64 || xx >= wd as i64 {
+                                    continue;
+                                }
+                                let at =
+                                    ((b * c + first_in + ci) * h + y as usize) * wd + xx as usize;
+                                sum += x.data[at] * w.data[((co * c_in + ci) * kh + ky) * kw + kx];
+                            }
+                        }
+                    }
+                    data.push(sum);
+                }
+            }
+        }
+    }
+    Cpu { shape, data }
+}
+
+/// The input positions and weights each of `out` positions takes from `size`, as torch's
+/// `interpolate` reckons them (its scale `size / out` in f32; bilinear: align_corners=False).
+fn resample_taps(out: usize, size: usize, mode: wgrad::Interpolate) -> Vec<Vec<(usize, f64)>> {
+    let scale = size as f32 / out as f32;
+    (0..out)
+        .map(|i| match mode {
+            wgrad::Interpolate::Nearest => {
+                vec![(((i as f32 * scale).floor() as usize).min(size - 1), 1.0)]
+            }
+            wgrad::Interpolate::Bilinear => {
+                let src = ((i as f32 + 0.5) * scale - 0.5).max(0.0);
+                let lo = (src.floor() as usize).min(size - 1);
+                let t = (src - lo as f32) as f64;
+                vec![(lo, 1.0 - t), ((lo + 1).min(size - 1), t)]
+            }
+        })
+        .collect()
+}
+
+/// torch's `interpolate(x, size=(oh, ow), mode=...)` of `x` `[n, c, h, w]`.
+fn interpolate_2d(x: &Cpu, (oh, ow): (usize, usize), mode: wgrad::Interpolate) -> Cpu {
+    let [n, c, h, w] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
+    let (rows, cols) = (resample_taps(oh, h, mode), resample_taps(ow, w, mode));
+    let shape = vec![n, c, oh, ow];
+    let mut data = Vec::with_capacity(Cpu::numel(&shape));
+    for plane in 0..n * c {
+        for row in &rows {
+            for col in &cols {
+                let mut sum = 0.0;
+                for &(y, wy) in row {
+                    for &(xx, wx) in col {
+                        sum += wy * wx * x.data[(plane * h + y) * w + xx];
+                    }
+                }
+                data.push(sum);
+            }
+        }
+    }
+    Cpu { shape, data }
+}
+
+/// torch's `F.pad(x, (left, right, top, bottom), value=value)` of the last two dims.
+fn pad_2d(x: &Cpu, (left, right, top, bottom): (usize, usize, usize, usize), value: f64) -> Cpu {
+    let r = x.shape.len();
+    let (h, w) = (x.shape[r - 2], x.shape[r - 1]);
+    let (oh, ow) = (h + top + bottom, w + left + right);
+    let mut shape = x.shape.clone();
+    shape[r - 2] = oh;
+    shape[r - 1] = ow;
+    let planes = Cpu::numel(&x.shape[..r - 2]);
+    let mut data = vec![value; Cpu::numel(&shape)];
+    for plane in 0..planes {
+        for y in 0..h {
+            for xx in 0..w {
+                data[(plane * oh + y + top) * ow + xx + left] = x.data[(plane * h + y) * w + xx];
+            }
+        }
+    }
+    Cpu { shape, data }
 }
 
 /// torch's `scaled_dot_product_attention(q, k, v, is_causal)` (causal aligned top-left),

@@ -55,7 +55,8 @@ pub struct SdpaOptions<'a> {
     pub causal: bool,
     /// An F32 mask added to the scaled scores (`-inf` drops a key), or a U32 keep-mask
     /// (nonzero: attend), broadcastable to `[.., Tq, Tk]` over q's batch dims. It takes no
-    /// grad. A query row whose keys are all dropped gives zeros (PyTorch: NaN).
+    /// grad. A query row whose keys are all dropped gives zeros, as PyTorch 2.5 and later do
+    /// (earlier versions gave NaN).
     pub mask: Option<&'a Tensor>,
     /// The factor on `q k^T`; `None` is `1 / sqrt(D)`.
     pub scale: Option<f32>,
@@ -760,10 +761,8 @@ fn attend_in_windows(
         }))
     };
     let (q, k, v) = (in_window(qkv[0])?, in_window(qkv[1])?, in_window(qkv[2])?);
-    let mask = match mask.map(|m| m.bindable()) {
-        Some(m) if m.exceeds_binding() => Some(m.deep_clone()?),
-        m => m,
-    };
+    // The mask takes no grad, so its window records no node.
+    let mask = mask.as_ref().map(in_window).transpose()?;
     let opts = SdpaOptions {
         mask: mask.as_ref(),
         ..*opts
@@ -1145,8 +1144,8 @@ impl Tensor {
         let mut out_shape = q.shape().to_vec();
         out_shape[r - 1] = shape.dv;
         if shape.t_k == 0 {
-            // No key to attend to: PyTorch gives NaN rows; wgrad gives zeros, as a row with
-            // every key masked does.
+            // No key to attend to: zeros, as PyTorch's math path gives (its weights are an
+            // empty product) and as a row with every key masked gives.
             let zeros = Tensor::zeros(&out_shape, q.device())?.to_dtype(q.dtype())?;
             return Ok(record(OP, zeros, &[&q, &k, &v], |_| {
                 let shapes = [q.shape().to_vec(), k.shape().to_vec(), v.shape().to_vec()];

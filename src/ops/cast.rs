@@ -210,10 +210,11 @@ pub(crate) fn cast_into(
         let wide = cast(op, &src.detach(), dst.dtype())?;
         return crate::ops::copy::copy_into(op, &wide, dst, dst_layout);
     }
-    if !dst_layout.is_contiguous() {
-        // Refused before any work is recorded.
-        view_params(op, src, dst, dst_layout)?;
-    }
+    // A strided 16-bit destination's dims, refused before any work is recorded.
+    let view_dims = match dst_layout.is_contiguous() {
+        true => None,
+        false => Some(writable_dims(op, src, dst, dst_layout)?),
+    };
     for t in [src, dst] {
         if t.exceeds_binding() {
             return Err(too_large_view(op, t));
@@ -225,10 +226,10 @@ pub(crate) fn cast_into(
         true => cast(op, &src.detach(), src.dtype())?,
         false => src.clone(),
     };
-    if dst_layout.is_contiguous() {
+    let Some(dims) = view_dims else {
         return launch_cast(op, &src, dst, dst_layout.offset);
-    }
-    let params = view_params(op, &src, dst, dst_layout)?;
+    };
+    let params = view_params(&src, dst_layout, &dims);
     let (from, to) = (src.dtype(), dst.dtype());
     let variant = format!("{from:?}_to_{to:?}");
     let source = || source(from, to);
@@ -239,56 +240,60 @@ pub(crate) fn cast_into(
     Launch::new(op, &kernel, &[(1, &src), (2, dst)], &params).record(words.div_ceil(256) as u32)
 }
 
-/// The params of `convert_into_view` for writing `src` into the strided view `dst_layout` of
-/// a 16-bit `dst`: its dims by stride, largest first, with the source's strides in that
-/// order. Each stride must be at least the next one's times its size, as in any view of a
-/// dense tensor made by slicing and permuting.
-fn view_params(
+/// The dims of the strided view `dst_layout` of a 16-bit `dst` that `src` is written into,
+/// largest stride first, leaving out dims of size 1. Each stride must be at least the next
+/// one's times its size, as in any view of a dense tensor made by slicing and permuting.
+fn writable_dims(
     op: &'static str,
     src: &Tensor,
     dst: &Tensor,
     dst_layout: &Layout,
-) -> Result<CastIntoViewParams> {
+) -> Result<Vec<usize>> {
     let not_writable = |why: &str| Error::InvalidArgument {
         op,
         msg: format!(
-            "cannot write into a {:?} view of shape {:?} and strides {:?}: {why}",
+            "cannot write a source of shape {:?} into a {:?} view of shape {:?} and strides \
+             {:?}: {why}",
+            src.shape(),
             dst.dtype(),
             dst_layout.shape,
             dst_layout.strides
         ),
     };
-    if !dst.dtype().is_16_bit() || src.shape() != dst_layout.shape.as_slice() {
-        return Err(not_writable(
-            "only a 16-bit one of the source's shape is written here",
-        ));
+    if src.shape() != dst_layout.shape.as_slice() {
+        return Err(not_writable("the shapes differ"));
     }
-    let src_strides = &src.layout().strides;
-    let mut dims: Vec<(usize, usize, usize)> = (0..dst_layout.shape.len())
-        .filter(|&d| dst_layout.shape[d] > 1)
-        .map(|d| (dst_layout.shape[d], dst_layout.strides[d], src_strides[d]))
-        .collect();
-    dims.sort_by_key(|&(_, stride, _)| std::cmp::Reverse(stride));
-    let nested = dims.windows(2).all(|p| p[0].1 >= p[1].1 * p[1].0);
-    if !nested || dims.iter().any(|&(_, stride, _)| stride == 0) {
+    let (shape, strides) = (&dst_layout.shape, &dst_layout.strides);
+    let mut dims: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] > 1).collect();
+    dims.sort_by_key(|&d| std::cmp::Reverse(strides[d]));
+    let nested = dims
+        .windows(2)
+        .all(|p| strides[p[0]] >= strides[p[1]] * shape[p[1]]);
+    if !nested || dims.iter().any(|&d| strides[d] == 0) {
         return Err(not_writable("its elements overlap or interleave"));
     }
-    let six = |f: &dyn Fn(&(usize, usize, usize)) -> usize| -> [u32; 6] {
+    Ok(dims)
+}
+
+/// The params of `convert_into_view`: the destination's `dims` (from `writable_dims`) with
+/// the source's strides in the same order.
+fn view_params(src: &Tensor, dst_layout: &Layout, dims: &[usize]) -> CastIntoViewParams {
+    let six = |of: &[usize]| -> [u32; 6] {
         let mut out = [0u32; 6];
-        for (slot, dim) in out.iter_mut().zip(&dims) {
-            *slot = f(dim) as u32;
+        for (slot, &d) in out.iter_mut().zip(dims) {
+            *slot = of[d] as u32;
         }
         out
     };
-    Ok(CastIntoViewParams {
+    CastIntoViewParams {
         span: (dst_layout.span() - dst_layout.offset) as u32,
         src_offset: src.layout().offset as u32,
         dst_offset: dst_layout.offset as u32,
         rank: dims.len() as u32,
-        shape: six(&|d| d.0),
-        dst_strides: six(&|d| d.1),
-        src_strides: six(&|d| d.2),
-    })
+        shape: six(&dst_layout.shape),
+        dst_strides: six(&dst_layout.strides),
+        src_strides: six(&src.layout().strides),
+    }
 }
 
 /// Casts `x` into the contiguous run of `out`'s storage from element `first`.

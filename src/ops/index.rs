@@ -300,6 +300,14 @@ impl Tensor {
     pub fn index_add(&self, dim: impl Dim, indices: &Tensor, source: &Tensor) -> Result<Tensor> {
         let dim = dim.resolve("index_add", self.rank())?;
         const OP: &str = "index_add";
+        if let Some(out) =
+            cast::through_f32(OP, &[self, source], |w| w[0].index_add(dim, indices, &w[1]))?
+        {
+            return Ok(out);
+        }
+        for t in [self, source] {
+            t.expect_dtype(OP, DType::F32)?;
+        }
         self.layout().check_dim(OP, dim)?;
         let mut want = self.shape().to_vec();
         want[dim] = indices.numel();

@@ -3,10 +3,8 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernel::{
-    groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP,
-};
-use crate::ops::{cast, run_sizes, too_large_view};
+use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
+use crate::ops::{cast, in_row_runs};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -135,34 +133,25 @@ impl RopeTable {
     }
 
     /// One `apply` launch over `x` (made contiguous) into a new tensor; past one binding, one
-    /// per window of whole sequences (each turned from the same first position), the results
+    /// per run of whole sequences (each turned from the same first position), the results
     /// joined end to end.
     fn turn(&self, x: &Tensor, params: RopeParams) -> Result<Tensor> {
         const OP: &str = "rotary_embedding";
         let _no_grad = NoGradGuard::new();
         let x = x.contiguous()?;
-        let dim = 2 * params.half as usize;
-        if (x.numel() * 4) as u64 <= x.device().max_binding_bytes() {
-            return self.turn_within_binding(&x.bindable(), params);
+        let window = x.bindable();
+        if !window.exceeds_binding() {
+            return self.turn_within_binding(&window, params);
         }
         let (rows, seq) = (params.rows as usize, params.seq as usize);
-        let per = rows_per_window(x.device(), dim) / seq * seq;
-        if per == 0 {
-            return Err(too_large_view(OP, &x));
-        }
-        let parts = (run_sizes(rows, per).into_iter())
-            .scan(0, |first, count| {
-                let run = x.window(*first * dim, count * dim).reshape(&[count, dim]);
-                *first += count;
-                Some(run.and_then(|run| {
-                    let params = RopeParams {
-                        rows: count as u32,
-                        ..params
-                    };
-                    self.turn_within_binding(&run, params)
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let sequences = x.reshape(&[rows / seq, seq * 2 * params.half as usize])?;
+        let parts = in_row_runs(OP, &sequences, |run| {
+            let params = RopeParams {
+                rows: (run.shape()[0] * seq) as u32,
+                ..params
+            };
+            self.turn_within_binding(&run.bindable(), params)
+        })?;
         Tensor::cat(&parts, 0)?.reshape(x.shape())
     }
 
