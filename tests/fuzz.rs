@@ -1,14 +1,16 @@
 //! A seeded fuzzer: random programs of ops (unary, broadcasting binary, reductions, views,
 //! matmul, softmax, index_select with repeats, cat, and the ops of today's models: sin, cos,
-//! silu, softplus, leaky_relu, clamp, powf, minimum, comparison masks with where_cond, topk,
-//! sort, RMSNorm, LayerNorm and GroupNorm, conv2d with stride, padding, dilation and groups,
-//! conv_transpose2d, interpolate, pad2d, cumsum, flip, logsumexp, var, gather, index_add and
-//! scatter_add with repeats, max and average pools with padding and ceil mode, attention with
-//! causal masks and grouped-query heads, cross-entropy, broadcast views) over random shapes
-//! (0- and 1-sized dims, broadcasting, ranks 0 to 6; rank 7 must be an error), on inputs
-//! dense or views followed by NaN, in F32 or (one case in four) F16 or BF16, run on wgrad and
-//! on an f64 CPU interpreter. Values must agree; for programs of smooth ops, finite
-//! differences must agree with the grad of the first input; nothing may panic.
+//! silu, softplus, leaky_relu, clamp, powf, minimum, comparison masks with where_cond and
+//! masked_fill, tril, topk, sort, RMSNorm, LayerNorm and GroupNorm, conv2d with stride,
+//! padding, dilation and groups, conv_transpose2d, interpolate, pad2d, adaptive_avg_pool2d,
+//! max and average pools with padding and ceil mode, rotary embeddings, cumsum, flip,
+//! logsumexp, var, gather, index_add and scatter_add with repeats, attention with causal
+//! masks and grouped-query heads, cross-entropy, MSE, L1, smooth L1 and binary cross-entropy,
+//! broadcast views) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6;
+//! rank 7 must be an error), on inputs dense or views followed by NaN, in F32 or (one case
+//! in four) F16 or BF16, run on wgrad and on an f64 CPU interpreter. Values must agree; for
+//! programs of smooth ops, finite differences must agree with the grad of the first input;
+//! nothing may panic.
 //!
 //! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
 //! `WGRAD_FUZZ_SEED=S` starts from case S (each case is reproducible from its number alone).
@@ -349,8 +351,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    let op = rng.below(32);
-    match op {
+    match rng.below(36) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -532,7 +533,8 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
             let k = rng.below(n + 1);
             let sorted = |line: &[f64], descending: bool| {
                 let mut v = line.to_vec();
-                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                // NaN above every number, as torch sorts it.
+                v.sort_by(|a, b| (a.is_nan().cmp(&b.is_nan())).then(a.total_cmp(b)));
                 if descending {
                     v.reverse();
                 }
@@ -827,8 +829,139 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
             };
             pair(wgrad::nn::loss::cross_entropy(&x.gpu, &labels)?, cpu)
         }
+        32 if r == 4 && x.cpu.shape.iter().all(|&n| n > 0) => {
+            // Average pooling to sides of 1 to 4 whatever the input's (bins overlap where
+            // they do not divide it).
+            let size = (1 + rng.below(4), 1 + rng.below(4));
+            pair(
+                x.gpu.adaptive_avg_pool2d(size)?,
+                adaptive_avg_pool_2d(&x.cpu, size),
+            )
+        }
+        33 if r >= 2 && x.cpu.shape[r - 1].is_multiple_of(2) && x.cpu.shape[r - 1] > 0 => {
+            // Rotary embeddings of x's rows as positions from 0 to 2 on.
+            let (seq, dim) = (x.cpu.shape[r - 2], x.cpu.shape[r - 1]);
+            let first = rng.below(3);
+            let rope = wgrad::nn::RotaryEmbedding::new(dim, first + seq, 10_000.0, device())?;
+            pair(rope.apply(&x.gpu, first)?, rotary(&x.cpu, first))
+        }
+        34 if !x.cpu.data.is_empty() => {
+            // A loss of x against a target of its shape: MSE, L1, smooth L1 (beta 0.5) or
+            // binary cross-entropy with x as logits (targets in (0, 1)).
+            let target = fresh(&x.cpu.shape, seed);
+            let (t, y) = (&target.gpu, &target.cpu);
+            let mean = |values: Vec<f64>| Cpu {
+                shape: vec![],
+                data: vec![values.iter().sum::<f64>() / values.len() as f64],
+            };
+            let pairs = || x.cpu.data.iter().zip(&y.data);
+            match rng.below(4) {
+                0 => pair(
+                    wgrad::nn::loss::mse(&x.gpu, t)?,
+                    mean(pairs().map(|(a, b)| (a - b).powi(2)).collect()),
+                ),
+                1 => {
+                    *smooth = false;
+                    pair(
+                        wgrad::nn::loss::l1(&x.gpu, t)?,
+                        mean(pairs().map(|(a, b)| (a - b).abs()).collect()),
+                    )
+                }
+                2 => {
+                    let huber = |d: f64| match d < 0.5 {
+                        true => d * d,
+                        false => d - 0.25,
+                    };
+                    pair(
+                        wgrad::nn::loss::smooth_l1(&x.gpu, t, 0.5)?,
+                        mean(pairs().map(|(a, b)| huber((a - b).abs())).collect()),
+                    )
+                }
+                _ => {
+                    let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+                    let probability = t.sigmoid()?;
+                    let cpu = pairs().map(|(&a, &b)| {
+                        let p = rounded(sigmoid(b) as f32) as f64;
+                        a.exp().ln_1p() - a * p
+                    });
+                    pair(
+                        wgrad::nn::loss::binary_cross_entropy_with_logits(&x.gpu, &probability)?,
+                        mean(cpu.collect()),
+                    )
+                }
+            }
+        }
+        35 if r >= 2 => {
+            // The lower triangle of the last two dims, or x masked with -1 where another
+            // tensor (broadcast) is positive.
+            match rng.below(2) {
+                0 => {
+                    let diagonal = rng.below(3) as i64 - 1;
+                    let (rows, cols) = (x.cpu.shape[r - 2], x.cpu.shape[r - 1]);
+                    let mut cpu = x.cpu.clone();
+                    for (i, v) in cpu.data.iter_mut().enumerate() {
+                        let (row, col) = ((i / cols.max(1)) % rows.max(1), i % cols.max(1));
+                        if col as i64 > row as i64 + diagonal {
+                            *v = 0.0;
+                        }
+                    }
+                    pair(x.gpu.tril(diagonal)?, cpu)
+                }
+                _ => {
+                    let other = fresh(&broadcastable(rng, &x.cpu.shape), seed);
+                    let mask = other.gpu.gt_scalar(0.0)?;
+                    let cpu = x
+                        .cpu
+                        .binary(&other.cpu, |a, b| if b > 0.0 { -1.0 } else { a });
+                    pair(x.gpu.masked_fill(&mask, -1.0)?, cpu)
+                }
+            }
+        }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
     }
+}
+
+/// torch's `adaptive_avg_pool2d(x, (oh, ow))` of `x` `[n, c, h, w]`: output bin `i` of `out`
+/// averages input positions `floor(i size / out)` to `ceil((i + 1) size / out)`.
+fn adaptive_avg_pool_2d(x: &Cpu, (oh, ow): (usize, usize)) -> Cpu {
+    let [n, c, h, w] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
+    let bin = |i: usize, out: usize, size: usize| (i * size / out, ((i + 1) * size).div_ceil(out));
+    let shape = vec![n, c, oh, ow];
+    let mut data = Vec::with_capacity(Cpu::numel(&shape));
+    for plane in 0..n * c {
+        for oy in 0..oh {
+            let (y0, y1) = bin(oy, oh, h);
+            for ox in 0..ow {
+                let (x0, x1) = bin(ox, ow, w);
+                let sum: f64 = (y0..y1)
+                    .flat_map(|y| (x0..x1).map(move |xx| (y, xx)))
+                    .map(|(y, xx)| x.data[(plane * h + y) * w + xx])
+                    .sum();
+                data.push(sum / ((y1 - y0) * (x1 - x0)) as f64);
+            }
+        }
+    }
+    Cpu { shape, data }
+}
+
+/// Hugging Face Llama's rotary embedding of `x` `[.., T, D]`, row `t` at position `first + t`:
+/// feature `j < D / 2` pairs with `j + D / 2`, turned by `p theta^(-2j / D)`, theta 10,000.
+fn rotary(x: &Cpu, first: usize) -> Cpu {
+    let r = x.shape.len();
+    let (seq, dim) = (x.shape[r - 2], x.shape[r - 1]);
+    let half = dim / 2;
+    let mut out = x.clone();
+    for (row, values) in x.data.chunks(dim).enumerate() {
+        let position = (first + row % seq) as f64;
+        for j in 0..half {
+            let angle = position * 10_000f64.powf(-2.0 * j as f64 / dim as f64);
+            let (cos, sin) = (angle.cos(), angle.sin());
+            let (a, b) = (values[j], values[j + half]);
+            out.data[row * dim + j] = a * cos - b * sin;
+            out.data[row * dim + j + half] = b * cos + a * sin;
+        }
+    }
+    out
 }
 
 /// torch's `conv2d` of `x` `[n, c, h, w]` with `w` `[c_out, c / groups, kh, kw]` and `bias`.
@@ -1109,7 +1242,7 @@ fn run_case(case: u64) -> Option<String> {
         _ => 1e-4,
     };
     for (i, (&g, &w)) in got.iter().zip(&y.cpu.data).enumerate() {
-        if (g as f64 - w).abs() > tolerance * w.abs().max(1.0) {
+        if !agrees(g as f64, w, tolerance * w.abs().max(1.0)) {
             return Some(format!(
                 "case {case} ({dtype:?}): element {i}: {g} vs {w} ({program:?})"
             ));
@@ -1172,7 +1305,7 @@ fn run_case(case: u64) -> Option<String> {
         let mut minus = x.cpu.data.clone();
         minus[j] -= eps;
         let numeric = (loss_at(&plus) - loss_at(&minus)) / (2.0 * eps);
-        if (grad[j] as f64 - numeric).abs() > 1e-2 * numeric.abs() + 1e-3 {
+        if !agrees(grad[j] as f64, numeric, 1e-2 * numeric.abs() + 1e-3) {
             return Some(format!(
                 "case {case}: grad element {j}: {} vs {numeric} ({program:?})",
                 grad[j]
@@ -1180,6 +1313,15 @@ fn run_case(case: u64) -> Option<String> {
         }
     }
     None
+}
+
+/// Whether `got` is `want` within `tolerance`: NaN only where NaN is wanted, an infinity
+/// only where the same one is.
+fn agrees(got: f64, want: f64, tolerance: f64) -> bool {
+    match (got.is_nan(), want.is_nan()) {
+        (false, false) => got == want || (got - want).abs() <= tolerance,
+        (g, w) => g && w,
+    }
 }
 
 /// What the captured run of one case found (`Err`), or whether its last two calls replayed: its
