@@ -1,5 +1,6 @@
 //! Regression tests for what fuzzing and a new user's tries found: empty dims, NaN, u32
-//! tensors that require grad, huge views, 1-D operands in batched matmul, repeated dims.
+//! tensors that require grad, huge views, 1-D operands in batched matmul, repeated dims,
+//! sizes, strides, paddings and diagonals whose arithmetic would overflow.
 
 mod common;
 use common::*;
@@ -146,6 +147,159 @@ fn a_grad_output_on_another_device_is_an_error() {
         .unwrap_err();
     assert!(err.to_string().contains("device"), "{err}");
     assert!(x.grad().is_none());
+}
+
+/// Asserts that `result` is an `InvalidArgument` naming `op` whose message holds `needle`.
+fn expect_invalid(result: wgrad::Result<Tensor>, op: &str, needle: &str) {
+    match result {
+        Err(Error::InvalidArgument { op: got, msg }) if got == op && msg.contains(needle) => {}
+        other => panic!("{op}: expected an InvalidArgument with {needle:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn repeats_and_paddings_that_overflow_a_dim_are_errors() {
+    let x = Tensor::ones(&[3, 4], device()).unwrap();
+    expect_invalid(x.repeat(&[usize::MAX, 1]), "repeat", "overflow");
+    expect_invalid(x.pad2d((usize::MAX, 1, 0, 0), 0.0), "pad2d", "overflow");
+}
+
+#[test]
+fn strides_paddings_dilations_and_kernels_past_u32_are_errors() {
+    let dev = device();
+    let img = Tensor::ones(&[1, 1, 3, 4], dev).unwrap();
+    let w = Tensor::ones(&[1, 1, 2, 2], dev).unwrap();
+    let past = u32::MAX as usize + 1;
+    let conv = |o: wgrad::Conv2dOptions| img.conv2d_with(&w, None, o);
+    let default = wgrad::Conv2dOptions::default();
+    for (what, o) in [
+        (
+            "stride",
+            wgrad::Conv2dOptions {
+                stride: (1, past),
+                ..default
+            },
+        ),
+        (
+            "padding",
+            wgrad::Conv2dOptions {
+                padding: (usize::MAX / 2, 0),
+                ..default
+            },
+        ),
+        (
+            "dilation",
+            wgrad::Conv2dOptions {
+                dilation: (past, past),
+                ..default
+            },
+        ),
+    ] {
+        expect_invalid(conv(o), "conv2d", what);
+    }
+    let up = wgrad::ConvTranspose2dOptions {
+        stride: usize::MAX,
+        ..Default::default()
+    };
+    expect_invalid(
+        img.conv_transpose2d(&w, None, &up),
+        "conv_transpose2d",
+        "stride",
+    );
+    let pool = wgrad::Pool2dOptions {
+        kernel: 2,
+        stride: 1,
+        padding: usize::MAX,
+        ceil_mode: true,
+        count_include_pad: false,
+    };
+    expect_invalid(
+        img.max_pool2d_with(&pool),
+        "max_pool2d",
+        "padding at most half",
+    );
+    let pool = wgrad::Pool2dOptions {
+        kernel: past,
+        padding: 0,
+        ..pool
+    };
+    expect_invalid(img.avg_pool2d_with(&pool), "avg_pool2d", "kernel");
+}
+
+#[test]
+fn a_transposed_convolution_whose_output_side_passes_u32_is_an_error() {
+    let dev = device();
+    let x = Tensor::ones(&[1, 1, 1, 3], dev).unwrap();
+    let w = Tensor::ones(&[1, 1, 1, 1], dev).unwrap();
+    let o = wgrad::ConvTranspose2dOptions {
+        stride: u32::MAX as usize,
+        ..Default::default()
+    };
+    match x.conv_transpose2d(&w, None, &o) {
+        Err(Error::Shape {
+            op: "conv_transpose2d",
+            msg,
+        }) => {
+            assert!(msg.contains("past any tensor's"), "{msg}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn resampling_to_sides_past_any_tensor_is_an_error() {
+    let img = Tensor::ones(&[1, 1, 3, 4], device()).unwrap();
+    let nearest = wgrad::Interpolate::Nearest;
+    expect_invalid(
+        img.interpolate((usize::MAX, 2), nearest),
+        "interpolate",
+        "elements",
+    );
+    let err = img.adaptive_avg_pool2d((1 << 31, 1)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::TooLarge {
+                op: "adaptive_avg_pool2d",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn rotary_positions_and_upsampling_past_usize_are_errors() {
+    let dev = device();
+    let rope = nn::RotaryEmbedding::new(4, 8, 10_000.0, dev).unwrap();
+    let x = Tensor::ones(&[2, 4], dev).unwrap();
+    let err = rope.apply(&x, usize::MAX).unwrap_err();
+    assert!(matches!(err, Error::Shape { .. }), "{err}");
+    let img = Tensor::ones(&[1, 1, 3, 4], dev).unwrap();
+    let up = nn::Upsample::new(usize::MAX, wgrad::Interpolate::Nearest);
+    expect_invalid(up.forward(&img), "interpolate", "elements");
+}
+
+#[test]
+fn triangles_of_extreme_diagonals_keep_all_or_nothing() {
+    let x = Tensor::ones(&[3, 4], device()).unwrap();
+    let all = vec![1.0; 12];
+    let none = vec![0.0; 12];
+    assert_eq!(x.tril(i64::MAX).unwrap().to_vec().unwrap(), all);
+    assert_eq!(x.tril(i64::MIN).unwrap().to_vec().unwrap(), none);
+    assert_eq!(x.triu(i64::MIN).unwrap().to_vec().unwrap(), all);
+    assert_eq!(x.triu(i64::MAX).unwrap().to_vec().unwrap(), none);
+    let err = Tensor::tril_mask(usize::MAX, 2, 0, device()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                op: "tril_mask",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]

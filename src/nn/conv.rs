@@ -362,7 +362,11 @@ impl Module for Upsample {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let size = match (self.size, x.shape()) {
             (Some(size), _) => size,
-            (None, [_, _, h, w]) => (h * self.scale_factor, w * self.scale_factor),
+            // Saturated, so that a side past any tensor's is interpolate's error.
+            (None, [_, _, h, w]) => (
+                h.saturating_mul(self.scale_factor),
+                w.saturating_mul(self.scale_factor),
+            ),
             // interpolate names the shape.
             (None, _) => (0, 0),
         };

@@ -808,7 +808,7 @@ impl Tensor {
     /// (`j <= i + diagonal`); 0 elsewhere.
     pub fn tril(&self, diagonal: i64) -> Result<Tensor> {
         let (rows, cols) = self.last_two("tril")?;
-        let above = Tensor::triu_mask(rows, cols, diagonal + 1, self.device())?;
+        let above = Tensor::triu_mask(rows, cols, diagonal.saturating_add(1), self.device())?;
         self.masked_fill(&above, 0.0)
     }
 
@@ -816,7 +816,7 @@ impl Tensor {
     /// (`j >= i + diagonal`); 0 elsewhere.
     pub fn triu(&self, diagonal: i64) -> Result<Tensor> {
         let (rows, cols) = self.last_two("triu")?;
-        let below = Tensor::tril_mask(rows, cols, diagonal - 1, self.device())?;
+        let below = Tensor::tril_mask(rows, cols, diagonal.saturating_sub(1), self.device())?;
         self.masked_fill(&below, 0.0)
     }
 

@@ -23,7 +23,7 @@ use crate::ops::matmul::{
     conv_product, conv_product_applies, conv_weight_product, conv_weight_product_applies,
     ImageColumns,
 };
-use crate::ops::sum_over_chunks;
+use crate::ops::{check_window_params, sum_over_chunks, MAX_WINDOW_PARAM};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
 use crate::tensor::{DType, Tensor};
@@ -272,6 +272,14 @@ fn geometry(x: &Tensor, w: &Tensor, options: &Conv2dOptions) -> Result<Geometry>
             ),
         });
     }
+    check_window_params(
+        OP,
+        &[
+            ("stride", stride.0.max(stride.1)),
+            ("padding", padding.0.max(padding.1)),
+            ("dilation", dilation.0.max(dilation.1)),
+        ],
+    )?;
     let (batch, c_in, height, width) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let (c_out, c_in_group, kernel_h, kernel_w) =
         (w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]);
@@ -657,6 +665,12 @@ fn transpose_geometry(x: &Tensor, w: &Tensor, o: &ConvTranspose2dOptions) -> Res
             ),
         });
     }
+    let params = [
+        ("stride", o.stride),
+        ("padding", o.padding),
+        ("dilation", o.dilation),
+    ];
+    check_window_params(OP, &params)?;
     let (batch, c_in, height, width) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let (w_in, c_out_group, kernel_h, kernel_w) =
         (w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]);
@@ -670,17 +684,29 @@ fn transpose_geometry(x: &Tensor, w: &Tensor, o: &ConvTranspose2dOptions) -> Res
             ),
         });
     }
-    // The full output, less the padding on each side, plus the output padding.
-    let full = |size: usize, k: usize| (size.max(1) - 1) * o.stride + o.dilation * (k - 1) + 1;
-    let (full_h, full_w) = (full(height, kernel_h), full(width, kernel_w));
-    let out_h = (full_h + o.output_padding).checked_sub(2 * o.padding);
-    let out_w = (full_w + o.output_padding).checked_sub(2 * o.padding);
-    let (Some(out_h), Some(out_w)) = (out_h, out_w) else {
+    // The full output, less the padding on each side, plus the output padding (in u128: each
+    // term is below 2^64, their sum need not be).
+    let side = |size: usize, k: usize| {
+        let full =
+            (size.max(1) as u128 - 1) * o.stride as u128 + o.dilation as u128 * (k as u128 - 1) + 1;
+        (full + o.output_padding as u128).checked_sub(2 * o.padding as u128)
+    };
+    let (Some(out_h), Some(out_w)) = (side(height, kernel_h), side(width, kernel_w)) else {
         return Err(Error::Shape {
             op: OP,
             msg: format!("the padding leaves no output, got {}", shapes()),
         });
     };
+    if out_h.max(out_w) > MAX_WINDOW_PARAM as u128 {
+        return Err(Error::Shape {
+            op: OP,
+            msg: format!(
+                "an output side of {out_h}x{out_w} is past any tensor's, got {}",
+                shapes()
+            ),
+        });
+    }
+    let (out_h, out_w) = (out_h as usize, out_w as usize);
     if out_h == 0 || out_w == 0 || height == 0 || width == 0 {
         return Err(Error::Shape {
             op: OP,

@@ -556,9 +556,20 @@ impl Tensor {
             });
         }
         let (h, w) = (self.shape()[r - 2], self.shape()[r - 1]);
+        let grown =
+            |side: usize, before: usize, after: usize| side.checked_add(before)?.checked_add(after);
+        let (Some(out_h), Some(out_w)) = (grown(h, top, bottom), grown(w, left, right)) else {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!(
+                    "sides {sides:?} overflow a dim's size of shape {:?}",
+                    self.shape()
+                ),
+            });
+        };
         let mut shape = self.shape().to_vec();
-        shape[r - 2] += top + bottom;
-        shape[r - 1] += left + right;
+        shape[r - 2] = out_h;
+        shape[r - 1] = out_w;
         let out = fill(OP, &shape, value, 0.0, self.device())?;
         let region = out
             .layout()

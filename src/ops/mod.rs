@@ -24,6 +24,22 @@ pub(crate) mod view;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// The most a stride, padding, dilation or kernel side may be: no side of a tensor (at most
+/// 2^32 - 1 elements) needs more, the kernels take them as u32s, and the geometry reckoned
+/// from values below it cannot overflow.
+pub(crate) const MAX_WINDOW_PARAM: usize = u32::MAX as usize;
+
+/// An error naming `op` for the first of `params` (name, value) past [`MAX_WINDOW_PARAM`].
+pub(crate) fn check_window_params(op: &'static str, params: &[(&str, usize)]) -> Result<()> {
+    match params.iter().find(|(_, v)| *v > MAX_WINDOW_PARAM) {
+        Some((name, v)) => Err(crate::Error::InvalidArgument {
+            op,
+            msg: format!("{name} ({v}) must be at most {MAX_WINDOW_PARAM}"),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// `x` as dense rows `[rows, n]` along `dim` (moved last; a dense view keeps its offset), for
 /// the kernels that walk whole rows (sort, cumsum). [`from_rows`] lays their results back out.
 pub(crate) fn rows_along(x: &Tensor, dim: usize) -> Result<Tensor> {

@@ -8,10 +8,10 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, rows_per_window, Kernel, KernelParams, Launch, ShaderFamily, MAX_LOOP_LEN, WORKGROUP,
 };
-use crate::ops::too_large_view;
+use crate::ops::{check_window_params, too_large_view};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{checked_numel, DType, Tensor};
 
 crate::kernel_params! {
     /// `n` counts the entry's invocations: runs of `segment` elements of a row (`segments`
@@ -78,6 +78,7 @@ fn pool_params(op: &'static str, x: &Tensor, kernel: usize, stride: usize) -> Re
             msg: format!("kernel ({kernel}) and stride ({stride}) must be >= 1"),
         });
     }
+    check_window_params(op, &[("kernel", kernel), ("stride", stride)])?;
     let (height, width) = (x.shape()[2], x.shape()[3]);
     if kernel > height || kernel > width {
         return Err(Error::Shape {
@@ -301,7 +302,7 @@ fn padded_pool(x: &Tensor, kind: Pool, o: &Pool2dOptions) -> Result<Tensor> {
         });
     }
     let (h, w) = (x.shape()[2], x.shape()[3]);
-    if o.kernel == 0 || o.stride == 0 || 2 * o.padding > o.kernel {
+    if o.kernel == 0 || o.stride == 0 || o.padding > o.kernel / 2 {
         return Err(Error::InvalidArgument {
             op,
             msg: format!(
@@ -311,6 +312,8 @@ fn padded_pool(x: &Tensor, kind: Pool, o: &Pool2dOptions) -> Result<Tensor> {
             ),
         });
     }
+    // The padding is at most half the kernel, so below the bound neither sum overflows.
+    check_window_params(op, &[("kernel", o.kernel), ("stride", o.stride)])?;
     if h + 2 * o.padding < o.kernel || w + 2 * o.padding < o.kernel {
         return Err(Error::Shape {
             op,
@@ -422,6 +425,15 @@ fn image_sides(
                 x.shape()
             ),
         });
+    }
+    // The output and the per-axis weight matrices (made on the host) must fit the device.
+    let out_shape = [x.shape()[0], x.shape()[1], out_h, out_w];
+    for shape in [&out_shape[..], &[out_h, h], &[out_w, w]] {
+        let bytes = checked_numel(op, shape)? as u64 * 4;
+        let limit = x.device().max_tensor_bytes();
+        if bytes > limit {
+            return Err(Error::TooLarge { op, bytes, limit });
+        }
     }
     Ok((h, w))
 }

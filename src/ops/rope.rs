@@ -98,12 +98,12 @@ impl RopeTable {
                 msg: format!("needs [.., T, {}], got {:?}", self.head_dim, x.shape()),
             });
         }
-        if first + seq > self.positions {
+        if first.saturating_add(seq) > self.positions {
             return Err(Error::Shape {
                 op: OP,
                 msg: format!(
-                    "positions {first}..{} of input {:?} pass the table's {} positions",
-                    first + seq,
+                    "positions from {first} for {seq} rows of input {:?} pass the table's {} \
+                     positions",
                     x.shape(),
                     self.positions
                 ),

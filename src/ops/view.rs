@@ -322,7 +322,18 @@ impl Tensor {
         let shape: Vec<usize> = std::iter::repeat_n(1, lead)
             .chain(self.shape().iter().copied())
             .collect();
-        let out: Vec<usize> = shape.iter().zip(repeats).map(|(&s, &r)| s * r).collect();
+        let out: Option<Vec<usize>> = (shape.iter().zip(repeats))
+            .map(|(&s, &r)| s.checked_mul(r))
+            .collect();
+        let Some(out) = out else {
+            return Err(Error::InvalidArgument {
+                op: "repeat",
+                msg: format!(
+                    "repeats {repeats:?} of shape {:?} overflow a dim's size",
+                    self.shape()
+                ),
+            });
+        };
         checked_numel("repeat", &out)?;
         // A dim at a time, as [before, 1, s, after] expanded to [before, r, s, after] and
         // merged: four dims whatever the rank (pairing every dim with a new one went past the

@@ -185,8 +185,8 @@ impl Tensor {
     /// A u32 `[rows, cols]` mask: 1 where `j <= i + diagonal` (on and below that diagonal),
     /// else 0. For [`Tensor::masked_fill`].
     pub fn tril_mask(rows: usize, cols: usize, diagonal: i64, device: &Device) -> Result<Tensor> {
-        let data = (0..rows * cols)
-            .map(|x| ((x % cols) as i64 <= (x / cols) as i64 + diagonal) as u32)
+        let data = (0..checked_numel("tril_mask", &[rows, cols])?)
+            .map(|x| ((x % cols) as i64 <= ((x / cols) as i64).saturating_add(diagonal)) as u32)
             .collect();
         Self::from_vec_u32(data, &[rows, cols], device)
     }
@@ -194,8 +194,8 @@ impl Tensor {
     /// A u32 `[rows, cols]` mask: 1 where `j >= i + diagonal` (on and above that diagonal),
     /// else 0. `triu_mask(t, t, 1)` masks what a causal attention must not see.
     pub fn triu_mask(rows: usize, cols: usize, diagonal: i64, device: &Device) -> Result<Tensor> {
-        let data = (0..rows * cols)
-            .map(|x| ((x % cols) as i64 >= (x / cols) as i64 + diagonal) as u32)
+        let data = (0..checked_numel("triu_mask", &[rows, cols])?)
+            .map(|x| ((x % cols) as i64 >= ((x / cols) as i64).saturating_add(diagonal)) as u32)
             .collect();
         Self::from_vec_u32(data, &[rows, cols], device)
     }
