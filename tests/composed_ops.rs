@@ -32,7 +32,7 @@ fn min_dims_and_argmin_match_the_host() {
             r.iter().position(|&v| v == m).unwrap() as u32
         })
         .collect();
-    assert_eq!(x.argmin(1).unwrap().to_vec_u32().unwrap(), want_idx);
+    assert_eq!(x.argmin(1, false).unwrap().to_vec_u32().unwrap(), want_idx);
     gradcheck(
         "min_dims",
         &[(vec![3, 5], values_in(15, -1.0, 1.0, 2))],
@@ -345,13 +345,13 @@ fn min_dims_and_argmin_over_an_empty_dim_are_errors_naming_them() {
     let e = Tensor::zeros(&[0, 5], device()).unwrap();
     let err = e.min_dims(&[0], false).unwrap_err().to_string();
     assert!(err.starts_with("min: ") && err.contains("[0, 5]"), "{err}");
-    let err = e.argmin(0).unwrap_err().to_string();
+    let err = e.argmin(0, false).unwrap_err().to_string();
     assert!(
         err.starts_with("argmin: ") && err.contains("[0, 5]"),
         "{err}"
     );
     assert_eq!(e.min_dims(&[1], false).unwrap().shape(), &[0]);
-    assert_eq!(e.argmin(1).unwrap().shape(), &[0]);
+    assert_eq!(e.argmin(1, false).unwrap().shape(), &[0]);
 }
 
 /// torch rejects a dim named twice rather than flipping it back.

@@ -281,6 +281,15 @@ fn rotary_positions_and_upsampling_past_usize_are_errors() {
 }
 
 #[test]
+fn logsumexp_over_a_dim_past_the_rank_is_an_error() {
+    let x = Tensor::ones(&[3, 4], device()).unwrap();
+    match x.logsumexp(&[5usize], false) {
+        Err(Error::Shape { op: "logsumexp", .. }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn triangles_of_extreme_diagonals_keep_all_or_nothing() {
     let x = Tensor::ones(&[3, 4], device()).unwrap();
     let all = vec![1.0; 12];

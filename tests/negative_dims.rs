@@ -1,6 +1,6 @@
 //! Every op that takes a dim takes a negative one, counted from the back as PyTorch counts
 //! it, and gives what the dim counted from the front gives; one past the front is an error
-//! naming the op.
+//! naming the op. A 0-d tensor takes dim 0 or -1 as a dim of size 1, as torch does.
 
 mod common;
 use common::*;
@@ -58,7 +58,7 @@ fn reductions_and_row_ops_count_negative_dims_from_the_back() {
     );
     same(x.cumsum(-1), x.cumsum(2), "cumsum");
     same(x.argmax(-1, false), x.argmax(2, false), "argmax");
-    same(x.argmin(-2), x.argmin(1), "argmin");
+    same(x.argmin(-2, false), x.argmin(1, false), "argmin");
     same(
         x.sort(-1, true).map(|s| s.0),
         x.sort(2, true).map(|s| s.0),
@@ -154,4 +154,44 @@ fn a_negative_dim_past_the_front_is_an_error_naming_the_op() {
             ),
         }
     }
+}
+
+#[test]
+fn ops_along_a_dim_take_dim_0_or_minus_1_of_a_0_d_tensor_as_a_dim_of_one() {
+    let dev = device();
+    let s = Tensor::full(&[], 2.5, dev).unwrap().requires_grad_(true);
+    type Along = fn(&Tensor) -> wgrad::Result<Tensor>;
+    // (op, its value on 2.5, its grad there)
+    let ops: [(&str, Along, f32, f32); 11] = [
+        ("sum", |t| t.sum_dims(&[-1], false), 2.5, 1.0),
+        ("mean", |t| t.mean_dims(&[0], true), 2.5, 1.0),
+        ("max", |t| t.max_dims(&[-1], false), 2.5, 1.0),
+        ("min", |t| t.min_dims(&[0], false), 2.5, 1.0),
+        ("logsumexp", |t| t.logsumexp(&[-1], false), 2.5, 1.0),
+        ("softmax", |t| t.softmax(-1), 1.0, 0.0),
+        ("log_softmax", |t| t.log_softmax(0), 0.0, 0.0),
+        ("cumsum", |t| t.cumsum(-1), 2.5, 1.0),
+        ("flip", |t| t.flip(&[-1]), 2.5, 1.0),
+        ("sort", |t| Ok(t.sort(-1, true)?.0), 2.5, 1.0),
+        ("topk", |t| Ok(t.topk(1, 0)?.0), 2.5, 1.0),
+    ];
+    for (name, op, value, grad) in ops {
+        s.zero_grad();
+        let out = op(&s).unwrap();
+        assert_eq!(out.shape(), &[] as &[usize], "{name}");
+        assert_eq!(out.to_vec().unwrap(), vec![value], "{name}");
+        out.backward().unwrap();
+        assert_eq!(
+            s.grad().unwrap().to_vec().unwrap(),
+            vec![grad],
+            "{name} grad"
+        );
+    }
+    for index in [s.argmax(-1, false).unwrap(), s.argmin(0, true).unwrap()] {
+        assert_eq!(index.shape(), &[] as &[usize]);
+        assert_eq!(index.to_vec_u32().unwrap(), vec![0]);
+    }
+    // A 0-d tensor has no dim 1 nor -2.
+    assert!(s.sum_dims(&[1], false).is_err());
+    assert!(s.softmax(-2).is_err());
 }

@@ -8,7 +8,7 @@ use crate::kernel::{
 };
 use crate::ops::cast;
 use crate::ops::reduce::{as_matrix, reduced_shape, ReduceParams};
-use crate::ops::sum_over_chunks;
+use crate::ops::{on_scalar_as_row, sum_over_chunks};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -265,10 +265,13 @@ pub(crate) fn expect_indices_in(
 
 impl Tensor {
     /// Index of the first minimum along `dim` (removed), as u32.
-    pub fn argmin(&self, dim: impl Dim) -> Result<Tensor> {
+    pub fn argmin(&self, dim: impl Dim, keepdim: bool) -> Result<Tensor> {
         let dim = dim.resolve("argmin", self.rank())?;
         let _no_grad = NoGradGuard::new();
-        extremum_index("argmin", &self.neg()?, dim, false)
+        if let Some(out) = on_scalar_as_row(self, &[dim], |row| row.argmin(0, false)) {
+            return out;
+        }
+        extremum_index("argmin", &self.neg()?, dim, keepdim)
     }
 
     /// A `[.., classes]` u32 tensor of 0/1: 1 at each label's class, as torch's `one_hot`.
@@ -340,6 +343,9 @@ impl Tensor {
         let dim = dim.resolve("argmax", self.rank())?;
         // u32 indices have no grad: argmax records nothing, and neither do its internals.
         let _no_grad = NoGradGuard::new();
+        if let Some(out) = on_scalar_as_row(self, &[dim], |row| row.argmax(0, false)) {
+            return out;
+        }
         extremum_index("argmax", self, dim, keepdim)
     }
 

@@ -40,6 +40,23 @@ pub(crate) fn check_window_params(op: &'static str, params: &[(&str, usize)]) ->
     }
 }
 
+/// torch takes dim 0 (or -1) of a 0-d tensor as a dim of size 1: `op` of `x` as `[1]` along
+/// dim 0, its result back as 0-d (one element reduces, sorts and softmaxes to itself, its
+/// grad through the reshapes). `None` unless `x` is 0-d and `dims` is `[0]`.
+pub(crate) fn on_scalar_as_row(
+    x: &Tensor,
+    dims: &[usize],
+    op: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Option<Result<Tensor>> {
+    (x.rank() == 0 && dims == [0]).then(|| {
+        let out = op(&x.reshape(&[1])?)?;
+        match out.numel() {
+            1 => out.reshape(&[]),
+            _ => Ok(out),
+        }
+    })
+}
+
 /// `x` as dense rows `[rows, n]` along `dim` (moved last; a dense view keeps its offset), for
 /// the kernels that walk whole rows (sort, cumsum). [`from_rows`] lays their results back out.
 pub(crate) fn rows_along(x: &Tensor, dim: usize) -> Result<Tensor> {

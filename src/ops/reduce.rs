@@ -11,6 +11,7 @@ use crate::kernel::{
 use crate::ops::binary::{binary, BinaryOp};
 use crate::ops::cast;
 use crate::ops::copy::fill;
+use crate::ops::on_scalar_as_row;
 use crate::tensor::dim::{resolve_dims, Dim};
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -516,6 +517,10 @@ fn reduce_op(
     keepdim: bool,
     mean: bool,
 ) -> Result<Tensor> {
+    if let Some(out) = on_scalar_as_row(x, dims, |row| reduce_op(name, op, row, &[0], false, mean))
+    {
+        return out;
+    }
     let dims = check_dims(name, x, dims)?;
     let out = {
         let _no_grad = NoGradGuard::new();
@@ -596,6 +601,10 @@ impl Tensor {
     /// torch). Its grad is the softmax over `dims`.
     pub fn logsumexp(&self, dims: &[impl Dim], keepdim: bool) -> Result<Tensor> {
         let dims = &resolve_dims("logsumexp", dims, self.rank())?[..];
+        if let Some(out) = on_scalar_as_row(self, dims, |row| row.logsumexp(&[0], false)) {
+            return out;
+        }
+        check_dims("logsumexp", self, dims)?;
         if dims.iter().any(|&d| self.shape()[d] == 0) {
             // No max to take out: the empty sum is 0 and its log -inf, torch's answer.
             return self.exp()?.sum_dims(dims, keepdim)?.log();
@@ -620,9 +629,11 @@ impl Tensor {
     /// where the squares sum to 0 (an empty dim among them).
     pub fn var_dims(&self, dims: &[impl Dim], correction: usize, keepdim: bool) -> Result<Tensor> {
         let dims = &resolve_dims("var", dims, self.rank())?[..];
-        for &d in dims {
-            self.layout().check_dim("var_dims", d)?;
+        if let Some(out) = on_scalar_as_row(self, dims, |row| row.var_dims(&[0], correction, false))
+        {
+            return out;
         }
+        check_dims("var", self, dims)?;
         let count: usize = dims.iter().map(|&d| self.shape()[d]).product();
         let deviations = self.sub(&self.mean_dims(dims, true)?)?;
         let squares = deviations.mul(&deviations)?.sum_dims(dims, keepdim)?;

@@ -6,7 +6,7 @@
 
 use crate::error::Result;
 use crate::kernel::{groups, Kernel, KernelParams, Launch, ShaderFamily, WORKGROUP};
-use crate::ops::{cast, from_rows, rows_along};
+use crate::ops::{cast, from_rows, on_scalar_as_row, rows_along};
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -122,9 +122,8 @@ impl Tensor {
         if let Some(out) = cast::through_f32("cumsum", &[self], |w| w[0].cumsum(dim))? {
             return Ok(out);
         }
-        if self.rank() == 0 && dim == 0 {
-            // torch takes dim 0 of a scalar as a row of one.
-            return cumsum_along(&self.reshape(&[1])?, 0, false)?.reshape(&[]);
+        if let Some(out) = on_scalar_as_row(self, &[dim], |row| cumsum_along(row, 0, false)) {
+            return out;
         }
         cumsum_along(self, dim, false)
     }

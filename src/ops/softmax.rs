@@ -8,6 +8,7 @@ use crate::kernel::{
     ROW_GROUP_WGSL, WORKGROUP_REDUCE_WGSL,
 };
 use crate::ops::index::expect_indices_in;
+use crate::ops::on_scalar_as_row;
 use crate::tensor::dim::Dim;
 use crate::tensor::grad_mode::NoGradGuard;
 use crate::tensor::graph::record;
@@ -294,12 +295,18 @@ impl Tensor {
     /// `exp(x) / sum(exp(x))` along `dim`.
     pub fn softmax(&self, dim: impl Dim) -> Result<Tensor> {
         let dim = dim.resolve("softmax", self.rank())?;
+        if let Some(out) = on_scalar_as_row(self, &[dim], |row| row.softmax(0)) {
+            return out;
+        }
         along_dim("softmax", false, self, dim)
     }
 
     /// `x - log(sum(exp(x)))` along `dim`.
     pub fn log_softmax(&self, dim: impl Dim) -> Result<Tensor> {
         let dim = dim.resolve("log_softmax", self.rank())?;
+        if let Some(out) = on_scalar_as_row(self, &[dim], |row| row.log_softmax(0)) {
+            return out;
+        }
         along_dim("log_softmax", true, self, dim)
     }
 }

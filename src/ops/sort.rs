@@ -200,6 +200,11 @@ impl Tensor {
     /// ```
     pub fn sort(&self, dim: impl Dim, descending: bool) -> Result<(Tensor, Tensor)> {
         let dim = dim.resolve("sort", self.rank())?;
+        if self.rank() == 0 && dim == 0 {
+            // torch takes dim 0 of a 0-d tensor as a dim of size 1.
+            let (values, at) = self.reshape(&[1])?.sort(0, descending)?;
+            return Ok((values.reshape(&[])?, at.reshape(&[])?));
+        }
         let len = self.shape().get(dim).copied().unwrap_or(0);
         sixteen_bit_values(self, |x| sorted("sort", x, dim, descending, len))
     }
@@ -209,6 +214,11 @@ impl Tensor {
     /// from a vocabulary's logits. The grad goes to the `k` positions.
     pub fn topk(&self, k: usize, dim: impl Dim) -> Result<(Tensor, Tensor)> {
         let dim = dim.resolve("topk", self.rank())?;
+        if self.rank() == 0 && dim == 0 && k == 1 {
+            // torch takes dim 0 of a 0-d tensor as a dim of size 1.
+            let (values, at) = self.reshape(&[1])?.topk(1, 0)?;
+            return Ok((values.reshape(&[])?, at.reshape(&[])?));
+        }
         sixteen_bit_values(self, |x| sorted("topk", x, dim, true, k))
     }
 }

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::ops::binary::sum_to_shape;
 use crate::ops::copy::copy_into;
+use crate::ops::on_scalar_as_row;
 use crate::ops::reduce::check_dims;
 use crate::tensor::dim::{resolve_dims, Dim};
 use crate::tensor::grad_mode::NoGradGuard;
@@ -295,7 +296,11 @@ impl Tensor {
     /// This tensor with the order of elements along each of `dims` reversed, as torch's
     /// `flip`.
     pub fn flip(&self, dims: &[impl Dim]) -> Result<Tensor> {
-        let dims = check_dims("flip", self, &resolve_dims("flip", dims, self.rank())?)?;
+        let dims = resolve_dims("flip", dims, self.rank())?;
+        if let Some(out) = on_scalar_as_row(self, &dims, |row| row.flip(&[0])) {
+            return out;
+        }
+        let dims = check_dims("flip", self, &dims)?;
         let mut out = self.clone();
         for d in dims {
             let n = self.shape()[d] as u32;

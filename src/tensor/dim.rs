@@ -30,12 +30,13 @@ impl Dim for usize {
     }
 }
 
-/// A signed dim: from the back when negative.
+/// A signed dim: from the back when negative. A 0-d tensor takes -1 as dim 0, as torch does
+/// (the ops that run along a dim take dim 0 of a 0-d tensor as a dim of size 1).
 fn signed(op: &'static str, dim: i64, rank: usize) -> Result<usize> {
     if dim >= 0 {
         return Ok(dim as usize);
     }
-    let from_front = rank as i64 + dim;
+    let from_front = rank.max(1) as i64 + dim;
     if from_front < 0 {
         return Err(Error::Shape {
             op,
