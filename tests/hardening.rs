@@ -284,7 +284,9 @@ fn rotary_positions_and_upsampling_past_usize_are_errors() {
 fn logsumexp_over_a_dim_past_the_rank_is_an_error() {
     let x = Tensor::ones(&[3, 4], device()).unwrap();
     match x.logsumexp(&[5usize], false) {
-        Err(Error::Shape { op: "logsumexp", .. }) => {}
+        Err(Error::Shape {
+            op: "logsumexp", ..
+        }) => {}
         other => panic!("{other:?}"),
     }
 }

@@ -462,6 +462,26 @@ fn top_p_below_every_probability_is_greedy() {
 }
 
 #[test]
+fn generating_more_tokens_than_positions_is_an_error_even_past_usize() {
+    let prompt = Tensor::from_vec_u32(vec![5, 6], &[1, 2], device()).unwrap();
+    for name in MODELS {
+        let model = load(name);
+        for n in [1_000, usize::MAX] {
+            match model.generate(&prompt, n, &Sampling::greedy()) {
+                Err(wgrad::Error::Shape { msg, .. }) => {
+                    let field = match name {
+                        "gpt2" => "(n_positions)",
+                        _ => "(max_position_embeddings)",
+                    };
+                    assert!(msg.contains(field), "{name}: {msg}")
+                }
+                other => panic!("{name}, {n} tokens: {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn captured_training_steps_equal_eager_ones() {
     for name in MODELS {
         let reference = Reference::read(name);
@@ -657,10 +677,8 @@ fn a_sequence_past_max_positions_is_an_error() {
     let model = Gpt2::from_pretrained(fixture("gpt2"), device()).unwrap();
     let tokens = Tensor::from_vec_u32(vec![3; 65], &[1, 65], device()).unwrap();
     let err = model.forward(&tokens).unwrap_err().to_string();
-    assert!(
-        err.contains("max_position_embeddings") && err.contains("65"),
-        "{err}"
-    );
+    // GPT-2's config calls the bound n_positions.
+    assert!(err.contains("(n_positions)") && err.contains("65"), "{err}");
     let prompt = Tensor::from_vec_u32(vec![3; 60], &[1, 60], device()).unwrap();
     let err = model
         .generate(&prompt, 5, &Sampling::greedy())

@@ -134,6 +134,8 @@ pub(crate) struct DecoderShape {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub max_positions: usize,
+    /// The config field `max_positions` comes from, for errors (`n_positions` in GPT-2's).
+    pub positions_field: &'static str,
     pub vocab: usize,
 }
 
@@ -255,10 +257,10 @@ fn check_tokens(
         return Err(Error::Shape {
             op,
             msg: format!(
-                "a sequence of {} positions is longer than the model's {} \
-                 (max_position_embeddings); tokens {:?}",
+                "a sequence of {} positions is longer than the model's {} ({}); tokens {:?}",
                 first + t,
                 shape.max_positions,
+                shape.positions_field,
                 tokens.shape()
             ),
         });
@@ -301,13 +303,13 @@ pub(crate) fn generate(
         });
     }
     let (batch, t) = (prompt.shape()[0], prompt.shape()[1]);
-    if t + max_new_tokens > shape.max_positions {
+    if t.saturating_add(max_new_tokens) > shape.max_positions {
         return Err(Error::Shape {
             op,
             msg: format!(
                 "a prompt of {t} tokens and {max_new_tokens} new ones pass the model's \
-                 {} positions (max_position_embeddings)",
-                shape.max_positions
+                 {} positions ({})",
+                shape.max_positions, shape.positions_field
             ),
         });
     }

@@ -492,6 +492,7 @@ impl Decoder for Gpt2 {
             kv_heads: self.config.n_head,
             head_dim: self.config.n_embd / self.config.n_head,
             max_positions: self.config.n_positions,
+            positions_field: "n_positions",
             vocab: self.config.vocab_size,
         }
     }

@@ -591,6 +591,7 @@ impl Decoder for Llama {
             kv_heads: self.config.num_key_value_heads,
             head_dim: self.config.head_dim,
             max_positions: self.config.max_position_embeddings,
+            positions_field: "max_position_embeddings",
             vocab: self.config.vocab_size,
         }
     }
