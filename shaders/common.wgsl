@@ -122,6 +122,18 @@ fn pow_exact(x: f32, s: f32) -> f32 {
     if (is_nan(x) || is_nan(s)) {
         return x + s;
     }
+    // The exponents torch computes without pow (x * x for 2, a square root for 0.5, ...):
+    // correctly rounded, where pow's exp2(s log2 x) is a few ulp off (x^2 of 100 was 9999.998).
+    switch (bitcast<u32>(s)) {
+        case 0x3f800000u: { return x; }                  // 1
+        case 0x40000000u: { return x * x; }              // 2
+        case 0x40400000u: { return x * x * x; }          // 3
+        case 0xbf800000u: { return 1.0 / x; }            // -1
+        case 0xc0000000u: { return 1.0 / (x * x); }      // -2
+        case 0x3f000000u: { return sqrt(x); }            // 0.5
+        case 0xbf000000u: { return 1.0 / sqrt(x); }      // -0.5, as rsqrt
+        default: {}
+    }
     let odd = abs(s % 2.0) == 1.0;
     if (x == 0.0) {
         let magnitude = select(0.0, bitcast<f32>(0x7f800000u), s < 0.0);

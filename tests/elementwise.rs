@@ -213,6 +213,42 @@ fn powf_handles_negative_bases_and_zero_exponent() {
     assert!(t.powf(0.5).unwrap().to_vec().unwrap()[0].is_nan());
 }
 
+/// torch computes x^2, x^3, x^-1, x^-2, x^0.5 and x^-0.5 with products, a reciprocal and
+/// square roots: correctly rounded, bit for bit the f32 arithmetic on the host.
+#[test]
+fn powers_torch_takes_without_pow_are_correctly_rounded() {
+    let values = vec![-100.0f32, -7.3, -1.5, 0.3, 1.7, 3.3, 88.8, 100.0, 12345.678];
+    let x = Tensor::from_vec(values.clone(), &[values.len()], device()).unwrap();
+    type Host = fn(f32) -> f32;
+    let cases: [(f32, Host); 7] = [
+        (1.0, |v| v),
+        (2.0, |v| v * v),
+        (3.0, |v| v * v * v),
+        (-1.0, |v| 1.0 / v),
+        (-2.0, |v| 1.0 / (v * v)),
+        (0.5, f32::sqrt),
+        (-0.5, |v| 1.0 / v.sqrt()),
+    ];
+    for (p, host) in cases {
+        let got = x.powf(p).unwrap().to_vec().unwrap();
+        let want: Vec<f32> = values.iter().map(|&v| host(v)).collect();
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "x^{p}: {got:?} vs {want:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sign_of_nan_is_nan_as_torch() {
+    let x = Tensor::from_vec(vec![f32::NAN, -2.0, 0.0, 3.0], &[4], device()).unwrap();
+    let got = x.sign().unwrap().to_vec().unwrap();
+    assert!(got[0].is_nan(), "{got:?}");
+    assert_eq!(&got[1..], &[-1.0, 0.0, 1.0]);
+}
+
 #[test]
 fn sigmoid_and_tanh_stay_finite_for_large_inputs() {
     let t = Tensor::from_vec(vec![-1000.0, -90.0, 90.0, 1000.0], &[4], device()).unwrap();

@@ -188,7 +188,8 @@ impl UnaryOp {
             UnaryOp::MulScalar => "x * s",
             UnaryOp::DivScalar => "x / s",
             UnaryOp::Abs => "abs(x)",
-            UnaryOp::Sign => "sign(x)",
+            // NaN stays NaN, as torch (WGSL's sign of NaN is 0 on some drivers).
+            UnaryOp::Sign => "select(sign(x), x, is_nan(x))",
             UnaryOp::Erf => "erf_approx(x)",
             UnaryOp::Clamp => "select(clamp(x, s, t), x, is_nan(x))",
             UnaryOp::InRange => "select(0.0, 1.0, x >= s && x <= t)",
