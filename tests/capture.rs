@@ -917,3 +917,28 @@ fn a_replay_compares_and_picks_u32_words_as_eager_does() {
     }
     assert_eq!(step.stats().replays, 3);
 }
+
+/// A step whose loss is one of its inputs (or a view of one) hands back that call's input, as
+/// the eager call does, whether or not a kernel of the step reads it.
+#[test]
+fn a_loss_that_is_an_input_is_the_replayed_calls_input() {
+    type Body = fn(&[Tensor]) -> Result<Tensor>;
+    let bodies: [(&str, Body); 3] = [
+        ("the input", |inputs| Ok(inputs[0].clone())),
+        ("a view of it", |inputs| inputs[0].narrow(0, 1, 2)),
+        ("the input, read too", |inputs| {
+            inputs[0].mul_scalar(2.0)?;
+            Ok(inputs[0].clone())
+        }),
+    ];
+    for (what, body) in bodies {
+        let mut step = Step::new(body);
+        for call in 0..4 {
+            let x = Tensor::from_vec(vec![call as f32, 10.0, 20.0], &[3], device()).unwrap();
+            let want = body(std::slice::from_ref(&x)).unwrap().to_vec().unwrap();
+            let got = step.run(std::slice::from_ref(&x)).unwrap();
+            assert_eq!(got.to_vec().unwrap(), want, "{what}, call {call}");
+        }
+        assert_eq!(step.stats().replays, 2, "{what}");
+    }
+}

@@ -210,13 +210,22 @@ fn slot(event: SlotEvent, ids: &HashMap<u64, usize>) -> std::result::Result<Slot
     })
 }
 
-/// Where a replay finds the loss: a value the step makes, or a tensor from before the step.
+/// Where a replay finds the loss: an input, a value the step makes, or a tensor from before
+/// the step.
 fn loss_value(
     loss: &Tensor,
     values: &Values,
     created: &HashSet<u64>,
 ) -> std::result::Result<Loss, Refusal> {
     let id = loss.storage_id();
+    if let Some(&index) = values.inputs.get(&id) {
+        // Not `Fixed`: that would hand back the capturing call's input at every replay.
+        return Ok(Loss::Input {
+            index,
+            layout: loss.layout().clone(),
+            dtype: loss.dtype(),
+        });
+    }
     match values.ids.get(&id) {
         Some(&value) if !matches!(values.kinds[value], Kind::Fixed(_)) => Ok(Loss::Value {
             value,

@@ -79,6 +79,13 @@ pub(super) enum Loss {
         layout: Layout,
         dtype: DType,
     },
+    /// Input `index` itself, or a view of it (a step that returns its batch): the replayed
+    /// call's input, seen through `layout` (the signature fixes the input's own layout).
+    Input {
+        index: usize,
+        layout: Layout,
+        dtype: DType,
+    },
     /// A tensor from before the step (a step that returns a parameter, say).
     Fixed(Tensor),
 }

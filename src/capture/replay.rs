@@ -171,6 +171,16 @@ impl Plan {
                 *dtype,
                 &self.device,
             ),
+            Loss::Input {
+                index,
+                layout,
+                dtype,
+            } => Tensor::from_parts(
+                inputs[*index].storage(),
+                layout.clone(),
+                *dtype,
+                &self.device,
+            ),
             Loss::Fixed(t) => t.clone(),
         };
         drop(storages);
