@@ -406,7 +406,7 @@ fn display_prints_values_as_pytorch() {
     let labels = Tensor::from_vec_u32(vec![1, 2, 3, 40], &[2, 2], dev).unwrap();
     assert_eq!(
         labels.to_string(),
-        "tensor([[ 1,  2],\n        [ 3, 40]], dtype=u32)"
+        "tensor([[ 1,  2],\n        [ 3, 40]], dtype=torch.uint32)"
     );
     let leaf = Tensor::from_vec(vec![1.5, 2.0], &[2], dev)
         .unwrap()

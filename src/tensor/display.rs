@@ -1,7 +1,8 @@
 //! `Display` for tensors, as PyTorch prints them: `tensor([[1.0000, 2.5000], ...])`, four
 //! decimals (scientific where magnitudes are far apart), whole numbers as `1.`, dims past six
 //! elements elided to their first and last three when the tensor holds more than 1,000, and
-//! `dtype=u32` / `requires_grad=True` after the values. Reads the values back from the device.
+//! `dtype=torch.uint32` (or the 16-bit dtype) / `requires_grad=True` after the values, as torch
+//! names them. Reads the values back from the device.
 
 use std::fmt;
 
@@ -157,7 +158,7 @@ impl fmt::Display for Tensor {
         // The dtype where it is not the default, as torch prints it.
         match self.dtype() {
             DType::F32 => {}
-            DType::U32 => extras.push("dtype=u32".to_string()),
+            DType::U32 => extras.push("dtype=torch.uint32".to_string()),
             DType::F16 => extras.push("dtype=torch.float16".to_string()),
             DType::BF16 => extras.push("dtype=torch.bfloat16".to_string()),
         }
