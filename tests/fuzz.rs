@@ -6,11 +6,11 @@
 //! max and average pools with padding and ceil mode, rotary embeddings, cumsum, flip,
 //! logsumexp, var, gather, index_add and scatter_add with repeats, attention with causal
 //! masks and grouped-query heads, cross-entropy, MSE, L1, smooth L1 and binary cross-entropy,
-//! broadcast views) over random shapes (0- and 1-sized dims, broadcasting, ranks 0 to 6;
-//! rank 7 must be an error), on inputs dense or views followed by NaN, in F32 or (one case
-//! in four) F16 or BF16, run on wgrad and on an f64 CPU interpreter. Values must agree; for
-//! programs of smooth ops, finite differences must agree with the grad of the first input;
-//! nothing may panic.
+//! broadcast views, ops along dim 0 of 0-d tensors) over random shapes (0- and 1-sized dims,
+//! broadcasting, ranks 0 to 6; rank 7 must be an error), on inputs dense or views followed by
+//! NaN, in F32 or (one case in four) F16 or BF16, run on wgrad and on an f64 CPU interpreter.
+//! Values must agree; for programs of smooth ops, finite differences must agree with the grad
+//! of the first input; nothing may panic.
 //!
 //! `cargo test` runs 150 cases from seed 0. `WGRAD_FUZZ_CASES=N` runs N cases and
 //! `WGRAD_FUZZ_SEED=S` starts from case S (each case is reproducible from its number alone).
@@ -351,7 +351,7 @@ fn broadcastable(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<Pair> {
     let r = x.cpu.shape.len();
     let pair = |gpu: Tensor, cpu: Cpu| Ok(Pair { gpu, cpu });
-    match rng.below(36) {
+    match rng.below(37) {
         0 => pair(x.gpu.tanh()?, x.cpu.map(f64::tanh)),
         1 => pair(x.gpu.sigmoid()?, x.cpu.map(|v| 1.0 / (1.0 + (-v).exp()))),
         2 => pair(
@@ -915,6 +915,20 @@ fn step(rng: &mut Rng, x: &Pair, seed: u64, smooth: &mut bool) -> wgrad::Result<
                         .binary(&other.cpu, |a, b| if b > 0.0 { -1.0 } else { a });
                     pair(x.gpu.masked_fill(&mask, -1.0)?, cpu)
                 }
+            }
+        }
+        36 if r == 0 => {
+            // An op along dim 0 (or -1) of a 0-d tensor, which torch takes as a dim of one.
+            let same = |gpu: Tensor| pair(gpu, x.cpu.clone());
+            match rng.below(8) {
+                0 => same(x.gpu.sum_dims(&[-1], false)?),
+                1 => same(x.gpu.mean_dims(&[0], true)?),
+                2 => same(x.gpu.max_dims(&[0], false)?),
+                3 => same(x.gpu.logsumexp(&[-1], false)?),
+                4 => same(x.gpu.cumsum(0)?),
+                5 => same(x.gpu.sort(-1, true)?.0),
+                6 => pair(x.gpu.softmax(0)?, x.cpu.map(|_| 1.0)),
+                _ => pair(x.gpu.log_softmax(-1)?, x.cpu.map(|_| 0.0)),
             }
         }
         _ => pair(x.gpu.neg()?, x.cpu.map(|v| -v)),
