@@ -35,7 +35,7 @@ fn a_step_with_finite_grads_unscales_them_then_steps() {
     assert!(scaler.step(&mut opt).unwrap());
     assert_eq!(w.grad().unwrap().to_vec().unwrap(), vec![1.0, 2.0, 3.0]);
     assert_eq!(w.to_vec().unwrap(), vec![0.5, -3.0, 1.5]);
-    scaler.update();
+    scaler.update().unwrap();
     assert_eq!(scaler.scale_factor(), 65536.0);
 }
 
@@ -47,7 +47,7 @@ fn a_loss_forced_to_inf_skips_the_step_and_halves_the_scale() {
     // One good step, so the optimizer has state to keep.
     scaler.scale(&w.sum().unwrap()).unwrap().backward().unwrap();
     assert!(scaler.step(&mut opt).unwrap());
-    scaler.update();
+    scaler.update().unwrap();
     let params_before = w.to_vec().unwrap();
     let state_before = opt.state();
     let moments_before: Vec<Vec<f32>> = state_before
@@ -72,7 +72,7 @@ fn a_loss_forced_to_inf_skips_the_step_and_halves_the_scale() {
         .map(|(_, t)| t.to_vec().unwrap())
         .collect();
     assert_eq!(moments_after, moments_before);
-    scaler.update();
+    scaler.update().unwrap();
     assert_eq!(scaler.scale_factor(), 32768.0);
 }
 
@@ -117,7 +117,7 @@ fn good_steps_double_the_scale_after_the_growth_interval() {
         let loss = w.sum().unwrap().mul_scalar(loss_scale).unwrap();
         scaler.scale(&loss).unwrap().backward().unwrap();
         scaler.step(&mut opt).unwrap();
-        scaler.update();
+        scaler.update().unwrap();
         scaler.scale_factor()
     };
     assert_eq!(run(&mut scaler, 1.0), 8.0);
@@ -133,7 +133,7 @@ fn good_steps_double_the_scale_after_the_growth_interval() {
 #[test]
 fn update_without_a_step_changes_nothing() {
     let mut scaler = GradScaler::new();
-    scaler.update();
+    scaler.update().unwrap();
     assert_eq!(scaler.scale_factor(), 65536.0);
 }
 
@@ -206,7 +206,7 @@ fn a_training_state_carries_the_scaler() {
         let loss = w.sum().unwrap().mul_scalar(loss_scale).unwrap();
         scaler.scale(&loss).unwrap().backward().unwrap();
         scaler.step(opt).unwrap();
-        scaler.update();
+        scaler.update().unwrap();
     };
     run(&mut scaler, &mut opt, f32::INFINITY); // 512
     run(&mut scaler, &mut opt, 1.0);
@@ -248,4 +248,52 @@ fn a_malformed_scaler_state_is_an_error_that_changes_nothing() {
     state[0].1 = format!("{:08x}", f32::INFINITY.to_bits());
     assert!(scaler.load_state(&state).is_err(), "an infinite scale");
     assert_eq!(scaler.state(), GradScaler::new().state());
+}
+
+/// A captured step that scales its loss reads the scale at every replay: `update` growing it
+/// (every good step here) reaches replays, whose grads are then unscaled by the same scale.
+#[test]
+fn a_captured_step_scales_its_loss_by_the_scale_of_each_replay() {
+    use std::cell::RefCell;
+    let options = GradScalerOptions {
+        init_scale: 4.0,
+        growth_interval: 1,
+        ..Default::default()
+    };
+    let sgd = SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    };
+    let (eager_w, captured_w) = (leaf(&[1.0, -2.0]), leaf(&[1.0, -2.0]));
+    let mut eager_opt = Sgd::new(vec![eager_w.clone()], sgd);
+    let mut captured_opt = Sgd::new(vec![captured_w.clone()], sgd);
+    let mut eager_scaler = GradScaler::with_options(options).unwrap();
+    let captured_scaler = RefCell::new(GradScaler::with_options(options).unwrap());
+    let body = |w: &Tensor, x: &Tensor, scaler: &GradScaler| -> wgrad::Result<Tensor> {
+        let loss = w.mul(x)?.sum()?;
+        scaler.scale(&loss)?.backward()?;
+        Ok(loss)
+    };
+    let mut step = wgrad::capture::Step::new(|inputs: &[Tensor]| {
+        body(&captured_w, &inputs[0], &captured_scaler.borrow())
+    });
+    for call in 0..5 {
+        let x = Tensor::from_vec(vec![1.0 + call as f32, 0.5], &[2], device()).unwrap();
+        eager_opt.zero_grad();
+        body(&eager_w, &x, &eager_scaler).unwrap();
+        assert!(eager_scaler.step(&mut eager_opt).unwrap());
+        eager_scaler.update().unwrap();
+        captured_opt.zero_grad();
+        step.run(std::slice::from_ref(&x)).unwrap();
+        let mut scaler = captured_scaler.borrow_mut();
+        assert!(scaler.step(&mut captured_opt).unwrap());
+        scaler.update().unwrap();
+        assert_eq!(
+            captured_w.to_vec().unwrap(),
+            eager_w.to_vec().unwrap(),
+            "call {call}, scale {}",
+            scaler.scale_factor()
+        );
+    }
+    assert_eq!(step.stats().replays, 3);
 }

@@ -88,7 +88,7 @@ fn step_peak(dtype: Option<DType>) -> u64 {
                 let loss = autocast(dtype, || loss(&tokens)).unwrap();
                 scaler.scale(&loss).unwrap().backward().unwrap();
                 scaler.step(&mut opt).unwrap();
-                scaler.update();
+                scaler.update().unwrap();
             }
         }
         dev.synchronize().unwrap();

@@ -46,7 +46,7 @@ pub fn backward_and_step(
             scaler.scale(loss)?.backward()?;
             sync()?;
             scaler.step(opt)?;
-            scaler.update();
+            scaler.update()?;
         }
         None => {
             loss.backward()?;

@@ -165,7 +165,8 @@ pub(crate) fn shapes_of(params: &[Tensor]) -> Vec<Vec<usize>> {
     params.iter().map(|p| p.shape().to_vec()).collect()
 }
 
-/// Locks an optimizer's shared hyperparameters (shared with a captured step's replays).
+/// Locks state an optimizer or scaler shares with a captured step's replays (hyperparameters,
+/// the device scale), poisoned or not.
 fn lock<T>(shared: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     shared.lock().unwrap_or_else(|e| e.into_inner())
 }

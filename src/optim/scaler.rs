@@ -5,8 +5,9 @@ use crate::error::{Error, Result};
 use crate::kernel::{
     groups, windows, Kernel, KernelParams, Launch, ShaderFamily, CONTIGUOUS_PER_GROUP,
 };
-use crate::optim::Optimizer;
+use crate::optim::{lock, Optimizer};
 use crate::tensor::{DType, Tensor};
+use std::sync::Mutex;
 
 crate::kernel_params! {
     /// `unscale`: `n` grad elements from element `offset` multiplied by `inv_scale`.
@@ -68,12 +69,12 @@ impl Default for GradScalerOptions {
 /// let loss = w.mul_scalar(2.0)?.sum()?;
 /// scaler.scale(&loss)?.backward()?;
 /// assert!(scaler.step(&mut opt)?);      // stepped: the grads were finite
-/// scaler.update();
+/// scaler.update()?;
 /// assert_eq!(w.to_vec()?, vec![0.8; 3]); // 1 - 0.1 x 2: the grad was unscaled first
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct GradScaler {
     options: GradScalerOptions,
     scale: f32,
@@ -81,6 +82,24 @@ pub struct GradScaler {
     growth_tracker: u32,
     /// Whether the last `step` found inf or NaN; `None` until a step, and after `update`.
     found_inf: Option<bool>,
+    /// `scale` as a 0-d tensor on the device of the losses `scale` multiplies, made at the
+    /// first of them and rewritten whenever the scale changes: a captured step that scales its
+    /// loss reads it at every replay (a host scalar would be replayed as captured), as torch
+    /// keeps its scale on the device for CUDA graphs.
+    on_device: Mutex<Option<Tensor>>,
+}
+
+impl Clone for GradScaler {
+    /// An independent scaler at the same scale (with a device scale of its own).
+    fn clone(&self) -> GradScaler {
+        GradScaler {
+            options: self.options,
+            scale: self.scale,
+            growth_tracker: self.growth_tracker,
+            found_inf: self.found_inf,
+            on_device: Mutex::new(None),
+        }
+    }
 }
 
 impl Default for GradScaler {
@@ -130,6 +149,7 @@ impl GradScaler {
             scale: options.init_scale,
             growth_tracker: 0,
             found_inf: None,
+            on_device: Mutex::new(None),
         })
     }
 
@@ -192,20 +212,44 @@ impl GradScaler {
                 options.growth_interval
             )));
         }
+        // The device scale stays the one captured steps read, holding the restored scale.
+        let on_device = std::mem::take(&mut *lock(&self.on_device));
         *self = GradScaler {
             growth_tracker,
             options: GradScalerOptions {
                 init_scale: self.options.init_scale,
                 ..options
             },
+            on_device: Mutex::new(on_device),
             ..restored
         };
-        Ok(())
+        self.write_scale()
     }
 
-    /// `loss` times the scale, to call `backward` on.
+    /// `loss` times the scale, to call `backward` on: a product with the scale on the device,
+    /// so that a captured step replays with the scale of its own call.
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
-        loss.mul_scalar(self.scale)
+        let scale = {
+            let mut held = lock(&self.on_device);
+            match held.as_ref() {
+                Some(t) if crate::Device::same(t.device(), loss.device()) => t.clone(),
+                _ => held
+                    .insert(Tensor::full(&[], self.scale, loss.device())?)
+                    .clone(),
+            }
+        };
+        match loss.dtype() {
+            DType::F32 => loss.mul(&scale),
+            dtype => loss.mul(&scale.to_dtype(dtype)?),
+        }
+    }
+
+    /// Writes `scale` into the device scale, if one was made.
+    fn write_scale(&self) -> Result<()> {
+        match lock(&self.on_device).as_ref() {
+            Some(t) => crate::nn::init::constant_(t, self.scale),
+            None => Ok(()),
+        }
     }
 
     /// Divides the grads of `opt`'s parameters by the scale (on the device, in place), and
@@ -236,11 +280,13 @@ impl GradScaler {
     }
 
     /// Adjusts the scale after a `step`: times the backoff factor if that step found inf or
-    /// NaN, times the growth factor after `growth_interval` good steps in a row. Without a
-    /// step since the last update it does nothing.
-    pub fn update(&mut self) {
+    /// NaN, times the growth factor after `growth_interval` good steps in a row, and writes
+    /// it to the device scale (an error there is the device's). Without a step since the
+    /// last update it does nothing.
+    pub fn update(&mut self) -> Result<()> {
+        let before = self.scale;
         match self.found_inf.take() {
-            None => {}
+            None => return Ok(()),
             Some(true) => {
                 self.scale *= self.options.backoff_factor;
                 self.growth_tracker = 0;
@@ -252,6 +298,10 @@ impl GradScaler {
                     self.growth_tracker = 0;
                 }
             }
+        }
+        match self.scale == before {
+            true => Ok(()),
+            false => self.write_scale(),
         }
     }
 }
