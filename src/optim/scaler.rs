@@ -247,7 +247,10 @@ impl GradScaler {
     /// Writes `scale` into the device scale, if one was made.
     fn write_scale(&self) -> Result<()> {
         match lock(&self.on_device).as_ref() {
-            Some(t) => crate::nn::init::constant_(t, self.scale),
+            Some(t) => {
+                let _no_grad = NoGradGuard::new();
+                t.copy_(&Tensor::full(&[], self.scale, t.device())?)
+            }
             None => Ok(()),
         }
     }
